@@ -1,0 +1,346 @@
+#include "alloy/core/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <functional>
+#include <sstream>
+
+#include "alloy/core/error.h"
+#include "alloy/core/fs.h"
+
+namespace alloy {
+
+int64_t ModelConfig::ffn_resolved() const {
+  if (ffn > 0) return ffn;
+  if (arch == "llama") {
+    int64_t f = (8 * hidden) / 3;
+    return ((f + 31) / 32) * 32;
+  }
+  return 4 * hidden;
+}
+
+namespace {
+
+enum class Kind { Int, Float, String, Bool };
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::Int: return "integer";
+    case Kind::Float: return "number";
+    case Kind::String: return "string";
+    case Kind::Bool: return "boolean";
+  }
+  return "?";
+}
+
+struct Field {
+  std::string key;  // section.name
+  Kind kind;
+  std::string help;
+  std::function<void(Config&, const std::string&)> set;  // from a validated scalar text
+  std::function<std::string(const Config&)> get;
+};
+
+std::string fmt_double(double v) {
+  std::ostringstream ss;
+  ss.precision(17);
+  ss << v;
+  return ss.str();
+}
+
+#define ALLOY_INT(sec, name, help)                                                            \
+  Field{#sec "." #name, Kind::Int, help,                                                      \
+        [](Config& c, const std::string& s) { c.sec.name = std::stoll(s); },                  \
+        [](const Config& c) { return std::to_string(c.sec.name); }}
+#define ALLOY_FLOAT(sec, name, help)                                                          \
+  Field{#sec "." #name, Kind::Float, help,                                                    \
+        [](Config& c, const std::string& s) { c.sec.name = std::stod(s); },                   \
+        [](const Config& c) { return fmt_double(c.sec.name); }}
+#define ALLOY_STR(sec, name, help)                                                            \
+  Field{#sec "." #name, Kind::String, help,                                                   \
+        [](Config& c, const std::string& s) { c.sec.name = s; },                              \
+        [](const Config& c) { return c.sec.name; }}
+#define ALLOY_BOOL(sec, name, help)                                                           \
+  Field{#sec "." #name, Kind::Bool, help,                                                     \
+        [](Config& c, const std::string& s) { c.sec.name = (s == "true"); },                  \
+        [](const Config& c) { return std::string(c.sec.name ? "true" : "false"); }}
+
+const std::vector<Field>& schema() {
+  static const std::vector<Field> fields = {
+      ALLOY_STR(model, arch, "gpt2 | llama"),
+      ALLOY_INT(model, layers, "transformer blocks"),
+      ALLOY_INT(model, hidden, "model width"),
+      ALLOY_INT(model, heads, "attention heads"),
+      ALLOY_INT(model, kv_heads, "key/value heads for grouped-query attention (llama); 0 = heads"),
+      ALLOY_INT(model, ffn, "MLP width; 0 = 4*hidden (gpt2) or 8/3*hidden rounded to 32 (llama)"),
+      ALLOY_INT(model, seq_len, "tokens per sample (context length)"),
+      ALLOY_INT(model, vocab_size, "vocabulary size; at least the tokenizer's"),
+      ALLOY_FLOAT(model, norm_eps, "LayerNorm / RMSNorm epsilon"),
+      ALLOY_FLOAT(model, rope_theta, "RoPE base (llama)"),
+      ALLOY_FLOAT(model, init_std, "standard deviation of the initial weights"),
+      ALLOY_STR(model, dtype, "float32 | float64"),
+      ALLOY_STR(data, prefix, "indexed dataset prefix (PREFIX.bin/.idx or PREFIX_train/_valid)"),
+      ALLOY_STR(data, valid_prefix, "validation dataset prefix; empty = PREFIX_valid if present"),
+      ALLOY_STR(data, tokenizer, "byte | gpt2 (for eval and generate)"),
+      ALLOY_STR(data, vocab_dir, "directory with encoder.json + vocab.bpe; empty = default"),
+      ALLOY_INT(train, steps, "optimizer steps"),
+      ALLOY_INT(train, global_batch, "samples per optimizer step"),
+      ALLOY_INT(train, micro_batch, "samples per forward/backward; 0 = global_batch"),
+      ALLOY_FLOAT(train, lr, "peak learning rate"),
+      ALLOY_FLOAT(train, min_lr, "learning rate at the end of the cosine decay"),
+      ALLOY_INT(train, warmup, "linear warmup steps"),
+      ALLOY_FLOAT(train, weight_decay, "AdamW decoupled weight decay (matrices only)"),
+      ALLOY_FLOAT(train, beta1, "AdamW beta1"),
+      ALLOY_FLOAT(train, beta2, "AdamW beta2"),
+      ALLOY_FLOAT(train, eps, "AdamW epsilon"),
+      ALLOY_FLOAT(train, grad_clip, "global gradient-norm clip; 0 = off"),
+      ALLOY_INT(train, seed, "seed for weights and data order"),
+      ALLOY_INT(train, eval_interval, "steps between validation runs; 0 = only at the end"),
+      ALLOY_INT(train, eval_batches, "global batches per validation run"),
+      ALLOY_INT(train, checkpoint_interval, "steps between checkpoints; 0 = only at the end"),
+      ALLOY_INT(train, log_interval, "steps between log lines when not on a terminal"),
+      ALLOY_INT(train, threads, "intra-op threads; 0 = all cores"),
+      ALLOY_STR(train, device, "cpu | cuda | cuda:N"),
+      ALLOY_STR(output, dir, "run directory (metrics.jsonl, checkpoints/)"),
+      ALLOY_BOOL(output, tensorboard, "also write TensorBoard event files"),
+  };
+  return fields;
+}
+
+const Field* find_field(const std::string& key) {
+  for (const auto& f : schema())
+    if (f.key == key) return &f;
+  return nullptr;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string unknown_key_message(const std::string& key) {
+  std::string best;
+  size_t best_d = 4;
+  for (const auto& f : schema()) {
+    size_t d = edit_distance(key, f.key);
+    if (d < best_d) best_d = d, best = f.key;
+  }
+  std::string msg = "unknown key '" + key + "'";
+  if (!best.empty()) msg += " (did you mean '" + best + "'?)";
+  return msg;
+}
+
+// Checks that TEXT is a valid scalar of the field's type and returns its canonical form.
+std::string check_scalar(const Field& f, const std::string& text, const std::string& where) {
+  auto bad = [&]() {
+    return InputError(where, "key '" + f.key + "' must be a " + kind_name(f.kind) + ", got '" + text + "'");
+  };
+  switch (f.kind) {
+    case Kind::Int: {
+      size_t pos = 0;
+      try {
+        long long v = std::stoll(text, &pos);
+        if (pos != text.size()) throw bad();
+        return std::to_string(v);
+      } catch (const std::logic_error&) {
+        throw bad();
+      }
+    }
+    case Kind::Float: {
+      size_t pos = 0;
+      try {
+        double v = std::stod(text, &pos);
+        if (pos != text.size()) throw bad();
+        return fmt_double(v);
+      } catch (const std::logic_error&) {
+        throw bad();
+      }
+    }
+    case Kind::Bool: {
+      std::string t = text;
+      std::transform(t.begin(), t.end(), t.begin(), ::tolower);
+      if (t == "true" || t == "yes" || t == "on" || t == "1") return "true";
+      if (t == "false" || t == "no" || t == "off" || t == "0") return "false";
+      throw bad();
+    }
+    case Kind::String:
+      return text;
+  }
+  return text;
+}
+
+void set_key(Config& c, const std::string& key, const std::string& text, const std::string& where) {
+  const Field* f = find_field(key);
+  if (!f) throw InputError(where, unknown_key_message(key));
+  f->set(c, check_scalar(*f, text, where));
+}
+
+void load_node(Config& c, const YAML::Node& root, const std::string& where) {
+  if (!root || root.IsNull()) return;
+  if (!root.IsMap()) throw InputError(where, "top level must be a mapping of sections (model, data, train, output)");
+  for (const auto& sec : root) {
+    std::string section = sec.first.as<std::string>();
+    if (section != "model" && section != "data" && section != "train" && section != "output")
+      throw InputError(where, "unknown section '" + section + "' (expected model, data, train, output)");
+    if (sec.second.IsNull()) continue;
+    if (!sec.second.IsMap()) throw InputError(where, "section '" + section + "' must be a mapping");
+    for (const auto& kv : sec.second) {
+      std::string key = section + "." + kv.first.as<std::string>();
+      if (!kv.second.IsScalar())
+        throw InputError(where, "key '" + key + "' must be a single value, not a list or mapping");
+      set_key(c, key, kv.second.Scalar(), where + " (line " + std::to_string(kv.second.Mark().line + 1) + ")");
+    }
+  }
+}
+
+}  // namespace
+
+Config Config::from_yaml_string(const std::string& yaml, const std::string& source,
+                                const std::vector<std::string>& overrides) {
+  Config c;
+  c.source = source;
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml);
+  } catch (const YAML::Exception& e) {
+    throw InputError(source, std::string("not valid YAML: ") + e.what());
+  }
+  load_node(c, root, source);
+  for (const auto& o : overrides) c.apply_override(o);
+  c.validate();
+  return c;
+}
+
+Config Config::load(const std::string& file, const std::vector<std::string>& overrides) {
+  return from_yaml_string(read_file(file), file, overrides);
+}
+
+void Config::apply_override(const std::string& assignment) {
+  auto eq = assignment.find('=');
+  std::string where = "--set " + assignment;
+  if (eq == std::string::npos) throw InputError(where, "expected section.key=value");
+  std::string key = assignment.substr(0, eq);
+  std::string value = assignment.substr(eq + 1);
+  if (key.find('.') == std::string::npos) throw InputError(where, "expected section.key=value");
+  set_key(*this, key, value, where);
+}
+
+void Config::validate() const {
+  const std::string& w = source;
+  auto fail = [&](const std::string& key, const std::string& msg) { throw InputError(w, "key '" + key + "': " + msg); };
+  const auto& m = model;
+  if (m.arch != "gpt2" && m.arch != "llama") fail("model.arch", "must be gpt2 or llama, got '" + m.arch + "'");
+  if (m.layers < 1) fail("model.layers", "must be >= 1");
+  if (m.hidden < 1) fail("model.hidden", "must be >= 1");
+  if (m.heads < 1) fail("model.heads", "must be >= 1");
+  if (m.hidden % m.heads != 0)
+    fail("model.heads", std::to_string(m.heads) + " does not divide model.hidden " + std::to_string(m.hidden));
+  if (m.kv_heads < 0 || m.heads % m.kv_heads_resolved() != 0)
+    fail("model.kv_heads", "must divide model.heads " + std::to_string(m.heads));
+  if (m.arch == "gpt2" && m.kv_heads != 0 && m.kv_heads != m.heads)
+    fail("model.kv_heads", "gpt2 has no grouped-query attention; leave it 0");
+  if (m.arch == "llama" && m.head_dim() % 2 != 0) fail("model.hidden", "llama needs an even head dimension for RoPE");
+  if (m.ffn < 0) fail("model.ffn", "must be >= 0");
+  if (m.seq_len < 1) fail("model.seq_len", "must be >= 1");
+  if (m.vocab_size < 2) fail("model.vocab_size", "must be >= 2");
+  if (!(m.norm_eps > 0)) fail("model.norm_eps", "must be > 0");
+  if (m.dtype != "float32" && m.dtype != "float64") fail("model.dtype", "must be float32 or float64");
+  if (data.tokenizer != "byte" && data.tokenizer != "gpt2") fail("data.tokenizer", "must be byte or gpt2");
+  const auto& t = train;
+  if (t.steps < 0) fail("train.steps", "must be >= 0");
+  if (t.global_batch < 1) fail("train.global_batch", "must be >= 1");
+  if (t.micro_batch < 0) fail("train.micro_batch", "must be >= 0");
+  if (t.global_batch % t.micro_batch_resolved() != 0)
+    fail("train.micro_batch", std::to_string(t.micro_batch) + " does not divide train.global_batch " +
+                                  std::to_string(t.global_batch));
+  if (!(t.lr >= 0)) fail("train.lr", "must be >= 0");
+  if (t.min_lr < 0 || t.min_lr > t.lr) fail("train.min_lr", "must be between 0 and train.lr");
+  if (t.warmup < 0) fail("train.warmup", "must be >= 0");
+  if (t.beta1 < 0 || t.beta1 >= 1) fail("train.beta1", "must be in [0, 1)");
+  if (t.beta2 < 0 || t.beta2 >= 1) fail("train.beta2", "must be in [0, 1)");
+  if (!(t.eps > 0)) fail("train.eps", "must be > 0");
+  if (t.grad_clip < 0) fail("train.grad_clip", "must be >= 0");
+  if (t.eval_interval < 0) fail("train.eval_interval", "must be >= 0");
+  if (t.eval_batches < 0) fail("train.eval_batches", "must be >= 0");
+  if (t.checkpoint_interval < 0) fail("train.checkpoint_interval", "must be >= 0");
+  if (t.log_interval < 1) fail("train.log_interval", "must be >= 1");
+  if (t.threads < 0) fail("train.threads", "must be >= 0");
+  if (t.device != "cpu" && t.device.rfind("cuda", 0) != 0) fail("train.device", "must be cpu, cuda or cuda:N");
+  if (output.dir.empty()) fail("output.dir", "must not be empty");
+}
+
+nlohmann::json Config::to_json() const {
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& f : schema()) {
+    auto dot = f.key.find('.');
+    std::string sec = f.key.substr(0, dot), name = f.key.substr(dot + 1);
+    std::string v = f.get(*this);
+    switch (f.kind) {
+      case Kind::Int: j[sec][name] = std::stoll(v); break;
+      case Kind::Float: j[sec][name] = std::stod(v); break;
+      case Kind::Bool: j[sec][name] = (v == "true"); break;
+      case Kind::String: j[sec][name] = v; break;
+    }
+  }
+  return j;
+}
+
+Config Config::from_json(const nlohmann::json& j, const std::string& source) {
+  // JSON is a subset of YAML, so one loader serves both.
+  return from_yaml_string(j.dump(), source);
+}
+
+std::string Config::to_yaml() const {
+  std::ostringstream out;
+  std::string current;
+  for (const auto& f : schema()) {
+    auto dot = f.key.find('.');
+    std::string sec = f.key.substr(0, dot), name = f.key.substr(dot + 1);
+    if (sec != current) out << sec << ":\n", current = sec;
+    std::string v = f.get(*this);
+    if (f.kind == Kind::String) v = "\"" + v + "\"";
+    out << "  " << name << ": " << v << "\n";
+  }
+  return out.str();
+}
+
+nlohmann::json model_to_json(const ModelConfig& m) {
+  Config c;
+  c.model = m;
+  return c.to_json()["model"];
+}
+
+std::vector<std::string> model_differences(const ModelConfig& a_in, const ModelConfig& b_in) {
+  // Compare what the models are, not how they were written: ffn 0 means 4*hidden for gpt2.
+  auto resolved = [](ModelConfig m) {
+    m.ffn = m.ffn_resolved();
+    m.kv_heads = m.kv_heads_resolved();
+    return m;
+  };
+  auto ja = model_to_json(resolved(a_in)), jb = model_to_json(resolved(b_in));
+  std::vector<std::string> out;
+  for (auto it = ja.begin(); it != ja.end(); ++it)
+    if (jb[it.key()] != it.value()) out.push_back("model." + it.key() + ": " + it.value().dump() + " vs " + jb[it.key()].dump());
+  return out;
+}
+
+std::string config_reference() {
+  Config defaults;
+  std::ostringstream out;
+  for (const auto& f : schema()) {
+    std::string d = f.get(defaults);
+    out << "  " << f.key;
+    for (size_t i = f.key.size(); i < 26; ++i) out << ' ';
+    out << f.help << "  [" << kind_name(f.kind) << ", default " << (d.empty() ? "\"\"" : d) << "]\n";
+  }
+  return out.str();
+}
+
+}  // namespace alloy

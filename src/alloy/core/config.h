@@ -1,0 +1,95 @@
+#pragma once
+// The run configuration: YAML sections model/data/train/output, overridable key by key with
+// `--set section.key=value`. Every key has a type, a default and a help line in one schema table
+// (config.cpp), so unknown, misspelled and ill-typed keys are caught before anything runs.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace alloy {
+
+struct ModelConfig {
+  std::string arch = "gpt2";  // gpt2 | llama
+  int64_t layers = 4;
+  int64_t hidden = 128;
+  int64_t heads = 4;
+  int64_t kv_heads = 0;    // llama grouped-query attention; 0 = heads
+  int64_t ffn = 0;         // MLP width; 0 = 4*hidden (gpt2) or the LLaMA 8/3 rule rounded to 32
+  int64_t seq_len = 128;
+  int64_t vocab_size = 257;
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  double init_std = 0.02;
+  std::string dtype = "float32";  // float32 | float64
+
+  int64_t kv_heads_resolved() const { return kv_heads > 0 ? kv_heads : heads; }
+  int64_t ffn_resolved() const;
+  int64_t head_dim() const { return hidden / heads; }
+  bool tied_head() const { return arch == "gpt2"; }
+};
+
+struct DataConfig {
+  std::string prefix;        // PREFIX.{bin,idx}, or PREFIX_train/PREFIX_valid as written by `alloy data prepare`
+  std::string valid_prefix;  // optional explicit validation set
+  std::string tokenizer = "byte";
+  std::string vocab_dir;     // gpt2 vocabulary (encoder.json + vocab.bpe); empty = default
+};
+
+struct TrainConfig {
+  int64_t steps = 100;
+  int64_t global_batch = 8;
+  int64_t micro_batch = 0;  // 0 = the whole global batch at once (no accumulation)
+  double lr = 3e-4;
+  double min_lr = 3e-5;
+  int64_t warmup = 10;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;  // 0 = no clipping
+  int64_t seed = 1234;
+  int64_t eval_interval = 50;
+  int64_t eval_batches = 4;
+  int64_t checkpoint_interval = 0;  // 0 = only at the end
+  int64_t log_interval = 1;
+  int64_t threads = 0;  // 0 = all cores (or what `alloy launch` assigns)
+  std::string device = "cpu";  // cpu | cuda | cuda:N
+
+  int64_t micro_batch_resolved() const { return micro_batch > 0 ? micro_batch : global_batch; }
+};
+
+struct OutputConfig {
+  std::string dir = "runs/default";
+  bool tensorboard = true;
+};
+
+struct Config {
+  ModelConfig model;
+  DataConfig data;
+  TrainConfig train;
+  OutputConfig output;
+  std::string source;  // the file it came from, for messages
+
+  // Loads FILE (YAML; JSON is YAML too) and applies overrides "section.key=value" in order.
+  static Config load(const std::string& file, const std::vector<std::string>& overrides = {});
+  static Config from_yaml_string(const std::string& yaml, const std::string& source,
+                                 const std::vector<std::string>& overrides = {});
+  void apply_override(const std::string& assignment);  // "section.key=value"
+  // Cross-field checks (heads divide hidden, batch divisible by micro-batch, ...).
+  void validate() const;
+
+  nlohmann::json to_json() const;
+  static Config from_json(const nlohmann::json& j, const std::string& source);
+  std::string to_yaml() const;
+};
+
+nlohmann::json model_to_json(const ModelConfig& m);
+// The keys that differ between two model configs, as "model.layers: 4 vs 8"; empty when equal.
+std::vector<std::string> model_differences(const ModelConfig& a, const ModelConfig& b);
+
+// One line per key: "section.key  (type, default X)  help"; for --help texts.
+std::string config_reference();
+
+}  // namespace alloy

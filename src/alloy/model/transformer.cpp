@@ -1,0 +1,321 @@
+#include "alloy/model/transformer.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+namespace alloy::model {
+
+at::ScalarType dtype_of(const ModelConfig& m) { return m.dtype == "float64" ? at::kDouble : at::kFloat; }
+
+uint64_t layer_seed(uint64_t seed, int64_t position) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(position + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+LayerRange LayerRange::for_blocks(int64_t block_begin, int64_t block_end, int64_t num_layers) {
+  if (block_begin < 0 || block_end > num_layers || block_begin >= block_end)
+    throw std::invalid_argument("invalid block range [" + std::to_string(block_begin) + ", " +
+                                std::to_string(block_end) + ") of " + std::to_string(num_layers));
+  return {block_begin == 0 ? 0 : block_begin + 1, block_end == num_layers ? num_layers + 2 : block_end + 1};
+}
+
+at::Tensor& Layer::add(std::string name, at::Tensor t, bool decay) {
+  params_.push_back({std::move(name), std::move(t), decay});
+  return params_.back().tensor;
+}
+
+namespace {
+
+// Weights are drawn on the CPU in float32 from a per-layer generator in a fixed order, then cast,
+// so the same seed gives the same model on any device and in either dtype.
+class Init {
+ public:
+  Init(uint64_t seed, at::ScalarType dtype) : gen_(at::detail::createCPUGenerator(seed)), dtype_(dtype) {}
+  at::Tensor normal(at::IntArrayRef shape, double std) {
+    return at::empty(shape, at::kFloat).normal_(0.0, std, gen_).to(dtype_);
+  }
+  at::Tensor fill(at::IntArrayRef shape, double v) { return at::full(shape, v, at::TensorOptions().dtype(dtype_)); }
+
+ private:
+  at::Generator gen_;
+  at::ScalarType dtype_;
+};
+
+// Cached per (sequence length, device): the causal mask and the RoPE tables.
+struct Shared {
+  const ModelConfig* cfg;
+  at::ScalarType dtype;
+  int64_t mask_len = -1;
+  at::Tensor mask;  // [T, T] bool, true above the diagonal (future positions)
+  int64_t rope_len = -1;
+  at::Tensor cos, sin;  // [T, head_dim]
+
+  const at::Tensor& causal_mask(int64_t T, const at::Device& dev) {
+    if (T != mask_len || mask.device() != dev) {
+      mask = at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(dev)).triu(1);
+      mask_len = T;
+    }
+    return mask;
+  }
+  void rope(int64_t T, const at::Device& dev) {
+    if (T == rope_len && cos.device() == dev) return;
+    int64_t hd = cfg->head_dim();
+    auto opts = at::TensorOptions().dtype(dtype).device(dev);
+    auto inv_freq = 1.0 / at::pow(cfg->rope_theta, at::arange(0, hd, 2, at::TensorOptions().dtype(at::kLong).device(dev)).to(dtype) / hd);
+    auto t = at::arange(T, opts);
+    auto freqs = at::outer(t, inv_freq);
+    auto emb = at::cat({freqs, freqs}, -1);
+    cos = emb.cos();
+    sin = emb.sin();
+    rope_len = T;
+  }
+};
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+  // q [B, nh, T, hd]; k, v [B, nh, T, hd]
+  double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  auto att = at::matmul(q, k.transpose(-2, -1)).mul_(scale);
+  att.masked_fill_(mask, -std::numeric_limits<double>::infinity());
+  att = at::softmax(att, -1);
+  return at::matmul(att, v);
+}
+
+class Gpt2Embedding : public Layer {
+ public:
+  Gpt2Embedding(const ModelConfig& c, Init& init) {
+    add("wte.weight", init.normal({c.vocab_size, c.hidden}, c.init_std), true);
+    add("wpe.weight", init.normal({c.seq_len, c.hidden}, c.init_std), true);
+  }
+  at::Tensor forward(const at::Tensor& ids) override {
+    int64_t T = ids.size(1);
+    return at::embedding(params_[0].tensor, ids) + params_[1].tensor.narrow(0, 0, T);
+  }
+  // Stable once construction is over: params_ never grows afterwards.
+  at::Tensor* wte() { return &params_[0].tensor; }
+};
+
+class Gpt2Block : public Layer {
+ public:
+  Gpt2Block(const ModelConfig& c, int64_t i, Init& init, Shared* sh) : c_(c), sh_(sh) {
+    std::string p = "h." + std::to_string(i) + ".";
+    int64_t H = c.hidden, F = c.ffn_resolved();
+    double proj_std = c.init_std / std::sqrt(2.0 * static_cast<double>(c.layers));
+    add(p + "ln_1.weight", init.fill({H}, 1.0), false);
+    add(p + "ln_1.bias", init.fill({H}, 0.0), false);
+    add(p + "attn.c_attn.weight", init.normal({H, 3 * H}, c.init_std), true);
+    add(p + "attn.c_attn.bias", init.fill({3 * H}, 0.0), false);
+    add(p + "attn.c_proj.weight", init.normal({H, H}, proj_std), true);
+    add(p + "attn.c_proj.bias", init.fill({H}, 0.0), false);
+    add(p + "ln_2.weight", init.fill({H}, 1.0), false);
+    add(p + "ln_2.bias", init.fill({H}, 0.0), false);
+    add(p + "mlp.c_fc.weight", init.normal({H, F}, c.init_std), true);
+    add(p + "mlp.c_fc.bias", init.fill({F}, 0.0), false);
+    add(p + "mlp.c_proj.weight", init.normal({F, H}, proj_std), true);
+    add(p + "mlp.c_proj.bias", init.fill({H}, 0.0), false);
+  }
+  at::Tensor forward(const at::Tensor& x) override {
+    const auto& P = params_;
+    int64_t B = x.size(0), T = x.size(1), H = c_.hidden, nh = c_.heads, hd = c_.head_dim();
+    auto h = at::layer_norm(x, {H}, P[0].tensor, P[1].tensor, c_.norm_eps);
+    // HF's Conv1D: y = x @ W + b with W stored [in, out].
+    auto qkv = at::addmm(P[3].tensor, h.reshape({B * T, H}), P[2].tensor).view({B, T, 3, nh, hd}).permute({2, 0, 3, 1, 4});
+    auto y = attention(qkv[0], qkv[1], qkv[2], sh_->causal_mask(T, x.device()));
+    y = y.transpose(1, 2).reshape({B * T, H});
+    auto out = x + at::addmm(P[5].tensor, y, P[4].tensor).view({B, T, H});
+    auto h2 = at::layer_norm(out, {H}, P[6].tensor, P[7].tensor, c_.norm_eps).reshape({B * T, H});
+    auto f = at::gelu(at::addmm(P[9].tensor, h2, P[8].tensor), "tanh");
+    return out + at::addmm(P[11].tensor, f, P[10].tensor).view({B, T, H});
+  }
+
+ private:
+  const ModelConfig& c_;
+  Shared* sh_;
+};
+
+class Gpt2Head : public Layer {
+ public:
+  // When the embedding is in the same slice the head reads its wte (tied); otherwise it keeps its
+  // own copy, drawn from the embedding's generator so it starts identical, and the runtime keeps
+  // the two copies' gradients summed.
+  Gpt2Head(const ModelConfig& c, Init& init, at::Tensor* tied_wte, uint64_t embedding_seed) : c_(c), tied_(tied_wte) {
+    add("ln_f.weight", init.fill({c.hidden}, 1.0), false);
+    add("ln_f.bias", init.fill({c.hidden}, 0.0), false);
+    if (!tied_) {
+      Init emb(embedding_seed, init_dtype(c));
+      add("wte.weight", emb.normal({c.vocab_size, c.hidden}, c.init_std), true);
+    }
+  }
+  at::Tensor forward(const at::Tensor& x) override {
+    auto h = at::layer_norm(x, {c_.hidden}, params_[0].tensor, params_[1].tensor, c_.norm_eps);
+    const at::Tensor& wte = tied_ ? *tied_ : params_[2].tensor;
+    return at::matmul(h, wte.t());
+  }
+  static at::ScalarType init_dtype(const ModelConfig& c) { return dtype_of(c); }
+
+ private:
+  const ModelConfig& c_;
+  at::Tensor* tied_;
+};
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return x * at::rsqrt(x.pow(2).mean(-1, true) + eps) * w;
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  int64_t h = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1);
+}
+
+class LlamaEmbedding : public Layer {
+ public:
+  LlamaEmbedding(const ModelConfig& c, Init& init) {
+    add("model.embed_tokens.weight", init.normal({c.vocab_size, c.hidden}, c.init_std), true);
+  }
+  at::Tensor forward(const at::Tensor& ids) override { return at::embedding(params_[0].tensor, ids); }
+};
+
+class LlamaBlock : public Layer {
+ public:
+  LlamaBlock(const ModelConfig& c, int64_t i, Init& init, Shared* sh) : c_(c), sh_(sh) {
+    std::string p = "model.layers." + std::to_string(i) + ".";
+    int64_t H = c.hidden, hd = c.head_dim(), nh = c.heads, nkv = c.kv_heads_resolved(), F = c.ffn_resolved();
+    add(p + "input_layernorm.weight", init.fill({H}, 1.0), false);
+    add(p + "self_attn.q_proj.weight", init.normal({nh * hd, H}, c.init_std), true);
+    add(p + "self_attn.k_proj.weight", init.normal({nkv * hd, H}, c.init_std), true);
+    add(p + "self_attn.v_proj.weight", init.normal({nkv * hd, H}, c.init_std), true);
+    add(p + "self_attn.o_proj.weight", init.normal({H, nh * hd}, c.init_std), true);
+    add(p + "post_attention_layernorm.weight", init.fill({H}, 1.0), false);
+    add(p + "mlp.gate_proj.weight", init.normal({F, H}, c.init_std), true);
+    add(p + "mlp.up_proj.weight", init.normal({F, H}, c.init_std), true);
+    add(p + "mlp.down_proj.weight", init.normal({H, F}, c.init_std), true);
+  }
+  at::Tensor forward(const at::Tensor& x) override {
+    const auto& P = params_;
+    int64_t B = x.size(0), T = x.size(1), H = c_.hidden, nh = c_.heads, nkv = c_.kv_heads_resolved(), hd = c_.head_dim();
+    sh_->rope(T, x.device());
+    auto h = rms_norm(x, P[0].tensor, c_.norm_eps);
+    auto q = at::linear(h, P[1].tensor).view({B, T, nh, hd}).transpose(1, 2);
+    auto k = at::linear(h, P[2].tensor).view({B, T, nkv, hd}).transpose(1, 2);
+    auto v = at::linear(h, P[3].tensor).view({B, T, nkv, hd}).transpose(1, 2);
+    q = q * sh_->cos + rotate_half(q) * sh_->sin;
+    k = k * sh_->cos + rotate_half(k) * sh_->sin;
+    if (nkv != nh) {
+      k = k.repeat_interleave(nh / nkv, 1);
+      v = v.repeat_interleave(nh / nkv, 1);
+    }
+    auto y = attention(q, k, v, sh_->causal_mask(T, x.device())).transpose(1, 2).reshape({B, T, nh * hd});
+    auto out = x + at::linear(y, P[4].tensor);
+    auto h2 = rms_norm(out, P[5].tensor, c_.norm_eps);
+    auto m = at::silu(at::linear(h2, P[6].tensor)) * at::linear(h2, P[7].tensor);
+    return out + at::linear(m, P[8].tensor);
+  }
+
+ private:
+  const ModelConfig& c_;
+  Shared* sh_;
+};
+
+class LlamaHead : public Layer {
+ public:
+  LlamaHead(const ModelConfig& c, Init& init) : c_(c) {
+    add("model.norm.weight", init.fill({c.hidden}, 1.0), false);
+    add("lm_head.weight", init.normal({c.vocab_size, c.hidden}, c.init_std), true);
+  }
+  at::Tensor forward(const at::Tensor& x) override {
+    return at::linear(rms_norm(x, params_[0].tensor, c_.norm_eps), params_[1].tensor);
+  }
+
+ private:
+  const ModelConfig& c_;
+};
+
+}  // namespace
+
+// Shared state lives with the model; layers hold a raw pointer to it.
+struct SharedHolder {
+  Shared s;
+};
+
+Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed)
+    : cfg_(cfg), range_(range), dtype_(dtype_of(cfg)) {
+  if (range.begin < 0 || range.end > cfg.layers + 2 || range.begin >= range.end)
+    throw std::invalid_argument("invalid layer range");
+  shared_ = std::make_shared<SharedHolder>();
+  shared_->s.cfg = &cfg_;
+  shared_->s.dtype = dtype_;
+  Shared* sh = &shared_->s;
+  at::Tensor* wte = nullptr;
+  for (int64_t pos = range.begin; pos < range.end; ++pos) {
+    Init init(layer_seed(seed, pos), dtype_);
+    bool llama = cfg_.arch == "llama";
+    if (pos == 0) {
+      if (llama) {
+        layers_.push_back(std::make_unique<LlamaEmbedding>(cfg_, init));
+      } else {
+        auto e = std::make_unique<Gpt2Embedding>(cfg_, init);
+        wte = e->wte();
+        layers_.push_back(std::move(e));
+      }
+    } else if (pos == cfg_.layers + 1) {
+      if (llama)
+        layers_.push_back(std::make_unique<LlamaHead>(cfg_, init));
+      else
+        layers_.push_back(std::make_unique<Gpt2Head>(cfg_, init, wte, layer_seed(seed, 0)));
+    } else if (llama) {
+      layers_.push_back(std::make_unique<LlamaBlock>(cfg_, pos - 1, init, sh));
+    } else {
+      layers_.push_back(std::make_unique<Gpt2Block>(cfg_, pos - 1, init, sh));
+    }
+  }
+  for (auto* p : parameters()) p->tensor.requires_grad_(true);
+}
+
+at::Tensor Transformer::forward(const at::Tensor& x) {
+  at::Tensor h = x;
+  for (auto& l : layers_) h = l->forward(h);
+  return h;
+}
+
+at::Tensor Transformer::loss_sum(const at::Tensor& logits, const at::Tensor& targets) {
+  int64_t V = logits.size(-1);
+  return at::cross_entropy_loss(logits.reshape({-1, V}), targets.reshape({-1}), {}, at::Reduction::Sum, -100, 0.0);
+}
+
+std::vector<Param*> Transformer::parameters() {
+  std::vector<Param*> out;
+  for (auto& l : layers_)
+    for (auto& p : l->params()) out.push_back(&p);
+  return out;
+}
+
+std::vector<const Param*> Transformer::parameters() const {
+  std::vector<const Param*> out;
+  for (const auto& l : layers_)
+    for (const auto& p : l->params()) out.push_back(&p);
+  return out;
+}
+
+Param* Transformer::find(const std::string& name) {
+  for (auto* p : parameters())
+    if (p->name == name) return p;
+  return nullptr;
+}
+
+int64_t Transformer::num_parameters() const {
+  int64_t n = 0;
+  for (const auto* p : parameters()) n += p->tensor.numel();
+  return n;
+}
+
+void Transformer::to(const at::Device& device) {
+  // Tensors are replaced in place inside their Param, so the tied head's pointer stays valid.
+  for (auto* p : parameters()) p->tensor = p->tensor.detach().to(device).requires_grad_(true);
+  device_ = device;
+}
+
+}  // namespace alloy::model

@@ -1,0 +1,94 @@
+#pragma once
+// The decoder-only transformer as an ordered list of layers
+//   position 0: embedding, positions 1..L: blocks 0..L-1, position L+1: head (final norm + logits)
+// so a pipeline stage is a contiguous slice of positions. Every layer draws its initial weights
+// from its own generator seeded by (seed, position), so a slice gets exactly the weights the full
+// model has, whichever process builds it.
+//
+// Parameters are plain tensors named with HuggingFace's names for the variant (gpt2: "h.3.attn.c_attn.weight",
+// stored [in, out] like HF's Conv1D; llama: "model.layers.3.self_attn.q_proj.weight", stored
+// [out, in]), so export/import and checkpoints need no renaming tables.
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "alloy/core/config.h"
+
+namespace alloy::model {
+
+struct Param {
+  std::string name;  // HuggingFace name
+  at::Tensor tensor;
+  bool decay;        // AdamW weight decay applies (matrices, not biases or norms)
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  // Input: token ids [B, T] (embedding) or hidden states [B, T, H]; output: hidden states or
+  // logits [B, T, V] (head).
+  virtual at::Tensor forward(const at::Tensor& x) = 0;
+  std::vector<Param>& params() { return params_; }
+  const std::vector<Param>& params() const { return params_; }
+
+ protected:
+  at::Tensor& add(std::string name, at::Tensor t, bool decay);
+  std::vector<Param> params_;
+};
+
+// A contiguous slice [begin, end) of layer positions.
+struct LayerRange {
+  int64_t begin = 0, end = 0;
+  static LayerRange full(const ModelConfig& m) { return {0, m.layers + 2}; }
+  // Blocks [block_begin, block_end) as a pipeline stage counts them: the embedding joins the stage
+  // that holds block 0 and the head the stage that holds the last block.
+  static LayerRange for_blocks(int64_t block_begin, int64_t block_end, int64_t num_layers);
+  bool has_embedding() const { return begin == 0; }
+  bool has_head(const ModelConfig& m) const { return end == m.layers + 2; }
+};
+
+struct SharedHolder;
+
+class Transformer {
+ public:
+  Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed);
+  static std::unique_ptr<Transformer> full(const ModelConfig& cfg, uint64_t seed) {
+    return std::make_unique<Transformer>(cfg, LayerRange::full(cfg), seed);
+  }
+
+  at::Tensor forward(const at::Tensor& x);
+  // Sum (not mean) of the token cross-entropies: callers divide by the tokens of the global batch
+  // so micro-batches and replicas of any size add up to the one-device loss.
+  static at::Tensor loss_sum(const at::Tensor& logits, const at::Tensor& targets);
+
+  // Unique parameters in layer order (a tied head contributes nothing when the embedding is in
+  // the same slice).
+  std::vector<Param*> parameters();
+  std::vector<const Param*> parameters() const;
+  Param* find(const std::string& name);
+  int64_t num_parameters() const;
+
+  void to(const at::Device& device);
+  const ModelConfig& config() const { return cfg_; }
+  LayerRange range() const { return range_; }
+  at::Device device() const { return device_; }
+  at::ScalarType dtype() const { return dtype_; }
+  size_t num_layers() const { return layers_.size(); }
+  Layer& layer(size_t i) { return *layers_[i]; }
+
+ private:
+  ModelConfig cfg_;
+  LayerRange range_;
+  at::Device device_{at::kCPU};
+  at::ScalarType dtype_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::shared_ptr<SharedHolder> shared_;  // causal mask and RoPE tables, cached per length
+};
+
+at::ScalarType dtype_of(const ModelConfig& m);
+uint64_t layer_seed(uint64_t seed, int64_t position);
+
+}  // namespace alloy::model

@@ -1,0 +1,195 @@
+#include "alloy/model/weights.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <cstring>
+#include <set>
+
+#include "alloy/core/error.h"
+
+namespace alloy::model {
+namespace {
+std::string st_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "F32";
+    case at::kDouble: return "F64";
+    case at::kHalf: return "F16";
+    case at::kBFloat16: return "BF16";
+    case at::kLong: return "I64";
+    case at::kInt: return "I32";
+    case at::kShort: return "I16";
+    case at::kChar: return "I8";
+    case at::kByte: return "U8";
+    case at::kBool: return "BOOL";
+    default: throw Error(std::string("no safetensors dtype for ") + c10::toString(t));
+  }
+}
+at::ScalarType torch_dtype(const std::string& d, const std::string& where) {
+  if (d == "F32") return at::kFloat;
+  if (d == "F64") return at::kDouble;
+  if (d == "F16") return at::kHalf;
+  if (d == "BF16") return at::kBFloat16;
+  if (d == "I64") return at::kLong;
+  if (d == "I32") return at::kInt;
+  if (d == "I16") return at::kShort;
+  if (d == "I8") return at::kChar;
+  if (d == "U8") return at::kByte;
+  if (d == "BOOL") return at::kBool;
+  throw InputError(where, "dtype " + d + " is not supported by LibTorch here");
+}
+std::string shape_str(at::IntArrayRef s) { return std::string(c10::str(s)); }
+}  // namespace
+
+TensorBlob to_blob(const at::Tensor& t) {
+  at::Tensor c = t.detach().to(at::kCPU).contiguous();
+  TensorBlob b;
+  b.dtype = st_dtype(c.scalar_type());
+  b.shape.assign(c.sizes().begin(), c.sizes().end());
+  b.data.assign(static_cast<const char*>(c.data_ptr()), c.nbytes());
+  return b;
+}
+
+at::Tensor from_blob(const TensorBlob& b, const std::string& where) {
+  at::Tensor t = at::empty(b.shape, at::TensorOptions().dtype(torch_dtype(b.dtype, where)));
+  if (t.nbytes() != b.data.size()) throw InputError(where, "tensor data size disagrees with its shape");
+  std::memcpy(t.data_ptr(), b.data.data(), b.data.size());
+  return t;
+}
+
+at::Tensor read_tensor(const SafetensorsFile& f, const std::string& name) {
+  const TensorInfo& info = f.info(name);
+  std::string where = f.path() + ": tensor '" + name + "'";
+  at::Tensor t = at::empty(info.shape, at::TensorOptions().dtype(torch_dtype(info.dtype, where)));
+  auto bytes = f.bytes(name);
+  if (t.nbytes() != bytes.size()) throw InputError(where, "data size disagrees with its shape");
+  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+std::map<std::string, at::Tensor> read_all(const SafetensorsFile& f) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& n : f.names()) out[n] = read_tensor(f, n);
+  return out;
+}
+
+void save_weights(const Transformer& m, const std::string& path, const std::map<std::string, std::string>& metadata) {
+  std::vector<std::pair<std::string, TensorBlob>> blobs;
+  for (const auto* p : m.parameters()) blobs.emplace_back(p->name, to_blob(p->tensor));
+  write_safetensors(path, blobs, metadata);
+}
+
+namespace {
+// HuggingFace files sometimes prefix GPT-2 names with "transformer." and carry buffers (causal
+// masks) or a duplicate tied lm_head; those are not weights of ours.
+std::string file_name_for(const SafetensorsFile& f, const std::string& name) {
+  if (f.has(name)) return name;
+  if (f.has("transformer." + name)) return "transformer." + name;
+  return "";
+}
+bool ignorable_extra(const std::string& n) {
+  auto ends = [&](const std::string& s) { return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0; };
+  return ends(".attn.bias") || ends(".attn.masked_bias") || n == "lm_head.weight" || ends("rotary_emb.inv_freq");
+}
+}  // namespace
+
+void load_weights(Transformer& m, const SafetensorsFile& f, bool allow_extra) {
+  at::NoGradGuard ng;
+  std::set<std::string> used;
+  for (auto* p : m.parameters()) {
+    std::string fname = file_name_for(f, p->name);
+    if (fname.empty())
+      throw InputError(f.path(), "tensor '" + p->name + "' is missing (is this a checkpoint of another model?)");
+    const TensorInfo& info = f.info(fname);
+    if (at::IntArrayRef(info.shape) != p->tensor.sizes())
+      throw InputError(f.path(), "tensor '" + fname + "' has shape " + shape_str(info.shape) + ", the model needs " +
+                                     shape_str(p->tensor.sizes()) + " (is this a checkpoint of another model?)");
+    p->tensor.copy_(read_tensor(f, fname));
+    used.insert(fname);
+  }
+  if (!allow_extra) {
+    for (const auto& n : f.names())
+      if (!used.count(n) && !(m.config().arch == "gpt2" && ignorable_extra(n)) &&
+          !(m.config().arch == "llama" && n.size() > 19 && n.compare(n.size() - 19, 19, "rotary_emb.inv_freq") == 0))
+        throw InputError(f.path(), "tensor '" + n + "' does not belong to a " + m.config().arch + " model of this shape");
+  }
+}
+
+nlohmann::json hf_config(const ModelConfig& m) {
+  nlohmann::json j;
+  if (m.arch == "gpt2") {
+    j = {{"architectures", {"GPT2LMHeadModel"}},
+         {"model_type", "gpt2"},
+         {"n_layer", m.layers},
+         {"n_head", m.heads},
+         {"n_embd", m.hidden},
+         {"n_positions", m.seq_len},
+         {"n_ctx", m.seq_len},
+         {"n_inner", m.ffn_resolved()},
+         {"vocab_size", m.vocab_size},
+         {"layer_norm_epsilon", m.norm_eps},
+         {"activation_function", "gelu_new"},
+         {"resid_pdrop", 0.0},
+         {"embd_pdrop", 0.0},
+         {"attn_pdrop", 0.0},
+         {"initializer_range", m.init_std},
+         {"tie_word_embeddings", true}};
+  } else {
+    j = {{"architectures", {"LlamaForCausalLM"}},
+         {"model_type", "llama"},
+         {"hidden_size", m.hidden},
+         {"intermediate_size", m.ffn_resolved()},
+         {"num_hidden_layers", m.layers},
+         {"num_attention_heads", m.heads},
+         {"num_key_value_heads", m.kv_heads_resolved()},
+         {"rms_norm_eps", m.norm_eps},
+         {"rope_theta", m.rope_theta},
+         {"max_position_embeddings", m.seq_len},
+         {"vocab_size", m.vocab_size},
+         {"hidden_act", "silu"},
+         {"initializer_range", m.init_std},
+         {"tie_word_embeddings", false}};
+  }
+  j["torch_dtype"] = m.dtype;
+  return j;
+}
+
+ModelConfig model_config_from_hf(const nlohmann::json& j, const std::string& where) {
+  auto need = [&](const char* key) -> const nlohmann::json& {
+    if (!j.contains(key)) throw InputError(where, std::string("key '") + key + "' is missing");
+    return j.at(key);
+  };
+  ModelConfig m;
+  std::string type = j.value("model_type", "");
+  try {
+    if (type == "gpt2") {
+      m.arch = "gpt2";
+      m.layers = need("n_layer").get<int64_t>();
+      m.heads = need("n_head").get<int64_t>();
+      m.hidden = need("n_embd").get<int64_t>();
+      m.seq_len = need("n_positions").get<int64_t>();
+      m.vocab_size = need("vocab_size").get<int64_t>();
+      m.norm_eps = j.value("layer_norm_epsilon", 1e-5);
+      if (j.contains("n_inner") && !j["n_inner"].is_null()) m.ffn = j["n_inner"].get<int64_t>();
+    } else if (type == "llama") {
+      m.arch = "llama";
+      m.hidden = need("hidden_size").get<int64_t>();
+      m.ffn = need("intermediate_size").get<int64_t>();
+      m.layers = need("num_hidden_layers").get<int64_t>();
+      m.heads = need("num_attention_heads").get<int64_t>();
+      m.kv_heads = j.value("num_key_value_heads", m.heads);
+      m.norm_eps = j.value("rms_norm_eps", 1e-6);
+      m.rope_theta = j.value("rope_theta", 10000.0);
+      m.seq_len = need("max_position_embeddings").get<int64_t>();
+      m.vocab_size = need("vocab_size").get<int64_t>();
+    } else {
+      throw InputError(where, "model_type '" + type + "' is not supported (gpt2 or llama)");
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(where, std::string("ill-typed value: ") + e.what());
+  }
+  m.init_std = j.value("initializer_range", 0.02);
+  if (j.value("torch_dtype", "float32") == "float64") m.dtype = "float64";
+  return m;
+}
+
+}  // namespace alloy::model

@@ -1,0 +1,96 @@
+#include "alloy/train/optimizer.h"
+
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+
+#include "alloy/core/error.h"
+
+namespace alloy::train {
+
+AdamW::AdamW(std::vector<model::Param*> params, Options opts) : o_(opts) {
+  for (auto* p : params) slots_.push_back({p, at::zeros_like(p->tensor), at::zeros_like(p->tensor)});
+}
+
+void AdamW::step(double lr) {
+  at::NoGradGuard ng;
+  ++t_;
+  const double bc1 = 1.0 - std::pow(o_.beta1, static_cast<double>(t_));
+  const double bc2 = 1.0 - std::pow(o_.beta2, static_cast<double>(t_));
+  const double step_size = lr / bc1;
+  const double bc2_sqrt = std::sqrt(bc2);
+  for (auto& s : slots_) {
+    const at::Tensor& g = s.p->tensor.grad();
+    if (!g.defined()) continue;
+    at::Tensor& w = s.p->tensor;
+    if (s.p->decay && o_.weight_decay != 0.0) w.mul_(1.0 - lr * o_.weight_decay);
+    s.m.mul_(o_.beta1).add_(g, 1.0 - o_.beta1);
+    s.v.mul_(o_.beta2).addcmul_(g, g, 1.0 - o_.beta2);
+    at::Tensor denom = s.v.sqrt().div_(bc2_sqrt).add_(o_.eps);
+    w.addcdiv_(s.m, denom, -step_size);
+  }
+}
+
+void AdamW::zero_grad() {
+  for (auto& s : slots_)
+    if (s.p->tensor.grad().defined()) s.p->tensor.mutable_grad().reset();
+}
+
+std::vector<std::pair<std::string, at::Tensor>> AdamW::state() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& s : slots_) {
+    out.emplace_back("exp_avg." + s.p->name, s.m);
+    out.emplace_back("exp_avg_sq." + s.p->name, s.v);
+  }
+  return out;
+}
+
+void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, int64_t steps_taken, const std::string& where) {
+  at::NoGradGuard ng;
+  for (auto& s : slots_) {
+    for (auto [key, dst] : {std::pair<std::string, at::Tensor*>{"exp_avg." + s.p->name, &s.m},
+                            std::pair<std::string, at::Tensor*>{"exp_avg_sq." + s.p->name, &s.v}}) {
+      auto it = tensors.find(key);
+      if (it == tensors.end()) throw InputError(where, "optimizer state '" + key + "' is missing");
+      if (it->second.sizes() != dst->sizes())
+        throw InputError(where, "optimizer state '" + key + "' has shape " + std::string(c10::str(it->second.sizes())) +
+                                    ", the model needs " + std::string(c10::str(dst->sizes())));
+      dst->copy_(it->second);
+    }
+  }
+  t_ = steps_taken;
+}
+
+double global_grad_norm_sq(const std::vector<model::Param*>& params) {
+  at::NoGradGuard ng;
+  double total = 0.0;
+  for (auto* p : params) {
+    const at::Tensor& g = p->tensor.grad();
+    if (!g.defined()) continue;
+    double n = g.norm().item<double>();
+    total += n * n;
+  }
+  return total;
+}
+
+double clip_grad_norm(const std::vector<model::Param*>& params, double max_norm) {
+  double norm = std::sqrt(global_grad_norm_sq(params));
+  if (max_norm > 0 && norm > max_norm) {
+    at::NoGradGuard ng;
+    double coef = max_norm / (norm + 1e-6);
+    for (auto* p : params)
+      if (p->tensor.grad().defined()) p->tensor.mutable_grad().mul_(coef);
+  }
+  return norm;
+}
+
+double lr_at(const TrainConfig& t, int64_t step) {
+  if (t.warmup > 0 && step < t.warmup) return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup);
+  int64_t decay_steps = t.steps - t.warmup;
+  if (decay_steps <= 0) return t.lr;
+  double progress = static_cast<double>(step - t.warmup) / static_cast<double>(decay_steps);
+  if (progress > 1) progress = 1;
+  return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + std::cos(M_PI * progress));
+}
+
+}  // namespace alloy::train

@@ -1,0 +1,51 @@
+#pragma once
+// AdamW with decoupled weight decay, the math of torch.optim.AdamW, over Alloy's named parameters.
+// Kept in-house (not torch::optim) so its state is keyed by parameter name: checkpoints stay
+// readable by name and reshardable when a later run splits the layers differently.
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "alloy/core/config.h"
+#include "alloy/model/transformer.h"
+
+namespace alloy::train {
+
+class AdamW {
+ public:
+  struct Options {
+    double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+  };
+  AdamW(std::vector<model::Param*> params, Options opts);
+  static Options from_config(const TrainConfig& t) { return {t.beta1, t.beta2, t.eps, t.weight_decay}; }
+
+  void step(double lr);  // parameters without a gradient are left untouched
+  void zero_grad();      // drops gradients (undefined), so the next backward assigns, not adds
+  int64_t steps_taken() const { return t_; }
+
+  // Named state for checkpoints: "exp_avg.NAME", "exp_avg_sq.NAME".
+  std::vector<std::pair<std::string, at::Tensor>> state() const;
+  // Loads what state() wrote; every parameter must be present with its shape. WHERE names the file.
+  void load_state(const std::map<std::string, at::Tensor>& tensors, int64_t steps_taken, const std::string& where);
+
+ private:
+  struct Slot {
+    model::Param* p;
+    at::Tensor m, v;
+  };
+  std::vector<Slot> slots_;
+  Options o_;
+  int64_t t_ = 0;
+};
+
+// Scales all gradients so their global L2 norm is at most MAX_NORM (when MAX_NORM > 0); returns the
+// norm before clipping. Same rule as torch.nn.utils.clip_grad_norm_.
+double clip_grad_norm(const std::vector<model::Param*>& params, double max_norm);
+double global_grad_norm_sq(const std::vector<model::Param*>& params);
+
+// Linear warmup to train.lr over train.warmup steps, then cosine decay to train.min_lr at train.steps.
+double lr_at(const TrainConfig& t, int64_t step);
+
+}  // namespace alloy::train

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# End-to-end checks through the real `alloy` binary: help, data preparation, training, resume,
+# export/import, eval, generate, and that bad input fails clearly without touching earlier output.
+# usage: test_cli.sh ALLOY WORKDIR
+set -uo pipefail
+alloy=$(realpath "$1") work=$2
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+rm -rf "$work"; mkdir -p "$work"; cd "$work"
+fails=0
+ok() { echo "ok   - $1"; }
+bad() { echo "FAIL - $1"; fails=$((fails + 1)); }
+# expect_fail NAME SUBSTRING... -- CMD...: CMD must exit non-zero and print every SUBSTRING.
+expect_fail() {
+  local name=$1; shift
+  local subs=()
+  while [ "$1" != "--" ]; do subs+=("$1"); shift; done; shift
+  local out rc
+  out=$("$@" 2>&1); rc=$?
+  if [ $rc -eq 0 ]; then bad "$name: exited 0"; echo "$out" | tail -5; return; fi
+  for s in "${subs[@]}"; do
+    if ! grep -qF -- "$s" <<<"$out"; then bad "$name: output lacks '$s'"; echo "$out" | tail -5; return; fi
+  done
+  ok "$name"
+}
+# expect_ok NAME CMD...
+expect_ok() {
+  local name=$1; shift
+  if out=$("$@" 2>&1); then ok "$name"; else bad "$name"; echo "$out" | tail -10; fi
+}
+
+# --- help lists every command and the config keys
+out=$("$alloy" --help)
+for c in train eval generate export import data; do grep -q "$c" <<<"$out" || bad "help lacks $c"; done
+"$alloy" train --help | grep -q "train.global_batch" && ok "train --help lists config keys" || bad "train --help lacks keys"
+"$alloy" data prepare --help | grep -q -- "--valid-fraction" && ok "data prepare --help" || bad "data prepare --help"
+
+# --- data: a slice of the real corpus
+head -c 200000 /usr/share/games/fortunes/fortunes > corpus.txt
+expect_ok "data prepare" "$alloy" data prepare --input corpus.txt --output data/corpus --valid-fraction 0.1
+[ -s data/corpus_train.idx ] && [ -s data/corpus_valid.bin ] && ok "datasets written" || bad "datasets missing"
+
+cat > tiny.yaml <<YAML
+model: {arch: gpt2, layers: 2, hidden: 64, heads: 4, seq_len: 32, vocab_size: 257}
+data: {prefix: data/corpus}
+train: {steps: 8, global_batch: 4, lr: 1e-3, warmup: 2, eval_interval: 4, eval_batches: 2, checkpoint_interval: 4, threads: 1}
+output: {dir: run}
+YAML
+
+# --- train, then the files a user expects
+expect_ok "train" "$alloy" train --config tiny.yaml
+[ "$(wc -l < run/metrics.jsonl)" -eq 8 ] && ok "metrics.jsonl has 8 steps" || bad "metrics.jsonl line count"
+grep -q '"tokens_per_s"' run/metrics.jsonl && grep -q '"lr"' run/metrics.jsonl && ok "metrics fields" || bad "metrics fields"
+ls run/tensorboard/events.out.tfevents.* >/dev/null 2>&1 && ok "tensorboard events" || bad "no tensorboard events"
+[ "$(cat run/checkpoints/latest)" = step_00000008 ] && ok "latest checkpoint" || bad "latest checkpoint"
+
+# --- resume: more steps continue from step 8 and metrics stay one line per step
+expect_ok "resume" "$alloy" train --config tiny.yaml --set train.steps=10 --resume
+[ "$(wc -l < run/metrics.jsonl)" -eq 10 ] && ok "metrics after resume" || bad "metrics after resume: $(wc -l < run/metrics.jsonl) lines"
+
+# --- bad input: clear errors, non-zero exit, and the earlier run untouched
+before=$(md5sum run/metrics.jsonl run/checkpoints/latest)
+expect_fail "misspelled override" "--set train.stpes=3" "did you mean 'train.steps'" -- "$alloy" train --config tiny.yaml --set train.stpes=3
+printf 'train:\n  steps: 3\n  global_bacth: 4\n' > misspelled.yaml
+expect_fail "misspelled key in file" "misspelled.yaml (line 3)" "train.global_bacth" "did you mean 'train.global_batch'" -- "$alloy" train --config misspelled.yaml
+printf 'model:\n  layers: four\n' > typo.yaml
+expect_fail "ill-typed key" "typo.yaml (line 2)" "model.layers" -- "$alloy" train --config typo.yaml
+expect_fail "missing data" "data.prefix" "nope" -- "$alloy" train --config tiny.yaml --set data.prefix=nope
+cp data/corpus_train.bin trunc_train.bin; head -c 100 data/corpus_train.idx > trunc_train.idx
+expect_fail "truncated idx" "trunc_train.idx" -- "$alloy" train --config tiny.yaml --set data.prefix=trunc_train
+cp data/corpus_train.idx short.idx; head -c 1000 data/corpus_train.bin > short.bin
+expect_fail "truncated bin" "short.bin" -- "$alloy" train --config tiny.yaml --set data.prefix=short
+expect_fail "checkpoint of another model" "state.json" "model.layers: 2 vs 3" -- \
+  "$alloy" train --config tiny.yaml --set model.layers=3 --set train.steps=12 --resume
+echo x > afile
+expect_fail "output dir not writable" "afile/run" -- "$alloy" train --config tiny.yaml --set output.dir=afile/run
+expect_fail "vocab too small for data" "model.vocab_size" -- "$alloy" train --config tiny.yaml --set model.vocab_size=100 --set output.dir=run2
+[ "$before" = "$(md5sum run/metrics.jsonl run/checkpoints/latest)" ] && ok "failed runs left the run untouched" || bad "run modified"
+
+# --- export to HuggingFace names, import back, eval both the same
+expect_ok "export" "$alloy" export --checkpoint run --output hf/model.safetensors
+grep -q '"n_layer": 2' hf/config.json && ok "config.json" || bad "config.json"
+expect_ok "import" "$alloy" import --weights hf/model.safetensors --output imported
+head -c 20000 /usr/share/games/fortunes/linux > eval.txt
+e1=$("$alloy" eval --config tiny.yaml --weights hf/model.safetensors --text eval.txt 2>/dev/null)
+e2=$("$alloy" eval --config tiny.yaml --weights imported --text eval.txt 2>/dev/null)
+e3=$("$alloy" eval --config tiny.yaml --weights run --text eval.txt 2>/dev/null)
+[ -n "$e1" ] && [ "$e1" = "$e2" ] && [ "$e1" = "$e3" ] && ok "eval identical on exported/imported/original: $e1" || bad "eval differs: $e1 / $e2 / $e3"
+# 20000 bytes -> floor(19999/32) = 624 windows of 32 predicted tokens
+grep -q '"tokens":19968' <<<"$e1" && ok "eval token count" || bad "eval token count: $e1"
+expect_fail "eval with another model's weights" "model.safetensors" "wte.weight" "[257, 64]" "[257, 128]" -- \
+  "$alloy" eval --config tiny.yaml --set model.hidden=128 --weights hf/model.safetensors --text eval.txt
+
+# --- generate prints text
+gen=$("$alloy" generate --checkpoint run --prompt "The " -n 40 2>/dev/null)
+[ ${#gen} -ge 40 ] && ok "generate: $(head -c 60 <<<"$gen" | tr '\n' ' ')" || bad "generate printed '${gen}'"
+
+echo "cli end-to-end: $fails failed"
+[ $fails -eq 0 ]

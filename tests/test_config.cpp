@@ -1,0 +1,75 @@
+#include <gtest/gtest.h>
+
+#include "alloy/core/config.h"
+#include "alloy/core/error.h"
+
+using alloy::Config;
+using alloy::InputError;
+
+namespace {
+std::string error_of(const std::string& yaml, std::vector<std::string> sets = {}) {
+  try {
+    Config::from_yaml_string(yaml, "cfg.yaml", sets);
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST(Config, LoadsSectionsAndDefaults) {
+  Config c = Config::from_yaml_string("model:\n  arch: llama\n  layers: 6\n  hidden: 96\n  heads: 6\n  kv_heads: 2\ntrain:\n  lr: 1e-3\n", "x");
+  EXPECT_EQ(c.model.arch, "llama");
+  EXPECT_EQ(c.model.layers, 6);
+  EXPECT_EQ(c.model.kv_heads_resolved(), 2);
+  EXPECT_DOUBLE_EQ(c.train.lr, 1e-3);
+  EXPECT_EQ(c.train.global_batch, 8);  // default
+  EXPECT_EQ(c.model.ffn_resolved(), 256);  // 8/3*96 = 256, already a multiple of 32
+}
+
+TEST(Config, OverridesApplyInOrderAndAreTyped) {
+  Config c = Config::from_yaml_string("train:\n  steps: 5\n", "x", {"train.steps=7", "model.arch=llama", "train.steps=9"});
+  EXPECT_EQ(c.train.steps, 9);
+  EXPECT_EQ(c.model.arch, "llama");
+  EXPECT_NE(error_of("", {"train.steps=many"}).find("train.steps' must be a integer, got 'many'"), std::string::npos);
+}
+
+TEST(Config, MisspelledKeySuggestsTheRightOne) {
+  std::string e = error_of("train:\n  stpes: 5\n");
+  EXPECT_NE(e.find("cfg.yaml"), std::string::npos) << e;
+  EXPECT_NE(e.find("unknown key 'train.stpes'"), std::string::npos) << e;
+  EXPECT_NE(e.find("did you mean 'train.steps'"), std::string::npos) << e;
+}
+
+TEST(Config, IllTypedValueNamesFileLineAndKey) {
+  std::string e = error_of("model:\n  layers: four\n");
+  EXPECT_NE(e.find("cfg.yaml (line 2)"), std::string::npos) << e;
+  EXPECT_NE(e.find("model.layers"), std::string::npos) << e;
+  EXPECT_NE(error_of("model:\n  layers: 2.5\n"), "");
+  EXPECT_NE(error_of("output:\n  tensorboard: maybe\n"), "");
+  EXPECT_NE(error_of("model:\n  layers: [1, 2]\n").find("single value"), std::string::npos);
+}
+
+TEST(Config, UnknownSectionAndBadYaml) {
+  EXPECT_NE(error_of("trian:\n  steps: 1\n").find("unknown section 'trian'"), std::string::npos);
+  EXPECT_NE(error_of("model: [\n").find("not valid YAML"), std::string::npos);
+}
+
+TEST(Config, CrossFieldValidation) {
+  EXPECT_NE(error_of("model:\n  hidden: 100\n  heads: 3\n").find("does not divide model.hidden"), std::string::npos);
+  EXPECT_NE(error_of("train:\n  global_batch: 10\n  micro_batch: 4\n").find("train.micro_batch"), std::string::npos);
+  EXPECT_NE(error_of("model:\n  arch: bert\n").find("gpt2 or llama"), std::string::npos);
+  EXPECT_NE(error_of("model:\n  arch: llama\n  heads: 4\n  kv_heads: 3\n").find("model.kv_heads"), std::string::npos);
+}
+
+TEST(Config, JsonRoundTripAndDifferences) {
+  Config c = Config::from_yaml_string("model:\n  layers: 3\ntrain:\n  lr: 0.00123\ndata:\n  prefix: /tmp/x y\n", "x");
+  Config d = Config::from_json(c.to_json(), "json");
+  EXPECT_EQ(c.to_json(), d.to_json());
+  Config e = Config::from_yaml_string(c.to_yaml(), "yaml");
+  EXPECT_EQ(c.to_json(), e.to_json());
+  d.model.layers = 5;
+  auto diffs = alloy::model_differences(c.model, d.model);
+  ASSERT_EQ(diffs.size(), 1u);
+  EXPECT_EQ(diffs[0], "model.layers: 3 vs 5");
+}

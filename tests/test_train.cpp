@@ -1,0 +1,142 @@
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "alloy/core/error.h"
+#include "alloy/core/fs.h"
+#include "alloy/data/prepare.h"
+#include "alloy/model/safetensors.h"
+#include "alloy/train/checkpoint.h"
+#include "alloy/train/trainer.h"
+
+namespace fs = std::filesystem;
+using alloy::Config;
+
+namespace {
+// A small slice of the real fortunes corpus (Debian's `fortunes` package, installed by the
+// project's install script) so the loop trains on English text, not noise.
+const std::string& corpus_prefix() {
+  static std::string prefix = [] {
+    fs::path dir = fs::temp_directory_path() / "alloy_train_test_data";
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    std::string text = alloy::read_file("/usr/share/games/fortunes/fortunes").substr(0, 60000);
+    alloy::write_file_atomic((dir / "corpus.txt").string(), text);
+    alloy::data::PrepareOptions o;
+    o.inputs = {(dir / "corpus.txt").string()};
+    o.output = (dir / "fortunes").string();
+    o.valid_fraction = 0.1;
+    o.progress = false;
+    alloy::data::prepare_dataset(o);
+    return o.output;
+  }();
+  return prefix;
+}
+
+Config tiny_config(const std::string& run, const std::string& arch = "gpt2") {
+  std::string yaml = "model:\n  arch: " + arch +
+                     "\n  layers: 2\n  hidden: 32\n  heads: 4\n  seq_len: 32\n  vocab_size: 257\n"
+                     "train:\n  steps: 6\n  global_batch: 4\n  micro_batch: 2\n  lr: 3e-3\n  warmup: 2\n"
+                     "  eval_interval: 3\n  eval_batches: 2\n  threads: 1\n"
+                     "output:\n  tensorboard: false\n";
+  fs::path dir = fs::temp_directory_path() / ("alloy_train_test_" + run);
+  fs::remove_all(dir);
+  return Config::from_yaml_string(yaml, "test", {"data.prefix=" + corpus_prefix(), "output.dir=" + dir.string()});
+}
+
+std::vector<alloy::train::StepRecord> train(const Config& c, const std::string& resume = "") {
+  alloy::train::TrainOptions o;
+  o.resume = resume;
+  o.quiet = true;
+  alloy::train::Trainer t(c, o);
+  return t.run().steps;
+}
+}  // namespace
+
+TEST(Train, ResumeContinuesBitwiseIdentically) {
+  for (std::string arch : {"gpt2", "llama"}) {
+    Config a = tiny_config("resume_a_" + arch, arch);
+    a.train.checkpoint_interval = 3;
+    auto straight = train(a);
+    ASSERT_EQ(straight.size(), 6u);
+
+    // A second run starts from the first run's step-3 checkpoint, as after a crash at step 4.
+    Config b = tiny_config("resume_b_" + arch, arch);
+    alloy::ensure_writable_dir(b.output.dir + "/checkpoints");
+    fs::copy(a.output.dir + "/checkpoints/step_00000003", b.output.dir + "/checkpoints/step_00000003",
+             fs::copy_options::recursive);
+    alloy::write_file_atomic(b.output.dir + "/checkpoints/latest", "step_00000003\n");
+    auto resumed = train(b, b.output.dir);
+    ASSERT_EQ(resumed.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_EQ(resumed[i].step, straight[i + 3].step);
+      EXPECT_EQ(resumed[i].loss, straight[i + 3].loss) << arch << " step " << resumed[i].step;  // bitwise
+    }
+    auto wa = alloy::model::SafetensorsFile::open(a.output.dir + "/checkpoints/step_00000006/model.safetensors");
+    auto wb = alloy::model::SafetensorsFile::open(b.output.dir + "/checkpoints/step_00000006/model.safetensors");
+    for (const auto& n : wa.names()) EXPECT_EQ(wa.bytes(n), wb.bytes(n)) << n;
+  }
+}
+
+TEST(Train, MicroBatchesAddUpToTheWholeBatch) {
+  Config a = tiny_config("micro_a");
+  a.train.micro_batch = 1;
+  Config b = tiny_config("micro_b");
+  b.train.micro_batch = 4;
+  auto la = train(a), lb = train(b);
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_NEAR(la[i].loss, lb[i].loss, 1e-5 * lb[i].loss);
+}
+
+TEST(Train, LossGoesDownAndMetricsAreWritten) {
+  Config c = tiny_config("learns");
+  c.train.steps = 30;
+  auto steps = train(c);
+  ASSERT_EQ(steps.size(), 30u);
+  EXPECT_LT(steps.back().loss, steps.front().loss - 1.0);  // from ~ln(257)=5.5 down
+  std::string jsonl = alloy::read_file(c.output.dir + "/metrics.jsonl");
+  EXPECT_NE(jsonl.find("\"step\":30"), std::string::npos);
+  EXPECT_NE(jsonl.find("\"val_loss\""), std::string::npos);
+  EXPECT_NE(jsonl.find("\"tokens_per_s\""), std::string::npos);
+}
+
+TEST(Train, ResumingWithAnotherModelNamesTheDifferingFields) {
+  Config a = tiny_config("other_model_a");
+  train(a);
+  Config b = tiny_config("other_model_b");
+  b.model.layers = 3;
+  try {
+    train(b, a.output.dir);
+    FAIL() << "expected an error";
+  } catch (const alloy::InputError& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("state.json"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("model.layers: 2 vs 3"), std::string::npos) << msg;
+  }
+}
+
+TEST(Train, BadOutputDirFailsBeforeTraining) {
+  Config c = tiny_config("bad_out");
+  std::string file = fs::temp_directory_path() / "alloy_not_a_dir";
+  alloy::write_file_atomic(file, "x");
+  c.output.dir = file + "/run";
+  try {
+    train(c);
+    FAIL() << "expected an error";
+  } catch (const alloy::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(file + "/run"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Train, CheckpointWithoutStateIsRejectedClearly) {
+  fs::path dir = fs::temp_directory_path() / "alloy_bad_ckpt";
+  fs::remove_all(dir);
+  fs::create_directories(dir / "checkpoints" / "step_00000001");
+  alloy::write_file_atomic((dir / "checkpoints" / "step_00000001" / "state.json").string(), "{\"format\": \"other\"}");
+  alloy::write_file_atomic((dir / "checkpoints" / "latest").string(), "step_00000001\n");
+  try {
+    alloy::train::read_checkpoint_state(alloy::train::resolve_checkpoint(dir.string()));
+    FAIL();
+  } catch (const alloy::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("not an Alloy checkpoint"), std::string::npos) << e.what();
+  }
+}
