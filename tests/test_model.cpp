@@ -96,3 +96,16 @@ TEST(Model, Float64ModelComputesInDouble) {
   auto model = Transformer::full(m, 1);
   EXPECT_EQ(model->forward(tokens(m, 1, 2)).scalar_type(), at::kDouble);
 }
+
+TEST(Model, ParamNamesMatchWhatSlicesHold) {
+  for (std::string arch : {"gpt2", "llama"}) {
+    ModelConfig m = tiny(arch);
+    for (auto [b, e] : std::vector<std::pair<int64_t, int64_t>>{{0, 4}, {0, 1}, {1, 3}, {3, 4}}) {
+      auto range = LayerRange::for_blocks(b, e, m.layers);
+      Transformer t(m, range, 1);
+      std::vector<std::string> held;
+      for (auto* p : t.parameters()) held.push_back(p->name);
+      EXPECT_EQ(held, alloy::model::param_names(m, range)) << arch << " [" << b << "," << e << ")";
+    }
+  }
+}

@@ -1,9 +1,17 @@
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 
 #include "alloy/cli/commands.h"
 #include "alloy/core/config.h"
+#include "alloy/core/error.h"
 #include "alloy/core/log.h"
+#include "alloy/core/plan.h"
+#include "alloy/core/plan_convert.h"
+#include "alloy/dist/rendezvous.h"
+#include "alloy/dist/world.h"
 #include "alloy/train/trainer.h"
 
 namespace alloy::cli {
@@ -13,8 +21,11 @@ struct TrainArgs {
   std::string config;
   std::vector<std::string> sets;
   bool resume = false;
-  std::string resume_from;
-  std::string init_weights;
+  std::string resume_from, init_weights, plan_file, hetero_config, trace;
+  dist::RendezvousFlags rv;
+  double timeout_s = 300;
+  SynerFuseArgs sf;
+  bool tp_pp_dp_mapping = false;
 };
 
 void print_summary(const train::TrainResult& r) {
@@ -38,30 +49,114 @@ void print_summary(const train::TrainResult& r) {
   for (const auto& s : r.steps) tps += s.tokens_per_s;
   std::printf("mean throughput: %.0f tokens/s\n", tps / static_cast<double>(n));
 }
+
+bool synerfuse_given(const SynerFuseArgs& a) {
+  return !a.hetero_pipeline_stages.empty() || !a.micro_batch_size_per_dp.empty() || !a.num_micro_batches_per_dp.empty() ||
+         a.pipeline_model_parallel_size > 1;
+}
 }  // namespace
 
 void add_train_commands(CLI::App& app, Action& action) {
-  auto args = std::make_shared<TrainArgs>();
-  auto* cmd = app.add_subcommand("train", "Train a model from a config file");
-  cmd->add_option("-c,--config", args->config, "YAML config with sections model, data, train, output")
+  auto a = std::make_shared<TrainArgs>();
+  auto* cmd = app.add_subcommand("train", "Train a model: on one device, or as one rank of a distributed plan");
+  cmd->add_option("-c,--config", a->config, "YAML config with sections model, data, train, output")
       ->required()
       ->check(CLI::ExistingFile);
-  cmd->add_option("--set", args->sets, "Override a config key: --set section.key=value (repeatable)");
-  cmd->add_flag("--resume", args->resume, "Resume from the latest checkpoint in output.dir");
-  cmd->add_option("--resume-from", args->resume_from, "Resume from this checkpoint or run directory");
-  cmd->add_option("--init-weights", args->init_weights,
-                  "Start from these weights (safetensors or checkpoint) with a fresh optimizer");
+  cmd->add_option("--set", a->sets, "Override a config key: --set section.key=value (repeatable)");
+  cmd->add_flag("--resume", a->resume, "Resume from the latest checkpoint in output.dir");
+  cmd->add_option("--resume-from", a->resume_from, "Resume from this checkpoint or run directory");
+  cmd->add_option("--init-weights", a->init_weights, "Start from these weights (safetensors or checkpoint), fresh optimizer");
+
+  auto* g_plan = "Parallel plan (default: one device; with several ranks and no plan, equal data parallelism)";
+  cmd->add_option("--plan", a->plan_file, "Plan JSON (see `alloy plan`)")->group(g_plan)->check(CLI::ExistingFile);
+  cmd->add_option("--hetero-config", a->hetero_config, "HeteroShard hetero_config.json: its shard_plan becomes the plan")
+      ->group(g_plan)->check(CLI::ExistingFile);
+  cmd->add_option("--trace", a->trace, "Write a Chrome trace (chrome://tracing, Perfetto) of one step's schedule, all ranks")
+      ->group(g_plan);
+
+  auto* g_sf = "SynerFuse / Megatron flags (instead of a plan)";
+  cmd->add_option("--num-layers", a->sf.num_layers, "Transformer blocks (must match model.layers)")->group(g_sf);
+  cmd->add_option("--pipeline-model-parallel-size", a->sf.pipeline_model_parallel_size, "Pipeline stages")->group(g_sf);
+  cmd->add_option("--tensor-model-parallel-size", a->sf.tensor_model_parallel_size, "Only 1 is supported")->group(g_sf);
+  cmd->add_option("--global-batch-size", a->sf.global_batch_size, "Overrides train.global_batch")->group(g_sf);
+  cmd->add_option("--micro-batch-size", a->sf.micro_batch_size, "Uniform micro-batch size")->group(g_sf);
+  cmd->add_option("--hetero-pipeline-stages", a->sf.hetero_pipeline_stages, "n0 l00 l01 ... n1 l10 ...: layers per stage")
+      ->group(g_sf);
+  cmd->add_option("--micro-batch-size-per-dp", a->sf.micro_batch_size_per_dp, "n0 mbs0 n1 mbs1 ...")->group(g_sf);
+  cmd->add_option("--num-micro-batches-per-dp", a->sf.num_micro_batches_per_dp, "n0 nmb0 n1 nmb1 ...")->group(g_sf);
+  cmd->add_flag("--use-tp-pp-dp-mapping", a->tp_pp_dp_mapping, "Accepted for SynerFuse compatibility (always on)")->group(g_sf);
+
+  auto* g_rv = "Rendezvous (default: torchrun or SLURM variables, else one process)";
+  cmd->add_option("--rank", a->rv.rank, "This process's rank")->group(g_rv);
+  cmd->add_option("--world-size", a->rv.world_size, "Number of ranks")->group(g_rv);
+  cmd->add_option("--master-addr", a->rv.master_addr, "Host of rank 0 (the rendezvous store)")->group(g_rv);
+  cmd->add_option("--master-port", a->rv.master_port, "Port of the rendezvous store")->group(g_rv);
+  cmd->add_option("--dist-url", a->rv.dist_url, "tcp://HOST:PORT (PTAFM style)")->group(g_rv);
+  cmd->add_option("--timeout", a->timeout_s, "Seconds any collective or rendezvous may take before the job fails")
+      ->group(g_rv)->capture_default_str();
   cmd->footer("Config keys (section.key, help, type and default):\n" + config_reference());
-  cmd->callback([args, &action]() {
-    action = [args]() {
-      Config cfg = Config::load(args->config, args->sets);
+
+  cmd->callback([a, &action]() {
+    action = [a]() {
+      Config cfg = Config::load(a->config, a->sets);
+      dist::Rendezvous rv = dist::resolve_rendezvous(a->rv);
+      if (a->sf.global_batch_size > 0) cfg.train.global_batch = a->sf.global_batch_size;
+      if (a->sf.num_layers > 0 && a->sf.num_layers != cfg.model.layers)
+        throw InputError("--num-layers", std::to_string(a->sf.num_layers) + " differs from model.layers " +
+                                             std::to_string(cfg.model.layers) + " in " + a->config);
+      std::shared_ptr<Plan> plan;
+      if (!a->plan_file.empty()) {
+        plan = std::make_shared<Plan>(Plan::load(a->plan_file));
+      } else if (!a->hetero_config.empty()) {
+        plan = std::make_shared<Plan>(plan_from_hetero_config_file(a->hetero_config, cfg.model.layers, cfg.train.global_batch,
+                                                                   cfg.train.micro_batch_resolved()));
+      } else if (synerfuse_given(a->sf)) {
+        SynerFuseArgs sf = a->sf;
+        sf.num_layers = cfg.model.layers;
+        sf.global_batch_size = cfg.train.global_batch;
+        if (sf.micro_batch_size <= 0) sf.micro_batch_size = cfg.train.micro_batch_resolved();
+        sf.world_size = rv.world_size;
+        plan = std::make_shared<Plan>(plan_from_synerfuse(sf));
+      } else if (rv.world_size > 1) {
+        int64_t gb = cfg.train.global_batch, n = rv.world_size;
+        if (gb % n != 0)
+          throw InputError("train.global_batch", std::to_string(gb) + " does not split evenly over " + std::to_string(n) +
+                                                     " ranks; give a --plan or SynerFuse flags for an uneven split");
+        int64_t per = gb / n, mbs = std::min<int64_t>(per, cfg.train.micro_batch_resolved());
+        if (per % mbs != 0) mbs = per;
+        plan = std::make_shared<Plan>(Plan::data_parallel(cfg.model.layers, std::vector<std::pair<int64_t, int64_t>>(
+                                                                                static_cast<size_t>(n), {mbs, per / mbs})));
+      }
+      if (plan) plan->validate(cfg.model, a->plan_file.empty() ? "plan" : a->plan_file);
+
       train::TrainOptions o;
-      if (!args->resume_from.empty()) o.resume = args->resume_from;
-      else if (args->resume) o.resume = cfg.output.dir;
-      o.init_weights = args->init_weights;
-      train::Trainer trainer(cfg, o);
-      auto result = trainer.run();
-      print_summary(result);
+      if (!a->resume_from.empty()) o.resume = a->resume_from;
+      else if (a->resume) o.resume = cfg.output.dir;
+      o.init_weights = a->init_weights;
+      o.plan = plan;
+      o.trace = a->trace;
+      if (rv.world_size > 1) {
+        if (!std::getenv("ALLOY_OUTPUT_PREFIXED")) set_log_prefix("[rank " + std::to_string(rv.rank) + "] ");
+        o.world = dist::World::create(rv, std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000)));
+      }
+      try {
+        train::Trainer trainer(cfg, o);
+        auto result = trainer.run();
+        if (rv.rank == 0) print_summary(result);
+      } catch (const std::exception& e) {
+        if (!o.world) throw;
+        // Tell the others why, then leave at once: tearing down process groups whose peers are
+        // gone can block, and a stuck rank is what this path exists to prevent.
+        o.world->report_exit(e.what());
+        std::fprintf(stderr, "alloy: error: rank %d: %s\n", rv.rank, e.what());
+        std::fflush(stderr);
+        std::fflush(stdout);
+        ::_exit(1);
+      }
+      std::fflush(stdout);
+      if (o.world) {
+        o.world->all().barrier();  // nobody tears down a group a peer still uses
+      }
       return 0;
     };
   });

@@ -9,4 +9,5 @@ using Action = std::function<int()>;
 void add_train_commands(CLI::App& app, Action& action);
 void add_data_commands(CLI::App& app, Action& action);
 void add_model_commands(CLI::App& app, Action& action);
+void add_dist_commands(CLI::App& app, Action& action);
 }  // namespace alloy::cli

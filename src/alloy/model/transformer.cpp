@@ -300,6 +300,37 @@ std::vector<const Param*> Transformer::parameters() const {
   return out;
 }
 
+std::vector<std::string> param_names(const ModelConfig& m, LayerRange range) {
+  std::vector<std::string> out;
+  const bool llama = m.arch == "llama";
+  for (int64_t pos = range.begin; pos < range.end; ++pos) {
+    if (pos == 0) {
+      if (llama) out.push_back("model.embed_tokens.weight");
+      else out.insert(out.end(), {"wte.weight", "wpe.weight"});
+    } else if (pos == m.layers + 1) {
+      if (llama) {
+        out.insert(out.end(), {"model.norm.weight", "lm_head.weight"});
+      } else {
+        out.insert(out.end(), {"ln_f.weight", "ln_f.bias"});
+        if (range.begin != 0) out.push_back("wte.weight");
+      }
+    } else if (llama) {
+      std::string p = "model.layers." + std::to_string(pos - 1) + ".";
+      for (const char* n : {"input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                            "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"})
+        out.push_back(p + n);
+    } else {
+      std::string p = "h." + std::to_string(pos - 1) + ".";
+      for (const char* n : {"ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                            "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                            "mlp.c_proj.weight", "mlp.c_proj.bias"})
+        out.push_back(p + n);
+    }
+  }
+  return out;
+}
+
 Param* Transformer::find(const std::string& name) {
   for (auto* p : parameters())
     if (p->name == name) return p;

@@ -89,6 +89,9 @@ class Transformer {
 };
 
 at::ScalarType dtype_of(const ModelConfig& m);
+// The parameter names a slice holds, without building it (every rank needs every stage's names
+// to know which ranks share which parameters).
+std::vector<std::string> param_names(const ModelConfig& m, LayerRange range);
 uint64_t layer_seed(uint64_t seed, int64_t position);
 
 }  // namespace alloy::model

@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <map>
 
 #include "alloy/core/error.h"
 #include "alloy/core/fs.h"
@@ -19,46 +20,88 @@ std::string step_name(int64_t step) {
   std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
   return buf;
 }
+std::string shard_name(const std::string& base, int rank, int world) {
+  if (world == 1) return base + ".safetensors";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%s-rank%05d.safetensors", base.c_str(), rank);
+  return buf;
+}
+// Every shard file of one kind ("model" or "optimizer") in a checkpoint directory.
+std::vector<std::string> shards(const std::string& dir, const std::string& base) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    std::string n = e.path().filename().string();
+    if (n == base + ".safetensors" || (n.rfind(base + "-rank", 0) == 0 && n.size() > 12 &&
+                                       n.compare(n.size() - 12, 12, ".safetensors") == 0))
+      out.push_back(e.path().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
 }  // namespace
 
-std::string save_checkpoint(const std::string& run_dir, const CheckpointState& st, const model::Transformer& m,
-                            const AdamW* opt) {
-  std::string root = run_dir + "/checkpoints";
-  ensure_writable_dir(root);
-  std::string name = step_name(st.step);
-  std::string final_dir = root + "/" + name;
-  std::string tmp_dir = root + "/." + name + ".partial";
-  std::error_code ec;
-  fs::remove_all(tmp_dir, ec);
-  ensure_writable_dir(tmp_dir);
+std::string checkpoint_staging_dir(const std::string& run_dir, int64_t step) {
+  return run_dir + "/checkpoints/." + step_name(step) + ".partial";
+}
 
-  std::map<std::string, std::string> meta = {{"format", "alloy-model"}, {"arch", m.config().arch}};
-  model::save_weights(m, tmp_dir + "/model.safetensors", meta);
-  if (opt) {
-    std::vector<std::pair<std::string, model::TensorBlob>> blobs;
-    for (const auto& [n, t] : opt->state()) blobs.emplace_back(n, model::to_blob(t));
-    blobs.emplace_back("rng.cpu", model::to_blob(at::detail::getDefaultCPUGenerator().get_state()));
-    model::write_safetensors(tmp_dir + "/optimizer.safetensors", blobs, {{"format", "alloy-optimizer"}});
+void begin_checkpoint(const std::string& run_dir, int64_t step) {
+  ensure_writable_dir(run_dir + "/checkpoints");
+  std::string tmp = checkpoint_staging_dir(run_dir, step);
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  ensure_writable_dir(tmp);
+}
+
+void write_checkpoint_shard(const std::string& dir, int rank, int world, const std::vector<const model::Param*>& params,
+                            const AdamW* opt) {
+  std::vector<std::pair<std::string, model::TensorBlob>> blobs;
+  for (const auto* p : params) blobs.emplace_back(p->name, model::to_blob(p->tensor));
+  model::write_safetensors(dir + "/" + shard_name("model", rank, world), blobs, {{"format", "alloy-model"}});
+  if (!opt) return;
+  std::map<std::string, bool> mine;
+  for (const auto* p : params) mine[p->name] = true;
+  std::vector<std::pair<std::string, model::TensorBlob>> ob;
+  for (const auto& [n, t] : opt->state()) {
+    std::string pname = n.substr(n.find('.') + 1);  // "exp_avg.NAME" -> NAME
+    if (mine.count(pname)) ob.emplace_back(n, model::to_blob(t));
   }
+  ob.emplace_back("rng.cpu", model::to_blob(at::detail::getDefaultCPUGenerator().get_state()));
+  model::write_safetensors(dir + "/" + shard_name("optimizer", rank, world), ob, {{"format", "alloy-optimizer"}});
+}
+
+std::string publish_checkpoint(const std::string& run_dir, const CheckpointState& st) {
+  std::string root = run_dir + "/checkpoints";
+  std::string name = step_name(st.step);
+  std::string tmp = checkpoint_staging_dir(run_dir, st.step);
   nlohmann::json j = {{"format", kCheckpointFormat},
                       {"version", kCheckpointVersion},
                       {"step", st.step},
                       {"consumed_samples", st.consumed_samples},
-                      {"optimizer_steps", opt ? opt->steps_taken() : 0},
-                      {"has_optimizer", opt != nullptr},
+                      {"optimizer_steps", st.optimizer_steps},
+                      {"world_size", st.world_size},
                       {"config", st.config.to_json()}};
-  write_file_atomic(tmp_dir + "/state.json", j.dump(2) + "\n");
-  fsync_dir(tmp_dir);
-
-  // Replace an older checkpoint of the same step only after the new one is complete.
-  std::string old_dir = root + "/." + name + ".old";
+  if (!st.plan.is_null()) j["plan"] = st.plan;
+  write_file_atomic(tmp + "/state.json", j.dump(2) + "\n");
+  fsync_dir(tmp);
+  // Replace an older checkpoint of the same step only once the new one is complete.
+  std::string final_dir = root + "/" + name, old_dir = root + "/." + name + ".old";
+  std::error_code ec;
   fs::remove_all(old_dir, ec);
   if (fs::exists(final_dir)) fs::rename(final_dir, old_dir);
-  fs::rename(tmp_dir, final_dir);
+  fs::rename(tmp, final_dir);
   fsync_dir(root);
   write_file_atomic(root + "/latest", name + "\n");
   fs::remove_all(old_dir, ec);
   return final_dir;
+}
+
+std::string save_checkpoint(const std::string& run_dir, const CheckpointState& st, const model::Transformer& m,
+                            const AdamW* opt) {
+  begin_checkpoint(run_dir, st.step);
+  write_checkpoint_shard(checkpoint_staging_dir(run_dir, st.step), 0, 1, m.parameters(), opt);
+  CheckpointState s = st;
+  s.optimizer_steps = opt ? opt->steps_taken() : 0;
+  return publish_checkpoint(run_dir, s);
 }
 
 std::string resolve_checkpoint(const std::string& path) {
@@ -87,43 +130,71 @@ CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {
   if (j.value("format", "") != kCheckpointFormat)
     throw InputError(file, "field 'format' is not \"" + std::string(kCheckpointFormat) + "\": not an Alloy checkpoint");
   if (j.value("version", -1) != kCheckpointVersion)
-    throw InputError(file, "field 'version' is " + j.value("version", nlohmann::json()).dump() + ", this Alloy reads version " +
-                               std::to_string(kCheckpointVersion));
+    throw InputError(file, "field 'version' is " + j.value("version", nlohmann::json()).dump() +
+                               ", this Alloy reads version " + std::to_string(kCheckpointVersion));
   CheckpointState st;
   try {
     st.step = j.at("step").get<int64_t>();
     st.consumed_samples = j.at("consumed_samples").get<uint64_t>();
     st.optimizer_steps = j.at("optimizer_steps").get<int64_t>();
+    st.world_size = j.value("world_size", 1);
   } catch (const nlohmann::json::exception& e) {
     throw InputError(file, std::string("missing or ill-typed field: ") + e.what());
   }
   if (!j.contains("config")) throw InputError(file, "field 'config' is missing");
   st.config = Config::from_json(j["config"], file + " (field 'config')");
+  if (j.contains("plan")) st.plan = j["plan"];
   return st;
+}
+
+void check_same_model(const std::string& ckpt_dir, const CheckpointState& st, const ModelConfig& m) {
+  auto diffs = model_differences(st.config.model, m);
+  if (diffs.empty()) return;
+  std::string msg = "is a checkpoint of another model (checkpoint vs this run):";
+  for (const auto& d : diffs) msg += "\n  " + d;
+  throw InputError(ckpt_dir + "/state.json", msg);
+}
+
+void load_params(const std::string& ckpt_dir, const std::vector<model::Param*>& params) {
+  at::NoGradGuard ng;
+  std::vector<model::SafetensorsFile> files;
+  for (const auto& f : shards(ckpt_dir, "model")) files.push_back(model::SafetensorsFile::open(f));
+  if (files.empty()) throw InputError(ckpt_dir, "holds no model*.safetensors");
+  for (auto* p : params) {
+    const model::SafetensorsFile* src = nullptr;
+    for (const auto& f : files)
+      if (f.has(p->name)) src = &f;
+    if (!src) throw InputError(ckpt_dir, "no shard holds tensor '" + p->name + "' (is this a checkpoint of another model?)");
+    const auto& info = src->info(p->name);
+    if (at::IntArrayRef(info.shape) != p->tensor.sizes())
+      throw InputError(src->path(), "tensor '" + p->name + "' has shape " + std::string(c10::str(at::IntArrayRef(info.shape))) +
+                                        ", the model needs " + std::string(c10::str(p->tensor.sizes())));
+    p->tensor.copy_(model::read_tensor(*src, p->name));
+  }
+}
+
+void load_optimizer(const std::string& ckpt_dir, AdamW& opt, int64_t optimizer_steps) {
+  std::map<std::string, at::Tensor> all;
+  auto files = shards(ckpt_dir, "optimizer");
+  if (files.empty())
+    throw InputError(ckpt_dir, "holds no optimizer*.safetensors: it has weights only and cannot be resumed (use --init-weights)");
+  for (const auto& f : files) {
+    auto st = model::SafetensorsFile::open(f);
+    for (const auto& n : st.names())
+      if (n != "rng.cpu") all[n] = model::read_tensor(st, n);
+    if (st.has("rng.cpu") && files.size() == 1) {
+      at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle to the global generator
+      gen.set_state(model::read_tensor(st, "rng.cpu"));
+    }
+  }
+  opt.load_state(all, optimizer_steps, ckpt_dir);
 }
 
 void load_checkpoint(const std::string& ckpt_dir, model::Transformer& m, AdamW* opt) {
   CheckpointState st = read_checkpoint_state(ckpt_dir);
-  auto diffs = model_differences(st.config.model, m.config());
-  if (!diffs.empty()) {
-    std::string msg = "is a checkpoint of another model (checkpoint vs this run):";
-    for (const auto& d : diffs) msg += "\n  " + d;
-    throw InputError(ckpt_dir + "/state.json", msg);
-  }
-  auto weights = model::SafetensorsFile::open(ckpt_dir + "/model.safetensors");
-  model::load_weights(m, weights);
-  if (opt) {
-    std::string ofile = ckpt_dir + "/optimizer.safetensors";
-    if (!file_exists(ofile)) throw InputError(ofile, "missing: this checkpoint holds weights only and cannot be resumed");
-    auto f = model::SafetensorsFile::open(ofile);
-    auto tensors = model::read_all(f);
-    opt->load_state(tensors, st.optimizer_steps, ofile);
-    auto it = tensors.find("rng.cpu");
-    if (it != tensors.end()) {
-      at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle to the global generator
-      gen.set_state(it->second);
-    }
-  }
+  check_same_model(ckpt_dir, st, m.config());
+  load_params(ckpt_dir, m.parameters());
+  if (opt) load_optimizer(ckpt_dir, *opt, st.optimizer_steps);
 }
 
 }  // namespace alloy::train

@@ -1,15 +1,20 @@
 #pragma once
-// Checkpoints: one directory per saved step under OUTPUT/checkpoints/, published atomically
-// (written as a temporary directory, every file fsynced, then renamed) with a `latest` pointer
-// file updated last, so a crash at any moment leaves the previous checkpoint intact.
+// Checkpoints: one directory per saved step under RUN/checkpoints/, published atomically: every
+// rank writes its shard into a hidden temporary directory, then rank 0 writes state.json, renames
+// the directory into place and updates the `latest` pointer last. A crash at any moment leaves the
+// previous checkpoint intact.
 //
-//   step_00000020/state.json          {"format": "alloy-checkpoint", "version": 1, step, consumed
-//                                      samples, optimizer steps, full config}
-//   step_00000020/model.safetensors   weights under HuggingFace names
-//   step_00000020/optimizer.safetensors  AdamW moments ("exp_avg.NAME", "exp_avg_sq.NAME") and the
-//                                      CPU RNG state ("rng.cpu")
-#include <optional>
+//   step_00000020/state.json     {"format": "alloy-checkpoint", "version": 1, step, consumed
+//                                 samples, optimizer steps, world size, full config, plan}
+//   step_00000020/model.safetensors            weights under HuggingFace names (one process), or
+//   step_00000020/model-rank00003.safetensors  the parameters rank 3 owns (several processes)
+//   step_00000020/optimizer[-rankN].safetensors  AdamW moments "exp_avg.NAME", "exp_avg_sq.NAME"
+//                                                and the CPU RNG state "rng.cpu"
+// Parameters are stored by name, so a checkpoint loads into any other split of the same model.
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "alloy/core/config.h"
 #include "alloy/model/transformer.h"
@@ -21,14 +26,23 @@ inline constexpr const char* kCheckpointFormat = "alloy-checkpoint";
 inline constexpr int kCheckpointVersion = 1;
 
 struct CheckpointState {
-  int64_t step = 0;              // optimizer steps completed
-  uint64_t consumed_samples = 0; // position in the sample stream
+  int64_t step = 0;               // optimizer steps completed
+  uint64_t consumed_samples = 0;  // position in the sample stream
   int64_t optimizer_steps = 0;
   Config config;
+  int world_size = 1;
+  nlohmann::json plan;            // the plan that wrote it (informational)
 };
 
-// Saves into DIR/checkpoints/step_XXXXXXXX and points DIR/checkpoints/latest at it. Returns the
-// checkpoint directory. OPT may be null (weights only, e.g. `alloy import`).
+// Collective save, in three phases (ranks synchronise between them):
+std::string checkpoint_staging_dir(const std::string& run_dir, int64_t step);
+void begin_checkpoint(const std::string& run_dir, int64_t step);  // rank 0
+// Every rank: the parameters it owns (and their optimizer state; OPT may be null).
+void write_checkpoint_shard(const std::string& staging_dir, int rank, int world_size,
+                            const std::vector<const model::Param*>& params, const AdamW* opt);
+std::string publish_checkpoint(const std::string& run_dir, const CheckpointState& st);  // rank 0
+
+// Single-process save (import, tests).
 std::string save_checkpoint(const std::string& run_dir, const CheckpointState& st, const model::Transformer& m,
                             const AdamW* opt);
 
@@ -36,8 +50,13 @@ std::string save_checkpoint(const std::string& run_dir, const CheckpointState& s
 std::string resolve_checkpoint(const std::string& path);
 // Reads and validates state.json; throws InputError naming the file and field.
 CheckpointState read_checkpoint_state(const std::string& ckpt_dir);
-// Loads weights (and optimizer state and RNG if OPT is given) after checking the checkpoint's
-// model config equals M's; a different model is an error listing the differing fields.
+// Throws InputError listing the differing fields when the checkpoint holds another model.
+void check_same_model(const std::string& ckpt_dir, const CheckpointState& st, const ModelConfig& m);
+// Copies every parameter of PARAMS from the checkpoint's shards, by name.
+void load_params(const std::string& ckpt_dir, const std::vector<model::Param*>& params);
+// Loads the AdamW state of OPT's parameters, by name, and the RNG state if present.
+void load_optimizer(const std::string& ckpt_dir, AdamW& opt, int64_t optimizer_steps);
+// All of the above for one full model.
 void load_checkpoint(const std::string& ckpt_dir, model::Transformer& m, AdamW* opt);
 
 }  // namespace alloy::train

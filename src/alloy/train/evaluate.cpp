@@ -36,19 +36,14 @@ EvalResult evaluate_tokens(model::Transformer& m, const std::vector<int32_t>& to
 
 std::unique_ptr<model::Transformer> load_model(const ModelConfig& cfg, const std::string& src) {
   auto m = model::Transformer::full(cfg, 0);
-  std::string file = src;
   if (std::filesystem::is_directory(src)) {
     std::string dir = resolve_checkpoint(src);
-    auto diffs = model_differences(read_checkpoint_state(dir).config.model, cfg);
-    if (!diffs.empty()) {
-      std::string msg = "is a checkpoint of another model (checkpoint vs config):";
-      for (const auto& d : diffs) msg += "\n  " + d;
-      throw InputError(dir + "/state.json", msg);
-    }
-    file = dir + "/model.safetensors";
+    check_same_model(dir, read_checkpoint_state(dir), cfg);
+    load_params(dir, m->parameters());  // by name, from however many shards wrote it
+  } else {
+    auto f = model::SafetensorsFile::open(src);
+    model::load_weights(*m, f);
   }
-  auto f = model::SafetensorsFile::open(file);
-  model::load_weights(*m, f);
   return m;
 }
 

@@ -3,15 +3,22 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <dlfcn.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
+#include <set>
 #include <sstream>
 
 #include "alloy/core/error.h"
 #include "alloy/core/fs.h"
 #include "alloy/core/log.h"
+#include "alloy/dist/reducer.h"
+#include "alloy/dist/world.h"
 #include "alloy/model/weights.h"
+#include "alloy/pipeline/schedule.h"
 #include "alloy/train/checkpoint.h"
 #include "alloy/train/metrics.h"
 
@@ -32,10 +39,46 @@ at::Device parse_device(const std::string& spec) {
   return d;
 }
 
+namespace {
+std::string join(const std::vector<int>& v, const char* sep) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + std::to_string(v[i]);
+  return s;
+}
+// What every rank must agree on: the model, the data order, the optimisation and the plan. Thread
+// counts, devices and output paths may differ per rank.
+std::string job_fingerprint(const Config& c, const Plan& p) {
+  nlohmann::json j = c.to_json();
+  j["train"].erase("threads");
+  j["train"].erase("device");
+  j.erase("output");
+  j["plan"] = p.to_json();
+  j["plan"].erase("predicted");
+  return j.dump();
+}
+}  // namespace
+
+Trainer::~Trainer() = default;
+
 Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(std::move(opts)) {
   cfg_.validate();
   configure_threads(cfg_.train.threads);
   device_ = parse_device(cfg_.train.device);
+  world_ = opts_.world;
+  rank_ = world_ ? world_->rank() : 0;
+  plan_ = opts_.plan ? opts_.plan : std::make_shared<Plan>(Plan::single_device(cfg_));
+  if (plan_->global_batch != cfg_.train.global_batch)
+    throw InputError("plan", "global_batch " + std::to_string(plan_->global_batch) + " differs from train.global_batch " +
+                                 std::to_string(cfg_.train.global_batch));
+  plan_->validate(cfg_.model, "plan");
+  const int job_size = world_ ? world_->size() : 1;
+  if (plan_->world_size() != job_size)
+    throw InputError("plan", "needs " + std::to_string(plan_->world_size()) + " ranks but the job has " +
+                                 std::to_string(job_size) + " (world size)");
+  if (world_) world_->check_same("config and plan", job_fingerprint(cfg_, *plan_));
+  pos_ = plan_->locate(rank_);
+  const PipelinePlan& pl = plan_->pipelines[static_cast<size_t>(pos_.pipeline)];
+  const StagePlan& st = pl.stages[static_cast<size_t>(pos_.stage)];
 
   auto paths = data::resolve_dataset_paths(cfg_.data.prefix, cfg_.data.valid_prefix);
   auto train_ds = std::make_shared<data::IndexedDataset>(data::IndexedDataset::open(paths.train));
@@ -49,130 +92,294 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   }
   sampler_ = std::make_unique<data::GlobalBatchSampler>(train_->num_samples(), static_cast<uint64_t>(cfg_.train.seed));
 
-  model_ = model::Transformer::full(cfg_.model, static_cast<uint64_t>(cfg_.train.seed));
+  // This rank's slice of the model, with exactly the weights the full model would have.
+  model_ = std::make_unique<model::Transformer>(
+      cfg_.model, model::LayerRange::for_blocks(st.layer_begin, st.layer_end, cfg_.model.layers),
+      static_cast<uint64_t>(cfg_.train.seed));
   model_->to(device_);
+  for (size_t p = 0; p < plan_->pipelines.size(); ++p)
+    for (const auto& s : plan_->pipelines[p].stages)
+      for (const auto& n : model::param_names(cfg_.model, model::LayerRange::for_blocks(s.layer_begin, s.layer_end, cfg_.model.layers)))
+        holders_[n].push_back(s.ranks[0]);
+  for (auto& [n, r] : holders_) std::sort(r.begin(), r.end());
   opt_ = std::make_unique<AdamW>(model_->parameters(), AdamW::from_config(cfg_.train));
 
   if (!opts_.resume.empty()) {
     std::string dir = resolve_checkpoint(opts_.resume);
-    CheckpointState st = read_checkpoint_state(dir);
-    load_checkpoint(dir, *model_, opt_.get());
-    start_step_ = st.step;
-    if (st.consumed_samples != static_cast<uint64_t>(st.step * cfg_.train.global_batch))
-      throw InputError(dir + "/state.json", "consumed_samples " + std::to_string(st.consumed_samples) +
-                                                " does not match step " + std::to_string(st.step) + " x train.global_batch " +
+    CheckpointState cs = read_checkpoint_state(dir);
+    check_same_model(dir, cs, cfg_.model);
+    if (cs.consumed_samples != static_cast<uint64_t>(cs.step * cfg_.train.global_batch))
+      throw InputError(dir + "/state.json", "consumed_samples " + std::to_string(cs.consumed_samples) + " does not match step " +
+                                                std::to_string(cs.step) + " x train.global_batch " +
                                                 std::to_string(cfg_.train.global_batch) + ": the global batch changed");
-    log_info("resumed from " + dir + " at step " + std::to_string(start_step_));
+    load_params(dir, model_->parameters());
+    load_optimizer(dir, *opt_, cs.optimizer_steps);
+    start_step_ = cs.step;
+    if (rank_ == 0) log_info("resumed from " + dir + " at step " + std::to_string(start_step_));
   } else if (!opts_.init_weights.empty()) {
-    std::string file = opts_.init_weights;
-    if (!file_exists(file) || std::filesystem::is_directory(file)) file = resolve_checkpoint(file) + "/model.safetensors";
-    auto f = model::SafetensorsFile::open(file);
-    model::load_weights(*model_, f);
-    log_info("initial weights from " + file);
+    std::string src = opts_.init_weights;
+    if (std::filesystem::is_directory(src)) {
+      std::string dir = resolve_checkpoint(src);
+      check_same_model(dir, read_checkpoint_state(dir), cfg_.model);
+      load_params(dir, model_->parameters());
+    } else {
+      auto f = model::SafetensorsFile::open(src);
+      model::load_weights(*model_, f);
+    }
+    if (rank_ == 0) log_info("initial weights from " + src);
   }
+
+  pipeline::StageLinks links;
+  if (pl.stages.size() > 1) {
+    links.group = &world_->all();
+    if (pos_.stage > 0) links.prev_rank = pl.stages[static_cast<size_t>(pos_.stage - 1)].ranks[0];
+    if (pos_.stage + 1 < static_cast<int>(pl.stages.size())) links.next_rank = pl.stages[static_cast<size_t>(pos_.stage + 1)].ranks[0];
+  }
+  exec_ = std::make_unique<pipeline::StageExecutor>(*model_, links, pl.micro_batch_size);
+  if (world_) build_groups();
 }
 
-at::Tensor Trainer::batch_tensor(const std::vector<uint64_t>& samples) const {
-  const auto& src = train_;
-  at::Tensor t = at::empty({static_cast<int64_t>(samples.size()), cfg_.model.seq_len + 1}, at::kLong);
-  src->gather(samples, t.data_ptr<int64_t>());
-  return t.to(device_);
+void Trainer::build_groups() {
+  // One process group per distinct set of ranks holding the same parameters. Every rank walks the
+  // sets in the same (sorted) order and joins those it belongs to, so creation cannot deadlock.
+  std::set<std::vector<int>> sets;
+  for (const auto& [n, r] : holders_)
+    if (r.size() > 1) sets.insert(r);
+  std::map<std::vector<int>, std::shared_ptr<dist::Group>> by_set;
+  for (const auto& s : sets) {
+    if (std::find(s.begin(), s.end(), rank_) == s.end()) continue;
+    by_set[s] = world_->new_group("grad-" + join(s, "-"), s);
+    groups_.push_back(by_set[s]);
+  }
+  // Buckets fill in backward order: parameters of the last layers first.
+  std::map<std::vector<int>, dist::Reducer::ParamGroup> pgs;
+  auto params = model_->parameters();
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    const auto& r = holders_.at((*it)->name);
+    if (r.size() < 2) continue;
+    auto& pg = pgs[r];
+    pg.group = by_set.at(r);
+    pg.params.push_back(*it);
+  }
+  std::vector<dist::Reducer::ParamGroup> list;
+  for (auto& [s, pg] : pgs) list.push_back(pg);
+  reducer_ = std::make_unique<dist::Reducer>(list, plan_->bucket_mb);
+}
+
+std::vector<pipeline::MicroBatch> Trainer::micro_batches(const data::TokenWindows& src, const std::vector<uint64_t>& samples,
+                                                         int64_t mbs) const {
+  const int64_t T = cfg_.model.seq_len;
+  const bool first = pos_.stage == 0;
+  const bool last = pos_.stage + 1 == static_cast<int>(plan_->pipelines[static_cast<size_t>(pos_.pipeline)].stages.size());
+  std::vector<pipeline::MicroBatch> out;
+  // The last micro-batch may be short (validation sets rarely divide evenly).
+  for (size_t i = 0; i < samples.size(); i += static_cast<size_t>(mbs)) {
+    const int64_t rows = std::min<int64_t>(mbs, static_cast<int64_t>(samples.size() - i));
+    pipeline::MicroBatch mb;
+    mb.rows = rows;
+    if (first || last) {
+      std::vector<uint64_t> idx(samples.begin() + static_cast<long>(i), samples.begin() + static_cast<long>(i) + rows);
+      at::Tensor t = at::empty({rows, T + 1}, at::kLong);
+      src.gather(idx, t.data_ptr<int64_t>());
+      t = t.to(device_);
+      if (first) mb.inputs = t.narrow(1, 0, T);
+      if (last) mb.targets = t.narrow(1, 1, T);
+    }
+    out.push_back(mb);
+  }
+  return out;
+}
+
+double Trainer::all_sum(double v) {
+  if (!world_) return v;
+  at::Tensor t = at::full({1}, v, at::kDouble);
+  dist::wait_work(world_->all().allreduce_sum(t), "all-reduce of the step's loss");
+  return t.item<double>();
 }
 
 double Trainer::validation_loss() {
   if (!valid_ || cfg_.train.eval_batches == 0) return std::nan("");
-  at::NoGradGuard ng;
-  const int64_t mb = cfg_.train.micro_batch_resolved(), T = cfg_.model.seq_len;
+  // The validation set goes through pipeline 0; the other pipelines wait at the final sum.
+  const auto& pl = plan_->pipelines[0];
+  const int64_t mbs = pl.micro_batch_size, T = cfg_.model.seq_len;
   const uint64_t n = std::min<uint64_t>(valid_->num_samples(), static_cast<uint64_t>(cfg_.train.eval_batches * cfg_.train.global_batch));
   double sum = 0;
-  uint64_t tokens = 0;
-  for (uint64_t first = 0; first < n; first += static_cast<uint64_t>(mb)) {
-    std::vector<uint64_t> idx;
-    for (uint64_t i = first; i < std::min<uint64_t>(n, first + static_cast<uint64_t>(mb)); ++i) idx.push_back(i);
-    at::Tensor b = at::empty({static_cast<int64_t>(idx.size()), T + 1}, at::kLong);
-    valid_->gather(idx, b.data_ptr<int64_t>());
-    b = b.to(device_);
-    auto logits = model_->forward(b.narrow(1, 0, T));
-    sum += model::Transformer::loss_sum(logits, b.narrow(1, 1, T)).item<double>();
-    tokens += idx.size() * static_cast<uint64_t>(T);
+  if (pos_.pipeline == 0 && n > 0) {
+    std::vector<uint64_t> idx(n);
+    for (uint64_t i = 0; i < n; ++i) idx[i] = i;
+    sum = exec_->forward_only(micro_batches(*valid_, idx, mbs));
   }
-  return sum / static_cast<double>(tokens);
+  return all_sum(sum) / static_cast<double>(n * static_cast<uint64_t>(T));
+}
+
+void Trainer::save(int64_t step) {
+  auto barrier = [&]() {
+    if (world_) world_->all().barrier();
+  };
+  if (rank_ == 0) begin_checkpoint(cfg_.output.dir, step);
+  barrier();
+  std::vector<const model::Param*> owned;
+  for (const auto* p : static_cast<const model::Transformer&>(*model_).parameters())
+    if (holders_.at(p->name).front() == rank_) owned.push_back(p);
+  write_checkpoint_shard(checkpoint_staging_dir(cfg_.output.dir, step), rank_, world_ ? world_->size() : 1, owned, opt_.get());
+  barrier();
+  if (rank_ == 0) {
+    CheckpointState cs{step, static_cast<uint64_t>(step * cfg_.train.global_batch), opt_->steps_taken(), cfg_,
+                       world_ ? world_->size() : 1, plan_->to_json()};
+    publish_checkpoint(cfg_.output.dir, cs);
+  }
+  barrier();
 }
 
 TrainResult Trainer::run() {
   const auto& t = cfg_.train;
-  const int64_t T = cfg_.model.seq_len, gb = t.global_batch, mb = t.micro_batch_resolved();
+  const PipelinePlan& pl = plan_->pipelines[static_cast<size_t>(pos_.pipeline)];
+  const int64_t T = cfg_.model.seq_len, gb = t.global_batch, S = static_cast<int64_t>(pl.stages.size());
+  const int64_t offset = plan_->sample_offset(pos_.pipeline), mine = pl.samples();
   // Every micro-batch's loss is divided by the tokens of the whole global batch, so the summed
   // gradient is the gradient of the global-batch mean however the batch is cut.
   const double batch_tokens = static_cast<double>(gb * T);
+  const bool lead = rank_ == 0;
+  const bool quiet = opts_.quiet || !lead;
+  const auto actions = pipeline::make_schedule(plan_->schedule, pos_.stage, S, pl.num_micro_batches);
 
   ensure_writable_dir(cfg_.output.dir);
-  write_file_atomic(cfg_.output.dir + "/config.yaml", cfg_.to_yaml());
-  Metrics metrics(cfg_.output.dir, cfg_.output.tensorboard, opts_.resume.empty() ? -1 : start_step_);
-  if (start_step_ == 0)
-    log_info("model " + cfg_.model.arch + ": " + format_count(static_cast<double>(model_->num_parameters())) +
-             " parameters; " + std::to_string(train_->num_samples()) + " training samples of " + std::to_string(T) +
-             " tokens; device " + device_.str());
+  std::unique_ptr<Metrics> metrics;
+  if (lead) {
+    write_file_atomic(cfg_.output.dir + "/config.yaml", cfg_.to_yaml());
+    plan_->save(cfg_.output.dir + "/plan.json");
+    metrics = std::make_unique<Metrics>(cfg_.output.dir, cfg_.output.tensorboard, opts_.resume.empty() ? -1 : start_step_);
+  }
+  if (lead && !opts_.quiet && start_step_ == 0) {
+    auto full = model::Transformer::full(cfg_.model, 0);
+    log_info("model " + cfg_.model.arch + ": " + format_count(static_cast<double>(full->num_parameters())) + " parameters; " +
+             std::to_string(train_->num_samples()) + " training samples of " + std::to_string(T) + " tokens; device " +
+             device_.str());
+    if (plan_->world_size() > 1) log_info("plan: " + plan_->describe());
+  }
 
   TrainResult result;
   auto params = model_->parameters();
   Progress progress("train", static_cast<uint64_t>(t.steps), opts_.quiet);
   auto run_start = std::chrono::steady_clock::now();
   double last_val = std::nan("");
+  const int64_t trace_step = opts_.trace.empty() ? -1 : std::min(start_step_ + 1, t.steps - 1);
 
   for (int64_t step = start_step_; step < t.steps; ++step) {
+    if (world_) world_->set_progress(step);
+    const bool tracing = step == trace_step;
+    if (tracing && world_) world_->all().barrier();  // aligns the ranks' trace clocks
     auto t0 = std::chrono::steady_clock::now();
+    exec_->tracing = tracing;
+    exec_->set_trace_origin(t0);
     const double lr = lr_at(t, step);
-    std::vector<uint64_t> samples = sampler_->global_batch(static_cast<uint64_t>(step), static_cast<uint64_t>(gb));
 
-    double loss_sum = 0;
-    for (int64_t first = 0; first < gb; first += mb) {
-      std::vector<uint64_t> micro(samples.begin() + first, samples.begin() + first + mb);
-      at::Tensor b = batch_tensor(micro);
-      at::Tensor logits = model_->forward(b.narrow(1, 0, T));
-      at::Tensor ls = model::Transformer::loss_sum(logits, b.narrow(1, 1, T));
-      (ls / batch_tokens).backward();
-      loss_sum += ls.item<double>();
+    // This pipeline's consecutive slice of the global batch, cut into its micro-batches.
+    std::vector<uint64_t> samples = sampler_->take(static_cast<uint64_t>(step * gb + offset), static_cast<uint64_t>(mine));
+    double loss_local = exec_->run(actions, micro_batches(*train_, samples, pl.micro_batch_size), batch_tokens, reducer_.get());
+    auto sync_t0 = std::chrono::steady_clock::now();
+    double sync_wait = reducer_ ? reducer_->finish().wait_s : 0.0;
+    if (tracing && reducer_)
+      exec_->trace().push_back({"grad sync wait", "sync",
+                                std::chrono::duration<double, std::micro>(sync_t0 - t0).count(), sync_wait * 1e6});
+
+    // Global gradient norm: each parameter counted once, by the lowest rank holding it.
+    double norm_sq = 0;
+    {
+      at::NoGradGuard ng;
+      for (auto* p : params)
+        if (holders_.at(p->name).front() == rank_ && p->tensor.grad().defined()) {
+          double n = p->tensor.grad().norm().item<double>();
+          norm_sq += n * n;
+        }
     }
-    const double grad_norm = clip_grad_norm(params, t.grad_clip);
+    double sums[2] = {loss_local, norm_sq};
+    if (world_) {
+      at::Tensor v = at::tensor({loss_local, norm_sq}, at::kDouble);
+      dist::wait_work(world_->all().allreduce_sum(v), "all-reduce of the step's loss and gradient norm");
+      sums[0] = v[0].item<double>();
+      sums[1] = v[1].item<double>();
+    }
+    const double grad_norm = std::sqrt(sums[1]);
+    if (t.grad_clip > 0 && grad_norm > t.grad_clip) {
+      at::NoGradGuard ng;
+      double coef = t.grad_clip / (grad_norm + 1e-6);
+      for (auto* p : params)
+        if (p->tensor.grad().defined()) p->tensor.mutable_grad().mul_(coef);
+    }
     opt_->step(lr);
     opt_->zero_grad();
 
     const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    StepRecord rec{step + 1, loss_sum / batch_tokens, lr, grad_norm, step_s, batch_tokens / step_s};
+    StepRecord rec{step + 1, sums[0] / batch_tokens, lr, grad_norm, step_s, batch_tokens / step_s, exec_->compute_s(), sync_wait};
     result.steps.push_back(rec);
+    result.peak_activation_bytes = std::max(result.peak_activation_bytes, exec_->peak_activation_bytes());
+    result.peak_in_flight = std::max(result.peak_in_flight, exec_->peak_in_flight());
+    if (tracing) {
+      std::string path = opts_.trace;
+      nlohmann::json events = nlohmann::json::array();
+      for (const auto& e : exec_->trace())
+        events.push_back({{"name", e.name}, {"ph", "X"}, {"ts", e.start_us}, {"dur", e.dur_us}, {"pid", rank_}, {"tid", e.stream}});
+      if (!world_) {
+        nlohmann::json doc = {{"traceEvents", events}};
+        write_file_atomic(path, doc.dump() + "\n");
+      } else {
+        // Ranks hand their events to rank 0 through the store: no shared filesystem needed.
+        std::string s = events.dump();
+        world_->store().set("alloy/trace/" + std::to_string(rank_), std::vector<uint8_t>(s.begin(), s.end()));
+        if (lead) {
+          nlohmann::json all = nlohmann::json::array();
+          for (int r = 0; r < world_->size(); ++r) {
+            auto key = "alloy/trace/" + std::to_string(r);
+            world_->store().wait({key});
+            auto bytes = world_->store().get(key);
+            for (auto& e : nlohmann::json::parse(std::string(bytes.begin(), bytes.end()))) all.push_back(e);
+            auto pos = plan_->locate(r);
+            all.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r},
+                           {"args", {{"name", "rank " + std::to_string(r) + " (pipeline " + std::to_string(pos.pipeline) +
+                                                 ", stage " + std::to_string(pos.stage) + ")"}}}});
+          }
+          write_file_atomic(path, nlohmann::json({{"traceEvents", all}}).dump() + "\n");
+          log_info("wrote the schedule trace of step " + std::to_string(step + 1) + " to " + path);
+        }
+      }
+    }
+
     nlohmann::json j = {{"step", rec.step},         {"loss", rec.loss},     {"lr", rec.lr},
                         {"grad_norm", rec.grad_norm}, {"step_s", rec.step_s}, {"tokens_per_s", rec.tokens_per_s}};
-
     const bool last = step + 1 == t.steps;
     if (valid_ && ((t.eval_interval > 0 && rec.step % t.eval_interval == 0) || last)) {
       last_val = validation_loss();
       j["val_loss"] = last_val;
       result.val_loss.emplace_back(rec.step, last_val);
     }
-    metrics.log(j);
+    if (metrics) metrics->log(j);
 
-    std::ostringstream extra;
-    extra.precision(4);
-    extra << "loss " << rec.loss;
-    if (!std::isnan(last_val)) extra << " val " << last_val;
-    extra << " | " << format_count(rec.tokens_per_s) << " tok/s";
-    if (opts_.quiet) {
-    } else if (stderr_is_tty()) {
-      progress.update(static_cast<uint64_t>(rec.step), extra.str());
-    } else if (rec.step % t.log_interval == 0 || last) {
-      log_info("step " + std::to_string(rec.step) + "/" + std::to_string(t.steps) + " " + extra.str() + " | lr " +
-               std::to_string(lr));
+    if (!quiet) {
+      std::ostringstream extra;
+      extra.precision(4);
+      extra << "loss " << rec.loss;
+      if (!std::isnan(last_val)) extra << " val " << last_val;
+      extra << " | " << format_count(rec.tokens_per_s) << " tok/s";
+      if (stderr_is_tty())
+        progress.update(static_cast<uint64_t>(rec.step), extra.str());
+      else if (rec.step % t.log_interval == 0 || last)
+        log_info("step " + std::to_string(rec.step) + "/" + std::to_string(t.steps) + " " + extra.str() + " | lr " +
+                 std::to_string(lr));
     }
 
     if ((t.checkpoint_interval > 0 && rec.step % t.checkpoint_interval == 0) || last) {
-      CheckpointState st{rec.step, static_cast<uint64_t>(rec.step * gb), opt_->steps_taken(), cfg_};
-      result.checkpoint = save_checkpoint(cfg_.output.dir, st, *model_, opt_.get());
+      save(rec.step);
+      result.checkpoint = cfg_.output.dir + "/checkpoints/" + [&] {
+        char b[32];
+        std::snprintf(b, sizeof b, "step_%08lld", static_cast<long long>(rec.step));
+        return std::string(b);
+      }();
     }
   }
-  if (!opts_.quiet && stderr_is_tty()) progress.finish();
+  if (!quiet && stderr_is_tty()) progress.finish();
   double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-  if (!opts_.quiet && !result.steps.empty())
+  if (!quiet && !result.steps.empty())
     log_info("trained " + std::to_string(result.steps.size()) + " steps in " + format_duration(total_s) +
              (result.checkpoint.empty() ? "" : "; checkpoint " + result.checkpoint));
   return result;

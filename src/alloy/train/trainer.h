@@ -1,17 +1,29 @@
 #pragma once
-// The training loop, one device. Read Trainer::run top to bottom: sample the global batch, run
-// forward/backward per micro-batch, clip, step, log, evaluate, checkpoint.
+// The training loop. One loop serves one device and any Plan over many ranks: every rank runs
+// Trainer::run, which reads top to bottom as
+//   sample the global batch -> take this pipeline's slice -> run this stage's schedule
+//   (forward/backward/send/recv) -> reduce gradients among the ranks holding each parameter ->
+//   clip by the global norm -> AdamW step -> log -> evaluate -> checkpoint.
 #include <ATen/ATen.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "alloy/core/config.h"
+#include "alloy/core/plan.h"
 #include "alloy/data/sampler.h"
 #include "alloy/data/windows.h"
 #include "alloy/model/transformer.h"
+#include "alloy/pipeline/executor.h"
 #include "alloy/train/optimizer.h"
+
+namespace alloy::dist {
+class World;
+class Group;
+class Reducer;
+}  // namespace alloy::dist
 
 namespace alloy::train {
 
@@ -19,17 +31,23 @@ struct TrainOptions {
   std::string resume;         // "" = fresh run; a checkpoint or run directory otherwise
   std::string init_weights;   // safetensors file or checkpoint to start from (fresh optimizer)
   bool quiet = false;         // no progress display (tests)
+  std::shared_ptr<Plan> plan; // null = one device, the whole model
+  std::shared_ptr<dist::World> world;  // null = single process
+  std::string trace;          // write a Chrome trace of the schedule of the first traced steps here
 };
 
 struct StepRecord {
   int64_t step;  // 1-based: the number of optimizer steps completed
   double loss, lr, grad_norm, step_s, tokens_per_s;
+  double compute_s = 0, sync_wait_s = 0;  // this rank's share
 };
 
 struct TrainResult {
   std::vector<StepRecord> steps;                      // the steps this invocation ran
   std::vector<std::pair<int64_t, double>> val_loss;   // (step, loss)
   std::string checkpoint;                             // last checkpoint written
+  int64_t peak_activation_bytes = 0;                  // this rank, over the run
+  int64_t peak_in_flight = 0;
 };
 
 // Intra-op threads for LibTorch and OpenBLAS; 0 = leave the defaults.
@@ -39,22 +57,38 @@ at::Device parse_device(const std::string& spec);
 class Trainer {
  public:
   explicit Trainer(Config cfg, TrainOptions opts = {});
+  ~Trainer();
   TrainResult run();
 
-  // Mean token loss of the validation set's first eval_batches global batches.
+  // Mean token loss of the validation set's first eval_batches global batches (every rank calls).
   double validation_loss();
   model::Transformer& model() { return *model_; }
+  const Plan& plan() const { return *plan_; }
 
  private:
-  at::Tensor batch_tensor(const std::vector<uint64_t>& samples) const;
+  std::vector<pipeline::MicroBatch> micro_batches(const data::TokenWindows& src, const std::vector<uint64_t>& samples,
+                                                  int64_t mbs) const;
+  double all_sum(double v);
+  void save(int64_t step);
+  void load(const std::string& dir, bool with_optimizer);
+  void build_groups();
 
   Config cfg_;
   TrainOptions opts_;
+  std::shared_ptr<Plan> plan_;
+  std::shared_ptr<dist::World> world_;
+  int rank_ = 0;
+  Plan::Position pos_;
   at::Device device_{at::kCPU};
   std::unique_ptr<data::TokenWindows> train_, valid_;
   std::unique_ptr<data::GlobalBatchSampler> sampler_;
   std::unique_ptr<model::Transformer> model_;
   std::unique_ptr<AdamW> opt_;
+  std::map<std::string, std::vector<int>> holders_;  // parameter name -> ranks holding it
+  std::vector<std::shared_ptr<dist::Group>> groups_;
+  std::unique_ptr<dist::Reducer> reducer_;
+  std::unique_ptr<pipeline::StageExecutor> exec_;
+  std::unique_ptr<pipeline::StageExecutor> val_exec_;
   int64_t start_step_ = 0;
 };
 

@@ -1,0 +1,204 @@
+#include "alloy/core/plan.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "alloy/core/error.h"
+#include "alloy/core/fs.h"
+
+namespace alloy {
+
+int Plan::world_size() const {
+  int n = 0;
+  for (const auto& p : pipelines)
+    for (const auto& s : p.stages) n += static_cast<int>(s.ranks.size());
+  return n;
+}
+
+Plan::Position Plan::locate(int rank) const {
+  for (size_t p = 0; p < pipelines.size(); ++p)
+    for (size_t s = 0; s < pipelines[p].stages.size(); ++s)
+      for (int r : pipelines[p].stages[s].ranks)
+        if (r == rank) return {static_cast<int>(p), static_cast<int>(s)};
+  throw InputError("plan", "rank " + std::to_string(rank) + " does not appear in the plan (world size " +
+                               std::to_string(world_size()) + ")");
+}
+
+int64_t Plan::sample_offset(int pipeline) const {
+  int64_t off = 0;
+  for (int p = 0; p < pipeline; ++p) off += pipelines[static_cast<size_t>(p)].samples();
+  return off;
+}
+
+void Plan::validate(const ModelConfig& model, const std::string& where) const {
+  auto fail = [&](const std::string& field, const std::string& msg) { throw InputError(where, field + ": " + msg); };
+  if (pipelines.empty()) fail("pipelines", "the plan has no pipelines");
+  if (schedule != "1f1b" && schedule != "gpipe") fail("schedule", "must be 1f1b or gpipe, got '" + schedule + "'");
+  if (!(bucket_mb > 0)) fail("grad_sync.bucket_mb", "must be > 0");
+  if (compression != "none") fail("grad_sync.compression", "only 'none' is available, got '" + compression + "'");
+  int64_t total = 0;
+  std::string sum_text;
+  std::map<int, std::string> seen;
+  for (size_t p = 0; p < pipelines.size(); ++p) {
+    const auto& pl = pipelines[p];
+    std::string pf = "pipelines[" + std::to_string(p) + "]";
+    if (pl.micro_batch_size < 1) fail(pf + ".micro_batch_size", "must be >= 1, got " + std::to_string(pl.micro_batch_size));
+    if (pl.num_micro_batches < 1) fail(pf + ".num_micro_batches", "must be >= 1, got " + std::to_string(pl.num_micro_batches));
+    total += pl.samples();
+    sum_text += (sum_text.empty() ? "" : " + ") + std::to_string(pl.micro_batch_size) + "x" + std::to_string(pl.num_micro_batches);
+    if (pl.stages.empty()) fail(pf + ".stages", "a pipeline needs at least one stage");
+    int64_t expect = 0;
+    for (size_t s = 0; s < pl.stages.size(); ++s) {
+      const auto& st = pl.stages[s];
+      std::string sf = pf + ".stages[" + std::to_string(s) + "]";
+      if (st.layer_begin != expect)
+        fail(sf + ".layers", "starts at block " + std::to_string(st.layer_begin) + " but the previous stage ended at " +
+                                 std::to_string(expect) + (st.layer_begin > expect ? " (a gap)" : " (an overlap)"));
+      if (st.layer_end <= st.layer_begin)
+        fail(sf + ".layers", "[" + std::to_string(st.layer_begin) + ", " + std::to_string(st.layer_end) + ") is empty");
+      expect = st.layer_end;
+      if (st.ranks.empty()) fail(sf + ".ranks", "a stage needs a rank");
+      if (st.ranks.size() > 1)
+        fail(sf + ".ranks", "holds " + std::to_string(st.ranks.size()) +
+                                " ranks; tensor parallelism inside a stage is not supported yet, give each rank its own stage or pipeline");
+      for (int r : st.ranks) {
+        if (r < 0) fail(sf + ".ranks", "rank " + std::to_string(r) + " is negative");
+        if (seen.count(r)) fail(sf + ".ranks", "rank " + std::to_string(r) + " already appears in " + seen[r]);
+        seen[r] = sf;
+      }
+    }
+    if (expect != model.layers)
+      fail(pf + ".stages", "cover blocks [0, " + std::to_string(expect) + ") but the model has " +
+                               std::to_string(model.layers) + " (model.layers)");
+  }
+  if (total != global_batch)
+    fail("global_batch", std::to_string(global_batch) + " != sum of micro_batch_size x num_micro_batches over pipelines (" +
+                             sum_text + " = " + std::to_string(total) + ")");
+  int world = world_size();
+  for (int r = 0; r < world; ++r)
+    if (!seen.count(r))
+      fail("pipelines", "ranks must be 0.." + std::to_string(world - 1) + " with none missing; rank " + std::to_string(r) +
+                            " is missing");
+}
+
+nlohmann::json Plan::to_json() const {
+  nlohmann::json j;
+  j["format"] = "alloy-plan";
+  j["version"] = 1;
+  j["global_batch"] = global_batch;
+  j["schedule"] = schedule;
+  j["pipelines"] = nlohmann::json::array();
+  for (const auto& p : pipelines) {
+    nlohmann::json pj = {{"micro_batch_size", p.micro_batch_size}, {"num_micro_batches", p.num_micro_batches}};
+    pj["stages"] = nlohmann::json::array();
+    for (const auto& s : p.stages) {
+      nlohmann::json sj = {{"ranks", s.ranks}, {"layers", {s.layer_begin, s.layer_end}}};
+      if (!s.device.empty()) sj["device"] = s.device;
+      pj["stages"].push_back(sj);
+    }
+    j["pipelines"].push_back(pj);
+  }
+  j["grad_sync"] = {{"bucket_mb", bucket_mb}, {"compression", compression}};
+  if (!predicted.is_null()) j["predicted"] = predicted;
+  return j;
+}
+
+Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
+  Plan p;
+  std::string field = "";
+  try {
+    if (j.contains("format") && j["format"] != "alloy-plan")
+      throw InputError(where, "field 'format' is " + j["format"].dump() + ", not \"alloy-plan\"");
+    if (j.contains("version") && j["version"] != 1)
+      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads version 1");
+    field = "global_batch";
+    p.global_batch = j.at("global_batch").get<int64_t>();
+    field = "schedule";
+    p.schedule = j.value("schedule", std::string("1f1b"));
+    field = "pipelines";
+    const auto& pls = j.at("pipelines");
+    for (size_t i = 0; i < pls.size(); ++i) {
+      field = "pipelines[" + std::to_string(i) + "]";
+      PipelinePlan pl;
+      pl.micro_batch_size = pls[i].at("micro_batch_size").get<int64_t>();
+      pl.num_micro_batches = pls[i].at("num_micro_batches").get<int64_t>();
+      const auto& sts = pls[i].at("stages");
+      for (size_t s = 0; s < sts.size(); ++s) {
+        field = "pipelines[" + std::to_string(i) + "].stages[" + std::to_string(s) + "]";
+        StagePlan st;
+        st.ranks = sts[s].at("ranks").get<std::vector<int>>();
+        auto layers = sts[s].at("layers").get<std::vector<int64_t>>();
+        if (layers.size() != 2) throw InputError(where, field + ".layers: must be [begin, end)");
+        st.layer_begin = layers[0];
+        st.layer_end = layers[1];
+        st.device = sts[s].value("device", std::string());
+        pl.stages.push_back(st);
+      }
+      p.pipelines.push_back(pl);
+    }
+    field = "grad_sync";
+    if (j.contains("grad_sync")) {
+      p.bucket_mb = j["grad_sync"].value("bucket_mb", 25.0);
+      p.compression = j["grad_sync"].value("compression", std::string("none"));
+    }
+    if (j.contains("predicted")) p.predicted = j["predicted"];
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(where, "field '" + field + "' is missing or ill-typed (" + e.what() + ")");
+  }
+  return p;
+}
+
+Plan Plan::load(const std::string& path) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(path));
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(path, std::string("not valid JSON: ") + e.what());
+  }
+  return from_json(j, path);
+}
+
+void Plan::save(const std::string& path) const { write_file_atomic(path, to_json().dump(2) + "\n"); }
+
+std::string Plan::describe() const {
+  std::ostringstream out;
+  out << "global batch " << global_batch << ", schedule " << schedule << ", " << pipelines.size() << " pipeline"
+      << (pipelines.size() == 1 ? "" : "s") << ", " << world_size() << " rank" << (world_size() == 1 ? "" : "s") << "\n";
+  for (size_t p = 0; p < pipelines.size(); ++p) {
+    const auto& pl = pipelines[p];
+    out << "  pipeline " << p << ": " << pl.micro_batch_size << " x " << pl.num_micro_batches << " = " << pl.samples()
+        << " samples |";
+    for (size_t s = 0; s < pl.stages.size(); ++s) {
+      const auto& st = pl.stages[s];
+      out << (s ? " ->" : "") << " rank " << st.ranks[0] << " blocks [" << st.layer_begin << "," << st.layer_end << ")";
+      if (!st.device.empty()) out << " (" << st.device << ")";
+    }
+    out << "\n";
+  }
+  return out.str();
+}
+
+Plan Plan::single_device(const Config& cfg) {
+  int64_t mb = cfg.train.micro_batch_resolved();
+  return data_parallel(cfg.model.layers, {{mb, cfg.train.global_batch / mb}});
+}
+
+Plan Plan::data_parallel(int64_t num_layers, const std::vector<std::pair<int64_t, int64_t>>& mbs_nmb,
+                         const std::string& schedule) {
+  Plan p;
+  p.schedule = schedule;
+  int rank = 0;
+  for (const auto& [mbs, nmb] : mbs_nmb) {
+    PipelinePlan pl;
+    pl.micro_batch_size = mbs;
+    pl.num_micro_batches = nmb;
+    pl.stages.push_back({{rank++}, 0, num_layers, ""});
+    p.global_batch += mbs * nmb;
+    p.pipelines.push_back(pl);
+  }
+  return p;
+}
+
+}  // namespace alloy

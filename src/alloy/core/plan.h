@@ -1,0 +1,71 @@
+#pragma once
+// The Plan: exactly which rank holds which blocks, with which micro-batch size and count, on which
+// schedule, with which gradient sync. The runtime executes Plans and nothing else; they are
+// written by hand, converted from SynerFuse flags or a HeteroShard shard_plan, or produced by the
+// planner.
+//
+// Invariants (validate() checks them and names the offending field and values):
+//  - sum over pipelines of micro_batch_size * num_micro_batches == global_batch
+//  - every pipeline's stages cover blocks [0, model.layers) contiguously, in order, none empty
+//  - every rank 0..world-1 appears in exactly one stage of one pipeline
+//  - a stage has one rank (tensor parallelism inside a stage is not supported yet)
+// Layer indices count transformer blocks; the embedding lives with the stage holding block 0 and
+// the head (final norm, logits, loss) with the stage holding the last block, as in Megatron.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "alloy/core/config.h"
+
+namespace alloy {
+
+struct StagePlan {
+  std::vector<int> ranks;
+  int64_t layer_begin = 0, layer_end = 0;  // blocks [begin, end)
+  std::string device;                      // optional: device name from the cluster spec
+};
+
+struct PipelinePlan {
+  int64_t micro_batch_size = 1;
+  int64_t num_micro_batches = 1;
+  std::vector<StagePlan> stages;
+  int64_t samples() const { return micro_batch_size * num_micro_batches; }
+};
+
+struct Plan {
+  int64_t global_batch = 0;
+  std::string schedule = "1f1b";  // 1f1b | gpipe
+  std::vector<PipelinePlan> pipelines;
+  double bucket_mb = 25.0;
+  std::string compression = "none";
+  nlohmann::json predicted;  // filled by the planner; informational
+
+  int world_size() const;
+  // Where a rank sits; throws if the rank is not in the plan.
+  struct Position {
+    int pipeline = -1, stage = -1;
+  };
+  Position locate(int rank) const;
+  // First sample of pipeline P within each global batch (pipelines take consecutive slices).
+  int64_t sample_offset(int pipeline) const;
+
+  // Throws InputError (WHERE names the plan's source) on any broken invariant.
+  void validate(const ModelConfig& model, const std::string& where = "plan") const;
+
+  nlohmann::json to_json() const;
+  static Plan from_json(const nlohmann::json& j, const std::string& where);
+  static Plan load(const std::string& path);
+  void save(const std::string& path) const;  // atomic
+  // One line per pipeline, e.g. "pipeline 0: 6 x 4 samples | rank 0 blocks [0,6) -> rank 1 [6,8)".
+  std::string describe() const;
+
+  // One device, the whole model: what `alloy train` runs without a plan.
+  static Plan single_device(const Config& cfg);
+  // Data parallelism only: one single-stage pipeline per entry of (micro_batch_size, count).
+  static Plan data_parallel(int64_t num_layers, const std::vector<std::pair<int64_t, int64_t>>& mbs_nmb,
+                            const std::string& schedule = "1f1b");
+};
+
+}  // namespace alloy

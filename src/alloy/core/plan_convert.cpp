@@ -1,0 +1,458 @@
+#include "alloy/core/plan_convert.h"
+
+#include <charconv>
+#include <climits>
+#include <map>
+#include <optional>
+#include <set>
+#include <utility>
+
+#include "alloy/core/error.h"
+#include "alloy/core/fs.h"
+
+namespace alloy {
+namespace {
+
+const char* const kSynerFuse = "SynerFuse arguments";
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+[[noreturn]] void sf_fail(const std::string& msg) { throw InputError(kSynerFuse, msg); }
+
+std::string join(const std::vector<int64_t>& v, const std::string& sep) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + str(v[i]);
+  return out;
+}
+
+// Every number here is typed by a user, so a sum or product that wraps would turn a typo into a
+// plausible-looking plan; refuse instead.
+int64_t add(int64_t a, int64_t b, const std::string& what) {
+  int64_t r;
+  if (__builtin_add_overflow(a, b, &r)) sf_fail(what + " overflows a 64-bit integer");
+  return r;
+}
+int64_t mul(int64_t a, int64_t b, const std::string& what) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r)) sf_fail(what + " overflows a 64-bit integer");
+  return r;
+}
+
+int64_t parse_int(const std::string& flag, const std::string& text) {
+  int64_t v = 0;
+  const char* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(text.data(), end, v);
+  if (ec == std::errc::result_out_of_range) sf_fail(flag + ": '" + text + "' is out of range");
+  if (ec != std::errc() || ptr != end || text.empty()) sf_fail(flag + ": expected an integer, got '" + text + "'");
+  return v;
+}
+
+bool is_flag(const std::string& tok) { return tok.size() > 2 && tok.compare(0, 2, "--") == 0; }
+
+// One `n0 v0 n1 v1 ...` list, checked and expanded to one value per data-parallel index.
+struct GroupList {
+  std::vector<std::pair<int64_t, int64_t>> groups;  // (n_i, value_i)
+  int64_t total = 0;                                // sum n_i
+  std::string total_text;                           // "1 + 1 = 2"
+};
+
+GroupList parse_groups(const std::vector<int64_t>& v, const std::string& flag, const std::string& value_name) {
+  GroupList g;
+  if (v.size() % 2 != 0)
+    sf_fail(flag + ": " + str(static_cast<int64_t>(v.size())) + (v.size() == 1 ? " value" : " values") +
+            ", but it takes pairs n0 " + value_name + "0 n1 " + value_name + "1 ...");
+  std::vector<int64_t> ns;
+  for (size_t i = 0; i < v.size(); i += 2) {
+    std::string k = str(static_cast<int64_t>(i / 2));
+    if (v[i] < 1) sf_fail(flag + ": n" + k + " = " + str(v[i]) + ", but a group needs at least 1 data-parallel rank");
+    if (v[i + 1] < 1) sf_fail(flag + ": " + value_name + k + " = " + str(v[i + 1]) + ", but it must be >= 1");
+    g.groups.emplace_back(v[i], v[i + 1]);
+    g.total = add(g.total, v[i], flag + " group sizes");
+    ns.push_back(v[i]);
+  }
+  g.total_text = join(ns, " + ") + " = " + str(g.total);
+  return g;
+}
+
+std::vector<int64_t> expand_groups(const GroupList& g, const std::string& flag, int64_t dp, const std::string& dp_text) {
+  if (g.total != dp)
+    sf_fail(flag + ": the group sizes n_i sum to " + g.total_text + ", but the data-parallel size is " + dp_text);
+  std::vector<int64_t> out;
+  for (const auto& [n, value] : g.groups) out.insert(out.end(), static_cast<size_t>(n), value);
+  return out;
+}
+
+// "n x a x b" terms over runs of data-parallel indices with equal values, so the arithmetic in a
+// message reads like the user's own group lists even when the two lists group differently.
+std::string runs_text(const std::vector<int64_t>& a, const std::vector<int64_t>* b) {
+  std::string out;
+  size_t i = 0;
+  while (i < a.size()) {
+    size_t j = i;
+    while (j < a.size() && a[j] == a[i] && (!b || (*b)[j] == (*b)[i])) ++j;
+    out += (out.empty() ? "" : " + ") + str(static_cast<int64_t>(j - i)) + "x" + str(a[i]) + (b ? "x" + str((*b)[i]) : "");
+    i = j;
+  }
+  return out;
+}
+
+std::vector<int64_t> stage_layers(const SynerFuseArgs& a) {
+  const int64_t pp = a.pipeline_model_parallel_size, layers = a.num_layers;
+  const auto& v = a.hetero_pipeline_stages;
+  if (v.empty()) {
+    if (layers % pp != 0)
+      sf_fail("--num-layers " + str(layers) + " is not divisible by --pipeline-model-parallel-size " + str(pp) +
+              "; without --hetero-pipeline-stages every stage holds the same number of layers");
+    return std::vector<int64_t>(static_cast<size_t>(pp), layers / pp);
+  }
+  const std::string flag = "--hetero-pipeline-stages " + join(v, " ");
+  std::vector<int64_t> out, ns;
+  int64_t n_sum = 0, layer_sum = 0;
+  size_t i = 0;
+  for (int64_t group = 0; i < v.size(); ++group) {
+    const std::string k = str(group);
+    const int64_t n = v[i];
+    if (n < 1) sf_fail(flag + ": n" + k + " = " + str(n) + ", but a group needs at least 1 stage");
+    const size_t follow = v.size() - i - 1;
+    if (static_cast<uint64_t>(n) > follow)
+      sf_fail(flag + ": n" + k + " = " + str(n) + " stages, but only " + str(static_cast<int64_t>(follow)) +
+              (follow == 1 ? " value follows it" : " values follow it"));
+    for (int64_t s = 0; s < n; ++s) {
+      const int64_t l = v[i + 1 + static_cast<size_t>(s)];
+      if (l < 1)
+        sf_fail(flag + ": layers_" + k + "_" + str(s) + " = " + str(l) + ", but every stage needs at least 1 layer");
+      out.push_back(l);
+      layer_sum = add(layer_sum, l, "the layer counts");
+    }
+    ns.push_back(n);
+    n_sum = add(n_sum, n, "the stage counts");
+    i += 1 + static_cast<size_t>(n);
+  }
+  if (n_sum != pp)
+    sf_fail(flag + ": the stage counts n_i sum to " + join(ns, " + ") + " = " + str(n_sum) +
+            ", but --pipeline-model-parallel-size is " + str(pp));
+  if (layer_sum != layers)
+    sf_fail(flag + ": the layer counts sum to " + join(out, " + ") + " = " + str(layer_sum) + ", but --num-layers is " +
+            str(layers));
+  return out;
+}
+
+}  // namespace
+
+SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv) {
+  SynerFuseArgs a;
+  const std::map<std::string, int64_t*> ints = {
+      {"--num-layers", &a.num_layers},
+      {"--pipeline-model-parallel-size", &a.pipeline_model_parallel_size},
+      {"--tensor-model-parallel-size", &a.tensor_model_parallel_size},
+      {"--global-batch-size", &a.global_batch_size},
+      {"--micro-batch-size", &a.micro_batch_size},
+      {"--data-parallel-size", &a.data_parallel_size},
+      {"--world-size", &a.world_size},
+  };
+  const std::map<std::string, std::vector<int64_t>*> lists = {
+      {"--hetero-pipeline-stages", &a.hetero_pipeline_stages},
+      {"--micro-batch-size-per-dp", &a.micro_batch_size_per_dp},
+      {"--num-micro-batches-per-dp", &a.num_micro_batches_per_dp},
+  };
+  const std::set<std::string> switches = {"--use-tp-pp-dp-mapping"};
+
+  size_t i = 0;
+  while (i < argv.size()) {
+    const std::string& tok = argv[i++];
+    if (!is_flag(tok)) sf_fail("unexpected value '" + tok + "': values must follow a --flag");
+    std::string name = tok;
+    std::optional<std::string> inline_value;
+    if (auto eq = tok.find('='); eq != std::string::npos) {
+      name = tok.substr(0, eq);
+      inline_value = tok.substr(eq + 1);
+    }
+    if (auto it = ints.find(name); it != ints.end()) {
+      if (inline_value) {
+        *it->second = parse_int(name, *inline_value);
+      } else {
+        if (i >= argv.size() || is_flag(argv[i])) sf_fail(name + " needs a value");
+        *it->second = parse_int(name, argv[i++]);
+      }
+    } else if (auto lt = lists.find(name); lt != lists.end()) {
+      std::vector<int64_t> values;
+      if (inline_value) values.push_back(parse_int(name, *inline_value));
+      while (i < argv.size() && !is_flag(argv[i])) values.push_back(parse_int(name, argv[i++]));
+      if (values.empty()) sf_fail(name + " needs at least one value");
+      *lt->second = std::move(values);
+    } else if (switches.count(name)) {
+      if (inline_value) sf_fail(name + " takes no value, got '" + *inline_value + "'");
+    } else {
+      std::string known;
+      for (const auto& [k, _] : ints) known += " " + k;
+      for (const auto& [k, _] : lists) known += " " + k;
+      for (const auto& k : switches) known += " " + k;
+      sf_fail("unknown flag '" + name + "'; Alloy reads only the parallelism flags" + known +
+              " (the model's shape comes from the Alloy config)");
+    }
+  }
+  return a;
+}
+
+Plan plan_from_synerfuse(const SynerFuseArgs& a) {
+  if (a.num_layers < 1) sf_fail("--num-layers must be >= 1, got " + str(a.num_layers));
+  if (a.tensor_model_parallel_size != 1)
+    sf_fail("--tensor-model-parallel-size " + str(a.tensor_model_parallel_size) +
+            ": Alloy has no tensor parallelism (one rank per stage); use 1 and spend the ranks on pipeline stages or "
+            "data-parallel pipelines");
+  const int64_t pp = a.pipeline_model_parallel_size;
+  if (pp < 1) sf_fail("--pipeline-model-parallel-size must be >= 1, got " + str(pp));
+  if (a.global_batch_size < 1) sf_fail("--global-batch-size must be >= 1, got " + str(a.global_batch_size));
+  if (a.data_parallel_size < 0) sf_fail("--data-parallel-size must be >= 1 (or 0 to derive it), got " + str(a.data_parallel_size));
+  if (a.world_size < 0) sf_fail("world size must be >= 1 (or 0 to derive it), got " + str(a.world_size));
+
+  const std::string mbs_flag = "--micro-batch-size-per-dp " + join(a.micro_batch_size_per_dp, " ");
+  const std::string nmb_flag = "--num-micro-batches-per-dp " + join(a.num_micro_batches_per_dp, " ");
+  std::optional<GroupList> mbs_groups, nmb_groups;
+  if (!a.micro_batch_size_per_dp.empty()) mbs_groups = parse_groups(a.micro_batch_size_per_dp, mbs_flag, "mbs");
+  if (!a.num_micro_batches_per_dp.empty()) nmb_groups = parse_groups(a.num_micro_batches_per_dp, nmb_flag, "nmb");
+
+  // The data-parallel size: stated, implied by the world size, or (SynerFuse's usual case, where
+  // torchrun fixes the world) implied by the per-dp group lists.
+  int64_t dp = a.data_parallel_size;
+  std::string dp_text = str(dp) + " (--data-parallel-size)";
+  if (dp == 0) {
+    if (a.world_size > 0) {
+      if (a.world_size % pp != 0)
+        sf_fail("world size " + str(a.world_size) + " is not a multiple of --pipeline-model-parallel-size " + str(pp));
+      dp = a.world_size / pp;
+      dp_text = str(dp) + " (world size " + str(a.world_size) + " / --pipeline-model-parallel-size " + str(pp) + ")";
+    } else if (mbs_groups) {
+      dp = mbs_groups->total;
+      dp_text = str(dp) + " (the group sizes of --micro-batch-size-per-dp)";
+    } else if (nmb_groups) {
+      dp = nmb_groups->total;
+      dp_text = str(dp) + " (the group sizes of --num-micro-batches-per-dp)";
+    } else {
+      dp = 1;
+      dp_text = "1";
+    }
+  }
+  const int64_t world = mul(pp, dp, "--pipeline-model-parallel-size x data-parallel size");
+  if (a.world_size > 0 && a.world_size != world)
+    sf_fail("world size " + str(a.world_size) + " != --pipeline-model-parallel-size " + str(pp) + " x data-parallel size " +
+            str(dp) + " x --tensor-model-parallel-size 1 = " + str(world));
+  // Plan ranks are ints.
+  if (world > INT_MAX) sf_fail(str(world) + " ranks (" + str(pp) + " x " + str(dp) + ") is more than Alloy can number");
+
+  const std::vector<int64_t> layers = stage_layers(a);
+
+  std::vector<int64_t> mbs;
+  if (mbs_groups) {
+    mbs = expand_groups(*mbs_groups, mbs_flag, dp, dp_text);
+  } else {
+    if (a.micro_batch_size < 1)
+      sf_fail("--micro-batch-size must be >= 1, got " + str(a.micro_batch_size) + " (or give --micro-batch-size-per-dp)");
+    mbs.assign(static_cast<size_t>(dp), a.micro_batch_size);
+  }
+
+  std::vector<int64_t> nmb;
+  if (nmb_groups) {
+    nmb = expand_groups(*nmb_groups, nmb_flag, dp, dp_text);
+    int64_t total = 0;
+    for (size_t d = 0; d < mbs.size(); ++d)
+      total = add(total, mul(mbs[d], nmb[d], "micro-batch size x count"), "the global batch");
+    if (total != a.global_batch_size)
+      sf_fail("--global-batch-size " + str(a.global_batch_size) + " != sum of n_i x mbs_i x nmb_i = " +
+              runs_text(mbs, &nmb) + " = " + str(total));
+  } else {
+    int64_t per_step = 0;
+    for (int64_t m : mbs) per_step = add(per_step, m, "the sum of micro-batch sizes");
+    const std::string per_step_text =
+        mbs_groups ? "sum of n_i x mbs_i = " + runs_text(mbs, nullptr) + " = " + str(per_step)
+                   : "data-parallel size " + str(dp) + " x --micro-batch-size " + str(a.micro_batch_size) + " = " +
+                         str(per_step);
+    if (a.global_batch_size % per_step != 0)
+      sf_fail("--global-batch-size " + str(a.global_batch_size) + " is not a multiple of the " + per_step_text +
+              "; every data-parallel rank runs the same number of micro-batches unless --num-micro-batches-per-dp says "
+              "otherwise");
+    nmb.assign(static_cast<size_t>(dp), a.global_batch_size / per_step);
+  }
+
+  Plan plan;
+  plan.global_batch = a.global_batch_size;
+  plan.schedule = a.schedule;
+  for (int64_t d = 0; d < dp; ++d) {
+    PipelinePlan pl;
+    pl.micro_batch_size = mbs[static_cast<size_t>(d)];
+    pl.num_micro_batches = nmb[static_cast<size_t>(d)];
+    int64_t begin = 0;
+    for (int64_t s = 0; s < pp; ++s) {
+      const int64_t end = begin + layers[static_cast<size_t>(s)];
+      pl.stages.push_back({{static_cast<int>(d * pp + s)}, begin, end, ""});
+      begin = end;
+    }
+    plan.pipelines.push_back(std::move(pl));
+  }
+  ModelConfig model;
+  model.layers = a.num_layers;
+  plan.validate(model, kSynerFuse);
+  return plan;
+}
+
+namespace {
+
+// Shard ids and worker ids are compared by value so that 1 and "1" name the same worker.
+std::optional<std::string> id_key(const nlohmann::json& v) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_number_integer()) return v.dump();
+  return std::nullopt;
+}
+
+[[noreturn]] void hc_fail(const std::string& where, const std::string& path, const std::string& msg) {
+  throw InputError(where, path.empty() ? msg : path + ": " + msg);
+}
+
+}  // namespace
+
+Plan plan_from_hetero_config(const nlohmann::json& j, int64_t num_layers, int64_t global_batch, int64_t micro_batch,
+                             const std::string& where) {
+  if (micro_batch < 1) hc_fail(where, "", "micro-batch size must be >= 1, got " + str(micro_batch));
+  if (global_batch < 1) hc_fail(where, "", "global batch must be >= 1, got " + str(global_batch));
+  if (global_batch % micro_batch != 0)
+    hc_fail(where, "", "global batch " + str(global_batch) + " is not a multiple of micro-batch size " + str(micro_batch) +
+                 "; a shard_plan is one pipeline running global / micro-batch micro-batches");
+  if (!j.is_object()) hc_fail(where, "", "expected a JSON object with a \"shard_plan\" array, got " + std::string(j.type_name()));
+
+  auto hostname_of = [&](const nlohmann::json& obj, const std::string& path) {
+    if (!obj.contains("hostname")) return std::string();
+    if (!obj["hostname"].is_string()) hc_fail(where, path + ".hostname", "must be a string, got " + obj["hostname"].dump());
+    return obj["hostname"].get<std::string>();
+  };
+
+  std::string coordinator_host;
+  if (j.contains("coordinator")) {
+    if (!j["coordinator"].is_object()) hc_fail(where, "coordinator", "must be an object, got " + j["coordinator"].dump());
+    coordinator_host = hostname_of(j["coordinator"], "coordinator");
+  }
+
+  struct Worker {
+    std::string hostname;
+    size_t index = 0;
+  };
+  std::map<std::string, Worker> workers;
+  std::vector<std::string> worker_ids;  // in file order, for messages
+  if (j.contains("workers")) {
+    const auto& ws = j["workers"];
+    if (!ws.is_array()) hc_fail(where, "workers", "must be an array, got " + ws.dump());
+    for (size_t w = 0; w < ws.size(); ++w) {
+      const std::string path = "workers[" + std::to_string(w) + "]";
+      if (!ws[w].is_object()) hc_fail(where, path, "must be an object, got " + ws[w].dump());
+      if (!ws[w].contains("id")) hc_fail(where, path + ".id", "is missing");
+      auto id = id_key(ws[w]["id"]);
+      if (!id) hc_fail(where, path + ".id", "must be an integer or a string, got " + ws[w]["id"].dump());
+      if (auto it = workers.find(*id); it != workers.end())
+        hc_fail(where, path + ".id", ws[w]["id"].dump() + " is also the id of workers[" + std::to_string(it->second.index) + "]");
+      workers[*id] = {hostname_of(ws[w], path), w};
+      worker_ids.push_back(ws[w]["id"].dump());
+    }
+  }
+
+  if (!j.contains("shard_plan")) hc_fail(where, "shard_plan", "is missing; HeteroShard needs an explicit shard_plan");
+  const auto& sp = j["shard_plan"];
+  if (!sp.is_array() || sp.empty()) hc_fail(where, "shard_plan", "must be a non-empty array, got " + sp.dump());
+
+  PipelinePlan pl;
+  pl.micro_batch_size = micro_batch;
+  pl.num_micro_batches = global_batch / micro_batch;
+  std::map<std::string, size_t> used;  // worker id -> shard_plan index holding it
+  std::vector<size_t> last;            // indices with is_last: true
+  int64_t expect = 0;
+  for (size_t k = 0; k < sp.size(); ++k) {
+    const std::string path = "shard_plan[" + std::to_string(k) + "]";
+    const auto& e = sp[k];
+    if (!e.is_object()) hc_fail(where, path, "must be an object {\"id\", \"start\", \"end\"}, got " + e.dump());
+
+    if (!e.contains("id")) hc_fail(where, path + ".id", "is missing");
+    auto id = id_key(e["id"]);
+    if (!id) hc_fail(where, path + ".id", "must be \"local\" or a worker id, got " + e["id"].dump());
+    std::string device;
+    if (k == 0) {
+      if (*id != "local")
+        hc_fail(where, path + ".id", e["id"].dump() + ", but the first stage must be the coordinator's, \"local\"");
+      device = coordinator_host;
+    } else {
+      if (*id == "local")
+        hc_fail(where, path + ".id", "\"local\" again; the coordinator holds only the first stage, shard_plan[0]");
+      auto it = workers.find(*id);
+      if (it == workers.end()) {
+        std::string known;
+        for (const auto& w : worker_ids) known += (known.empty() ? "" : ", ") + w;
+        hc_fail(where, path + ".id", e["id"].dump() + " matches no worker in \"workers\"" +
+                               (known.empty() ? std::string(" (the list is empty or missing)") : " (ids: " + known + ")"));
+      }
+      if (auto u = used.find(*id); u != used.end())
+        hc_fail(where, path + ".id", "worker " + e["id"].dump() + " already holds shard_plan[" + std::to_string(u->second) +
+                               "]; HeteroShard runs one worker process per stage");
+      used[*id] = k;
+      device = it->second.hostname;
+    }
+
+    int64_t range[2] = {0, 0};
+    const char* names[2] = {"start", "end"};
+    for (int b = 0; b < 2; ++b) {
+      if (!e.contains(names[b])) hc_fail(where, path + "." + names[b], "is missing");
+      const auto& v = e[names[b]];
+      if (!v.is_number_integer()) hc_fail(where, path + "." + names[b], "must be an integer block index, got " + v.dump());
+      if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+        hc_fail(where, path + "." + names[b], v.dump() + " is out of range");
+      range[b] = v.get<int64_t>();
+    }
+    const int64_t start = range[0], end = range[1];
+    if (k == 0 && start != 0) hc_fail(where, path + ".start", str(start) + ", but the first stage must start at block 0");
+    if (start > expect)
+      hc_fail(where, path + ".start", str(start) + ", but the previous stage ended at " + str(expect) + " (gap: blocks [" +
+                                str(expect) + ", " + str(start) + ") belong to no stage)");
+    if (start < expect)
+      hc_fail(where, path + ".start", str(start) + ", but the previous stage ended at " + str(expect) + " (overlap)");
+    if (end <= start) hc_fail(where, path + ".end", str(end) + ", but start is " + str(start) + ": the range [start, end) is empty");
+    expect = end;
+
+    if (e.contains("is_last")) {
+      if (!e["is_last"].is_boolean()) hc_fail(where, path + ".is_last", "must be true or false, got " + e["is_last"].dump());
+      if (e["is_last"].get<bool>()) last.push_back(k);
+    }
+    pl.stages.push_back({{static_cast<int>(k)}, start, end, device});
+  }
+
+  const std::string final_path = "shard_plan[" + std::to_string(sp.size() - 1) + "]";
+  if (last.empty()) hc_fail(where, "shard_plan", "no stage has \"is_last\": true; the final entry, " + final_path + ", must");
+  if (last.size() > 1) {
+    std::string which;
+    for (size_t k : last) which += (which.empty() ? "" : ", ") + ("shard_plan[" + std::to_string(k) + "]");
+    hc_fail(where, "shard_plan", std::to_string(last.size()) + " stages have \"is_last\": true (" + which +
+                           "); exactly one, the final entry, may");
+  }
+  if (last[0] != sp.size() - 1)
+    hc_fail(where, "shard_plan[" + std::to_string(last[0]) + "].is_last",
+         "true, but it is not the final entry; the final entry is " + final_path);
+  if (num_layers > 0 && expect != num_layers)
+    hc_fail(where, final_path + ".end", str(expect) + ", but the model has " + str(num_layers) +
+                                  " blocks; the stages must cover [0, " + str(num_layers) + ")");
+
+  Plan plan;
+  plan.global_batch = global_batch;
+  plan.pipelines.push_back(std::move(pl));
+  ModelConfig model;
+  model.layers = num_layers > 0 ? num_layers : expect;
+  plan.validate(model, where);
+  return plan;
+}
+
+Plan plan_from_hetero_config_file(const std::string& path, int64_t num_layers, int64_t global_batch,
+                                  int64_t micro_batch) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(path));
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(path, std::string("not valid JSON: ") + e.what());
+  }
+  return plan_from_hetero_config(j, num_layers, global_batch, micro_batch, path);
+}
+
+}  // namespace alloy

@@ -1,0 +1,76 @@
+#pragma once
+// Converters from other heterogeneous-training front-ends into an alloy::Plan, so that a user
+// coming from SynerFuse (Megatron flags) or HeteroShard (hetero_config.json) can keep their split.
+// Every converter checks the front-end's own constraints first and reports a violation in that
+// front-end's vocabulary (flag names, JSON paths) with the offending values, then returns a Plan
+// that already passes Plan::validate for a model with the given number of blocks.
+//
+// SynerFuse rank layout. SynerFuse needs --use-tp-pp-dp-mapping to reorder its process groups
+// before heterogeneous data parallelism works; Alloy fixes one layout instead and ignores that
+// flag. The layout is pipeline-major:
+//   pipeline d (the data-parallel index, 0..dp-1) holds ranks [d*pp, (d+1)*pp),
+//   stage s of pipeline d is rank d*pp + s.
+// So consecutive ranks form one pipeline, and a `n0 mbs0 n1 mbs1 ...` group list assigns mbs0 to
+// data-parallel indices 0..n0-1 (ranks 0..n0*pp-1), mbs1 to the next n1 indices, and so on.
+// Every pipeline gets the same --hetero-pipeline-stages split, because SynerFuse cannot express
+// anything else; a hand-written Alloy plan may give each pipeline its own split.
+//
+// HeteroShard layout. One pipeline: shard_plan[0] must be the coordinator ("local") and becomes
+// rank 0; shard_plan[k] becomes rank k, so workers are ranked in shard_plan order, not in the
+// order of the "workers" list (workers the shard_plan never names get no rank).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "alloy/core/plan.h"
+
+namespace alloy {
+
+struct SynerFuseArgs {
+  int64_t num_layers = 0;                    // --num-layers
+  int64_t pipeline_model_parallel_size = 1;  // --pipeline-model-parallel-size
+  int64_t tensor_model_parallel_size = 1;    // --tensor-model-parallel-size (only 1 is supported)
+  int64_t global_batch_size = 0;             // --global-batch-size
+  int64_t micro_batch_size = 0;              // --micro-batch-size (used when no per-dp list is given)
+  int64_t data_parallel_size = 0;            // --data-parallel-size (Alloy's); 0 = world / (pp*tp),
+                                             //   or the per-dp lists' total when no world size is known
+  int64_t world_size = 0;                    // --world-size (Alloy's); 0 = pp * dp * tp
+  std::vector<int64_t> hetero_pipeline_stages;    // n0 l00 l01 ... n1 l10 ...: n_i stages, then their n_i layer counts
+  std::vector<int64_t> micro_batch_size_per_dp;   // n0 mbs0 n1 mbs1 ...
+  std::vector<int64_t> num_micro_batches_per_dp;  // n0 nmb0 n1 nmb1 ...
+  std::string schedule = "1f1b";                  // not a Megatron flag; set by the caller
+};
+
+// Parses a SynerFuse/Megatron-style argument list, e.g.
+//   {"--num-layers", "8", "--pipeline-model-parallel-size", "2", "--hetero-pipeline-stages", "1", "6", "1", "2"}.
+// Accepts "--flag value" and "--flag=value". Multi-value flags take every following token up to the
+// next one starting with "--" (so "-3" is read as a value, and then rejected as non-positive by
+// plan_from_synerfuse). --use-tp-pp-dp-mapping is accepted and has no effect (see the layout note
+// above). A repeated flag keeps its last value, as argparse does. Unknown flags, stray values and
+// non-integers throw InputError naming the token.
+SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv);
+
+// Checks SynerFuse's constraints (stage counts sum to --pipeline-model-parallel-size, layer counts
+// sum to --num-layers, per-dp group sizes sum to the data-parallel size, global batch =
+// sum n_i * mbs_i * nmb_i, ...) and builds the pipeline-major plan described above. Without
+// --hetero-pipeline-stages the layers are split evenly, which, as in Megatron, requires
+// pp to divide --num-layers. The micro-batch count per data-parallel index is, in order of
+// preference: the --num-micro-batches-per-dp list; global / sum(n_i * mbs_i) when only
+// --micro-batch-size-per-dp is given; global / (dp * --micro-batch-size) otherwise. Stage devices
+// are left empty.
+Plan plan_from_synerfuse(const SynerFuseArgs& a);
+
+// Converts a parsed hetero_config.json. WHERE (usually the file's path) prefixes every error,
+// followed by the JSON path at fault. num_layers <= 0 means "whatever the shard_plan covers"
+// (the last stage's end); otherwise the plan must cover exactly [0, num_layers). The pipeline uses
+// micro_batch for its micro-batch size and global_batch / micro_batch micro-batches, which must
+// divide exactly. Shard ids are compared with worker ids by value, so 1 and "1" match. Each stage's
+// device is the hostname of its worker, or the coordinator's for "local" (empty when absent).
+Plan plan_from_hetero_config(const nlohmann::json& j, int64_t num_layers, int64_t global_batch, int64_t micro_batch,
+                             const std::string& where);
+Plan plan_from_hetero_config_file(const std::string& path, int64_t num_layers, int64_t global_batch,
+                                  int64_t micro_batch);
+
+}  // namespace alloy

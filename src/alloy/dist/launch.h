@@ -1,0 +1,31 @@
+#pragma once
+// `alloy launch`: start N local ranks of a command, each with torchrun-style variables (RANK,
+// WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) and its own share of the cores, prefix their
+// output with the rank, and on the first failure stop the others and report which rank failed.
+#include <string>
+#include <vector>
+
+namespace alloy::dist {
+
+struct LaunchOptions {
+  int nproc = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;        // 0 = pick a free port
+  int threads_per_rank = 0;   // 0 = cores / nproc, at least 1
+  double grace_s = 5.0;       // after a failure, time the others get to report before SIGTERM
+  std::vector<std::string> command;
+  // Per-rank command prefix (e.g. the emulator's `ip netns exec` wrapper); {rank} is substituted.
+  std::vector<std::string> rank_prefix;
+  bool prefix_output = true;
+};
+
+struct LaunchResult {
+  int exit_code = 0;      // 0 when every rank succeeded
+  int failed_rank = -1;   // first rank that failed
+  std::vector<int> rank_exit_codes;
+};
+
+LaunchResult launch(const LaunchOptions& o);
+int free_tcp_port();
+
+}  // namespace alloy::dist

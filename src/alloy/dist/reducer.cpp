@@ -1,0 +1,143 @@
+#include "alloy/dist/reducer.h"
+
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+
+#include "alloy/core/error.h"
+#include "alloy/dist/world.h"
+
+namespace alloy::dist {
+
+struct Reducer::Bucket {
+  std::shared_ptr<Group> group;
+  std::vector<model::Param*> params;
+  std::vector<int64_t> offsets;
+  std::vector<bool> ready;
+  size_t pending = 0;
+  at::Tensor flat;
+  c10::intrusive_ptr<c10d::Work> work;
+  bool launched = false;
+};
+
+Reducer::Reducer(std::vector<ParamGroup> groups, double bucket_mb) {
+  const int64_t cap = static_cast<int64_t>(bucket_mb * 1024 * 1024);
+  for (auto& pg : groups) {
+    if (!pg.group || pg.params.empty()) continue;
+    std::unique_ptr<Bucket> cur;
+    int64_t cur_bytes = 0;
+    auto close = [&]() {
+      if (!cur) return;
+      int64_t n = 0;
+      for (auto* p : cur->params) {
+        cur->offsets.push_back(n);
+        n += p->tensor.numel();
+      }
+      cur->flat = at::zeros({n}, cur->params[0]->tensor.options().requires_grad(false));
+      cur->ready.assign(cur->params.size(), false);
+      buckets_.push_back(std::move(cur));
+      cur_bytes = 0;
+    };
+    for (auto* p : pg.params) {
+      int64_t bytes = p->tensor.numel() * static_cast<int64_t>(p->tensor.element_size());
+      if (cur && (cur_bytes + bytes > cap || cur->params[0]->tensor.scalar_type() != p->tensor.scalar_type())) close();
+      if (!cur) {
+        cur = std::make_unique<Bucket>();
+        cur->group = pg.group;
+      }
+      cur->params.push_back(p);
+      cur_bytes += bytes;
+    }
+    close();
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    for (size_t s = 0; s < buckets_[b]->params.size(); ++s)
+      buckets_[b]->params[s]->tensor.register_hook([this, b, s](const at::Tensor& g) { on_grad_ready(b, s, g); });
+}
+
+Reducer::~Reducer() = default;
+
+void Reducer::arm() {
+  armed_ = true;
+  for (auto& b : buckets_) {
+    b->pending = b->params.size();
+    b->ready.assign(b->params.size(), false);
+    b->launched = false;
+    b->work.reset();
+  }
+}
+
+void Reducer::on_grad_ready(size_t bi, size_t slot, const at::Tensor& incoming) {
+  if (!armed_) return;
+  Bucket& b = *buckets_[bi];
+  if (b.ready[slot]) return;
+  at::NoGradGuard ng;
+  model::Param* p = b.params[slot];
+  // The hook sees this micro-batch's gradient before it is accumulated; earlier micro-batches'
+  // share is already in .grad.
+  at::Tensor slice = b.flat.narrow(0, b.offsets[slot], p->tensor.numel());
+  const at::Tensor& prev = p->tensor.grad();
+  if (prev.defined())
+    at::add_out(slice, prev.reshape({-1}), incoming.reshape({-1}));
+  else
+    slice.copy_(incoming.reshape({-1}));
+  b.ready[slot] = true;
+  if (--b.pending == 0) launch(b);
+}
+
+void Reducer::launch(Bucket& b) {
+  b.launched = true;
+  b.work = b.group->allreduce_sum(b.flat);
+}
+
+void Reducer::reduce_all_now() {
+  at::NoGradGuard ng;
+  for (auto& b : buckets_) {
+    for (size_t s = 0; s < b->params.size(); ++s) {
+      const at::Tensor& g = b->params[s]->tensor.grad();
+      at::Tensor slice = b->flat.narrow(0, b->offsets[s], b->params[s]->tensor.numel());
+      if (g.defined()) slice.copy_(g.reshape({-1}));
+      else slice.zero_();
+    }
+    launch(*b);
+  }
+  armed_ = true;
+}
+
+ReducerStats Reducer::finish() {
+  ReducerStats st;
+  if (!armed_) return st;
+  at::NoGradGuard ng;
+  auto t0 = std::chrono::steady_clock::now();
+  for (auto& b : buckets_) {
+    if (!b->launched) {
+      // A parameter that took no part in this step's graph: its gradient is whatever .grad holds
+      // (or zero), so every holder still contributes and the collective stays matched.
+      for (size_t s = 0; s < b->params.size(); ++s) {
+        if (b->ready[s]) continue;
+        at::Tensor slice = b->flat.narrow(0, b->offsets[s], b->params[s]->tensor.numel());
+        const at::Tensor& g = b->params[s]->tensor.grad();
+        if (g.defined()) slice.copy_(g.reshape({-1}));
+        else slice.zero_();
+      }
+      launch(*b);
+    }
+  }
+  for (auto& b : buckets_) {
+    wait_work(b->work, "gradient all-reduce in group " + b->group->name());
+    for (size_t s = 0; s < b->params.size(); ++s) {
+      at::Tensor& p = b->params[s]->tensor;
+      at::Tensor slice = b->flat.narrow(0, b->offsets[s], p.numel()).view(p.sizes());
+      if (p.grad().defined()) p.mutable_grad().copy_(slice);
+      else p.mutable_grad() = slice.clone();
+    }
+    st.bytes += b->flat.numel() * static_cast<int64_t>(b->flat.element_size());
+  }
+  st.buckets = static_cast<int64_t>(buckets_.size());
+  st.wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  armed_ = false;
+  return st;
+}
+
+}  // namespace alloy::dist

@@ -1,0 +1,61 @@
+#pragma once
+// Gradient sync overlapped with backward. Parameters are grouped by the set of ranks that hold
+// them (one process group per distinct set: data-parallel replicas of a layer, and the GPT-2
+// embedding shared by a first and a last stage), then into buckets in backward order, capped at
+// bucket_mb. During the last micro-batch's backward a hook on each parameter marks its gradient
+// ready; when a bucket is complete its all-reduce (SUM) starts at once on the group's background
+// threads while backward continues. finish() waits for every bucket and writes the sums back.
+//
+// Exactness: each micro-batch's loss is already divided by the tokens of the whole global batch,
+// so the SUM over holders is the one-device gradient. No averaging anywhere.
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "alloy/model/transformer.h"
+
+namespace c10d {
+class Work;
+}
+
+namespace alloy::dist {
+
+class Group;
+
+struct ReducerStats {
+  double wait_s = 0;      // time finish() spent waiting for communication that backward did not hide
+  int64_t buckets = 0;
+  int64_t bytes = 0;
+};
+
+class Reducer {
+ public:
+  struct ParamGroup {
+    std::shared_ptr<Group> group;          // null when only this rank holds the parameters
+    std::vector<model::Param*> params;     // in backward order
+  };
+  Reducer(std::vector<ParamGroup> groups, double bucket_mb);
+  ~Reducer();
+
+  // Call before the backward of the last micro-batch: from then on, gradients that become ready
+  // are reduced as their buckets fill.
+  void arm();
+  // Waits for all buckets and leaves the reduced gradients in the parameters' .grad.
+  ReducerStats finish();
+  int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+
+  // For tests and benchmarks: start every bucket now (no hooks), as if all gradients were ready.
+  void reduce_all_now();
+
+ private:
+  struct Bucket;
+  void on_grad_ready(size_t bucket, size_t slot, const at::Tensor& incoming);
+  void launch(Bucket& b);
+
+  std::vector<std::unique_ptr<Bucket>> buckets_;
+  bool armed_ = false;
+};
+
+}  // namespace alloy::dist

@@ -1,0 +1,97 @@
+#include "alloy/dist/rendezvous.h"
+
+#include <cstdlib>
+
+#include "alloy/core/error.h"
+
+namespace alloy::dist {
+namespace {
+int parse_int(const std::string& text, const std::string& what) {
+  try {
+    size_t pos = 0;
+    int v = std::stoi(text, &pos);
+    if (pos == text.size()) return v;
+  } catch (const std::logic_error&) {
+  }
+  throw InputError(what, "must be an integer, got '" + text + "'");
+}
+}  // namespace
+
+EnvGetter process_env() {
+  return [](const std::string& k) -> std::optional<std::string> {
+    const char* v = std::getenv(k.c_str());
+    if (!v) return std::nullopt;
+    return std::string(v);
+  };
+}
+
+std::string first_slurm_host(const std::string& nodelist) {
+  std::string first;
+  int depth = 0;
+  for (char c : nodelist) {  // split at the first comma outside brackets
+    if (c == '[') ++depth;
+    if (c == ']') --depth;
+    if (c == ',' && depth == 0) break;
+    first += c;
+  }
+  auto lb = first.find('[');
+  if (lb == std::string::npos) return first;
+  std::string prefix = first.substr(0, lb);
+  std::string inner = first.substr(lb + 1, first.find(']') - lb - 1);
+  std::string item = inner.substr(0, inner.find(','));
+  return prefix + item.substr(0, item.find('-'));
+}
+
+Rendezvous resolve_rendezvous(const RendezvousFlags& f, const EnvGetter& env) {
+  Rendezvous r;
+  auto get = [&](const std::string& k) { return env(k); };
+  if (f.rank >= 0 || f.world_size >= 0 || !f.dist_url.empty() || !f.master_addr.empty()) {
+    r.source = "flags";
+    if (f.rank < 0) throw InputError("--rank", "is required with --world-size / --dist-url / --master-addr");
+    if (f.world_size < 1) throw InputError("--world-size", "is required and must be >= 1");
+    r.rank = f.rank;
+    r.world_size = f.world_size;
+    if (!f.dist_url.empty()) {
+      const std::string pre = "tcp://";
+      if (f.dist_url.rfind(pre, 0) != 0) throw InputError("--dist-url", "must look like tcp://HOST:PORT, got '" + f.dist_url + "'");
+      std::string hp = f.dist_url.substr(pre.size());
+      auto colon = hp.rfind(':');
+      if (colon == std::string::npos) throw InputError("--dist-url", "has no port: '" + f.dist_url + "'");
+      r.master_addr = hp.substr(0, colon);
+      r.master_port = parse_int(hp.substr(colon + 1), "--dist-url port");
+    } else {
+      if (!f.master_addr.empty()) r.master_addr = f.master_addr;
+      if (f.master_port > 0) r.master_port = f.master_port;
+    }
+    if (auto lr = get("LOCAL_RANK")) r.local_rank = parse_int(*lr, "LOCAL_RANK");
+  } else if (auto rank = get("RANK")) {
+    r.source = "torchrun";
+    r.rank = parse_int(*rank, "RANK");
+    auto ws = get("WORLD_SIZE");
+    if (!ws) throw InputError("WORLD_SIZE", "is not set although RANK is");
+    r.world_size = parse_int(*ws, "WORLD_SIZE");
+    if (auto a = get("MASTER_ADDR")) r.master_addr = *a;
+    if (auto p = get("MASTER_PORT")) r.master_port = parse_int(*p, "MASTER_PORT");
+    if (auto lr = get("LOCAL_RANK")) r.local_rank = parse_int(*lr, "LOCAL_RANK");
+  } else if (auto procid = get("SLURM_PROCID")) {
+    r.source = "slurm";
+    r.rank = parse_int(*procid, "SLURM_PROCID");
+    auto nt = get("SLURM_NTASKS");
+    if (!nt) throw InputError("SLURM_NTASKS", "is not set although SLURM_PROCID is");
+    r.world_size = parse_int(*nt, "SLURM_NTASKS");
+    if (auto lid = get("SLURM_LOCALID")) r.local_rank = parse_int(*lid, "SLURM_LOCALID");
+    if (auto a = get("MASTER_ADDR")) r.master_addr = *a;
+    else if (auto nl = get("SLURM_JOB_NODELIST")) r.master_addr = first_slurm_host(*nl);
+    if (auto p = get("MASTER_PORT")) r.master_port = parse_int(*p, "MASTER_PORT");
+  } else {
+    r.source = "single process";
+  }
+  if (r.world_size < 1) throw InputError(r.source, "world size must be >= 1, got " + std::to_string(r.world_size));
+  if (r.rank < 0 || r.rank >= r.world_size)
+    throw InputError(r.source, "rank " + std::to_string(r.rank) + " is outside 0.." + std::to_string(r.world_size - 1));
+  if (r.master_port <= 0 || r.master_port > 65535)
+    throw InputError(r.source, "master port " + std::to_string(r.master_port) + " is not a TCP port");
+  return r;
+}
+
+}  // namespace alloy::dist

@@ -1,0 +1,39 @@
+#pragma once
+// Where a rank learns who it is and where the rendezvous store lives. Sources, first match wins:
+//   1. flags: --rank --world-size --master-addr --master-port, or PTAFM's --dist-url tcp://HOST:PORT
+//   2. torchrun's variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (LOCAL_RANK)
+//   3. SLURM's: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and the first host of SLURM_JOB_NODELIST
+//   4. none: a single process (rank 0 of 1)
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace alloy::dist {
+
+struct RendezvousFlags {
+  int rank = -1;
+  int world_size = -1;
+  std::string master_addr;
+  int master_port = -1;
+  std::string dist_url;  // tcp://HOST:PORT
+};
+
+struct Rendezvous {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string source;  // "flags", "torchrun", "slurm", "single process": for messages
+};
+
+using EnvGetter = std::function<std::optional<std::string>(const std::string&)>;
+EnvGetter process_env();
+
+// Throws InputError naming the flag or variable that is missing or malformed.
+Rendezvous resolve_rendezvous(const RendezvousFlags& flags, const EnvGetter& env = process_env());
+
+// First host of a SLURM node list: "node[01-04,07],gpu5" -> "node01".
+std::string first_slurm_host(const std::string& nodelist);
+
+}  // namespace alloy::dist

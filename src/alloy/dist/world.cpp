@@ -1,0 +1,238 @@
+#include "alloy/dist/world.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+
+#include "alloy/core/error.h"
+#include "alloy/core/log.h"
+
+namespace alloy::dist {
+namespace {
+World* g_world = nullptr;
+std::mutex g_hb_mu;  // guards the heartbeat store client, shared by the heartbeat thread and reports
+
+std::string str_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+
+std::shared_ptr<::gloo::transport::Device> make_gloo_device(const Rendezvous& rv) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"))
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  if (const char* host = std::getenv("ALLOY_GLOO_HOST")) return c10d::ProcessGroupGloo::createDeviceForHostname(host);
+  if (rv.master_addr.rfind("127.", 0) == 0 || rv.master_addr == "localhost")
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+c10::intrusive_ptr<c10d::Store> connect_store(const Rendezvous& rv, bool server, std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(rv.master_port);
+  o.isServer = server;
+  o.waitWorkers = false;  // joining is checked below, naming the ranks that never came
+  o.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(rv.master_addr, o);
+  } catch (const std::exception& e) {
+    throw Error("rank " + std::to_string(rv.rank) + ": cannot " + (server ? "host" : "reach") +
+                " the rendezvous store at " + rv.master_addr + ":" + std::to_string(rv.master_port) + " (" +
+                std::string(e.what()).substr(0, 300) + ")");
+  }
+}
+}  // namespace
+
+Group::Group(std::string name, std::vector<int> ranks, int my_global_rank) : name_(std::move(name)), ranks_(std::move(ranks)) {
+  my_rank_ = group_rank_of(my_global_rank);
+}
+Group::~Group() = default;
+
+int Group::group_rank_of(int global_rank) const {
+  auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
+  if (it == ranks_.end()) throw Error("rank " + std::to_string(global_rank) + " is not in group " + name_);
+  return static_cast<int>(it - ranks_.begin());
+}
+
+c10::intrusive_ptr<c10d::Work> Group::allreduce_sum(at::Tensor& t) {
+  std::vector<at::Tensor> v{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::SUM;
+  return gloo_->allreduce(v, o);
+}
+
+c10::intrusive_ptr<c10d::Work> Group::send(at::Tensor& t, int dst_global, int tag) {
+  std::vector<at::Tensor> v{t};
+  return gloo_->send(v, group_rank_of(dst_global), tag);
+}
+
+c10::intrusive_ptr<c10d::Work> Group::recv(at::Tensor& t, int src_global, int tag) {
+  std::vector<at::Tensor> v{t};
+  return gloo_->recv(v, group_rank_of(src_global), tag);
+}
+
+void Group::barrier() { wait_work(gloo_->barrier(), "barrier of group " + name_); }
+
+void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+  try {
+    work->wait();  // bounded by the group's timeout (set at creation)
+  } catch (const std::exception& e) {
+    std::string report = World::current() ? World::current()->failure_report() : "";
+    std::string msg = std::string(e.what());
+    auto nl = msg.find('\n');
+    if (nl != std::string::npos) msg = msg.substr(0, nl);
+    throw Error(what + " failed: " + msg + (report.empty() ? "" : "\n  " + report));
+  }
+}
+
+World::World(const Rendezvous& rv, std::chrono::milliseconds timeout) : rv_(rv), timeout_(timeout) {}
+
+World* World::current() { return g_world; }
+
+std::shared_ptr<World> World::create(const Rendezvous& rv, std::chrono::milliseconds timeout) {
+  std::shared_ptr<World> w(new World(rv, timeout));
+  w->store_ = connect_store(rv, rv.rank == 0, timeout);
+  // The heartbeat has its own connection so it never waits behind a blocking store call.
+  w->hb_store_ = connect_store(rv, false, std::chrono::milliseconds(5000));
+  w->store_->set("alloy/joined/" + std::to_string(rv.rank), bytes_of("1"));
+  w->store_->add("alloy/joined", 1);
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (w->store_->add("alloy/joined", 0) < rv.world_size) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::string missing;
+      for (int r = 0; r < rv.world_size; ++r)
+        if (!w->store_->check({"alloy/joined/" + std::to_string(r)})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      throw Error("rank " + std::to_string(rv.rank) + ": rank(s) " + missing + " never joined the rendezvous at " +
+                  rv.master_addr + ":" + std::to_string(rv.master_port) + " within " +
+                  std::to_string(timeout.count() / 1000) + " s");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  g_world = w.get();
+  w->hb_thread_ = std::thread([p = w.get()] { p->heartbeat_loop(); });
+  std::vector<int> all(static_cast<size_t>(rv.world_size));
+  for (int r = 0; r < rv.world_size; ++r) all[static_cast<size_t>(r)] = r;
+  w->all_ = w->new_group("all", all);
+  return w;
+}
+
+World::~World() {
+  stop_ = true;
+  if (hb_thread_.joinable()) hb_thread_.join();
+  if (g_world == this) g_world = nullptr;
+}
+
+void World::heartbeat_loop() {
+  int64_t beat = 0;
+  while (!stop_) {
+    try {
+      std::lock_guard<std::mutex> lk(g_hb_mu);
+      hb_store_->set("alloy/hb/" + std::to_string(rv_.rank), bytes_of(std::to_string(++beat)));
+      hb_store_->set("alloy/progress/" + std::to_string(rv_.rank), bytes_of(std::to_string(progress_.load())));
+    } catch (const std::exception&) {
+      // The store host is gone; failure_report() says so when a collective fails.
+    }
+    for (int i = 0; i < 5 && !stop_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+void World::set_progress(int64_t step) { progress_ = step; }
+
+void World::report_exit(const std::string& message) {
+  try {
+    std::lock_guard<std::mutex> lk(g_hb_mu);
+    hb_store_->set("alloy/exit/" + std::to_string(rv_.rank), bytes_of(message.substr(0, 2000)));
+  } catch (const std::exception&) {
+  }
+}
+
+std::string World::failure_report() {
+  auto read_all = [&](const std::string& prefix) {
+    std::vector<std::string> out(static_cast<size_t>(rv_.world_size));
+    std::lock_guard<std::mutex> lk(g_hb_mu);
+    for (int r = 0; r < rv_.world_size; ++r) {
+      std::string k = prefix + std::to_string(r);
+      if (hb_store_->check({k})) out[static_cast<size_t>(r)] = str_of(hb_store_->get(k));
+    }
+    return out;
+  };
+  try {
+    auto before = read_all("alloy/hb/");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // three heartbeat periods
+    auto after = read_all("alloy/hb/");
+    auto exits = read_all("alloy/exit/");
+    auto progress = read_all("alloy/progress/");
+    std::ostringstream out;
+    std::string sep;
+    for (int r = 0; r < rv_.world_size; ++r) {
+      size_t i = static_cast<size_t>(r);
+      if (r == rv_.rank) continue;
+      if (!exits[i].empty()) {
+        out << sep << "rank " << r << " failed: " << exits[i];
+        sep = "; ";
+      } else if (before[i] == after[i]) {
+        out << sep << "rank " << r << " died (no heartbeat for 1.5 s)";
+        sep = "; ";
+      }
+    }
+    int64_t most = -1;
+    for (const auto& p : progress)
+      if (!p.empty()) most = std::max<int64_t>(most, std::stoll(p));
+    for (int r = 0; r < rv_.world_size; ++r) {
+      const auto& p = progress[static_cast<size_t>(r)];
+      if (r != rv_.rank && !p.empty() && std::stoll(p) < most && before[static_cast<size_t>(r)] != after[static_cast<size_t>(r)]) {
+        out << sep << "rank " << r << " is alive but behind (step " << p << " while others reached " << most << ")";
+        sep = "; ";
+      }
+    }
+    return out.str();
+  } catch (const std::exception&) {
+    if (rv_.rank == 0) return "";
+    return "the rendezvous store hosted by rank 0 (" + rv_.master_addr + ":" + std::to_string(rv_.master_port) +
+           ") is unreachable: rank 0 died";
+  }
+}
+
+void World::check_same(const std::string& what, const std::string& value) {
+  std::string key = "alloy/check/" + what + "/";
+  store_->set(key + std::to_string(rv_.rank), bytes_of(value));
+  std::vector<std::string> keys;
+  for (int r = 0; r < rv_.world_size; ++r) keys.push_back(key + std::to_string(r));
+  try {
+    store_->wait(keys, timeout_);
+  } catch (const std::exception& e) {
+    std::string missing;
+    for (int r = 0; r < rv_.world_size; ++r)
+      if (!store_->check({keys[static_cast<size_t>(r)]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    throw Error("rank " + std::to_string(rv_.rank) + ": rank(s) " + missing + " never reported their " + what);
+  }
+  std::string ref = str_of(store_->get(keys[0]));
+  std::string differ;
+  for (int r = 1; r < rv_.world_size; ++r)
+    if (str_of(store_->get(keys[static_cast<size_t>(r)])) != ref) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+  if (!differ.empty())
+    throw Error("rank(s) " + differ + " hold a different " + what + " than rank 0: every rank must be started with the same config and plan");
+}
+
+std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int> ranks) {
+  std::sort(ranks.begin(), ranks.end());
+  auto g = std::make_shared<Group>(name, ranks, rv_.rank);
+  auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
+  opts->devices.push_back(make_gloo_device(rv_));
+  opts->threads = 2;
+  auto prefix = c10::make_intrusive<c10d::PrefixStore>("alloy/group/" + name, store_);
+  try {
+    g->gloo_ = c10::make_intrusive<c10d::ProcessGroupGloo>(prefix, g->rank(), g->size(), opts);
+  } catch (const std::exception& e) {
+    std::string report = failure_report();
+    throw Error("rank " + std::to_string(rv_.rank) + ": connecting group '" + name + "' failed: " +
+                std::string(e.what()).substr(0, 300) + (report.empty() ? "" : "\n  " + report));
+  }
+  return g;
+}
+
+Group& World::all() { return *all_; }
+
+}  // namespace alloy::dist

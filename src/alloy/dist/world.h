@@ -1,0 +1,97 @@
+#pragma once
+// The distributed world of one training job: the rendezvous store (c10d TCPStore hosted by rank
+// 0), the process groups built from the Plan, and failure detection. Every collective has a
+// timeout; when one fails, failure_report() names the ranks that died (their heartbeat stopped) or
+// stalled (their progress fell behind), so no rank hangs or dies with a bare socket error.
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "alloy/dist/rendezvous.h"
+
+namespace c10d {
+class Store;
+class ProcessGroupGloo;
+class Work;
+}  // namespace c10d
+
+namespace alloy::dist {
+
+// A process group over a subset of the world's ranks (Gloo; NCCL when every member is a CUDA
+// device and Alloy is built with ALLOY_WITH_NCCL).
+class Group {
+ public:
+  Group(std::string name, std::vector<int> ranks, int my_global_rank);
+  ~Group();
+  const std::string& name() const { return name_; }
+  const std::vector<int>& ranks() const { return ranks_; }
+  int size() const { return static_cast<int>(ranks_.size()); }
+  int rank() const { return my_rank_; }  // rank within the group
+  int group_rank_of(int global_rank) const;
+
+  // Asynchronous SUM all-reduce in place; wait() on the handle.
+  c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor& t);
+  c10::intrusive_ptr<c10d::Work> send(at::Tensor& t, int dst_global, int tag);
+  c10::intrusive_ptr<c10d::Work> recv(at::Tensor& t, int src_global, int tag);
+  void barrier();
+
+ private:
+  friend class World;
+  std::string name_;
+  std::vector<int> ranks_;
+  int my_rank_ = -1;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo_;
+};
+
+// Waits for WORK, turning a timeout or failure into an alloy::Error whose text comes from
+// WHAT plus the world's failure report.
+void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
+
+class World {
+ public:
+  // Connects to (rank 0: hosts) the TCPStore and starts the heartbeat. TIMEOUT bounds every store
+  // wait and every collective.
+  static std::shared_ptr<World> create(const Rendezvous& rv, std::chrono::milliseconds timeout);
+  ~World();
+
+  int rank() const { return rv_.rank; }
+  int size() const { return rv_.world_size; }
+  const Rendezvous& rendezvous() const { return rv_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  c10d::Store& store() { return *store_; }
+
+  // Every rank calls this with the same WHAT; fails on every rank when the values differ, naming
+  // the ranks that disagree with rank 0.
+  void check_same(const std::string& what, const std::string& value);
+  // All members of RANKS call this, in the same order across ranks, with a NAME unique in the job.
+  std::shared_ptr<Group> new_group(const std::string& name, std::vector<int> ranks);
+  Group& all();  // every rank
+
+  // Publishes this rank's position ("step 12") so a stall can be pinned on the rank behind.
+  void set_progress(int64_t step);
+  // Records this rank's error for the others to read, best effort.
+  void report_exit(const std::string& message);
+  // Who is dead, stalled or failed, as a sentence; empty if nothing can be said.
+  std::string failure_report();
+
+  static World* current();  // the world of this process, if any (for wait_work's reports)
+
+ private:
+  World(const Rendezvous& rv, std::chrono::milliseconds timeout);
+  void heartbeat_loop();
+
+  Rendezvous rv_;
+  std::chrono::milliseconds timeout_;
+  c10::intrusive_ptr<c10d::Store> store_, hb_store_;
+  std::shared_ptr<Group> all_;
+  std::thread hb_thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> progress_{-1};
+};
+
+}  // namespace alloy::dist

@@ -1,0 +1,164 @@
+#include "alloy/pipeline/executor.h"
+
+#include <ATen/core/grad_mode.h>
+#include <malloc.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+
+#include "alloy/core/error.h"
+#include "alloy/dist/reducer.h"
+#include "alloy/dist/world.h"
+
+namespace alloy::pipeline {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+enum Kind : int { kActHeader = 0, kActData = 1, kGradHeader = 2, kGradData = 3 };
+int tag_of(int64_t mb, int kind) { return static_cast<int>(mb * 4 + kind); }
+const char* kind_text(int kind) { return kind <= kActData ? "activation" : "gradient"; }
+}  // namespace
+
+int64_t heap_bytes_in_use() {
+  struct mallinfo2 mi = ::mallinfo2();
+  return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
+}
+
+StageExecutor::StageExecutor(model::Transformer& slice, StageLinks links, int64_t micro_batch_size)
+    : slice_(slice), links_(links), mbs_(micro_batch_size) {}
+
+void StageExecutor::record(const std::string& name, const char* stream, Clock::time_point t0) {
+  if (!tracing) return;
+  auto now = Clock::now();
+  trace_.push_back({name, stream, std::chrono::duration<double, std::micro>(t0 - origin_).count(),
+                    std::chrono::duration<double, std::micro>(now - t0).count()});
+}
+
+void StageExecutor::sample_memory() {
+  peak_bytes_ = std::max(peak_bytes_, heap_bytes_in_use() - base_bytes_);
+  peak_in_flight_ = std::max(peak_in_flight_, in_flight_);
+}
+
+void StageExecutor::send_tensor(int dst, int64_t mb, int kind, const at::Tensor& t) {
+  at::Tensor data = t.detach().contiguous();
+  at::Tensor header = at::tensor({static_cast<int64_t>(data.dim()), data.size(0), data.size(1), data.size(2),
+                                  static_cast<int64_t>(data.scalar_type()), mb},
+                                 at::kLong);
+  sends_.emplace_back(links_.group->send(header, dst, tag_of(mb, kind)), header);
+  sends_.emplace_back(links_.group->send(data, dst, tag_of(mb, kind + 1)), data);
+}
+
+at::Tensor StageExecutor::recv_tensor(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype) {
+  at::Tensor header = at::empty({6}, at::kLong);
+  at::Tensor data = at::empty(shape, slice_.parameters()[0]->tensor.options().dtype(dtype).requires_grad(false));
+  // Both receives are posted together: one round trip, and the header is checked after.
+  auto wh = links_.group->recv(header, src, tag_of(mb, kind));
+  auto wd = links_.group->recv(data, src, tag_of(mb, kind + 1));
+  std::string what = std::string("receiving the ") + kind_text(kind) + " of micro-batch " + std::to_string(mb) +
+                     " from rank " + std::to_string(src);
+  dist::wait_work(wh, what);
+  const int64_t* h = header.data_ptr<int64_t>();
+  if (h[0] != 3 || h[1] != shape[0] || h[2] != shape[1] || h[3] != shape[2] || h[4] != static_cast<int64_t>(dtype) ||
+      h[5] != mb)
+    throw Error(what + ": got shape [" + std::to_string(h[1]) + ", " + std::to_string(h[2]) + ", " + std::to_string(h[3]) +
+                "] dtype " + c10::toString(static_cast<at::ScalarType>(h[4])) + " for micro-batch " + std::to_string(h[5]) +
+                ", expected [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + ", " +
+                std::to_string(shape[2]) + "] " + c10::toString(dtype) + ": the two stages disagree on the plan");
+  dist::wait_work(wd, what);
+  return data;
+}
+
+void StageExecutor::wait_sends() {
+  for (auto& [w, t] : sends_) dist::wait_work(w, "sending to a neighbouring stage");
+  sends_.clear();
+}
+
+double StageExecutor::run(const std::vector<Action>& actions, const std::vector<MicroBatch>& mbs, double loss_divisor,
+                          dist::Reducer* reducer) {
+  const auto& cfg = slice_.config();
+  const int64_t T = cfg.seq_len, H = cfg.hidden;
+  const at::ScalarType dt = slice_.dtype();
+  const size_t last_bwd = last_backward_index(actions);
+  state_.assign(mbs.size(), InFlight{});
+  trace_.clear();
+  base_bytes_ = heap_bytes_in_use();
+  peak_bytes_ = peak_in_flight_ = in_flight_ = 0;
+  compute_s_ = 0;
+  double loss_sum = 0;
+
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const Action& a = actions[i];
+    const int64_t m = a.micro_batch;
+    InFlight& st = state_[static_cast<size_t>(m)];
+    auto t0 = Clock::now();
+    switch (a.kind) {
+      case ActionKind::RecvActivation:
+        st.input = recv_tensor(links_.prev_rank, m, kActHeader, {mbs[static_cast<size_t>(m)].rows, T, H}, dt).requires_grad_(true);
+        record("recv A" + std::to_string(m), "recv", t0);
+        break;
+      case ActionKind::Forward: {
+        at::Tensor out = slice_.forward(first() ? mbs[static_cast<size_t>(m)].inputs : st.input);
+        if (last()) {
+          at::Tensor ls = model::Transformer::loss_sum(out, mbs[static_cast<size_t>(m)].targets);
+          loss_sum += ls.item<double>();
+          st.output = ls / loss_divisor;
+        } else {
+          st.output = out;
+        }
+        ++in_flight_;
+        compute_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+        record("F" + std::to_string(m), "compute", t0);
+        sample_memory();
+        break;
+      }
+      case ActionKind::SendActivation:
+        send_tensor(links_.next_rank, m, kActHeader, st.output);
+        record("send A" + std::to_string(m), "send", t0);
+        break;
+      case ActionKind::RecvGrad:
+        st.grad_in = recv_tensor(links_.next_rank, m, kGradHeader, st.output.sizes(), dt);
+        record("recv G" + std::to_string(m), "recv", t0);
+        break;
+      case ActionKind::Backward: {
+        if (reducer && i == last_bwd) reducer->arm();
+        if (last()) st.output.backward();
+        else st.output.backward(st.grad_in);
+        st.output = at::Tensor();
+        st.grad_in = at::Tensor();
+        --in_flight_;
+        compute_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+        record("B" + std::to_string(m), "compute", t0);
+        break;
+      }
+      case ActionKind::SendGrad:
+        send_tensor(links_.prev_rank, m, kGradHeader, st.input.grad());
+        st.input = at::Tensor();
+        record("send G" + std::to_string(m), "send", t0);
+        break;
+    }
+  }
+  auto t0 = Clock::now();
+  wait_sends();
+  record("wait sends", "send", t0);
+  state_.clear();
+  return loss_sum;
+}
+
+double StageExecutor::forward_only(const std::vector<MicroBatch>& mbs) {
+  at::NoGradGuard ng;
+  const auto& cfg = slice_.config();
+  double loss_sum = 0;
+  for (size_t m = 0; m < mbs.size(); ++m) {
+    const int64_t rows = mbs[m].rows;
+    at::Tensor x = first() ? mbs[m].inputs
+                           : recv_tensor(links_.prev_rank, static_cast<int64_t>(m), kActHeader, {rows, cfg.seq_len, cfg.hidden},
+                                         slice_.dtype());
+    at::Tensor out = slice_.forward(x);
+    if (last()) loss_sum += model::Transformer::loss_sum(out, mbs[m].targets).item<double>();
+    else send_tensor(links_.next_rank, static_cast<int64_t>(m), kActHeader, out);
+  }
+  wait_sends();
+  return loss_sum;
+}
+
+}  // namespace alloy::pipeline

@@ -1,0 +1,92 @@
+#pragma once
+// Runs one stage's schedule (a list of actions, see schedule.h) against its slice of the model:
+// forward and backward per micro-batch, activations sent to the next stage and gradients to the
+// previous one over c10d point-to-point, asynchronously, with shape and dtype checked on receipt.
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "alloy/model/transformer.h"
+#include "alloy/pipeline/schedule.h"
+
+namespace c10d {
+class Work;
+}
+
+namespace alloy::dist {
+class Group;
+class Reducer;
+}  // namespace alloy::dist
+
+namespace alloy::pipeline {
+
+struct MicroBatch {
+  at::Tensor inputs;   // [mbs, T] token ids (first stage)
+  at::Tensor targets;  // [mbs, T] token ids (last stage)
+  int64_t rows = 0;    // samples in this micro-batch (every stage knows it, even without data)
+};
+
+struct TraceEvent {
+  std::string name;    // "F3", "B0", "send A3", "recv G1", "allreduce"
+  std::string stream;  // compute | send | recv | sync
+  double start_us, dur_us;
+};
+
+struct StageLinks {
+  dist::Group* group = nullptr;  // carries the point-to-point messages; null for a 1-stage pipeline
+  int prev_rank = -1;            // global ranks of the neighbouring stages; -1 at the ends
+  int next_rank = -1;
+};
+
+class StageExecutor {
+ public:
+  StageExecutor(model::Transformer& slice, StageLinks links, int64_t micro_batch_size);
+
+  // Runs ACTIONS for one optimizer step. Every micro-batch loss is divided by LOSS_DIVISOR (the
+  // tokens of the global batch). Arms REDUCER (if any) before the last backward. Returns the sum
+  // of token losses computed here (non-zero on the last stage only).
+  double run(const std::vector<Action>& actions, const std::vector<MicroBatch>& mbs, double loss_divisor,
+             dist::Reducer* reducer);
+  // Forward only (validation): returns the sum of token losses on the last stage.
+  double forward_only(const std::vector<MicroBatch>& mbs);
+
+  // Timeline of the last run(), microseconds from TRACE_ORIGIN (set by the caller per step).
+  std::vector<TraceEvent>& trace() { return trace_; }
+  void set_trace_origin(std::chrono::steady_clock::time_point t) { origin_ = t; }
+  bool tracing = false;
+  // Heap bytes in use above the level at the start of the last run(): activations kept for
+  // backward (measured with mallinfo2, not estimated).
+  int64_t peak_activation_bytes() const { return peak_bytes_; }
+  int64_t peak_in_flight() const { return peak_in_flight_; }
+  double compute_s() const { return compute_s_; }
+
+ private:
+  bool first() const { return links_.prev_rank < 0; }
+  bool last() const { return links_.next_rank < 0; }
+  at::Tensor recv_tensor(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype);
+  void send_tensor(int dst, int64_t mb, int kind, const at::Tensor& t);
+  void wait_sends();
+  void record(const std::string& name, const char* stream, std::chrono::steady_clock::time_point t0);
+  void sample_memory();
+
+  model::Transformer& slice_;
+  StageLinks links_;
+  int64_t mbs_;
+  struct InFlight {
+    at::Tensor input;   // received activation (leaf, requires grad) on non-first stages
+    at::Tensor output;  // activation to send / loss on the last stage
+    at::Tensor grad_in; // gradient received from the next stage
+  };
+  std::vector<InFlight> state_;
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor>> sends_;
+  std::vector<TraceEvent> trace_;
+  std::chrono::steady_clock::time_point origin_;
+  int64_t base_bytes_ = 0, peak_bytes_ = 0, peak_in_flight_ = 0, in_flight_ = 0;
+  double compute_s_ = 0;
+};
+
+int64_t heap_bytes_in_use();
+
+}  // namespace alloy::pipeline

@@ -1,0 +1,261 @@
+#include "alloy/pipeline/schedule.h"
+
+#include <algorithm>
+#include <deque>
+#include <sstream>
+#include <stdexcept>
+#include <unordered_map>
+
+namespace alloy::pipeline {
+
+namespace {
+
+void check_args(const char* who, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+  auto fail = [&](const std::string& why) {
+    throw std::invalid_argument(std::string(who) + "(stage " + std::to_string(stage) + ", stages " +
+                                std::to_string(num_stages) + ", micro-batches " + std::to_string(num_micro_batches) +
+                                "): " + why);
+  };
+  if (num_stages < 1) fail("a pipeline needs at least one stage");
+  if (stage < 0 || stage >= num_stages) fail("stage must be in [0, " + std::to_string(num_stages) + ")");
+  if (num_micro_batches < 1) fail("a step needs at least one micro-batch");
+}
+
+// Appends a forward with its receive and send, so both schedules get the placement rules from
+// one place.
+struct Builder {
+  bool first, last;
+  std::vector<Action> out;
+  void forward(int64_t m) {
+    if (!first) out.push_back({ActionKind::RecvActivation, m});
+    out.push_back({ActionKind::Forward, m});
+    if (!last) out.push_back({ActionKind::SendActivation, m});
+  }
+  void backward(int64_t m) {
+    if (!last) out.push_back({ActionKind::RecvGrad, m});
+    out.push_back({ActionKind::Backward, m});
+    if (!first) out.push_back({ActionKind::SendGrad, m});
+  }
+};
+
+Builder builder(int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+  Builder b{stage == 0, stage == num_stages - 1, {}};
+  const int64_t per_mb = 2 + (b.first ? 0 : 2) + (b.last ? 0 : 2);
+  b.out.reserve(static_cast<size_t>(per_mb * num_micro_batches));
+  return b;
+}
+
+}  // namespace
+
+std::vector<Action> gpipe(int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+  check_args("gpipe", stage, num_stages, num_micro_batches);
+  Builder b = builder(stage, num_stages, num_micro_batches);
+  for (int64_t m = 0; m < num_micro_batches; ++m) b.forward(m);
+  for (int64_t m = 0; m < num_micro_batches; ++m) b.backward(m);
+  return std::move(b.out);
+}
+
+std::vector<Action> one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+  check_args("one_f_one_b", stage, num_stages, num_micro_batches);
+  Builder b = builder(stage, num_stages, num_micro_batches);
+  // Stage i must run ahead by the number of stages after it, so that the gradient of its oldest
+  // micro-batch arrives just as its steady phase starts; fewer would idle it, more would only
+  // hold more activations.
+  const int64_t warmup = std::min(num_stages - stage - 1, num_micro_batches);
+  const int64_t steady = num_micro_batches - warmup;
+  for (int64_t m = 0; m < warmup; ++m) b.forward(m);
+  for (int64_t i = 0; i < steady; ++i) {
+    b.forward(warmup + i);
+    b.backward(i);
+  }
+  for (int64_t m = steady; m < num_micro_batches; ++m) b.backward(m);
+  return std::move(b.out);
+}
+
+const std::vector<std::string>& schedule_names() {
+  static const std::vector<std::string> names = {"1f1b", "gpipe"};
+  return names;
+}
+
+std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+  if (name == "1f1b") return one_f_one_b(stage, num_stages, num_micro_batches);
+  if (name == "gpipe") return gpipe(stage, num_stages, num_micro_batches);
+  std::string valid;
+  for (const auto& n : schedule_names()) valid += (valid.empty() ? "" : ", ") + n;
+  throw std::invalid_argument("unknown pipeline schedule '" + name + "' (valid: " + valid + ")");
+}
+
+std::string to_string(const Action& a) {
+  const char* prefix = "?";
+  switch (a.kind) {
+    case ActionKind::RecvActivation: prefix = "recvA"; break;
+    case ActionKind::Forward: prefix = "F"; break;
+    case ActionKind::SendActivation: prefix = "sendA"; break;
+    case ActionKind::RecvGrad: prefix = "recvG"; break;
+    case ActionKind::Backward: prefix = "B"; break;
+    case ActionKind::SendGrad: prefix = "sendG"; break;
+  }
+  return prefix + std::to_string(a.micro_batch);
+}
+
+std::string to_string(const std::vector<Action>& actions) {
+  std::string s;
+  for (const auto& a : actions) {
+    if (!s.empty()) s += ' ';
+    s += to_string(a);
+  }
+  return s;
+}
+
+size_t last_backward_index(const std::vector<Action>& actions) {
+  for (size_t i = actions.size(); i-- > 0;)
+    if (actions[i].kind == ActionKind::Backward) return i;
+  return actions.size();
+}
+
+namespace {
+
+struct Message {
+  int64_t micro_batch;
+  double arrival;
+};
+
+// What a stage has done with one micro-batch; the simulator refuses any action whose inputs the
+// executor would not have at that point.
+struct MbState {
+  bool recv_act = false, forward = false, send_act = false, recv_grad = false, backward = false, send_grad = false;
+};
+
+}  // namespace
+
+SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimCosts& costs) {
+  const size_t S = per_stage.size();
+  if (costs.forward.size() < S || costs.backward.size() < S)
+    throw std::invalid_argument("simulate: costs cover " + std::to_string(std::min(costs.forward.size(), costs.backward.size())) +
+                                " stages, the schedule has " + std::to_string(S));
+  for (size_t s = 0; s < S; ++s)
+    if (costs.forward[s] < 0 || costs.backward[s] < 0)
+      throw std::invalid_argument("simulate: negative compute cost for stage " + std::to_string(s));
+  if (costs.p2p < 0) throw std::invalid_argument("simulate: negative p2p cost");
+
+  // act[s]: activations travelling s -> s+1; grad[s]: gradients travelling s+1 -> s.
+  std::vector<std::deque<Message>> act(S), grad(S);
+  std::vector<size_t> pc(S, 0);
+  std::vector<double> clock(S, 0.0);
+  std::vector<int64_t> in_flight(S, 0);
+  std::vector<std::unordered_map<int64_t, MbState>> state(S);
+  std::vector<std::vector<SimEvent>> events(S);
+  SimResult r;
+  r.peak_in_flight.assign(S, 0);
+
+  auto fail = [&](size_t s, const Action& a, const std::string& why) {
+    throw std::logic_error("pipeline schedule: stage " + std::to_string(s) + " action " + std::to_string(pc[s]) + " (" +
+                           to_string(a) + "): " + why);
+  };
+  // Returns false when the stage must wait for a message that has not been sent yet.
+  auto receive = [&](size_t s, const Action& a, std::deque<Message>& box, const char* what) {
+    if (box.empty()) return false;
+    if (box.front().micro_batch != a.micro_batch)
+      fail(s, a, std::string("the next ") + what + " on this link is for micro-batch " + std::to_string(box.front().micro_batch) +
+                     " (both sides must use the same micro-batch order)");
+    const double start = clock[s];
+    clock[s] = std::max(clock[s], box.front().arrival);
+    box.pop_front();
+    events[s].push_back({static_cast<int64_t>(s), a, start, clock[s]});
+    return true;
+  };
+  auto send = [&](size_t s, const Action& a, std::deque<Message>& box) {
+    box.push_back({a.micro_batch, clock[s] + costs.p2p});
+    events[s].push_back({static_cast<int64_t>(s), a, clock[s], clock[s] + costs.p2p});
+  };
+  auto compute = [&](size_t s, const Action& a, double cost) {
+    events[s].push_back({static_cast<int64_t>(s), a, clock[s], clock[s] + cost});
+    clock[s] += cost;
+  };
+
+  // Timing is pure dataflow: a stage's times depend only on its own list and the arrival times of
+  // its messages, which are fixed once sent. So advancing stages in any order until none can move
+  // gives the same timelines as an event-driven simulation, and "none can move, some unfinished"
+  // is exactly deadlock.
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (size_t s = 0; s < S; ++s) {
+      const bool first = s == 0, last = s + 1 == S;
+      for (; pc[s] < per_stage[s].size(); ++pc[s]) {
+        const Action& a = per_stage[s][pc[s]];
+        if (a.micro_batch < 0) fail(s, a, "negative micro-batch");
+        MbState& st = state[s][a.micro_batch];
+        auto once = [&](bool& done) {
+          if (done) fail(s, a, "repeated for the same micro-batch");
+          done = true;
+        };
+        bool blocked = false;
+        switch (a.kind) {
+          case ActionKind::RecvActivation:
+            if (first) fail(s, a, "the first stage has no previous stage to receive from");
+            if (st.recv_act) fail(s, a, "repeated for the same micro-batch");
+            blocked = !receive(s, a, act[s - 1], "activation");
+            if (!blocked) st.recv_act = true;
+            break;
+          case ActionKind::Forward:
+            if (!first && !st.recv_act) fail(s, a, "forward before its activation was received");
+            once(st.forward);
+            compute(s, a, costs.forward[s]);
+            if (++in_flight[s] > r.peak_in_flight[s]) r.peak_in_flight[s] = in_flight[s];
+            break;
+          case ActionKind::SendActivation:
+            if (last) fail(s, a, "the last stage has no next stage to send to");
+            if (!st.forward) fail(s, a, "sends an activation that has not been computed");
+            once(st.send_act);
+            send(s, a, act[s]);
+            break;
+          case ActionKind::RecvGrad:
+            if (last) fail(s, a, "the last stage has no next stage to receive from");
+            if (st.recv_grad) fail(s, a, "repeated for the same micro-batch");
+            blocked = !receive(s, a, grad[s], "gradient");
+            if (!blocked) st.recv_grad = true;
+            break;
+          case ActionKind::Backward:
+            if (!st.forward) fail(s, a, "backward before forward");
+            if (!last && !st.recv_grad) fail(s, a, "backward before its gradient was received");
+            once(st.backward);
+            compute(s, a, costs.backward[s]);
+            --in_flight[s];
+            break;
+          case ActionKind::SendGrad:
+            if (first) fail(s, a, "the first stage has no previous stage to send to");
+            if (!st.backward) fail(s, a, "sends a gradient that has not been computed");
+            once(st.send_grad);
+            send(s, a, grad[s - 1]);
+            break;
+        }
+        if (blocked) break;
+        progress = true;
+      }
+    }
+  }
+
+  std::string stuck;
+  for (size_t s = 0; s < S; ++s)
+    if (pc[s] < per_stage[s].size())
+      stuck += (stuck.empty() ? "" : ", ") + ("stage " + std::to_string(s) + " waits at action " + std::to_string(pc[s]) + " (" +
+                                              to_string(per_stage[s][pc[s]]) + ")");
+  if (!stuck.empty()) throw std::logic_error("pipeline schedule deadlocks: " + stuck);
+
+  std::string left;
+  for (size_t s = 0; s + 1 < S; ++s) {
+    for (const auto& m : act[s])
+      left += (left.empty() ? "" : ", ") + ("activation " + std::to_string(m.micro_batch) + " from stage " + std::to_string(s));
+    for (const auto& m : grad[s])
+      left += (left.empty() ? "" : ", ") + ("gradient " + std::to_string(m.micro_batch) + " from stage " + std::to_string(s + 1));
+  }
+  if (!left.empty()) throw std::logic_error("pipeline schedule: sent but never received: " + left);
+
+  for (auto& ev : events) {
+    for (const auto& e : ev) r.makespan = std::max(r.makespan, e.end);
+    r.events.insert(r.events.end(), ev.begin(), ev.end());
+  }
+  return r;
+}
+
+}  // namespace alloy::pipeline

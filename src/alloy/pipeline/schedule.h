@@ -1,0 +1,93 @@
+#pragma once
+// Pipeline schedules as data: for each stage, the ordered list of actions its executor runs for
+// one optimizer step. Keeping schedules as plain lists (rather than code inside the executor) lets
+// the same schedule be checked, simulated by the cost model and executed, with no drift between
+// what is predicted and what runs.
+//
+// Conventions shared by every schedule here:
+//  - micro-batches are numbered 0..M-1 and every stage forwards (and backwards) them in the same
+//    order, so the messages on each link pair up in FIFO order, which is what NCCL point-to-point
+//    delivers (the executor also checks the micro-batch number carried in each message header);
+//  - a receive sits immediately before the Forward/Backward that consumes it and a send
+//    immediately after the Forward/Backward that produced it, so buffers live no longer than
+//    needed and the executor never has to look ahead;
+//  - the first stage has no RecvActivation/SendGrad, the last no SendActivation/RecvGrad; a
+//    one-stage pipeline is plain forward/backward (gradient accumulation).
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace alloy::pipeline {
+
+enum class ActionKind { RecvActivation, Forward, SendActivation, RecvGrad, Backward, SendGrad };
+
+struct Action {
+  ActionKind kind;
+  int64_t micro_batch;
+  bool operator==(const Action& o) const { return kind == o.kind && micro_batch == o.micro_batch; }
+  bool operator!=(const Action& o) const { return !(*this == o); }
+};
+
+// All forwards, then all backwards (both in micro-batch order): every stage holds the
+// activations of all M micro-batches at once.
+// Throws std::invalid_argument unless num_stages >= 1, 0 <= stage < num_stages, num_micro_batches >= 1.
+std::vector<Action> gpipe(int64_t stage, int64_t num_stages, int64_t num_micro_batches);
+
+// Non-interleaved 1F1B (PipeDream-Flush, Megatron-LM): min(num_stages - stage - 1, M) warm-up
+// forwards, then alternating one forward / one backward, then the remaining backwards. Same bubble
+// as GPipe, but stage i holds at most min(num_stages - i, M) micro-batches of activations.
+// Same argument checks as gpipe().
+std::vector<Action> one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches);
+
+// "gpipe" | "1f1b"; anything else throws std::invalid_argument naming the valid names.
+std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches);
+// The names make_schedule accepts, in the order error messages list them.
+const std::vector<std::string>& schedule_names();
+
+// "F3", "B0", "recvA3", "sendA3", "recvG1", "sendG1".
+std::string to_string(const Action& a);
+// Actions joined by spaces, e.g. "F0 sendA0 F1 sendA1 recvG0 B0".
+std::string to_string(const std::vector<Action>& actions);
+
+// Index of the last Backward (the reducer arms gradient sync right before it), or actions.size()
+// when there is none, so `i == last_backward_index(actions)` is simply never true then.
+size_t last_backward_index(const std::vector<Action>& actions);
+
+// --- Simulation -------------------------------------------------------------------------------
+// Runs all stages' action lists against each other: receives block until the message is there,
+// sends never block (the message lands in the peer's mailbox p2p seconds after the send starts).
+// Each link direction is a FIFO, as with NCCL, so a receive whose expected micro-batch is not at
+// the head of its mailbox is an error, not a reordering.
+//
+// Besides deadlock, simulate() throws std::logic_error on schedules the executor could not run:
+// a receive on a stage with no neighbour on that side, a send with nothing to send (SendActivation
+// before Forward, SendGrad before Backward), Forward without its activation on a non-first stage,
+// Backward before Forward or without its gradient on a non-last stage, any action repeated for the
+// same micro-batch, a negative micro-batch, or a message still unreceived at the end. It does not
+// require every micro-batch to be present; that is a property of the schedule generators, which
+// the tests check separately.
+struct SimCosts {
+  std::vector<double> forward, backward;  // per stage: seconds per micro-batch
+  double p2p = 0;                         // seconds from send to arrival, per message
+};
+
+// Timing of one action. Compute and receive events of a stage run back to back in list order
+// (a receive spans its wait). A send event spans the transfer [send, arrival]; it does not occupy
+// its stage, so it may overlap the stage's later events.
+struct SimEvent {
+  int64_t stage;
+  Action action;
+  double start, end;
+};
+
+struct SimResult {
+  double makespan = 0;                  // latest end of any event
+  std::vector<SimEvent> events;         // grouped by stage, each stage's in list order
+  std::vector<int64_t> peak_in_flight;  // per stage: most micro-batches forwarded but not yet backwarded
+};
+
+// Throws std::invalid_argument if costs has fewer entries than stages or a negative cost.
+SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimCosts& costs);
+
+}  // namespace alloy::pipeline

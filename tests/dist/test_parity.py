@@ -1,0 +1,125 @@
+#!/usr/bin/python3
+"""Every parallel layout must reproduce the one-device loss trajectory.
+
+Runs `alloy train` on one device, then each layout through `alloy launch` (real processes, Gloo
+over loopback), and compares the per-step training loss (and validation loss) from
+metrics.jsonl within a relative tolerance. usage: test_parity.py ALLOY WORKDIR [LAYOUT...]
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+RTOL = 1e-5
+STEPS = 20
+
+
+def sh(cmd, **kw):
+    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if r.returncode != 0:
+        sys.stderr.write(f"command failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}\n")
+        raise SystemExit(1)
+    return r
+
+
+def plan(gb, pipelines, schedule="1f1b"):
+    """pipelines: [(mbs, nmb, [(rank, begin, end), ...]), ...]"""
+    return {"format": "alloy-plan", "version": 1, "global_batch": gb, "schedule": schedule,
+            "pipelines": [{"micro_batch_size": m, "num_micro_batches": n,
+                           "stages": [{"ranks": [r], "layers": [b, e]} for r, b, e in st]}
+                          for m, n, st in pipelines]}
+
+
+def full(rank):
+    return [(rank, 0, 8)]
+
+
+# name: (arch, global batch, plan or SynerFuse flags, world size)
+LAYOUTS = {
+    "dp2-equal": ("gpt2", 24, plan(24, [(12, 1, full(0)), (12, 1, full(1))]), 2),
+    "dp2-6x2-2x6": ("gpt2", 24, plan(24, [(6, 2, full(0)), (2, 6, full(1))]), 2),
+    "dp3-4x3-3x2-1x6": ("gpt2", 24, plan(24, [(4, 3, full(0)), (3, 2, full(1)), (1, 6, full(2))]), 3),
+    "pp2-6+2-1f1b": ("gpt2", 24, plan(24, [(4, 6, [(0, 0, 6), (1, 6, 8)])]), 2),
+    "pp2-6+2-gpipe": ("gpt2", 24, plan(24, [(4, 6, [(0, 0, 6), (1, 6, 8)])], "gpipe"), 2),
+    "pp3-1+5+2-1f1b": ("gpt2", 24, plan(24, [(3, 8, [(0, 0, 1), (1, 1, 6), (2, 6, 8)])]), 3),
+    "pp3-1+5+2-gpipe": ("gpt2", 24, plan(24, [(3, 8, [(0, 0, 1), (1, 1, 6), (2, 6, 8)])], "gpipe"), 3),
+    "mixed-5+3_and_8": ("gpt2", 24, plan(24, [(4, 4, [(0, 0, 5), (1, 5, 8)]), (2, 4, full(2))]), 3),
+    "mixed-llama": ("llama", 24, plan(24, [(4, 4, [(0, 0, 5), (1, 5, 8)]), (2, 4, full(2))]), 3),
+    "synerfuse-pp": ("gpt2", 24, ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                                  "--hetero-pipeline-stages", "1", "6", "1", "2", "--micro-batch-size", "4"], 2),
+    "synerfuse-dp": ("gpt2", 32, ["--global-batch-size", "32", "--use-tp-pp-dp-mapping",
+                                  "--micro-batch-size-per-dp", "1", "6", "1", "2",
+                                  "--num-micro-batches-per-dp", "1", "4", "1", "4"], 2),
+}
+
+
+def config(work, arch, gb, out):
+    path = os.path.join(work, f"{arch}-{gb}.yaml")
+    with open(path, "w") as f:
+        f.write(f"""model: {{arch: {arch}, layers: 8, hidden: 32, heads: 4, seq_len: 32, vocab_size: 257}}
+data: {{prefix: {work}/data/corpus}}
+train: {{steps: {STEPS}, global_batch: {gb}, lr: 2e-3, warmup: 3, eval_interval: 10, eval_batches: 1, threads: 1}}
+output: {{dir: {out}, tensorboard: false}}
+""")
+    return path
+
+
+def losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(l) for l in f if l.strip()]
+    return [(r["step"], r["loss"], r.get("val_loss")) for r in rows]
+
+
+def main():
+    alloy, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+    wanted = sys.argv[3:] or list(LAYOUTS)
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    with open("/usr/share/games/fortunes/fortunes", "rb") as f:
+        text = f.read(150000)
+    with open(os.path.join(work, "corpus.txt"), "wb") as f:
+        f.write(text)
+    sh([alloy, "data", "prepare", "--input", os.path.join(work, "corpus.txt"), "--output", os.path.join(work, "data/corpus")])
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    baselines = {}
+    failures = 0
+    for name in wanted:
+        arch, gb, layout, world = LAYOUTS[name]
+        if (arch, gb) not in baselines:
+            out = os.path.join(work, f"single-{arch}-{gb}")
+            sh([alloy, "train", "--config", config(work, arch, gb, out)], env=env)
+            baselines[(arch, gb)] = losses(out)
+        base = baselines[(arch, gb)]
+        out = os.path.join(work, name)
+        cfg = config(work, arch, gb, out)
+        if isinstance(layout, dict):
+            plan_path = os.path.join(work, name + ".json")
+            with open(plan_path, "w") as f:
+                json.dump(layout, f)
+            extra = ["--plan", plan_path]
+        else:
+            extra = layout
+        sh([alloy, "launch", "--nproc", str(world), "--threads-per-rank", "1", "--",
+            alloy, "train", "--config", cfg, "--timeout", "120"] + extra, env=env)
+        got = losses(out)
+        worst = 0.0
+        ok = len(got) == len(base) == STEPS
+        for (s, l, v), (bs, bl, bv) in zip(got, base):
+            worst = max(worst, abs(l - bl) / abs(bl))
+            if v is not None or bv is not None:
+                if v is None or bv is None:
+                    ok = False
+                else:
+                    worst = max(worst, abs(v - bv) / abs(bv))
+        ok = ok and worst <= RTOL
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name:<18} world {world}: {len(got)} steps, worst relative loss difference {worst:.2e}"
+              f" (first {got[0][1]:.4f}, last {got[-1][1]:.4f})", flush=True)
+    print(f"{len(wanted) - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

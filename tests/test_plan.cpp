@@ -1,0 +1,309 @@
+#include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "alloy/core/error.h"
+#include "alloy/core/plan.h"
+
+using alloy::InputError;
+using alloy::PipelinePlan;
+using alloy::Plan;
+using alloy::StagePlan;
+
+namespace {
+
+alloy::ModelConfig model_with(int64_t layers) {
+  alloy::ModelConfig m;
+  m.layers = layers;
+  return m;
+}
+
+std::string validate_error(const Plan& p, int64_t layers) {
+  try {
+    p.validate(model_with(layers), "p.json");
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Two pipelines over an 8-block model: ranks 0,1 split it [0,3) + [3,8); rank 2 holds all of it.
+Plan sample_plan() {
+  Plan p;
+  p.global_batch = 8;
+  PipelinePlan a;
+  a.micro_batch_size = 2;
+  a.num_micro_batches = 3;
+  a.stages = {StagePlan{{0}, 0, 3, "gpu-a"}, StagePlan{{1}, 3, 8, ""}};
+  PipelinePlan b;
+  b.micro_batch_size = 1;
+  b.num_micro_batches = 2;
+  b.stages = {StagePlan{{2}, 0, 8, "gpu-b"}};
+  p.pipelines = {a, b};
+  return p;
+}
+
+#define EXPECT_HAS(haystack, needle) EXPECT_NE((haystack).find(needle), std::string::npos) << (haystack)
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "alloy_plan_XXXXXX").string();
+    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+}  // namespace
+
+TEST(Plan, ValidPlanPasses) {
+  Plan p = sample_plan();
+  EXPECT_EQ(validate_error(p, 8), "");
+  EXPECT_EQ(p.world_size(), 3);
+}
+
+TEST(Plan, GapBetweenStagesIsNamed) {
+  Plan p = sample_plan();
+  p.pipelines[0].stages[1].layer_begin = 4;
+  std::string e = validate_error(p, 8);
+  EXPECT_HAS(e, "p.json: pipelines[0].stages[1].layers");
+  EXPECT_HAS(e, "starts at block 4 but the previous stage ended at 3 (a gap)");
+}
+
+TEST(Plan, OverlapBetweenStagesIsNamed) {
+  Plan p = sample_plan();
+  p.pipelines[0].stages[1].layer_begin = 2;
+  EXPECT_HAS(validate_error(p, 8), "starts at block 2 but the previous stage ended at 3 (an overlap)");
+}
+
+TEST(Plan, FirstStageMustStartAtZero) {
+  Plan p = sample_plan();
+  p.pipelines[1].stages[0].layer_begin = 1;
+  EXPECT_HAS(validate_error(p, 8), "pipelines[1].stages[0].layers: starts at block 1 but the previous stage ended at 0 (a gap)");
+}
+
+TEST(Plan, EmptyStageIsRejected) {
+  Plan p = sample_plan();
+  p.pipelines[0].stages[0].layer_end = 0;
+  p.pipelines[0].stages[1].layer_begin = 0;
+  EXPECT_HAS(validate_error(p, 8), "pipelines[0].stages[0].layers: [0, 0) is empty");
+}
+
+TEST(Plan, LayerCountMismatchNamesBothCounts) {
+  std::string e = validate_error(sample_plan(), 10);
+  EXPECT_HAS(e, "pipelines[0].stages: cover blocks [0, 8) but the model has 10 (model.layers)");
+  e = validate_error(sample_plan(), 6);
+  EXPECT_HAS(e, "cover blocks [0, 8) but the model has 6");
+}
+
+TEST(Plan, BatchSumMismatchShowsTheArithmetic) {
+  Plan p = sample_plan();
+  p.global_batch = 9;
+  EXPECT_HAS(validate_error(p, 8), "global_batch: 9 != sum of micro_batch_size x num_micro_batches over pipelines (2x3 + 1x2 = 8)");
+}
+
+TEST(Plan, DuplicateRankNamesBothPlaces) {
+  Plan p = sample_plan();
+  p.pipelines[1].stages[0].ranks = {1};
+  EXPECT_HAS(validate_error(p, 8), "pipelines[1].stages[0].ranks: rank 1 already appears in pipelines[0].stages[1]");
+}
+
+TEST(Plan, MissingRankIsNamed) {
+  Plan p = sample_plan();
+  p.pipelines[1].stages[0].ranks = {3};
+  EXPECT_HAS(validate_error(p, 8), "ranks must be 0..2 with none missing; rank 2 is missing");
+}
+
+TEST(Plan, NegativeAndMultiRankStagesAreRejected) {
+  Plan p = sample_plan();
+  p.pipelines[1].stages[0].ranks = {-1};
+  EXPECT_HAS(validate_error(p, 8), "rank -1 is negative");
+  p = sample_plan();
+  p.pipelines[1].stages[0].ranks = {2, 3};
+  EXPECT_HAS(validate_error(p, 8), "holds 2 ranks; tensor parallelism inside a stage is not supported");
+  p = sample_plan();
+  p.pipelines[1].stages[0].ranks = {};
+  EXPECT_HAS(validate_error(p, 8), "pipelines[1].stages[0].ranks: a stage needs a rank");
+}
+
+TEST(Plan, ScalarFieldsAreChecked) {
+  Plan p = sample_plan();
+  p.schedule = "zb";
+  EXPECT_HAS(validate_error(p, 8), "schedule: must be 1f1b or gpipe, got 'zb'");
+  p = sample_plan();
+  p.bucket_mb = 0;
+  EXPECT_HAS(validate_error(p, 8), "grad_sync.bucket_mb: must be > 0");
+  p = sample_plan();
+  p.compression = "powersgd";
+  EXPECT_HAS(validate_error(p, 8), "only 'none' is available, got 'powersgd'");
+  p = sample_plan();
+  p.pipelines[1].micro_batch_size = 0;
+  EXPECT_HAS(validate_error(p, 8), "pipelines[1].micro_batch_size: must be >= 1, got 0");
+  p = sample_plan();
+  p.pipelines[0].num_micro_batches = -2;
+  EXPECT_HAS(validate_error(p, 8), "pipelines[0].num_micro_batches: must be >= 1, got -2");
+  p = sample_plan();
+  p.pipelines[1].stages.clear();
+  EXPECT_HAS(validate_error(p, 8), "pipelines[1].stages: a pipeline needs at least one stage");
+  EXPECT_HAS(validate_error(Plan{}, 8), "pipelines: the plan has no pipelines");
+}
+
+TEST(Plan, JsonRoundTripKeepsEveryField) {
+  Plan p = sample_plan();
+  p.schedule = "gpipe";
+  p.bucket_mb = 12.5;
+  p.predicted = {{"step_ms", 41.5}};
+  nlohmann::json j = p.to_json();
+  EXPECT_EQ(j["format"], "alloy-plan");
+  EXPECT_EQ(j["version"], 1);
+  EXPECT_EQ(j["pipelines"][0]["stages"][1]["layers"], nlohmann::json::array({3, 8}));
+  EXPECT_FALSE(j["pipelines"][0]["stages"][1].contains("device"));  // empty device is left out
+
+  Plan q = Plan::from_json(j, "x");
+  EXPECT_EQ(q.global_batch, 8);
+  EXPECT_EQ(q.schedule, "gpipe");
+  EXPECT_DOUBLE_EQ(q.bucket_mb, 12.5);
+  EXPECT_EQ(q.compression, "none");
+  EXPECT_EQ(q.predicted, p.predicted);
+  ASSERT_EQ(q.pipelines.size(), 2u);
+  EXPECT_EQ(q.pipelines[0].micro_batch_size, 2);
+  EXPECT_EQ(q.pipelines[0].num_micro_batches, 3);
+  ASSERT_EQ(q.pipelines[0].stages.size(), 2u);
+  EXPECT_EQ(q.pipelines[0].stages[0].device, "gpu-a");
+  EXPECT_EQ(q.pipelines[0].stages[1].ranks, std::vector<int>{1});
+  EXPECT_EQ(q.pipelines[0].stages[1].layer_begin, 3);
+  EXPECT_EQ(q.pipelines[0].stages[1].layer_end, 8);
+  EXPECT_EQ(q.to_json(), j);
+  EXPECT_EQ(validate_error(q, 8), "");
+}
+
+TEST(Plan, FromJsonDefaultsOptionalFields) {
+  Plan p = Plan::from_json(nlohmann::json::parse(R"({"global_batch": 4,
+      "pipelines": [{"micro_batch_size": 2, "num_micro_batches": 2, "stages": [{"ranks": [0], "layers": [0, 4]}]}]})"),
+                           "x");
+  EXPECT_EQ(p.schedule, "1f1b");
+  EXPECT_DOUBLE_EQ(p.bucket_mb, 25.0);
+  EXPECT_EQ(p.compression, "none");
+  EXPECT_TRUE(p.predicted.is_null());
+  EXPECT_EQ(validate_error(p, 4), "");
+}
+
+TEST(Plan, FromJsonNamesTheBadField) {
+  auto error_of = [](const std::string& text) -> std::string {
+    try {
+      Plan::from_json(nlohmann::json::parse(text), "plan.json");
+    } catch (const InputError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_HAS(error_of(R"({"format": "other", "global_batch": 1, "pipelines": []})"), "field 'format' is \"other\"");
+  EXPECT_HAS(error_of(R"({"version": 2, "global_batch": 1, "pipelines": []})"), "this Alloy reads version 1");
+  EXPECT_HAS(error_of(R"({"pipelines": []})"), "plan.json: field 'global_batch' is missing or ill-typed");
+  EXPECT_HAS(error_of(R"({"global_batch": 1, "pipelines": [{"micro_batch_size": "two", "num_micro_batches": 1, "stages": []}]})"),
+             "field 'pipelines[0]' is missing or ill-typed");
+  EXPECT_HAS(error_of(R"({"global_batch": 1, "pipelines": [{"micro_batch_size": 1, "num_micro_batches": 1,
+                         "stages": [{"ranks": [0], "layers": [0, 4, 8]}]}]})"),
+             "pipelines[0].stages[0].layers: must be [begin, end)");
+  EXPECT_HAS(error_of(R"({"global_batch": 1, "pipelines": [{"micro_batch_size": 1, "num_micro_batches": 1,
+                         "stages": [{"layers": [0, 4]}]}]})"),
+             "field 'pipelines[0].stages[0]' is missing or ill-typed");
+  EXPECT_HAS(error_of(R"([1, 2])"), "field 'global_batch' is missing or ill-typed");
+}
+
+TEST(Plan, SaveAndLoadRoundTrip) {
+  TempDir t;
+  Plan p = sample_plan();
+  p.save(t.file("plan.json"));
+  Plan q = Plan::load(t.file("plan.json"));
+  EXPECT_EQ(q.to_json(), p.to_json());
+
+  std::ofstream(t.file("broken.json")) << "{\"global_batch\": ";
+  try {
+    Plan::load(t.file("broken.json"));
+    FAIL() << "expected an error";
+  } catch (const InputError& e) {
+    EXPECT_HAS(std::string(e.what()), t.file("broken.json") + ": not valid JSON");
+  }
+  EXPECT_THROW(Plan::load(t.file("absent.json")), InputError);
+}
+
+TEST(Plan, DescribeShowsEveryStage) {
+  std::string d = sample_plan().describe();
+  EXPECT_HAS(d, "global batch 8, schedule 1f1b, 2 pipelines, 3 ranks\n");
+  EXPECT_HAS(d, "pipeline 0: 2 x 3 = 6 samples | rank 0 blocks [0,3) (gpu-a) -> rank 1 blocks [3,8)\n");
+  EXPECT_HAS(d, "pipeline 1: 1 x 2 = 2 samples | rank 2 blocks [0,8) (gpu-b)\n");
+  EXPECT_HAS(Plan::data_parallel(4, {{4, 1}}).describe(), "1 pipeline, 1 rank\n");
+}
+
+TEST(Plan, LocateFindsEveryRankAndNamesUnknownOnes) {
+  Plan p = sample_plan();
+  EXPECT_EQ(p.locate(0).pipeline, 0);
+  EXPECT_EQ(p.locate(0).stage, 0);
+  EXPECT_EQ(p.locate(1).pipeline, 0);
+  EXPECT_EQ(p.locate(1).stage, 1);
+  EXPECT_EQ(p.locate(2).pipeline, 1);
+  EXPECT_EQ(p.locate(2).stage, 0);
+  try {
+    p.locate(7);
+    FAIL() << "expected an error";
+  } catch (const InputError& e) {
+    EXPECT_HAS(std::string(e.what()), "rank 7 does not appear in the plan (world size 3)");
+  }
+}
+
+TEST(Plan, SampleOffsetsAreConsecutiveSlices) {
+  Plan p = sample_plan();
+  EXPECT_EQ(p.sample_offset(0), 0);
+  EXPECT_EQ(p.sample_offset(1), 6);
+  EXPECT_EQ(p.sample_offset(2), 8);  // one past the last pipeline: the whole batch
+}
+
+TEST(Plan, SingleDeviceRunsTheWholeModel) {
+  alloy::Config cfg;
+  cfg.model.layers = 6;
+  cfg.train.global_batch = 8;
+  cfg.train.micro_batch = 2;
+  Plan p = Plan::single_device(cfg);
+  EXPECT_EQ(validate_error(p, 6), "");
+  ASSERT_EQ(p.pipelines.size(), 1u);
+  EXPECT_EQ(p.pipelines[0].micro_batch_size, 2);
+  EXPECT_EQ(p.pipelines[0].num_micro_batches, 4);
+}
+
+RC_GTEST_PROP(PlanProperty, DataParallelPlansValidateAndPartitionTheBatch, ()) {
+  const int64_t layers = *rc::gen::inRange<int64_t>(1, 64);
+  const auto mbs_nmb = *rc::gen::nonEmpty(rc::gen::container<std::vector<std::pair<int64_t, int64_t>>>(
+      rc::gen::pair(rc::gen::inRange<int64_t>(1, 32), rc::gen::inRange<int64_t>(1, 16))));
+  const std::string schedule = *rc::gen::element(std::string("1f1b"), std::string("gpipe"));
+  Plan p = Plan::data_parallel(layers, mbs_nmb, schedule);
+  p.validate(model_with(layers), "dp");
+  RC_ASSERT(p.world_size() == static_cast<int>(mbs_nmb.size()));
+
+  // Pipeline P owns samples [offset(P), offset(P) + samples(P)); together they tile [0, global).
+  std::vector<int> owner(static_cast<size_t>(p.global_batch), -1);
+  for (size_t i = 0; i < p.pipelines.size(); ++i) {
+    const int64_t off = p.sample_offset(static_cast<int>(i));
+    RC_ASSERT(p.pipelines[i].samples() == mbs_nmb[i].first * mbs_nmb[i].second);
+    for (int64_t s = off; s < off + p.pipelines[i].samples(); ++s) {
+      RC_ASSERT(s >= 0);
+      RC_ASSERT(s < p.global_batch);
+      RC_ASSERT(owner[static_cast<size_t>(s)] == -1);
+      owner[static_cast<size_t>(s)] = static_cast<int>(i);
+    }
+    RC_ASSERT(p.locate(static_cast<int>(i)).pipeline == static_cast<int>(i));
+  }
+  for (int o : owner) RC_ASSERT(o != -1);
+  RC_ASSERT(Plan::from_json(p.to_json(), "rt").to_json() == p.to_json());
+}
