@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
-#include <unistd.h>
+#include <cstdlib>  // mkdtemp
 
 #include <filesystem>
 #include <fstream>
@@ -90,7 +90,8 @@ TEST(Plan, OverlapBetweenStagesIsNamed) {
 TEST(Plan, FirstStageMustStartAtZero) {
   Plan p = sample_plan();
   p.pipelines[1].stages[0].layer_begin = 1;
-  EXPECT_HAS(validate_error(p, 8), "pipelines[1].stages[0].layers: starts at block 1 but the previous stage ended at 0 (a gap)");
+  EXPECT_HAS(validate_error(p, 8),
+             "pipelines[1].stages[0].layers: starts at block 1 but the previous stage ended at 0 (a gap)");
 }
 
 TEST(Plan, EmptyStageIsRejected) {
@@ -110,7 +111,8 @@ TEST(Plan, LayerCountMismatchNamesBothCounts) {
 TEST(Plan, BatchSumMismatchShowsTheArithmetic) {
   Plan p = sample_plan();
   p.global_batch = 9;
-  EXPECT_HAS(validate_error(p, 8), "global_batch: 9 != sum of micro_batch_size x num_micro_batches over pipelines (2x3 + 1x2 = 8)");
+  EXPECT_HAS(validate_error(p, 8),
+             "global_batch: 9 != sum of micro_batch_size x num_micro_batches over pipelines (2x3 + 1x2 = 8)");
 }
 
 TEST(Plan, DuplicateRankNamesBothPlaces) {
@@ -211,8 +213,10 @@ TEST(Plan, FromJsonNamesTheBadField) {
   EXPECT_HAS(error_of(R"({"format": "other", "global_batch": 1, "pipelines": []})"), "field 'format' is \"other\"");
   EXPECT_HAS(error_of(R"({"version": 2, "global_batch": 1, "pipelines": []})"), "this Alloy reads version 1");
   EXPECT_HAS(error_of(R"({"pipelines": []})"), "plan.json: field 'global_batch' is missing or ill-typed");
-  EXPECT_HAS(error_of(R"({"global_batch": 1, "pipelines": [{"micro_batch_size": "two", "num_micro_batches": 1, "stages": []}]})"),
-             "field 'pipelines[0]' is missing or ill-typed");
+  EXPECT_HAS(
+      error_of(
+          R"({"global_batch": 1, "pipelines": [{"micro_batch_size": "two", "num_micro_batches": 1, "stages": []}]})"),
+      "field 'pipelines[0]' is missing or ill-typed");
   EXPECT_HAS(error_of(R"({"global_batch": 1, "pipelines": [{"micro_batch_size": 1, "num_micro_batches": 1,
                          "stages": [{"ranks": [0], "layers": [0, 4, 8]}]}]})"),
              "pipelines[0].stages[0].layers: must be [begin, end)");

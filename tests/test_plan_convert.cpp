@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
-#include <unistd.h>
+#include <cstdlib>  // mkdtemp
 
 #include <filesystem>
 #include <fstream>
@@ -57,16 +57,29 @@ std::string validate_error(const Plan& p, int64_t layers) {
 }
 
 // The README's heterogeneous data-parallel example, which needs a model size the README leaves out.
-const Args kReadmeDp = {"--num-layers", "4", "--global-batch-size", "32", "--use-tp-pp-dp-mapping",
-                        "--micro-batch-size-per-dp", "1", "6", "1", "2", "--num-micro-batches-per-dp", "1", "4", "1", "4"};
+const Args kReadmeDp = {"--num-layers",
+                        "4",
+                        "--global-batch-size",
+                        "32",
+                        "--use-tp-pp-dp-mapping",
+                        "--micro-batch-size-per-dp",
+                        "1",
+                        "6",
+                        "1",
+                        "2",
+                        "--num-micro-batches-per-dp",
+                        "1",
+                        "4",
+                        "1",
+                        "4"};
 
 }  // namespace
 
 // ---- SynerFuse ----------------------------------------------------------------------------
 
 TEST(SynerFuse, ReadmePipelineExample) {
-  Plan p = from_flags({"--num-layers", "8", "--pipeline-model-parallel-size", "2", "--hetero-pipeline-stages", "1", "6", "1",
-                       "2", "--global-batch-size", "8", "--micro-batch-size", "2"});
+  Plan p = from_flags({"--num-layers", "8", "--pipeline-model-parallel-size", "2", "--hetero-pipeline-stages", "1", "6",
+                       "1", "2", "--global-batch-size", "8", "--micro-batch-size", "2"});
   EXPECT_EQ(validate_error(p, 8), "");
   ASSERT_EQ(p.pipelines.size(), 1u);
   const auto& pl = p.pipelines[0];
@@ -101,9 +114,29 @@ TEST(SynerFuse, ReadmeDataParallelExample) {
 TEST(SynerFuse, PipelineTimesDataParallelIsPipelineMajor) {
   // pp 2 (5 + 3 layers) x dp 3; the two lists group the data-parallel indices differently:
   // mbs = [4, 4, 2], nmb = [3, 2, 2] -> 12 + 8 + 4 = 24.
-  Plan p = from_flags({"--num-layers", "8", "--pipeline-model-parallel-size", "2", "--hetero-pipeline-stages", "1", "5", "1",
-                       "3", "--world-size", "6", "--global-batch-size", "24", "--micro-batch-size-per-dp", "2", "4", "1",
-                       "2", "--num-micro-batches-per-dp", "1", "3", "2", "2"});
+  Plan p = from_flags({"--num-layers",
+                       "8",
+                       "--pipeline-model-parallel-size",
+                       "2",
+                       "--hetero-pipeline-stages",
+                       "1",
+                       "5",
+                       "1",
+                       "3",
+                       "--world-size",
+                       "6",
+                       "--global-batch-size",
+                       "24",
+                       "--micro-batch-size-per-dp",
+                       "2",
+                       "4",
+                       "1",
+                       "2",
+                       "--num-micro-batches-per-dp",
+                       "1",
+                       "3",
+                       "2",
+                       "2"});
   EXPECT_EQ(validate_error(p, 8), "");
   ASSERT_EQ(p.pipelines.size(), 3u);
   const std::vector<int64_t> mbs = {4, 4, 2}, nmb = {3, 2, 2};
@@ -124,11 +157,13 @@ TEST(SynerFuse, PipelineTimesDataParallelIsPipelineMajor) {
 }
 
 TEST(SynerFuse, OnlyMicroBatchSizesGivesEqualCounts) {
-  Plan p = from_flags({"--num-layers", "4", "--global-batch-size", "32", "--micro-batch-size-per-dp", "1", "6", "1", "2"});
+  Plan p =
+      from_flags({"--num-layers", "4", "--global-batch-size", "32", "--micro-batch-size-per-dp", "1", "6", "1", "2"});
   ASSERT_EQ(p.pipelines.size(), 2u);
   EXPECT_EQ(p.pipelines[0].num_micro_batches, 4);
   EXPECT_EQ(p.pipelines[1].num_micro_batches, 4);
-  std::string e = flags_error({"--num-layers", "4", "--global-batch-size", "30", "--micro-batch-size-per-dp", "1", "6", "1", "2"});
+  std::string e =
+      flags_error({"--num-layers", "4", "--global-batch-size", "30", "--micro-batch-size-per-dp", "1", "6", "1", "2"});
   EXPECT_HAS(e, "--global-batch-size 30 is not a multiple of the sum of n_i x mbs_i = 1x6 + 1x2 = 8");
 }
 
@@ -161,20 +196,20 @@ TEST(SynerFuse, ScheduleIsPassedThroughAndChecked) {
 }
 
 TEST(SynerFuse, StageCountsMustSumToPipelineSize) {
-  std::string e = flags_error({"--num-layers", "8", "--pipeline-model-parallel-size", "4", "--hetero-pipeline-stages", "1", "6",
-                               "1", "2", "--global-batch-size", "8", "--micro-batch-size", "1"});
+  std::string e = flags_error({"--num-layers", "8", "--pipeline-model-parallel-size", "4", "--hetero-pipeline-stages",
+                               "1", "6", "1", "2", "--global-batch-size", "8", "--micro-batch-size", "1"});
   EXPECT_HAS(e, "SynerFuse arguments: --hetero-pipeline-stages 1 6 1 2");
   EXPECT_HAS(e, "the stage counts n_i sum to 1 + 1 = 2, but --pipeline-model-parallel-size is 4");
 }
 
 TEST(SynerFuse, LayerCountsMustSumToNumLayers) {
-  std::string e = flags_error({"--num-layers", "10", "--pipeline-model-parallel-size", "2", "--hetero-pipeline-stages", "1",
-                               "6", "1", "2", "--global-batch-size", "8", "--micro-batch-size", "1"});
+  std::string e = flags_error({"--num-layers", "10", "--pipeline-model-parallel-size", "2", "--hetero-pipeline-stages",
+                               "1", "6", "1", "2", "--global-batch-size", "8", "--micro-batch-size", "1"});
   EXPECT_HAS(e, "the layer counts sum to 6 + 2 = 8, but --num-layers is 10");
 }
 
 TEST(SynerFuse, EveryStageNeedsALayerAndGroupsMustBeComplete) {
-  const Args base = {"--num-layers", "8", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
+  const Args base = {"--num-layers",       "8", "--pipeline-model-parallel-size", "2", "--global-batch-size", "8",
                      "--micro-batch-size", "1", "--hetero-pipeline-stages"};
   EXPECT_HAS(flags_error(concat(base, {"1", "8", "1", "0"})), "layers_1_0 = 0, but every stage needs at least 1 layer");
   EXPECT_HAS(flags_error(concat(base, {"2", "9", "-1"})), "layers_0_1 = -1");
@@ -189,17 +224,20 @@ TEST(SynerFuse, EveryStageNeedsALayerAndGroupsMustBeComplete) {
 TEST(SynerFuse, DataParallelGroupsMustSumToDataParallelSize) {
   std::string e = flags_error({"--num-layers", "8", "--pipeline-model-parallel-size", "2", "--world-size", "6",
                                "--global-batch-size", "32", "--micro-batch-size-per-dp", "1", "6", "1", "2"});
-  EXPECT_HAS(e, "--micro-batch-size-per-dp 1 6 1 2: the group sizes n_i sum to 1 + 1 = 2, but the data-parallel size is 3 "
-                "(world size 6 / --pipeline-model-parallel-size 2)");
+  EXPECT_HAS(e,
+             "--micro-batch-size-per-dp 1 6 1 2: the group sizes n_i sum to 1 + 1 = 2, but the data-parallel size is 3 "
+             "(world size 6 / --pipeline-model-parallel-size 2)");
   e = flags_error({"--num-layers", "4", "--data-parallel-size", "3", "--global-batch-size", "32",
                    "--micro-batch-size-per-dp", "1", "6", "1", "2", "--num-micro-batches-per-dp", "1", "4", "2", "4"});
-  EXPECT_HAS(e, "--micro-batch-size-per-dp 1 6 1 2: the group sizes n_i sum to 1 + 1 = 2, but the data-parallel size is 3 "
-                "(--data-parallel-size)");
+  EXPECT_HAS(e,
+             "--micro-batch-size-per-dp 1 6 1 2: the group sizes n_i sum to 1 + 1 = 2, but the data-parallel size is 3 "
+             "(--data-parallel-size)");
   // Without a stated size the first list fixes it, and the second must agree.
   e = flags_error({"--num-layers", "4", "--global-batch-size", "32", "--micro-batch-size-per-dp", "1", "6", "1", "2",
                    "--num-micro-batches-per-dp", "3", "4"});
-  EXPECT_HAS(e, "--num-micro-batches-per-dp 3 4: the group sizes n_i sum to 3 = 3, but the data-parallel size is 2 "
-                "(the group sizes of --micro-batch-size-per-dp)");
+  EXPECT_HAS(e,
+             "--num-micro-batches-per-dp 3 4: the group sizes n_i sum to 3 = 3, but the data-parallel size is 2 "
+             "(the group sizes of --micro-batch-size-per-dp)");
 }
 
 TEST(SynerFuse, GlobalBatchMustEqualTheSumAndShowsTheArithmetic) {
@@ -214,10 +252,13 @@ TEST(SynerFuse, GroupListsMustBePairsOfPositiveNumbers) {
              "--micro-batch-size-per-dp 1 6 1: 3 values, but it takes pairs n0 mbs0 n1 mbs1 ...");
   EXPECT_HAS(flags_error(concat(base, {"--micro-batch-size-per-dp", "2", "16", "--num-micro-batches-per-dp", "2"})),
              "--num-micro-batches-per-dp 2: 1 value, but it takes pairs n0 nmb0 n1 nmb1 ...");
-  EXPECT_HAS(flags_error(concat(base, {"--micro-batch-size-per-dp", "1", "0", "1", "32"})), "mbs0 = 0, but it must be >= 1");
-  EXPECT_HAS(flags_error(concat(base, {"--micro-batch-size-per-dp", "-1", "6"})), "n0 = -1, but a group needs at least 1");
-  EXPECT_HAS(flags_error(concat(base, {"--micro-batch-size-per-dp", "2", "16", "--num-micro-batches-per-dp", "2", "-3"})),
-             "nmb0 = -3, but it must be >= 1");
+  EXPECT_HAS(flags_error(concat(base, {"--micro-batch-size-per-dp", "1", "0", "1", "32"})),
+             "mbs0 = 0, but it must be >= 1");
+  EXPECT_HAS(flags_error(concat(base, {"--micro-batch-size-per-dp", "-1", "6"})),
+             "n0 = -1, but a group needs at least 1");
+  EXPECT_HAS(
+      flags_error(concat(base, {"--micro-batch-size-per-dp", "2", "16", "--num-micro-batches-per-dp", "2", "-3"})),
+      "nmb0 = -3, but it must be >= 1");
 }
 
 TEST(SynerFuse, ScalarsMustBePositive) {
@@ -251,8 +292,9 @@ TEST(SynerFuse, WorldSizeMustMatch) {
   Args argv = concat(kReadmeDp, {"--world-size", "3"});
   EXPECT_HAS(flags_error(argv), "the group sizes n_i sum to 1 + 1 = 2, but the data-parallel size is 3 (world size 3");
   argv = concat(kReadmeDp, {"--world-size", "3", "--data-parallel-size", "2"});
-  EXPECT_HAS(flags_error(argv),
-             "world size 3 != --pipeline-model-parallel-size 1 x data-parallel size 2 x --tensor-model-parallel-size 1 = 2");
+  EXPECT_HAS(
+      flags_error(argv),
+      "world size 3 != --pipeline-model-parallel-size 1 x data-parallel size 2 x --tensor-model-parallel-size 1 = 2");
   EXPECT_HAS(flags_error({"--num-layers", "8", "--pipeline-model-parallel-size", "2", "--world-size", "5",
                           "--global-batch-size", "8", "--micro-batch-size", "1"}),
              "world size 5 is not a multiple of --pipeline-model-parallel-size 2");
@@ -260,11 +302,32 @@ TEST(SynerFuse, WorldSizeMustMatch) {
 }
 
 TEST(SynerFuseArgs, ParsesEveryFlagAndBothSpellings) {
-  SynerFuseArgs a = alloy::parse_synerfuse_args(
-      {"--num-layers=8", "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "1", "--global-batch-size",
-       "32", "--micro-batch-size", "4", "--data-parallel-size", "2", "--world-size", "4", "--hetero-pipeline-stages=1", "6",
-       "1", "2", "--micro-batch-size-per-dp", "1", "6", "1", "2", "--use-tp-pp-dp-mapping", "--num-micro-batches-per-dp",
-       "2", "4"});
+  SynerFuseArgs a = alloy::parse_synerfuse_args({"--num-layers=8",
+                                                 "--pipeline-model-parallel-size",
+                                                 "2",
+                                                 "--tensor-model-parallel-size",
+                                                 "1",
+                                                 "--global-batch-size",
+                                                 "32",
+                                                 "--micro-batch-size",
+                                                 "4",
+                                                 "--data-parallel-size",
+                                                 "2",
+                                                 "--world-size",
+                                                 "4",
+                                                 "--hetero-pipeline-stages=1",
+                                                 "6",
+                                                 "1",
+                                                 "2",
+                                                 "--micro-batch-size-per-dp",
+                                                 "1",
+                                                 "6",
+                                                 "1",
+                                                 "2",
+                                                 "--use-tp-pp-dp-mapping",
+                                                 "--num-micro-batches-per-dp",
+                                                 "2",
+                                                 "4"});
   EXPECT_EQ(a.num_layers, 8);
   EXPECT_EQ(a.pipeline_model_parallel_size, 2);
   EXPECT_EQ(a.tensor_model_parallel_size, 1);
@@ -301,11 +364,13 @@ TEST(SynerFuseArgs, BadTokensAreNamed) {
   EXPECT_HAS(error_of({"--num-layers", "eight"}), "--num-layers: expected an integer, got 'eight'");
   EXPECT_HAS(error_of({"--num-layers", "8x"}), "--num-layers: expected an integer, got '8x'");
   EXPECT_HAS(error_of({"--num-layers="}), "--num-layers: expected an integer, got ''");
-  EXPECT_HAS(error_of({"--hetero-pipeline-stages", "1", "6.5"}), "--hetero-pipeline-stages: expected an integer, got '6.5'");
+  EXPECT_HAS(error_of({"--hetero-pipeline-stages", "1", "6.5"}),
+             "--hetero-pipeline-stages: expected an integer, got '6.5'");
   EXPECT_HAS(error_of({"--global-batch-size", "99999999999999999999"}), "'99999999999999999999' is out of range");
   EXPECT_HAS(error_of({"--num-layers"}), "--num-layers needs a value");
   EXPECT_HAS(error_of({"--num-layers", "--global-batch-size", "8"}), "--num-layers needs a value");
-  EXPECT_HAS(error_of({"--hetero-pipeline-stages", "--num-layers", "8"}), "--hetero-pipeline-stages needs at least one value");
+  EXPECT_HAS(error_of({"--hetero-pipeline-stages", "--num-layers", "8"}),
+             "--hetero-pipeline-stages needs at least one value");
   EXPECT_HAS(error_of({"--use-tp-pp-dp-mapping=1"}), "--use-tp-pp-dp-mapping takes no value");
 }
 
@@ -313,8 +378,9 @@ TEST(SynerFuseArgs, BadTokensAreNamed) {
 // converter must accept them and produce exactly the pipeline-major layout the header promises.
 RC_GTEST_PROP(SynerFuseProperty, ValidInputsAlwaysGiveValidPlans, ()) {
   // Pipeline split: groups of n stages, each with its own layer count.
-  const auto stage_groups = *rc::gen::resize(4, rc::gen::nonEmpty(rc::gen::container<std::vector<std::vector<int64_t>>>(
-      rc::gen::resize(3, rc::gen::nonEmpty(rc::gen::container<std::vector<int64_t>>(rc::gen::inRange<int64_t>(1, 6)))))));
+  const auto stage_groups = *rc::gen::resize(
+      4, rc::gen::nonEmpty(rc::gen::container<std::vector<std::vector<int64_t>>>(rc::gen::resize(
+             3, rc::gen::nonEmpty(rc::gen::container<std::vector<int64_t>>(rc::gen::inRange<int64_t>(1, 6)))))));
   std::vector<int64_t> layers;
   Args hetero;
   for (const auto& g : stage_groups) {
@@ -351,22 +417,29 @@ RC_GTEST_PROP(SynerFuseProperty, ValidInputsAlwaysGiveValidPlans, ()) {
   const int64_t uniform_mbs = *rc::gen::inRange<int64_t>(1, 5);
   std::vector<int64_t> mbs = mbs_list ? per_dp(3) : std::vector<int64_t>(static_cast<size_t>(dp), uniform_mbs);
   // Without a count list SynerFuse gives every index the same count, so generate it that way.
-  std::vector<int64_t> nmb = nmb_list ? per_dp(3) : std::vector<int64_t>(static_cast<size_t>(dp), *rc::gen::inRange<int64_t>(1, 5));
+  std::vector<int64_t> nmb =
+      nmb_list ? per_dp(3) : std::vector<int64_t>(static_cast<size_t>(dp), *rc::gen::inRange<int64_t>(1, 5));
   int64_t global = 0;
   for (int64_t d = 0; d < dp; ++d) global += mbs[static_cast<size_t>(d)] * nmb[static_cast<size_t>(d)];
 
   Args argv = {"--num-layers", std::to_string(num_layers), "--global-batch-size", std::to_string(global)};
-  if (pp > 1 || *rc::gen::arbitrary<bool>()) argv = concat(argv, {"--pipeline-model-parallel-size", std::to_string(pp)});
-  if (stage_groups.size() > 1 || *rc::gen::arbitrary<bool>()) argv = concat(concat(argv, {"--hetero-pipeline-stages"}), hetero);
+  if (pp > 1 || *rc::gen::arbitrary<bool>())
+    argv = concat(argv, {"--pipeline-model-parallel-size", std::to_string(pp)});
+  if (stage_groups.size() > 1 || *rc::gen::arbitrary<bool>())
+    argv = concat(concat(argv, {"--hetero-pipeline-stages"}), hetero);
   else if (num_layers % pp != 0 || layers != std::vector<int64_t>(static_cast<size_t>(pp), num_layers / pp))
     argv = concat(concat(argv, {"--hetero-pipeline-stages"}), hetero);
-  if (mbs_list) argv = concat(concat(argv, {"--micro-batch-size-per-dp"}), grouped(mbs));
-  else argv = concat(argv, {"--micro-batch-size", std::to_string(uniform_mbs)});
+  if (mbs_list)
+    argv = concat(concat(argv, {"--micro-batch-size-per-dp"}), grouped(mbs));
+  else
+    argv = concat(argv, {"--micro-batch-size", std::to_string(uniform_mbs)});
   if (nmb_list) argv = concat(concat(argv, {"--num-micro-batches-per-dp"}), grouped(nmb));
   // How the data-parallel size is known: stated, through the world size, or from the lists.
   const int how = *rc::gen::inRange(0, 3);
-  if (how == 0 || (!mbs_list && !nmb_list && dp > 1)) argv = concat(argv, {"--data-parallel-size", std::to_string(dp)});
-  else if (how == 1) argv = concat(argv, {"--world-size", std::to_string(pp * dp)});
+  if (how == 0 || (!mbs_list && !nmb_list && dp > 1))
+    argv = concat(argv, {"--data-parallel-size", std::to_string(dp)});
+  else if (how == 1)
+    argv = concat(argv, {"--world-size", std::to_string(pp * dp)});
   RC_TAG(mbs_list, nmb_list);
 
   Plan p = from_flags(argv);  // validates against num_layers itself
@@ -392,7 +465,8 @@ RC_GTEST_PROP(SynerFuseProperty, ValidInputsAlwaysGiveValidPlans, ()) {
   if (nmb_list) {
     Args wrong = argv;
     wrong[3] = std::to_string(global + 1);
-    RC_ASSERT(flags_error(wrong).find("--global-batch-size " + std::to_string(global + 1) + " != ") != std::string::npos);
+    RC_ASSERT(flags_error(wrong).find("--global-batch-size " + std::to_string(global + 1) + " != ") !=
+              std::string::npos);
   }
 }
 
@@ -503,51 +577,65 @@ TEST(HeteroShard, StringAndNumberIdsMatchAndHostnamesAreOptional) {
 }
 
 TEST(HeteroShard, OverlapNamesFileFieldAndValues) {
-  json j = with_shards(json::parse(R"([{"id": "local", "start": 0, "end": 16}, {"id": 1, "start": 12, "end": 32, "is_last": true}])"));
+  json j = with_shards(
+      json::parse(R"([{"id": "local", "start": 0, "end": 16}, {"id": 1, "start": 12, "end": 32, "is_last": true}])"));
   EXPECT_HAS(hc_error(j), "hetero_config.json: shard_plan[1].start: 12, but the previous stage ended at 16 (overlap)");
 }
 
 TEST(HeteroShard, GapNamesTheMissingBlocks) {
   json j = with_shards(json::parse(R"([{"id": "local", "start": 0, "end": 10}, {"id": "amd", "start": 12, "end": 16},
                                         {"id": 1, "start": 16, "end": 32, "is_last": true}])"));
-  EXPECT_HAS(hc_error(j), "hetero_config.json: shard_plan[1].start: 12, but the previous stage ended at 10 (gap: blocks [10, 12)");
+  EXPECT_HAS(hc_error(j),
+             "hetero_config.json: shard_plan[1].start: 12, but the previous stage ended at 10 (gap: blocks [10, 12)");
   j = with_shards(json::parse(R"([{"id": "local", "start": 2, "end": 32, "is_last": true}])"));
   EXPECT_HAS(hc_error(j), "shard_plan[0].start: 2, but the first stage must start at block 0");
 }
 
 TEST(HeteroShard, RangesMustBeNonEmptyAndCoverTheModel) {
-  json j = with_shards(json::parse(R"([{"id": "local", "start": 0, "end": 16}, {"id": 1, "start": 16, "end": 16, "is_last": true}])"));
+  json j = with_shards(
+      json::parse(R"([{"id": "local", "start": 0, "end": 16}, {"id": 1, "start": 16, "end": 16, "is_last": true}])"));
   EXPECT_HAS(hc_error(j), "shard_plan[1].end: 16, but start is 16: the range [start, end) is empty");
-  j = with_shards(json::parse(R"([{"id": "local", "start": 0, "end": 16}, {"id": 1, "start": 16, "end": 30, "is_last": true}])"));
+  j = with_shards(
+      json::parse(R"([{"id": "local", "start": 0, "end": 16}, {"id": 1, "start": 16, "end": 30, "is_last": true}])"));
   EXPECT_HAS(hc_error(j), "shard_plan[1].end: 30, but the model has 32 blocks; the stages must cover [0, 32)");
   EXPECT_HAS(hc_error(json::parse(kConfig), 40), "shard_plan[2].end: 32, but the model has 40 blocks");
 }
 
 TEST(HeteroShard, IsLastMustBeExactlyTheFinalEntry) {
   json j = with_shards(json::parse(R"([{"id": "local", "start": 0, "end": 16}, {"id": 1, "start": 16, "end": 32}])"));
-  EXPECT_HAS(hc_error(j), "hetero_config.json: shard_plan: no stage has \"is_last\": true; the final entry, shard_plan[1], must");
-  j = with_shards(json::parse(R"([{"id": "local", "start": 0, "end": 16, "is_last": true}, {"id": 1, "start": 16, "end": 32, "is_last": true}])"));
+  EXPECT_HAS(hc_error(j),
+             "hetero_config.json: shard_plan: no stage has \"is_last\": true; the final entry, shard_plan[1], must");
+  j = with_shards(json::parse(
+      R"([{"id": "local", "start": 0, "end": 16, "is_last": true}, {"id": 1, "start": 16, "end": 32, "is_last": true}])"));
   EXPECT_HAS(hc_error(j), "shard_plan: 2 stages have \"is_last\": true (shard_plan[0], shard_plan[1]); exactly one");
-  j = with_shards(json::parse(R"([{"id": "local", "start": 0, "end": 16, "is_last": true}, {"id": 1, "start": 16, "end": 32, "is_last": false}])"));
-  EXPECT_HAS(hc_error(j), "shard_plan[0].is_last: true, but it is not the final entry; the final entry is shard_plan[1]");
+  j = with_shards(json::parse(
+      R"([{"id": "local", "start": 0, "end": 16, "is_last": true}, {"id": 1, "start": 16, "end": 32, "is_last": false}])"));
+  EXPECT_HAS(hc_error(j),
+             "shard_plan[0].is_last: true, but it is not the final entry; the final entry is shard_plan[1]");
   j = with_shards(json::parse(R"([{"id": "local", "start": 0, "end": 32, "is_last": "yes"}])"));
   EXPECT_HAS(hc_error(j), "shard_plan[0].is_last: must be true or false, got \"yes\"");
 }
 
 TEST(HeteroShard, IdsMustNameTheCoordinatorThenKnownWorkers) {
-  json j = with_shards(json::parse(R"([{"id": "local", "start": 0, "end": 16}, {"id": 3, "start": 16, "end": 32, "is_last": true}])"));
-  EXPECT_HAS(hc_error(j), "hetero_config.json: shard_plan[1].id: 3 matches no worker in \"workers\" (ids: 1, 2, \"amd\")");
-  j = with_shards(json::parse(R"([{"id": 1, "start": 0, "end": 16}, {"id": 2, "start": 16, "end": 32, "is_last": true}])"));
+  json j = with_shards(
+      json::parse(R"([{"id": "local", "start": 0, "end": 16}, {"id": 3, "start": 16, "end": 32, "is_last": true}])"));
+  EXPECT_HAS(hc_error(j),
+             "hetero_config.json: shard_plan[1].id: 3 matches no worker in \"workers\" (ids: 1, 2, \"amd\")");
+  j = with_shards(
+      json::parse(R"([{"id": 1, "start": 0, "end": 16}, {"id": 2, "start": 16, "end": 32, "is_last": true}])"));
   EXPECT_HAS(hc_error(j), "shard_plan[0].id: 1, but the first stage must be the coordinator's, \"local\"");
-  j = with_shards(json::parse(R"([{"id": "local", "start": 0, "end": 16}, {"id": "local", "start": 16, "end": 32, "is_last": true}])"));
+  j = with_shards(json::parse(
+      R"([{"id": "local", "start": 0, "end": 16}, {"id": "local", "start": 16, "end": 32, "is_last": true}])"));
   EXPECT_HAS(hc_error(j), "shard_plan[1].id: \"local\" again");
   j = with_shards(json::parse(R"([{"id": "local", "start": 0, "end": 8}, {"id": 1, "start": 8, "end": 16},
                                   {"id": 1, "start": 16, "end": 32, "is_last": true}])"));
   EXPECT_HAS(hc_error(j), "shard_plan[2].id: worker 1 already holds shard_plan[1]");
   j = with_shards(json::parse(R"([{"start": 0, "end": 32, "is_last": true}])"));
   EXPECT_HAS(hc_error(j), "shard_plan[0].id: is missing");
-  json no_workers = json::parse(R"({"shard_plan": [{"id": "local", "start": 0, "end": 16}, {"id": 1, "start": 16, "end": 32, "is_last": true}]})");
-  EXPECT_HAS(hc_error(no_workers), "shard_plan[1].id: 1 matches no worker in \"workers\" (the list is empty or missing)");
+  json no_workers = json::parse(
+      R"({"shard_plan": [{"id": "local", "start": 0, "end": 16}, {"id": 1, "start": 16, "end": 32, "is_last": true}]})");
+  EXPECT_HAS(hc_error(no_workers),
+             "shard_plan[1].id: 1 matches no worker in \"workers\" (the list is empty or missing)");
   json dup = json::parse(kConfig);
   dup["workers"][2]["id"] = 1;
   EXPECT_HAS(hc_error(dup), "workers[2].id: 1 is also the id of workers[0]");
@@ -580,8 +668,12 @@ TEST(HeteroShard, FileErrorsNameThePath) {
   } catch (const InputError& e) {
     EXPECT_HAS(std::string(e.what()), bad + ": not valid JSON");
   }
-  std::string overlap = t.write("hetero_config.json", with_shards(json::parse(
-      R"([{"id": "local", "start": 0, "end": 16}, {"id": 1, "start": 12, "end": 32, "is_last": true}])")).dump());
+  std::string overlap = t.write(
+      "hetero_config.json",
+      with_shards(
+          json::parse(
+              R"([{"id": "local", "start": 0, "end": 16}, {"id": 1, "start": 12, "end": 32, "is_last": true}])"))
+          .dump());
   try {
     alloy::plan_from_hetero_config_file(overlap, 32, 16, 4);
     FAIL() << "expected an error";

@@ -31,8 +31,10 @@ expect_ok() {
 # --- help lists every command and the config keys
 out=$("$alloy" --help)
 for c in train eval generate export import data; do grep -q "$c" <<<"$out" || bad "help lacks $c"; done
-"$alloy" train --help | grep -q "train.global_batch" && ok "train --help lists config keys" || bad "train --help lacks keys"
-"$alloy" data prepare --help | grep -q -- "--valid-fraction" && ok "data prepare --help" || bad "data prepare --help"
+# (captured first: grep -q closing the pipe early would kill the writer under pipefail)
+th=$("$alloy" train --help); grep -q "train.global_batch" <<<"$th" && grep -q -- "--hetero-pipeline-stages" <<<"$th" && ok "train --help lists config keys and flags" || bad "train --help lacks keys"
+dh=$("$alloy" data prepare --help); grep -q -- "--valid-fraction" <<<"$dh" && ok "data prepare --help" || bad "data prepare --help"
+for c in launch plan; do grep -q "$c" <<<"$out" || bad "help lacks $c"; done
 
 # --- data: a slice of the real corpus
 head -c 200000 /usr/share/games/fortunes/fortunes > corpus.txt
@@ -89,6 +91,27 @@ e3=$("$alloy" eval --config tiny.yaml --weights run --text eval.txt 2>/dev/null)
 grep -q '"tokens":19968' <<<"$e1" && ok "eval token count" || bad "eval token count: $e1"
 expect_fail "eval with another model's weights" "model.safetensors" "wte.weight" "[257, 64]" "[257, 128]" -- \
   "$alloy" eval --config tiny.yaml --set model.hidden=128 --weights hf/model.safetensors --text eval.txt
+
+# --- plan conversions print and write the plan they mean
+expect_ok "plan from SynerFuse flags" "$alloy" plan --from-synerfuse --num-layers 8 --pipeline-model-parallel-size 2 \
+  --hetero-pipeline-stages 1 6 1 2 --global-batch-size 32 --micro-batch-size 4 -o sf.json
+grep -q '"layers": \[\s*0,\s*6' sf.json 2>/dev/null || /usr/bin/python3 -c "import json,sys; p=json.load(open('sf.json')); s=p['pipelines'][0]['stages']; sys.exit(0 if [st['layers'] for st in s]==[[0,6],[6,8]] else 1)" \
+  && ok "SynerFuse plan splits 6/2" || bad "SynerFuse plan split"
+expect_fail "SynerFuse constraint" "--hetero-pipeline-stages" "7" -- "$alloy" plan --from-synerfuse --num-layers 8 \
+  --pipeline-model-parallel-size 2 --hetero-pipeline-stages 1 6 1 1 --global-batch-size 32 --micro-batch-size 4
+cat > hetero.json <<JSON
+{"version": "0.1.0", "coordinator": {"hostname": "mac", "ip": "10.0.0.1", "device": "mps"},
+ "workers": [{"id": 1, "hostname": "box", "ip": "10.0.0.2", "port": 9999, "device": "cuda", "num_gpus": 1}],
+ "shard_plan": [{"id": "local", "start": 0, "end": 5}, {"id": 1, "start": 5, "end": 8, "is_last": true}]}
+JSON
+expect_ok "plan from shard_plan" "$alloy" plan --from-shard-plan hetero.json --global-batch 8 --micro-batch 2 -o hs.json
+/usr/bin/python3 -c "import json,sys; p=json.load(open('hs.json')); s=p['pipelines'][0]['stages']; sys.exit(0 if [st['layers'] for st in s]==[[0,5],[5,8]] and p['pipelines'][0]['num_micro_batches']==4 else 1)" \
+  && ok "shard_plan converted 5/3" || bad "shard_plan conversion"
+sed -i 's/"start": 5, "end": 8/"start": 4, "end": 8/' hetero.json
+expect_fail "shard_plan overlap" "hetero.json" "shard_plan[1].start" -- "$alloy" plan --from-shard-plan hetero.json --global-batch 8 --micro-batch 2
+printf '{"global_batch": 8, "pipelines": [{"micro_batch_size": 2, "num_micro_batches": 4, "stages": [{"ranks": [0], "layers": [0, 1]}, {"ranks": [1], "layers": [2, 2]}]}]}' > gap.json
+expect_fail "plan with a gap rejected before training" "gap.json" "a gap" -- "$alloy" train --config tiny.yaml --plan gap.json --set output.dir=gaprun
+[ ! -e gaprun ] && ok "rejected plan started nothing" || bad "rejected plan created output"
 
 # --- generate prints text
 gen=$("$alloy" generate --checkpoint run --prompt "The " -n 40 2>/dev/null)

@@ -70,7 +70,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         SynerFuseArgs sf = parse_synerfuse_args(extras);
         if (sf.num_layers <= 0) sf.num_layers = cfg.model.layers;
         if (sf.global_batch_size <= 0) sf.global_batch_size = cfg.train.global_batch;
-        if (sf.micro_batch_size <= 0) sf.micro_batch_size = cfg.train.micro_batch_resolved();
+        if (sf.micro_batch_size <= 0) sf.micro_batch_size = default_micro_batch(cfg, sf, 0);
         p = plan_from_synerfuse(sf);
         cfg.model.layers = sf.num_layers;
         where = "SynerFuse flags";

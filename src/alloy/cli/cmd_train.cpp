@@ -114,7 +114,7 @@ void add_train_commands(CLI::App& app, Action& action) {
         SynerFuseArgs sf = a->sf;
         sf.num_layers = cfg.model.layers;
         sf.global_batch_size = cfg.train.global_batch;
-        if (sf.micro_batch_size <= 0) sf.micro_batch_size = cfg.train.micro_batch_resolved();
+        if (sf.micro_batch_size <= 0) sf.micro_batch_size = default_micro_batch(cfg, sf, rv.world_size);
         sf.world_size = rv.world_size;
         plan = std::make_shared<Plan>(plan_from_synerfuse(sf));
       } else if (rv.world_size > 1) {

@@ -74,7 +74,8 @@ GroupList parse_groups(const std::vector<int64_t>& v, const std::string& flag, c
   return g;
 }
 
-std::vector<int64_t> expand_groups(const GroupList& g, const std::string& flag, int64_t dp, const std::string& dp_text) {
+std::vector<int64_t> expand_groups(const GroupList& g, const std::string& flag, int64_t dp,
+                                   const std::string& dp_text) {
   if (g.total != dp)
     sf_fail(flag + ": the group sizes n_i sum to " + g.total_text + ", but the data-parallel size is " + dp_text);
   std::vector<int64_t> out;
@@ -90,7 +91,8 @@ std::string runs_text(const std::vector<int64_t>& a, const std::vector<int64_t>*
   while (i < a.size()) {
     size_t j = i;
     while (j < a.size() && a[j] == a[i] && (!b || (*b)[j] == (*b)[i])) ++j;
-    out += (out.empty() ? "" : " + ") + str(static_cast<int64_t>(j - i)) + "x" + str(a[i]) + (b ? "x" + str((*b)[i]) : "");
+    out +=
+        (out.empty() ? "" : " + ") + str(static_cast<int64_t>(j - i)) + "x" + str(a[i]) + (b ? "x" + str((*b)[i]) : "");
     i = j;
   }
   return out;
@@ -203,7 +205,8 @@ Plan plan_from_synerfuse(const SynerFuseArgs& a) {
   const int64_t pp = a.pipeline_model_parallel_size;
   if (pp < 1) sf_fail("--pipeline-model-parallel-size must be >= 1, got " + str(pp));
   if (a.global_batch_size < 1) sf_fail("--global-batch-size must be >= 1, got " + str(a.global_batch_size));
-  if (a.data_parallel_size < 0) sf_fail("--data-parallel-size must be >= 1 (or 0 to derive it), got " + str(a.data_parallel_size));
+  if (a.data_parallel_size < 0)
+    sf_fail("--data-parallel-size must be >= 1 (or 0 to derive it), got " + str(a.data_parallel_size));
   if (a.world_size < 0) sf_fail("world size must be >= 1 (or 0 to derive it), got " + str(a.world_size));
 
   const std::string mbs_flag = "--micro-batch-size-per-dp " + join(a.micro_batch_size_per_dp, " ");
@@ -235,8 +238,8 @@ Plan plan_from_synerfuse(const SynerFuseArgs& a) {
   }
   const int64_t world = mul(pp, dp, "--pipeline-model-parallel-size x data-parallel size");
   if (a.world_size > 0 && a.world_size != world)
-    sf_fail("world size " + str(a.world_size) + " != --pipeline-model-parallel-size " + str(pp) + " x data-parallel size " +
-            str(dp) + " x --tensor-model-parallel-size 1 = " + str(world));
+    sf_fail("world size " + str(a.world_size) + " != --pipeline-model-parallel-size " + str(pp) +
+            " x data-parallel size " + str(dp) + " x --tensor-model-parallel-size 1 = " + str(world));
   // Plan ranks are ints.
   if (world > INT_MAX) sf_fail(str(world) + " ranks (" + str(pp) + " x " + str(dp) + ") is more than Alloy can number");
 
@@ -247,7 +250,8 @@ Plan plan_from_synerfuse(const SynerFuseArgs& a) {
     mbs = expand_groups(*mbs_groups, mbs_flag, dp, dp_text);
   } else {
     if (a.micro_batch_size < 1)
-      sf_fail("--micro-batch-size must be >= 1, got " + str(a.micro_batch_size) + " (or give --micro-batch-size-per-dp)");
+      sf_fail("--micro-batch-size must be >= 1, got " + str(a.micro_batch_size) +
+              " (or give --micro-batch-size-per-dp)");
     mbs.assign(static_cast<size_t>(dp), a.micro_batch_size);
   }
 
@@ -258,15 +262,15 @@ Plan plan_from_synerfuse(const SynerFuseArgs& a) {
     for (size_t d = 0; d < mbs.size(); ++d)
       total = add(total, mul(mbs[d], nmb[d], "micro-batch size x count"), "the global batch");
     if (total != a.global_batch_size)
-      sf_fail("--global-batch-size " + str(a.global_batch_size) + " != sum of n_i x mbs_i x nmb_i = " +
-              runs_text(mbs, &nmb) + " = " + str(total));
+      sf_fail("--global-batch-size " + str(a.global_batch_size) +
+              " != sum of n_i x mbs_i x nmb_i = " + runs_text(mbs, &nmb) + " = " + str(total));
   } else {
     int64_t per_step = 0;
     for (int64_t m : mbs) per_step = add(per_step, m, "the sum of micro-batch sizes");
-    const std::string per_step_text =
-        mbs_groups ? "sum of n_i x mbs_i = " + runs_text(mbs, nullptr) + " = " + str(per_step)
-                   : "data-parallel size " + str(dp) + " x --micro-batch-size " + str(a.micro_batch_size) + " = " +
-                         str(per_step);
+    const std::string per_step_text = mbs_groups
+                                          ? "sum of n_i x mbs_i = " + runs_text(mbs, nullptr) + " = " + str(per_step)
+                                          : "data-parallel size " + str(dp) + " x --micro-batch-size " +
+                                                str(a.micro_batch_size) + " = " + str(per_step);
     if (a.global_batch_size % per_step != 0)
       sf_fail("--global-batch-size " + str(a.global_batch_size) + " is not a multiple of the " + per_step_text +
               "; every data-parallel rank runs the same number of micro-batches unless --num-micro-batches-per-dp says "
@@ -315,19 +319,23 @@ Plan plan_from_hetero_config(const nlohmann::json& j, int64_t num_layers, int64_
   if (micro_batch < 1) hc_fail(where, "", "micro-batch size must be >= 1, got " + str(micro_batch));
   if (global_batch < 1) hc_fail(where, "", "global batch must be >= 1, got " + str(global_batch));
   if (global_batch % micro_batch != 0)
-    hc_fail(where, "", "global batch " + str(global_batch) + " is not a multiple of micro-batch size " + str(micro_batch) +
-                 "; a shard_plan is one pipeline running global / micro-batch micro-batches");
-  if (!j.is_object()) hc_fail(where, "", "expected a JSON object with a \"shard_plan\" array, got " + std::string(j.type_name()));
+    hc_fail(where, "",
+            "global batch " + str(global_batch) + " is not a multiple of micro-batch size " + str(micro_batch) +
+                "; a shard_plan is one pipeline running global / micro-batch micro-batches");
+  if (!j.is_object())
+    hc_fail(where, "", "expected a JSON object with a \"shard_plan\" array, got " + std::string(j.type_name()));
 
   auto hostname_of = [&](const nlohmann::json& obj, const std::string& path) {
     if (!obj.contains("hostname")) return std::string();
-    if (!obj["hostname"].is_string()) hc_fail(where, path + ".hostname", "must be a string, got " + obj["hostname"].dump());
+    if (!obj["hostname"].is_string())
+      hc_fail(where, path + ".hostname", "must be a string, got " + obj["hostname"].dump());
     return obj["hostname"].get<std::string>();
   };
 
   std::string coordinator_host;
   if (j.contains("coordinator")) {
-    if (!j["coordinator"].is_object()) hc_fail(where, "coordinator", "must be an object, got " + j["coordinator"].dump());
+    if (!j["coordinator"].is_object())
+      hc_fail(where, "coordinator", "must be an object, got " + j["coordinator"].dump());
     coordinator_host = hostname_of(j["coordinator"], "coordinator");
   }
 
@@ -347,7 +355,8 @@ Plan plan_from_hetero_config(const nlohmann::json& j, int64_t num_layers, int64_
       auto id = id_key(ws[w]["id"]);
       if (!id) hc_fail(where, path + ".id", "must be an integer or a string, got " + ws[w]["id"].dump());
       if (auto it = workers.find(*id); it != workers.end())
-        hc_fail(where, path + ".id", ws[w]["id"].dump() + " is also the id of workers[" + std::to_string(it->second.index) + "]");
+        hc_fail(where, path + ".id",
+                ws[w]["id"].dump() + " is also the id of workers[" + std::to_string(it->second.index) + "]");
       workers[*id] = {hostname_of(ws[w], path), w};
       worker_ids.push_back(ws[w]["id"].dump());
     }
@@ -383,12 +392,14 @@ Plan plan_from_hetero_config(const nlohmann::json& j, int64_t num_layers, int64_
       if (it == workers.end()) {
         std::string known;
         for (const auto& w : worker_ids) known += (known.empty() ? "" : ", ") + w;
-        hc_fail(where, path + ".id", e["id"].dump() + " matches no worker in \"workers\"" +
-                               (known.empty() ? std::string(" (the list is empty or missing)") : " (ids: " + known + ")"));
+        hc_fail(where, path + ".id",
+                e["id"].dump() + " matches no worker in \"workers\"" +
+                    (known.empty() ? std::string(" (the list is empty or missing)") : " (ids: " + known + ")"));
       }
       if (auto u = used.find(*id); u != used.end())
-        hc_fail(where, path + ".id", "worker " + e["id"].dump() + " already holds shard_plan[" + std::to_string(u->second) +
-                               "]; HeteroShard runs one worker process per stage");
+        hc_fail(where, path + ".id",
+                "worker " + e["id"].dump() + " already holds shard_plan[" + std::to_string(u->second) +
+                    "]; HeteroShard runs one worker process per stage");
       used[*id] = k;
       device = it->second.hostname;
     }
@@ -398,42 +409,50 @@ Plan plan_from_hetero_config(const nlohmann::json& j, int64_t num_layers, int64_
     for (int b = 0; b < 2; ++b) {
       if (!e.contains(names[b])) hc_fail(where, path + "." + names[b], "is missing");
       const auto& v = e[names[b]];
-      if (!v.is_number_integer()) hc_fail(where, path + "." + names[b], "must be an integer block index, got " + v.dump());
+      if (!v.is_number_integer())
+        hc_fail(where, path + "." + names[b], "must be an integer block index, got " + v.dump());
       if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
         hc_fail(where, path + "." + names[b], v.dump() + " is out of range");
       range[b] = v.get<int64_t>();
     }
     const int64_t start = range[0], end = range[1];
-    if (k == 0 && start != 0) hc_fail(where, path + ".start", str(start) + ", but the first stage must start at block 0");
+    if (k == 0 && start != 0)
+      hc_fail(where, path + ".start", str(start) + ", but the first stage must start at block 0");
     if (start > expect)
-      hc_fail(where, path + ".start", str(start) + ", but the previous stage ended at " + str(expect) + " (gap: blocks [" +
-                                str(expect) + ", " + str(start) + ") belong to no stage)");
+      hc_fail(where, path + ".start",
+              str(start) + ", but the previous stage ended at " + str(expect) + " (gap: blocks [" + str(expect) + ", " +
+                  str(start) + ") belong to no stage)");
     if (start < expect)
       hc_fail(where, path + ".start", str(start) + ", but the previous stage ended at " + str(expect) + " (overlap)");
-    if (end <= start) hc_fail(where, path + ".end", str(end) + ", but start is " + str(start) + ": the range [start, end) is empty");
+    if (end <= start)
+      hc_fail(where, path + ".end", str(end) + ", but start is " + str(start) + ": the range [start, end) is empty");
     expect = end;
 
     if (e.contains("is_last")) {
-      if (!e["is_last"].is_boolean()) hc_fail(where, path + ".is_last", "must be true or false, got " + e["is_last"].dump());
+      if (!e["is_last"].is_boolean())
+        hc_fail(where, path + ".is_last", "must be true or false, got " + e["is_last"].dump());
       if (e["is_last"].get<bool>()) last.push_back(k);
     }
     pl.stages.push_back({{static_cast<int>(k)}, start, end, device});
   }
 
   const std::string final_path = "shard_plan[" + std::to_string(sp.size() - 1) + "]";
-  if (last.empty()) hc_fail(where, "shard_plan", "no stage has \"is_last\": true; the final entry, " + final_path + ", must");
+  if (last.empty())
+    hc_fail(where, "shard_plan", "no stage has \"is_last\": true; the final entry, " + final_path + ", must");
   if (last.size() > 1) {
     std::string which;
     for (size_t k : last) which += (which.empty() ? "" : ", ") + ("shard_plan[" + std::to_string(k) + "]");
-    hc_fail(where, "shard_plan", std::to_string(last.size()) + " stages have \"is_last\": true (" + which +
-                           "); exactly one, the final entry, may");
+    hc_fail(where, "shard_plan",
+            std::to_string(last.size()) + " stages have \"is_last\": true (" + which +
+                "); exactly one, the final entry, may");
   }
   if (last[0] != sp.size() - 1)
     hc_fail(where, "shard_plan[" + std::to_string(last[0]) + "].is_last",
-         "true, but it is not the final entry; the final entry is " + final_path);
+            "true, but it is not the final entry; the final entry is " + final_path);
   if (num_layers > 0 && expect != num_layers)
-    hc_fail(where, final_path + ".end", str(expect) + ", but the model has " + str(num_layers) +
-                                  " blocks; the stages must cover [0, " + str(num_layers) + ")");
+    hc_fail(where, final_path + ".end",
+            str(expect) + ", but the model has " + str(num_layers) + " blocks; the stages must cover [0, " +
+                str(num_layers) + ")");
 
   Plan plan;
   plan.global_batch = global_batch;
@@ -453,6 +472,18 @@ Plan plan_from_hetero_config_file(const std::string& path, int64_t num_layers, i
     throw InputError(path, std::string("not valid JSON: ") + e.what());
   }
   return plan_from_hetero_config(j, num_layers, global_batch, micro_batch, path);
+}
+
+int64_t default_micro_batch(const Config& cfg, const SynerFuseArgs& a, int64_t world_size) {
+  if (cfg.train.micro_batch > 0) return cfg.train.micro_batch;
+  const int64_t pp = std::max<int64_t>(1, a.pipeline_model_parallel_size);
+  int64_t dp = a.data_parallel_size;
+  if (dp <= 0 && world_size > 0) dp = std::max<int64_t>(1, world_size / pp);
+  if (dp <= 0) dp = 1;
+  const int64_t gb = a.global_batch_size > 0 ? a.global_batch_size : cfg.train.global_batch;
+  int64_t per_replica = std::max<int64_t>(1, gb / dp);
+  if (pp > 1 && per_replica % pp == 0) return per_replica / pp;
+  return per_replica;
 }
 
 }  // namespace alloy

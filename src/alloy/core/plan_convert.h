@@ -5,15 +5,19 @@
 // front-end's vocabulary (flag names, JSON paths) with the offending values, then returns a Plan
 // that already passes Plan::validate for a model with the given number of blocks.
 //
-// SynerFuse rank layout. SynerFuse needs --use-tp-pp-dp-mapping to reorder its process groups
-// before heterogeneous data parallelism works; Alloy fixes one layout instead and ignores that
-// flag. The layout is pipeline-major:
+// SynerFuse rank layout. Alloy uses the order SynerFuse itself assumes under
+// --use-tp-pp-dp-mapping (its arguments.py gives rank r the micro-batch size of data-parallel index
+// r / (tp*pp)), and ignores that flag since there is no other order to choose. Pipeline-major:
 //   pipeline d (the data-parallel index, 0..dp-1) holds ranks [d*pp, (d+1)*pp),
 //   stage s of pipeline d is rank d*pp + s.
 // So consecutive ranks form one pipeline, and a `n0 mbs0 n1 mbs1 ...` group list assigns mbs0 to
 // data-parallel indices 0..n0-1 (ranks 0..n0*pp-1), mbs1 to the next n1 indices, and so on.
 // Every pipeline gets the same --hetero-pipeline-stages split, because SynerFuse cannot express
 // anything else; a hand-written Alloy plan may give each pipeline its own split.
+// Alloy accepts some inputs SynerFuse's own checks refuse, because each still names one valid
+// plan: the two per-dp lists may group the indices differently (they are compared per index),
+// --num-micro-batches-per-dp may hold more than two distinct counts or come without
+// --micro-batch-size-per-dp, and --hetero-pipeline-stages may be combined with the per-dp lists.
 //
 // HeteroShard layout. One pipeline: shard_plan[0] must be the coordinator ("local") and becomes
 // rank 0; shard_plan[k] becomes rank k, so workers are ranked in shard_plan order, not in the
@@ -29,14 +33,14 @@
 namespace alloy {
 
 struct SynerFuseArgs {
-  int64_t num_layers = 0;                    // --num-layers
-  int64_t pipeline_model_parallel_size = 1;  // --pipeline-model-parallel-size
-  int64_t tensor_model_parallel_size = 1;    // --tensor-model-parallel-size (only 1 is supported)
-  int64_t global_batch_size = 0;             // --global-batch-size
-  int64_t micro_batch_size = 0;              // --micro-batch-size (used when no per-dp list is given)
-  int64_t data_parallel_size = 0;            // --data-parallel-size (Alloy's); 0 = world / (pp*tp),
-                                             //   or the per-dp lists' total when no world size is known
-  int64_t world_size = 0;                    // --world-size (Alloy's); 0 = pp * dp * tp
+  int64_t num_layers = 0;                         // --num-layers
+  int64_t pipeline_model_parallel_size = 1;       // --pipeline-model-parallel-size
+  int64_t tensor_model_parallel_size = 1;         // --tensor-model-parallel-size (only 1 is supported)
+  int64_t global_batch_size = 0;                  // --global-batch-size
+  int64_t micro_batch_size = 0;                   // --micro-batch-size (used when no per-dp list is given)
+  int64_t data_parallel_size = 0;                 // --data-parallel-size (Alloy's); 0 = world / pp if the world
+                                                  //   size is known, else the per-dp lists' group total, else 1
+  int64_t world_size = 0;                         // --world-size (Alloy's); 0 = pp * dp, else must equal it
   std::vector<int64_t> hetero_pipeline_stages;    // n0 l00 l01 ... n1 l10 ...: n_i stages, then their n_i layer counts
   std::vector<int64_t> micro_batch_size_per_dp;   // n0 mbs0 n1 mbs1 ...
   std::vector<int64_t> num_micro_batches_per_dp;  // n0 nmb0 n1 nmb1 ...
@@ -48,7 +52,8 @@ struct SynerFuseArgs {
 // Accepts "--flag value" and "--flag=value". Multi-value flags take every following token up to the
 // next one starting with "--" (so "-3" is read as a value, and then rejected as non-positive by
 // plan_from_synerfuse). --use-tp-pp-dp-mapping is accepted and has no effect (see the layout note
-// above). A repeated flag keeps its last value, as argparse does. Unknown flags, stray values and
+// above). --data-parallel-size and --world-size are Alloy's own (Megatron takes them from torchrun).
+// A repeated flag keeps its last value, as argparse does. Unknown flags, stray values and
 // non-integers throw InputError naming the token.
 SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv);
 
@@ -72,5 +77,11 @@ Plan plan_from_hetero_config(const nlohmann::json& j, int64_t num_layers, int64_
                              const std::string& where);
 Plan plan_from_hetero_config_file(const std::string& path, int64_t num_layers, int64_t global_batch,
                                   int64_t micro_batch);
+
+// The micro-batch size to assume when neither --micro-batch-size nor train.micro_batch says: the
+// whole per-replica share of the global batch (one micro-batch per replica without pipelining,
+// and one micro-batch per pipeline stage with it, so a pipeline is never left with a single
+// micro-batch). WORLD_SIZE 0 = take the data-parallel size from the flags.
+int64_t default_micro_batch(const Config& cfg, const SynerFuseArgs& a, int64_t world_size);
 
 }  // namespace alloy

@@ -231,6 +231,48 @@ void Trainer::save(int64_t step) {
   barrier();
 }
 
+void Trainer::publish_rank_stats(const TrainResult& r) {
+  // Per-rank figures (measured time per step in compute and waiting for gradient sync, peak
+  // activation memory) go to rank 0 through the store and into OUTPUT/ranks.json, so a user can
+  // see each stage's share without collecting logs from every host.
+  if (r.steps.empty()) return;
+  std::vector<double> step_s, compute_s, sync_s;
+  for (size_t i = r.steps.size() > 3 ? 1 : 0; i < r.steps.size(); ++i) {  // the first step warms up
+    step_s.push_back(r.steps[i].step_s);
+    compute_s.push_back(r.steps[i].compute_s);
+    sync_s.push_back(r.steps[i].sync_wait_s);
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const auto& st = plan_->pipelines[static_cast<size_t>(pos_.pipeline)].stages[static_cast<size_t>(pos_.stage)];
+  nlohmann::json me = {{"rank", rank_},
+                       {"pipeline", pos_.pipeline},
+                       {"stage", pos_.stage},
+                       {"layers", {st.layer_begin, st.layer_end}},
+                       {"step_s_median", median(step_s)},
+                       {"compute_s_median", median(compute_s)},
+                       {"sync_wait_s_median", median(sync_s)},
+                       {"peak_activation_bytes", r.peak_activation_bytes},
+                       {"peak_in_flight_micro_batches", r.peak_in_flight}};
+  nlohmann::json all = nlohmann::json::array();
+  if (!world_) {
+    all.push_back(me);
+  } else {
+    std::string s = me.dump();
+    world_->store().set("alloy/rankstats/" + std::to_string(rank_), std::vector<uint8_t>(s.begin(), s.end()));
+    if (rank_ != 0) return;
+    for (int q = 0; q < world_->size(); ++q) {
+      std::string key = "alloy/rankstats/" + std::to_string(q);
+      world_->store().wait({key});
+      auto b = world_->store().get(key);
+      all.push_back(nlohmann::json::parse(std::string(b.begin(), b.end())));
+    }
+  }
+  if (rank_ == 0) write_file_atomic(cfg_.output.dir + "/ranks.json", all.dump(2) + "\n");
+}
+
 TrainResult Trainer::run() {
   const auto& t = cfg_.train;
   const PipelinePlan& pl = plan_->pipelines[static_cast<size_t>(pos_.pipeline)];
@@ -377,6 +419,7 @@ TrainResult Trainer::run() {
       }();
     }
   }
+  publish_rank_stats(result);
   if (!quiet && stderr_is_tty()) progress.finish();
   double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
   if (!quiet && !result.steps.empty())

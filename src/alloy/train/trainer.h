@@ -72,6 +72,7 @@ class Trainer {
   void save(int64_t step);
   void load(const std::string& dir, bool with_optimizer);
   void build_groups();
+  void publish_rank_stats(const TrainResult& r);
 
   Config cfg_;
   TrainOptions opts_;
