@@ -1,6 +1,8 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 
 #include "alloy/cli/commands.h"
 #include "alloy/core/config.h"
@@ -8,13 +10,20 @@
 #include "alloy/core/plan.h"
 #include "alloy/core/plan_convert.h"
 #include "alloy/dist/launch.h"
+#include "alloy/emu/emulator.h"
+#include "alloy/plan/cluster.h"
+#include "alloy/plan/planner.h"
+#include "alloy/plan/profiler.h"
+#include "alloy/viz/diagram.h"
 
 namespace alloy::cli {
 
 namespace {
 struct PlanArgs {
   bool from_synerfuse = false;
-  std::string shard_plan, config, output;
+  std::string shard_plan, config, output, cluster, profile, strategy = "alloy", diagram;
+  double time_budget_s = 2.0;
+  bool no_compare = false;
   std::vector<std::string> sets;
   int64_t global_batch = 0, micro_batch = 0, layers = 0;
 };
@@ -23,7 +32,16 @@ struct PlanArgs {
 void add_dist_commands(CLI::App& app, Action& action) {
   auto lo = std::make_shared<dist::LaunchOptions>();
   auto* launch = app.add_subcommand("launch", "Start N local ranks of a command (usually `alloy train`), torchrun style");
-  launch->add_option("-n,--nproc", lo->nproc, "Number of ranks")->required();
+  auto emu_path = std::make_shared<std::string>();
+  auto emu_opts = std::make_shared<emu::EmulatorOptions>();
+  auto no_cpu = std::make_shared<bool>(false), no_net = std::make_shared<bool>(false);
+  launch->add_option("-n,--nproc", lo->nproc, "Number of ranks (default with --emulate: one per device)");
+  launch->add_option("--emulate", *emu_path,
+                     "Run rank i as device i of this ClusterSpec: each host in its own network namespace with tc-limited "
+                     "links, each rank under a CPU quota from its device's speed (root; latency is not emulated)")
+      ->check(CLI::ExistingFile);
+  launch->add_flag("--no-cpu-limit", *no_cpu, "With --emulate: no CPU quotas");
+  launch->add_flag("--no-net-limit", *no_net, "With --emulate: no bandwidth limits");
   launch->add_option("--master-addr", lo->master_addr, "Rendezvous host")->capture_default_str();
   launch->add_option("--master-port", lo->master_port, "Rendezvous port; 0 = a free one")->capture_default_str();
   launch->add_option("--threads-per-rank", lo->threads_per_rank, "Intra-op threads per rank; 0 = cores / nproc")
@@ -31,19 +49,46 @@ void add_dist_commands(CLI::App& app, Action& action) {
   launch->add_option("--grace", lo->grace_s, "Seconds the other ranks get to report after one fails")->capture_default_str();
   launch->add_option("command", lo->command, "Command to run, after --")->required();
   launch->footer("Example: alloy launch --nproc 3 -- alloy train --config examples/tiny-gpt2.yaml --plan plan.json");
-  launch->callback([lo, &action]() {
-    action = [lo]() {
+  launch->callback([lo, emu_path, emu_opts, no_cpu, no_net, launch, &action]() {
+    bool nproc_given = launch->count("--nproc") > 0;
+    action = [lo, emu_path, emu_opts, no_cpu, no_net, nproc_given]() {
       // `alloy` as the command means this very binary, wherever it is installed.
       if (!lo->command.empty() && lo->command[0] == "alloy") {
         char buf[4096];
         ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
         if (n > 0) lo->command[0] = std::string(buf, static_cast<size_t>(n));
       }
-      auto r = dist::launch(*lo);
+      dist::LaunchResult r;
+      if (!emu_path->empty()) {
+        auto spec = plan::ClusterSpec::load(*emu_path);
+        if (!nproc_given) lo->nproc = static_cast<int>(spec.devices.size());
+        if (lo->nproc != static_cast<int>(spec.devices.size()))
+          throw InputError("--nproc", std::to_string(lo->nproc) + " ranks, but " + *emu_path + " has " +
+                                          std::to_string(spec.devices.size()) + " devices: under emulation rank i is device i");
+        // The ranks learn the cluster (for --plan auto) from the environment.
+        ::setenv("ALLOY_CLUSTER", std::filesystem::absolute(*emu_path).c_str(), 1);
+        emu_opts->limit_cpu = !*no_cpu;
+        emu_opts->limit_network = !*no_net;
+        r = emu::launch_emulated(spec, *lo, *emu_opts);
+      } else {
+        if (!nproc_given) throw InputError("--nproc", "is required (or --emulate CLUSTER for one rank per device)");
+        r = dist::launch(*lo);
+      }
       if (r.failed_rank >= 0)
         std::fprintf(stderr, "alloy launch: rank %d failed first (exit code %d)\n", r.failed_rank,
                      r.rank_exit_codes[static_cast<size_t>(r.failed_rank)]);
       return r.exit_code;
+    };
+  });
+
+  auto* emu_cmd = app.add_subcommand("emu", "Emulated clusters");
+  emu_cmd->require_subcommand(1);
+  auto* clean = emu_cmd->add_subcommand("clean", "Remove namespaces, links and cgroups left by emulated launches that died");
+  clean->callback([&action]() {
+    action = []() {
+      int n = emu::clean_leftovers();
+      std::printf("removed %d leftover namespaces and cgroups\n", n);
+      return 0;
     };
   });
 
@@ -58,6 +103,17 @@ void add_dist_commands(CLI::App& app, Action& action) {
   plan->add_option("--global-batch", pa->global_batch, "Global batch (shard plan; default train.global_batch)");
   plan->add_option("--micro-batch", pa->micro_batch, "Micro-batch size (shard plan; default train.micro_batch)");
   plan->add_option("-o,--output", pa->output, "Plan JSON to write");
+  auto* g = "Planning for a cluster";
+  plan->add_option("--cluster", pa->cluster, "ClusterSpec YAML, PTAFM data-centre file, or HeteroShard hetero_config.json")
+      ->group(g)->check(CLI::ExistingFile);
+  plan->add_option("--profile", pa->profile, "Profile from `alloy profile` (default: measure this machine, scale by speed hints)")
+      ->group(g)->check(CLI::ExistingFile);
+  plan->add_option("--strategy", pa->strategy, "alloy | uniform | proportional | ptafm")
+      ->group(g)->capture_default_str()->check(CLI::IsMember({"alloy", "uniform", "proportional", "ptafm"}));
+  plan->add_option("--time-budget", pa->time_budget_s, "Seconds the heuristic search may take beyond the exact part")
+      ->group(g)->capture_default_str();
+  plan->add_option("--diagram", pa->diagram, "Draw the plan: FILE.svg | .png | .pdf (Graphviz) | .mmd (Mermaid) | .dot")->group(g);
+  plan->add_flag("--no-compare", pa->no_compare, "Do not plan the other strategies for comparison")->group(g);
   plan->allow_extras();
   plan->callback([pa, plan, &action]() {
     auto extras = plan->remaining();
@@ -82,8 +138,47 @@ void add_dist_commands(CLI::App& app, Action& action) {
         p = plan_from_hetero_config_file(pa->shard_plan, layers, gb, mb);
         cfg.model.layers = p.pipelines[0].stages.back().layer_end;
         where = pa->shard_plan;
+      } else if (!pa->cluster.empty()) {
+        if (pa->config.empty()) throw InputError("--config", "is required with --cluster (it says which model to plan)");
+        int ptafm_stages = 0;
+        auto spec = plan::load_cluster(pa->cluster, &ptafm_stages);
+        plan::Profile prof;
+        if (!pa->profile.empty()) {
+          prof = plan::Profile::load(pa->profile);
+          if (!model_differences(prof.model, cfg.model).empty())
+            throw InputError(pa->profile, "was measured for another model than " + pa->config);
+          for (const auto& n : plan::complete_profile(prof, spec)) std::printf("note: %s\n", n.c_str());
+        } else {
+          std::printf("no --profile: measuring this machine once and scaling by the cluster's speed hints\n");
+          prof = plan::run_profile(cfg.model, spec, nullptr);
+        }
+        plan::SearchOptions so;
+        so.strategy = pa->strategy;
+        so.global_batch = cfg.train.global_batch;
+        so.time_budget_s = pa->time_budget_s;
+        so.ptafm_stages = ptafm_stages;
+        auto report = plan::make_plan(spec, prof, so, !pa->no_compare);
+        std::printf("%s", report.text().c_str());
+        p = report.chosen.plan;
+        p.predicted = report.chosen.cost.to_json();
+        if (!pa->diagram.empty()) {
+          // The diagram shows the few figures a reader needs per stage, not the whole breakdown.
+          nlohmann::json brief = {{"step_s", p.predicted.value("step_s", 0.0)}, {"per_stage", nlohmann::json::array()}};
+          for (const auto& st : p.predicted["per_stage"])
+            brief["per_stage"].push_back({{"compute_s", st.value("forward_s", 0.0) + st.value("backward_s", 0.0)},
+                                          {"bubble_s", st.value("bubble_s", 0.0)},
+                                          {"memory_bytes", st.value("memory_bytes", 0.0)}});
+          viz::DiagramInput in{&p, &spec, cfg.model.layers, brief};
+          viz::write_diagram(in, pa->diagram);
+          std::printf("wrote %s\n", pa->diagram.c_str());
+        }
+        if (!pa->output.empty()) {
+          p.save(pa->output);
+          std::printf("wrote %s\n", pa->output.c_str());
+        }
+        return 0;
       } else {
-        throw InputError("alloy plan", "say what to convert: --from-synerfuse FLAGS... or --from-shard-plan FILE");
+        throw InputError("alloy plan", "say what to plan: --cluster FILE --config MODEL.yaml, --from-synerfuse FLAGS... or --from-shard-plan FILE");
       }
       p.validate(cfg.model, where);
       std::printf("%s", p.describe().c_str());

@@ -12,6 +12,10 @@
 #include "alloy/core/plan_convert.h"
 #include "alloy/dist/rendezvous.h"
 #include "alloy/dist/world.h"
+#include "alloy/core/fs.h"
+#include "alloy/plan/planner.h"
+#include "alloy/plan/profiler.h"
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include "alloy/train/trainer.h"
 
 namespace alloy::cli {
@@ -21,7 +25,7 @@ struct TrainArgs {
   std::string config;
   std::vector<std::string> sets;
   bool resume = false;
-  std::string resume_from, init_weights, plan_file, hetero_config, trace;
+  std::string resume_from, init_weights, plan_file, hetero_config, trace, cluster, profile;
   dist::RendezvousFlags rv;
   double timeout_s = 300;
   SynerFuseArgs sf;
@@ -50,6 +54,61 @@ void print_summary(const train::TrainResult& r) {
   std::printf("mean throughput: %.0f tokens/s\n", tps / static_cast<double>(n));
 }
 
+// --plan auto: profile the ranks (or reuse a profile), then rank 0 searches and hands the plan to
+// the others through the store, so every rank runs the same plan even if the search's time
+// budget would cut differently on different machines.
+Plan auto_plan(const Config& cfg, const TrainArgs& a, dist::World* world) {
+  const char* env = std::getenv("ALLOY_CLUSTER");
+  std::string cluster_path = !a.cluster.empty() ? a.cluster : env ? env : "";
+  if (cluster_path.empty())
+    throw InputError("--plan auto", "needs the cluster: --cluster FILE (or run under `alloy launch --emulate FILE`)");
+  int ptafm_stages = 0;
+  plan::ClusterSpec spec = plan::load_cluster(cluster_path, &ptafm_stages);
+  const int rank = world ? world->rank() : 0;
+  std::string reuse = !a.profile.empty() ? a.profile : cfg.output.dir + "/profile.json";
+  plan::Profile prof;
+  bool have = false;
+  if (file_exists(reuse)) {
+    prof = plan::Profile::load(reuse);
+    have = model_differences(prof.model, cfg.model).empty();
+    if (!have && !a.profile.empty()) throw InputError(a.profile, "was measured for another model");
+    if (have && rank == 0) log_info("reusing the profile " + reuse);
+  }
+  if (!have) {
+    if (rank == 0) log_info("profiling " + std::to_string(spec.devices.size()) + " devices of " + cluster_path);
+    prof = plan::run_profile(cfg.model, spec, world);
+    if (rank == 0) {
+      ensure_writable_dir(cfg.output.dir);
+      prof.save(cfg.output.dir + "/profile.json");
+      std::printf("%s", plan::describe_profile(prof).c_str());
+    }
+  }
+  std::string plan_json;
+  if (rank == 0) {
+    try {
+      plan::SearchOptions so;
+      so.global_batch = cfg.train.global_batch;
+      so.ptafm_stages = ptafm_stages;
+      auto report = plan::make_plan(spec, prof, so, true);
+      std::printf("%s", report.text().c_str());
+      std::fflush(stdout);
+      Plan p = report.chosen.plan;
+      p.predicted = report.chosen.cost.to_json();
+      plan_json = p.to_json().dump();
+    } catch (const std::exception& e) {
+      if (world) world->store().set("alloy/autoplan", std::vector<uint8_t>{'!'});
+      throw;
+    }
+    if (world) world->store().set("alloy/autoplan", std::vector<uint8_t>(plan_json.begin(), plan_json.end()));
+  } else {
+    world->store().wait({"alloy/autoplan"});
+    auto b = world->store().get("alloy/autoplan");
+    plan_json.assign(b.begin(), b.end());
+    if (plan_json == "!") throw Error("rank 0 found no plan that fits (see its error)");
+  }
+  return Plan::from_json(nlohmann::json::parse(plan_json), "the automatic plan");
+}
+
 bool synerfuse_given(const SynerFuseArgs& a) {
   return !a.hetero_pipeline_stages.empty() || !a.micro_batch_size_per_dp.empty() || !a.num_micro_batches_per_dp.empty() ||
          a.pipeline_model_parallel_size > 1;
@@ -68,7 +127,12 @@ void add_train_commands(CLI::App& app, Action& action) {
   cmd->add_option("--init-weights", a->init_weights, "Start from these weights (safetensors or checkpoint), fresh optimizer");
 
   auto* g_plan = "Parallel plan (default: one device; with several ranks and no plan, equal data parallelism)";
-  cmd->add_option("--plan", a->plan_file, "Plan JSON (see `alloy plan`)")->group(g_plan)->check(CLI::ExistingFile);
+  cmd->add_option("--plan", a->plan_file, "Plan JSON (see `alloy plan`), or `auto`: profile (or reuse --profile), plan, train")
+      ->group(g_plan);
+  cmd->add_option("--cluster", a->cluster, "ClusterSpec for --plan auto (default: $ALLOY_CLUSTER, set by `alloy launch --emulate`)")
+      ->group(g_plan);
+  cmd->add_option("--profile", a->profile, "Profile for --plan auto (default: OUTPUT/profile.json if it matches, else measure)")
+      ->group(g_plan);
   cmd->add_option("--hetero-config", a->hetero_config, "HeteroShard hetero_config.json: its shard_plan becomes the plan")
       ->group(g_plan)->check(CLI::ExistingFile);
   cmd->add_option("--trace", a->trace, "Write a Chrome trace (chrome://tracing, Perfetto) of one step's schedule, all ranks")
@@ -104,58 +168,62 @@ void add_train_commands(CLI::App& app, Action& action) {
       if (a->sf.num_layers > 0 && a->sf.num_layers != cfg.model.layers)
         throw InputError("--num-layers", std::to_string(a->sf.num_layers) + " differs from model.layers " +
                                              std::to_string(cfg.model.layers) + " in " + a->config);
-      std::shared_ptr<Plan> plan;
-      if (!a->plan_file.empty()) {
-        plan = std::make_shared<Plan>(Plan::load(a->plan_file));
-      } else if (!a->hetero_config.empty()) {
-        plan = std::make_shared<Plan>(plan_from_hetero_config_file(a->hetero_config, cfg.model.layers, cfg.train.global_batch,
-                                                                   cfg.train.micro_batch_resolved()));
-      } else if (synerfuse_given(a->sf)) {
-        SynerFuseArgs sf = a->sf;
-        sf.num_layers = cfg.model.layers;
-        sf.global_batch_size = cfg.train.global_batch;
-        if (sf.micro_batch_size <= 0) sf.micro_batch_size = default_micro_batch(cfg, sf, rv.world_size);
-        sf.world_size = rv.world_size;
-        plan = std::make_shared<Plan>(plan_from_synerfuse(sf));
-      } else if (rv.world_size > 1) {
-        int64_t gb = cfg.train.global_batch, n = rv.world_size;
-        if (gb % n != 0)
-          throw InputError("train.global_batch", std::to_string(gb) + " does not split evenly over " + std::to_string(n) +
-                                                     " ranks; give a --plan or SynerFuse flags for an uneven split");
-        int64_t per = gb / n, mbs = std::min<int64_t>(per, cfg.train.micro_batch_resolved());
-        if (per % mbs != 0) mbs = per;
-        plan = std::make_shared<Plan>(Plan::data_parallel(cfg.model.layers, std::vector<std::pair<int64_t, int64_t>>(
-                                                                                static_cast<size_t>(n), {mbs, per / mbs})));
-      }
-      if (plan) plan->validate(cfg.model, a->plan_file.empty() ? "plan" : a->plan_file);
-
-      train::TrainOptions o;
-      if (!a->resume_from.empty()) o.resume = a->resume_from;
-      else if (a->resume) o.resume = cfg.output.dir;
-      o.init_weights = a->init_weights;
-      o.plan = plan;
-      o.trace = a->trace;
+      std::shared_ptr<dist::World> world;
       if (rv.world_size > 1) {
         if (!std::getenv("ALLOY_OUTPUT_PREFIXED")) set_log_prefix("[rank " + std::to_string(rv.rank) + "] ");
-        o.world = dist::World::create(rv, std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000)));
+        world = dist::World::create(rv, std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000)));
       }
       try {
+        std::shared_ptr<Plan> plan;
+        if (a->plan_file == "auto") {
+          plan = std::make_shared<Plan>(auto_plan(cfg, *a, world.get()));
+        } else if (!a->plan_file.empty()) {
+          plan = std::make_shared<Plan>(Plan::load(a->plan_file));
+        } else if (!a->hetero_config.empty()) {
+          plan = std::make_shared<Plan>(plan_from_hetero_config_file(a->hetero_config, cfg.model.layers, cfg.train.global_batch,
+                                                                     cfg.train.micro_batch_resolved()));
+        } else if (synerfuse_given(a->sf)) {
+          SynerFuseArgs sf = a->sf;
+          sf.num_layers = cfg.model.layers;
+          sf.global_batch_size = cfg.train.global_batch;
+          if (sf.micro_batch_size <= 0) sf.micro_batch_size = default_micro_batch(cfg, sf, rv.world_size);
+          sf.world_size = rv.world_size;
+          plan = std::make_shared<Plan>(plan_from_synerfuse(sf));
+        } else if (rv.world_size > 1) {
+          int64_t gb = cfg.train.global_batch, n = rv.world_size;
+          if (gb % n != 0)
+            throw InputError("train.global_batch", std::to_string(gb) + " does not split evenly over " + std::to_string(n) +
+                                                       " ranks; give a --plan or SynerFuse flags for an uneven split");
+          int64_t per = gb / n, mbs = std::min<int64_t>(per, cfg.train.micro_batch_resolved());
+          if (per % mbs != 0) mbs = per;
+          plan = std::make_shared<Plan>(Plan::data_parallel(cfg.model.layers, std::vector<std::pair<int64_t, int64_t>>(
+                                                                                  static_cast<size_t>(n), {mbs, per / mbs})));
+        }
+        if (plan) plan->validate(cfg.model, a->plan_file.empty() || a->plan_file == "auto" ? "plan" : a->plan_file);
+
+        train::TrainOptions o;
+        if (!a->resume_from.empty()) o.resume = a->resume_from;
+        else if (a->resume) o.resume = cfg.output.dir;
+        o.init_weights = a->init_weights;
+        o.plan = plan;
+        o.trace = a->trace;
+        o.world = world;
         train::Trainer trainer(cfg, o);
         auto result = trainer.run();
         if (rv.rank == 0) print_summary(result);
       } catch (const std::exception& e) {
-        if (!o.world) throw;
+        if (!world) throw;
         // Tell the others why, then leave at once: tearing down process groups whose peers are
         // gone can block, and a stuck rank is what this path exists to prevent.
-        o.world->report_exit(e.what());
+        world->report_exit(e.what());
         std::fprintf(stderr, "alloy: error: rank %d: %s\n", rv.rank, e.what());
         std::fflush(stderr);
         std::fflush(stdout);
         ::_exit(1);
       }
       std::fflush(stdout);
-      if (o.world) {
-        o.world->all().barrier();  // nobody tears down a group a peer still uses
+      if (world) {
+        world->all().barrier();  // nobody tears down a group a peer still uses
       }
       return 0;
     };

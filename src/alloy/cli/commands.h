@@ -10,4 +10,5 @@ void add_train_commands(CLI::App& app, Action& action);
 void add_data_commands(CLI::App& app, Action& action);
 void add_model_commands(CLI::App& app, Action& action);
 void add_dist_commands(CLI::App& app, Action& action);
+void add_planner_commands(CLI::App& app, Action& action);
 }  // namespace alloy::cli

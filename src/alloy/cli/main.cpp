@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   alloy::cli::add_data_commands(app, action);
   alloy::cli::add_model_commands(app, action);
   alloy::cli::add_dist_commands(app, action);
+  alloy::cli::add_planner_commands(app, action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,7 +1,9 @@
 #include "alloy/dist/launch.h"
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -25,6 +27,29 @@ std::string describe_status(int status) {
   if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
   if (WIFSIGNALED(status)) return std::string("signal ") + strsignal(WTERMSIG(status));
   return "status " + std::to_string(status);
+}
+
+// Runs in the forked child: failures end the child with 127, like an exec failure, so the
+// launcher reports the rank as failed with the reason on its output.
+void place_self(int rank, const RankPlacement& p) {
+  auto fail = [rank](const std::string& what, const std::string& path) {
+    std::fprintf(stderr, "launch: rank %d cannot join %s %s: %s\n", rank, what.c_str(), path.c_str(), std::strerror(errno));
+    ::_exit(127);
+  };
+  if (!p.cgroup_dir.empty()) {
+    const std::string procs = p.cgroup_dir + "/cgroup.procs";
+    int fd = ::open(procs.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) fail("cgroup", p.cgroup_dir);
+    const std::string pid = std::to_string(::getpid());
+    if (::write(fd, pid.data(), pid.size()) != static_cast<ssize_t>(pid.size())) fail("cgroup", p.cgroup_dir);
+    ::close(fd);
+  }
+  if (!p.netns_path.empty()) {
+    int fd = ::open(p.netns_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || ::setns(fd, CLONE_NEWNET) != 0) fail("network namespace", p.netns_path);
+    ::close(fd);
+  }
+  for (const auto& [k, v] : p.env) ::setenv(k.c_str(), v.c_str(), 1);
 }
 }  // namespace
 
@@ -84,6 +109,7 @@ LaunchResult launch(const LaunchOptions& o) {
       ::setenv("OPENBLAS_NUM_THREADS", t.c_str(), 1);
       ::setenv("MKL_NUM_THREADS", t.c_str(), 1);
       if (o.prefix_output) ::setenv("ALLOY_OUTPUT_PREFIXED", "1", 1);  // the rank needs no prefix of its own
+      if (static_cast<size_t>(r) < o.placement.size()) place_self(r, o.placement[static_cast<size_t>(r)]);
       std::vector<std::string> argv_s;
       for (const auto& p : o.rank_prefix) {
         std::string s = p;

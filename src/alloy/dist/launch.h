@@ -3,9 +3,18 @@
 // WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) and its own share of the cores, prefix their
 // output with the rank, and on the first failure stop the others and report which rank failed.
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace alloy::dist {
+
+// Where one rank runs, for the cluster emulator (alloy/emu): applied in the child between fork and
+// exec, so the rank and everything it starts inherit it and no wrapper process sits in between.
+struct RankPlacement {
+  std::string netns_path;  // network namespace to join (setns), e.g. /run/netns/NAME; empty = the launcher's
+  std::string cgroup_dir;  // cgroup v1 directory to join (pid written to its cgroup.procs); empty = the launcher's
+  std::vector<std::pair<std::string, std::string>> env;  // extra variables, set after (and over) the standard ones
+};
 
 struct LaunchOptions {
   int nproc = 1;
@@ -17,6 +26,9 @@ struct LaunchOptions {
   // Per-rank command prefix (e.g. the emulator's `ip netns exec` wrapper); {rank} is substituted.
   std::vector<std::string> rank_prefix;
   bool prefix_output = true;
+  // By rank; ranks past its end run unplaced. A rank that cannot be placed exits with code 127
+  // after saying why.
+  std::vector<RankPlacement> placement;
 };
 
 struct LaunchResult {

@@ -205,8 +205,11 @@ class LlamaBlock : public Layer {
     q = q * sh_->cos + rotate_half(q) * sh_->sin;
     k = k * sh_->cos + rotate_half(k) * sh_->sin;
     if (nkv != nh) {
-      k = k.repeat_interleave(nh / nkv, 1);
-      v = v.repeat_interleave(nh / nkv, 1);
+      // Query head j reads key/value head j / rep (HF's repeat_kv); expand+reshape copies once,
+      // where repeat_interleave builds an index first.
+      const int64_t rep = nh / nkv;
+      k = k.unsqueeze(2).expand({B, nkv, rep, T, hd}).reshape({B, nh, T, hd});
+      v = v.unsqueeze(2).expand({B, nkv, rep, T, hd}).reshape({B, nh, T, hd});
     }
     auto y = attention(q, k, v, sh_->causal_mask(T, x.device())).transpose(1, 2).reshape({B, T, nh * hd});
     auto out = x + at::linear(y, P[4].tensor);

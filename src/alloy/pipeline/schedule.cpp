@@ -137,6 +137,13 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
     if (costs.forward[s] < 0 || costs.backward[s] < 0)
       throw std::invalid_argument("simulate: negative compute cost for stage " + std::to_string(s));
   if (costs.p2p < 0) throw std::invalid_argument("simulate: negative p2p cost");
+  if (!costs.p2p_link.empty() && costs.p2p_link.size() + 1 < S)
+    throw std::invalid_argument("simulate: p2p_link covers " + std::to_string(costs.p2p_link.size()) + " links, the pipeline has " +
+                                std::to_string(S - 1));
+  for (double p : costs.p2p_link)
+    if (p < 0) throw std::invalid_argument("simulate: negative p2p cost on a link");
+  // Link s joins stages s and s+1.
+  auto link_time = [&](size_t link) { return costs.p2p_link.empty() ? costs.p2p : costs.p2p_link[link]; };
 
   // act[s]: activations travelling s -> s+1; grad[s]: gradients travelling s+1 -> s.
   std::vector<std::deque<Message>> act(S), grad(S);
@@ -164,9 +171,10 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
     events[s].push_back({static_cast<int64_t>(s), a, start, clock[s]});
     return true;
   };
-  auto send = [&](size_t s, const Action& a, std::deque<Message>& box) {
-    box.push_back({a.micro_batch, clock[s] + costs.p2p});
-    events[s].push_back({static_cast<int64_t>(s), a, clock[s], clock[s] + costs.p2p});
+  auto send = [&](size_t s, const Action& a, std::deque<Message>& box, size_t link) {
+    const double p2p = link_time(link);
+    box.push_back({a.micro_batch, clock[s] + p2p});
+    events[s].push_back({static_cast<int64_t>(s), a, clock[s], clock[s] + p2p});
   };
   auto compute = [&](size_t s, const Action& a, double cost) {
     events[s].push_back({static_cast<int64_t>(s), a, clock[s], clock[s] + cost});
@@ -207,7 +215,7 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
             if (last) fail(s, a, "the last stage has no next stage to send to");
             if (!st.forward) fail(s, a, "sends an activation that has not been computed");
             once(st.send_act);
-            send(s, a, act[s]);
+            send(s, a, act[s], s);
             break;
           case ActionKind::RecvGrad:
             if (last) fail(s, a, "the last stage has no next stage to receive from");
@@ -226,7 +234,7 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
             if (first) fail(s, a, "the first stage has no previous stage to send to");
             if (!st.backward) fail(s, a, "sends a gradient that has not been computed");
             once(st.send_grad);
-            send(s, a, grad[s - 1]);
+            send(s, a, grad[s - 1], s - 1);
             break;
         }
         if (blocked) break;
@@ -255,6 +263,103 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
     for (const auto& e : ev) r.makespan = std::max(r.makespan, e.end);
     r.events.insert(r.events.end(), ev.begin(), ev.end());
   }
+  return r;
+}
+
+StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64_t num_micro_batches, const SimCosts& costs) {
+  const bool gp = schedule == "gpipe";
+  if (!gp && schedule != "1f1b") make_schedule(schedule, 0, 1, 1);  // throws, naming the valid schedules
+  check_args("simulate_times", 0, num_stages, num_micro_batches);
+  const int64_t S = num_stages, M = num_micro_batches;
+  const size_t Su = static_cast<size_t>(S);
+  if (costs.forward.size() < Su || costs.backward.size() < Su)
+    throw std::invalid_argument("simulate_times: costs cover " + std::to_string(std::min(costs.forward.size(), costs.backward.size())) +
+                                " stages, the pipeline has " + std::to_string(S));
+  if (!costs.p2p_link.empty() && costs.p2p_link.size() + 1 < Su)
+    throw std::invalid_argument("simulate_times: p2p_link covers " + std::to_string(costs.p2p_link.size()) + " links, the pipeline has " +
+                                std::to_string(S - 1));
+  for (size_t s = 0; s < Su; ++s)
+    if (costs.forward[s] < 0 || costs.backward[s] < 0)
+      throw std::invalid_argument("simulate_times: negative compute cost for stage " + std::to_string(s));
+  if (costs.p2p < 0) throw std::invalid_argument("simulate_times: negative p2p cost");
+  for (double p : costs.p2p_link)
+    if (p < 0) throw std::invalid_argument("simulate_times: negative p2p cost on a link");
+  auto link_time = [&](int64_t link) { return costs.p2p_link.empty() ? costs.p2p : costs.p2p_link[static_cast<size_t>(link)]; };
+
+  StageTimes r;
+  r.last_backward_start.assign(Su, 0.0);
+  r.last_backward_end.assign(Su, 0.0);
+  r.peak_in_flight.assign(Su, 0);
+  // End times of each stage's forwards and backwards by micro-batch; -1 = not run yet (real
+  // times are >= 0). Receives and sends are folded into the compute that follows or precedes
+  // them: a receive only moves the stage clock to the arrival time, which is what simulate() does.
+  // Scratch kept per thread: the planner calls this millions of times on small pipelines.
+  thread_local std::vector<double> end_f, end_b, clock;
+  thread_local std::vector<int64_t> pc, in_flight;
+  end_f.assign(static_cast<size_t>(S * M), -1.0);
+  end_b.assign(static_cast<size_t>(S * M), -1.0);
+  pc.assign(Su, 0);
+  in_flight.assign(Su, 0);
+  clock.assign(Su, 0.0);
+  const int64_t n_ops = 2 * M;
+  // Op K of stage s as (is_forward, micro-batch), following gpipe() / one_f_one_b() exactly.
+  auto op = [&](int64_t s, int64_t k, bool& fwd, int64_t& j) {
+    if (gp) {
+      fwd = k < M;
+      j = fwd ? k : k - M;
+      return;
+    }
+    const int64_t w = std::min(S - s - 1, M);
+    if (k < w) {
+      fwd = true, j = k;
+    } else if (k < 2 * M - w) {
+      const int64_t i = (k - w) / 2;
+      fwd = (k - w) % 2 == 0;
+      j = fwd ? w + i : i;
+    } else {
+      fwd = false, j = M - w + (k - (2 * M - w));
+    }
+  };
+  int64_t done = 0;
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int64_t s = 0; s < S; ++s) {
+      const size_t su = static_cast<size_t>(s);
+      for (; pc[su] < n_ops; ++pc[su]) {
+        bool fwd;
+        int64_t j;
+        op(s, pc[su], fwd, j);
+        double t = clock[su];
+        if (fwd) {
+          if (s > 0) {
+            const double a = end_f[static_cast<size_t>((s - 1) * M + j)];
+            if (a < 0) break;
+            t = std::max(t, a + link_time(s - 1));
+          }
+          clock[su] = t + costs.forward[su];
+          end_f[static_cast<size_t>(s * M + j)] = clock[su];
+          r.peak_in_flight[su] = std::max(r.peak_in_flight[su], ++in_flight[su]);
+        } else {
+          if (s + 1 < S) {
+            const double a = end_b[static_cast<size_t>((s + 1) * M + j)];
+            if (a < 0) break;
+            t = std::max(t, a + link_time(s));
+          }
+          clock[su] = t + costs.backward[su];
+          end_b[static_cast<size_t>(s * M + j)] = clock[su];
+          --in_flight[su];
+          r.last_backward_start[su] = t;
+          r.last_backward_end[su] = clock[su];
+        }
+        progress = true;
+      }
+    }
+    done = 0;
+    for (size_t s = 0; s < Su; ++s) done += pc[s] == n_ops;
+    if (done == S) break;
+  }
+  if (done != S) throw std::logic_error("simulate_times: schedule '" + schedule + "' deadlocked");
+  for (size_t s = 0; s < Su; ++s) r.makespan = std::max(r.makespan, clock[s]);
   return r;
 }
 

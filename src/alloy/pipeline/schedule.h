@@ -70,6 +70,9 @@ size_t last_backward_index(const std::vector<Action>& actions);
 struct SimCosts {
   std::vector<double> forward, backward;  // per stage: seconds per micro-batch
   double p2p = 0;                         // seconds from send to arrival, per message
+  // Per link: p2p_link[s] is the message time between stages s and s+1, both directions (links
+  // differ in a heterogeneous pool). When non-empty it must cover every link and replaces p2p.
+  std::vector<double> p2p_link;
 };
 
 // Timing of one action. Compute and receive events of a stage run back to back in list order
@@ -89,5 +92,16 @@ struct SimResult {
 
 // Throws std::invalid_argument if costs has fewer entries than stages or a negative cost.
 SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimCosts& costs);
+
+// What simulate() gives for make_schedule(name, s, S, M) on every stage, without building action
+// lists or events: the planner asks this for millions of candidate pipelines. Same arithmetic in
+// the same order, so the figures are identical to simulate()'s (tests check this).
+struct StageTimes {
+  double makespan = 0;
+  std::vector<double> last_backward_start, last_backward_end;  // per stage
+  std::vector<int64_t> peak_in_flight;                         // per stage
+};
+// Throws std::invalid_argument on an unknown schedule, bad sizes or costs as simulate() does.
+StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64_t num_micro_batches, const SimCosts& costs);
 
 }  // namespace alloy::pipeline

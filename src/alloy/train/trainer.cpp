@@ -19,6 +19,7 @@
 #include "alloy/dist/world.h"
 #include "alloy/model/weights.h"
 #include "alloy/pipeline/schedule.h"
+#include "alloy/plan/planner.h"
 #include "alloy/train/checkpoint.h"
 #include "alloy/train/metrics.h"
 
@@ -270,7 +271,11 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
       all.push_back(nlohmann::json::parse(std::string(b.begin(), b.end())));
     }
   }
-  if (rank_ == 0) write_file_atomic(cfg_.output.dir + "/ranks.json", all.dump(2) + "\n");
+  if (rank_ == 0) {
+    write_file_atomic(cfg_.output.dir + "/ranks.json", all.dump(2) + "\n");
+    if (!plan_->predicted.is_null() && !opts_.quiet)
+      std::fprintf(stderr, "%s", plan::predicted_vs_measured(plan_->predicted, all, median(step_s)).c_str());
+  }
 }
 
 TrainResult Trainer::run() {

@@ -1,0 +1,64 @@
+#include <cstdio>
+#include <cstdlib>
+
+#include "alloy/cli/commands.h"
+#include "alloy/core/config.h"
+#include "alloy/core/error.h"
+#include "alloy/core/log.h"
+#include "alloy/dist/rendezvous.h"
+#include "alloy/dist/world.h"
+#include "alloy/plan/cluster.h"
+#include "alloy/plan/planner.h"
+#include "alloy/plan/profiler.h"
+#include "alloy/train/trainer.h"
+
+namespace alloy::cli {
+
+namespace {
+struct ProfileArgs {
+  std::string cluster, config, output = "profile.json";
+  std::vector<std::string> sets;
+  dist::RendezvousFlags rv;
+  double timeout_s = 300;
+  int repeats = 5;
+};
+}  // namespace
+
+void add_planner_commands(CLI::App& app, Action& action) {
+  auto a = std::make_shared<ProfileArgs>();
+  auto* prof = app.add_subcommand("profile", "Measure devices and links for the planner (one rank per device of the cluster)");
+  prof->add_option("--cluster", a->cluster, "ClusterSpec YAML (rank i runs on device i)")->required();
+  prof->add_option("-c,--config", a->config, "Config whose model is profiled")->required()->check(CLI::ExistingFile);
+  prof->add_option("--set", a->sets, "Override a config key (repeatable)");
+  prof->add_option("-o,--output", a->output, "Profile JSON to write (rank 0)")->capture_default_str();
+  prof->add_option("--repeats", a->repeats, "Timed repetitions per measurement")->capture_default_str();
+  prof->add_option("--rank", a->rv.rank, "This process's rank")->group("Rendezvous");
+  prof->add_option("--world-size", a->rv.world_size, "Number of ranks")->group("Rendezvous");
+  prof->add_option("--master-addr", a->rv.master_addr, "Host of rank 0")->group("Rendezvous");
+  prof->add_option("--master-port", a->rv.master_port, "Port of the rendezvous store")->group("Rendezvous");
+  prof->add_option("--timeout", a->timeout_s, "Seconds any collective may take")->group("Rendezvous");
+  prof->footer("Example: alloy launch --emulate examples/cluster-3dev.yaml -- alloy profile --cluster examples/cluster-3dev.yaml "
+               "--config examples/tiny-gpt2.yaml -o profile.json");
+  prof->callback([a, &action]() {
+    action = [a]() {
+      Config cfg = Config::load(a->config, a->sets);
+      auto spec = plan::ClusterSpec::load(a->cluster);
+      auto rv = dist::resolve_rendezvous(a->rv);
+      train::configure_threads(cfg.train.threads > 0 ? cfg.train.threads : 1);
+      std::shared_ptr<dist::World> world;
+      if (rv.world_size > 1) world = dist::World::create(rv, std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000)));
+      plan::ProfileOptions po;
+      po.repeats = a->repeats;
+      auto p = plan::run_profile(cfg.model, spec, world.get(), po);
+      if (rv.rank == 0) {
+        p.save(a->output);
+        std::printf("%s", plan::describe_profile(p).c_str());
+        std::printf("wrote %s\n", a->output.c_str());
+      }
+      if (world) world->all().barrier();
+      return 0;
+    };
+  });
+}
+
+}  // namespace alloy::cli

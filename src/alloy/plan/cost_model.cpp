@@ -1,0 +1,442 @@
+#include "alloy/plan/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <sstream>
+
+#include "alloy/core/error.h"
+#include "alloy/pipeline/schedule.h"
+
+namespace alloy::plan {
+
+namespace {
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+std::string gb(double bytes) {
+  std::ostringstream o;
+  o.precision(bytes >= 1e9 ? 4 : 3);
+  if (std::fabs(bytes) >= 1e9) o << bytes / 1e9 << " GB";
+  else if (std::fabs(bytes) >= 1e6) o << bytes / 1e6 << " MB";
+  else o << bytes / 1e3 << " kB";
+  return o.str();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// CostContext
+
+CostContext::CostContext(const ClusterSpec& cluster, const Profile& profile) : cluster_(&cluster), profile_(&profile) {
+  const std::string where = cluster.source.empty() ? "cluster" : cluster.source;
+  if (cluster.devices.empty()) throw InputError(where, "devices: the cluster has no devices");
+  const ModelConfig& m = profile.model;
+  if (m.layers < 1) throw InputError("profile", "model.layers must be >= 1, got " + std::to_string(m.layers));
+  if (m.dtype == "float32") dtype_bytes_ = 4;
+  else if (m.dtype == "float64") dtype_bytes_ = 8;
+  else throw InputError("profile", "model.dtype: unknown dtype '" + m.dtype + "' (expected float32 or float64)");
+  act_message_bytes_ = static_cast<double>(m.seq_len) * static_cast<double>(m.hidden) * dtype_bytes_;
+
+  types_ = cluster.types();
+  hosts_ = cluster.hosts();
+  std::vector<std::string> profiled;
+  for (const auto& [t, d] : profile.devices) profiled.push_back(t);
+  for (const auto& t : types_) {
+    auto it = profile.devices.find(t);
+    if (it == profile.devices.end()) {
+      std::string dev;
+      for (const auto& d : cluster.devices)
+        if (d.type == t) dev = d.name;
+      throw InputError("profile", "device '" + dev + "' has type '" + t + "', which the profile does not cover (profiled types: " +
+                                      (profiled.empty() ? "none" : join(profiled)) + "); profile that type or fix the cluster");
+    }
+    type_profile_.push_back(&it->second);
+  }
+  for (const auto& d : cluster.devices) {
+    dev_type_.push_back(static_cast<int>(std::find(types_.begin(), types_.end(), d.type) - types_.begin()));
+    dev_host_.push_back(static_cast<int>(std::find(hosts_.begin(), hosts_.end(), d.host) - hosts_.begin()));
+    if (!(d.memory_gb >= 0) || !std::isfinite(d.memory_gb))
+      throw InputError(where, "device '" + d.name + "': memory_gb must be >= 0 (0 = unknown), got " + std::to_string(d.memory_gb));
+    capacity_.push_back(d.memory_gb * 1e9);
+  }
+
+  const size_t H = hosts_.size();
+  bw_.assign(H * H, 0);
+  lat_.assign(H * H, 0);
+  ring_bw_.assign(H * H, 0);
+  for (size_t a = 0; a < H; ++a)
+    for (size_t b = 0; b < H; ++b) {
+      const LinkProfile* measured = nullptr;
+      for (const auto& l : profile.links)
+        if (l.bytes_per_s > 0 && ((l.host_a == hosts_[a] && l.host_b == hosts_[b]) || (l.host_a == hosts_[b] && l.host_b == hosts_[a])))
+          measured = &l;
+      double bw, lat, ring_bw;
+      if (measured) {
+        bw = measured->bytes_per_s;
+        lat = measured->latency_s;
+        ring_bw = measured->allreduce_bytes_per_s > 0 ? measured->allreduce_bytes_per_s : bw;
+      } else {
+        Link l = cluster.link(hosts_[a], hosts_[b]);
+        bw = l.bytes_per_s();
+        lat = l.latency_s();
+        ring_bw = bw;
+      }
+      if (!(bw > 0) || !std::isfinite(bw) || !(lat >= 0) || !std::isfinite(lat))
+        throw InputError(where, "no usable link between hosts '" + hosts_[a] + "' and '" + hosts_[b] + "' (bandwidth " +
+                                    std::to_string(bw) + " bytes/s, latency " + std::to_string(lat) +
+                                    " s): give it a rule under links or a default_link");
+      bw_[a * H + b] = bw;
+      lat_[a * H + b] = lat;
+      ring_bw_[a * H + b] = ring_bw;
+    }
+
+  const MemoryProfile& mem = profile.memory;
+  tied_ = m.tied_head();
+  if (tied_) {
+    // The profiler measures the head slice of a tied model with its own copy of wte; the
+    // embedding slice holds wte and wpe. A stage with both holds wte once.
+    double wte = static_cast<double>(m.vocab_size) * static_cast<double>(m.hidden) * dtype_bytes_;
+    wte_ = std::max(0.0, std::min({wte, mem.param_bytes_embed, mem.param_bytes_head}));
+  }
+  embed_rest_ = mem.param_bytes_embed - wte_;
+  head_rest_ = mem.param_bytes_head - wte_;
+
+  std::vector<int> all(cluster.devices.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
+  std::sort(all.begin(), all.end(), [&](int a, int b) { return ring_less(a, a, b, b); });
+  Ring r = ring(all);
+  world_allreduce_s_ = allreduce_s(r, 2 * 8.0, 0);
+}
+
+double CostContext::forward_s(int type, int64_t blocks, bool first, bool last, int64_t m) const {
+  const DeviceProfile& d = *type_profile_[static_cast<size_t>(type)];
+  const double x = static_cast<double>(m);
+  double t = static_cast<double>(blocks) * d.block_fwd.at(x);
+  if (first) t += d.embed_fwd.at(x);
+  if (last) t += d.head_fwd.at(x);
+  return t;
+}
+
+double CostContext::backward_s(int type, int64_t blocks, bool first, bool last, int64_t m) const {
+  const DeviceProfile& d = *type_profile_[static_cast<size_t>(type)];
+  const double x = static_cast<double>(m);
+  double t = static_cast<double>(blocks) * d.block_bwd.at(x);
+  if (first) t += d.embed_bwd.at(x);
+  if (last) t += d.head_bwd.at(x);
+  return t;
+}
+
+double CostContext::full_model_s_per_sample(int type, int64_t m) const {
+  return (forward_s(type, layers(), true, true, m) + backward_s(type, layers(), true, true, m)) / static_cast<double>(m);
+}
+
+double CostContext::p2p_s(int host_a, int host_b, int64_t m) const {
+  const size_t i = idx(host_a, host_b);
+  return lat_[i] + message_bytes(m) / bw_[i];
+}
+
+double CostContext::param_bytes(int64_t blocks, bool first, bool last) const {
+  double b = static_cast<double>(blocks) * profile_->memory.param_bytes_per_block;
+  if (first) b += embed_rest_;
+  if (last) b += head_rest_;
+  if (first || last) b += wte_;
+  return b;
+}
+
+double CostContext::act_bytes_per_sample(int64_t blocks, bool first, bool last) const {
+  const MemoryProfile& mem = profile_->memory;
+  double b = static_cast<double>(blocks) * mem.act_bytes_per_sample_block;
+  if (first) b += mem.act_bytes_per_sample_embed;
+  if (last) b += mem.act_bytes_per_sample_head;
+  return b;
+}
+
+double CostContext::optimizer_s(int type, double param_bytes) const {
+  return param_bytes / dtype_bytes_ * type_profile_[static_cast<size_t>(type)]->optimizer_s_per_param;
+}
+
+double CostContext::memory_bytes(double param_bytes, double bucket_bytes, int64_t in_flight, int64_t m, double act_per_sample) const {
+  return (param_bytes * profile_->memory.state_bytes_per_param_byte + bucket_bytes) +
+         static_cast<double>(in_flight * m) * act_per_sample;
+}
+
+CostContext::Ring CostContext::ring(const std::vector<int>& d) const {
+  Ring r;
+  r.n = static_cast<int>(d.size());
+  r.slowest_bytes_per_s = std::numeric_limits<double>::infinity();
+  if (r.n < 2) return r;
+  for (size_t i = 0; i < d.size(); ++i) {
+    const size_t k = idx(host_of(d[i]), host_of(d[(i + 1) % d.size()]));
+    r.slowest_bytes_per_s = std::min(r.slowest_bytes_per_s, ring_bw_[k]);
+    r.latency_sum_s += lat_[k];
+  }
+  return r;
+}
+
+double CostContext::allreduce_s(const Ring& r, double bytes, double bucket_bytes, int64_t* buckets) const {
+  if (buckets) *buckets = 0;
+  if (r.n < 2) return 0;
+  const double f = 2.0 * (r.n - 1) / r.n;
+  const double nb = bucket_bytes > 0 ? std::max(1.0, std::ceil(bytes / bucket_bytes)) : 1.0;
+  if (buckets) *buckets = static_cast<int64_t>(nb);
+  return nb * f * r.latency_sum_s + f * bytes / r.slowest_bytes_per_s;
+}
+
+std::vector<CostContext::SyncSet> CostContext::sync_sets(const std::vector<std::vector<Holder>>& pipelines) const {
+  const int64_t L = layers();
+  std::vector<SyncSet> out;
+  std::map<std::vector<int>, size_t> index;
+  std::vector<int> ids;
+  auto add = [&](double bytes) {
+    if (!(bytes > 0)) return;  // a unit with no parameters has nothing to sync
+    std::sort(ids.begin(), ids.end());
+    if (ids.size() < 2) return;
+    auto [it, fresh] = index.emplace(ids, out.size());
+    if (fresh) out.push_back({ids, 0.0});
+    out[it->second].bytes += bytes;
+  };
+  ids.clear();
+  for (const auto& p : pipelines)
+    for (const auto& h : p)
+      if (h.first) ids.push_back(h.id);
+  add(embed_rest_);
+  ids.clear();
+  for (const auto& p : pipelines)
+    for (const auto& h : p)
+      if (h.first || h.last) ids.push_back(h.id);
+  add(wte_);
+  std::vector<size_t> at(pipelines.size(), 0);  // each pipeline's stage holding the current block
+  for (int64_t l = 0; l < L; ++l) {
+    ids.clear();
+    for (size_t p = 0; p < pipelines.size(); ++p) {
+      while (at[p] < pipelines[p].size() && pipelines[p][at[p]].end <= l) ++at[p];
+      if (at[p] < pipelines[p].size()) ids.push_back(pipelines[p][at[p]].id);
+    }
+    add(profile_->memory.param_bytes_per_block);
+  }
+  ids.clear();
+  for (const auto& p : pipelines)
+    for (const auto& h : p)
+      if (h.last) ids.push_back(h.id);
+  add(head_rest_);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// simulate_plan
+
+PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profile& profile) {
+  plan.validate(profile.model, "plan");
+  CostContext ctx(cluster, profile);
+  PlanCost pc;
+  const int W = plan.world_size();
+  std::vector<int> dev_of(static_cast<size_t>(W), -1);
+  std::map<int, int> rank_on_device;
+  for (size_t p = 0; p < plan.pipelines.size(); ++p)
+    for (size_t s = 0; s < plan.pipelines[p].stages.size(); ++s) {
+      const StagePlan& st = plan.pipelines[p].stages[s];
+      const std::string f = "pipelines[" + std::to_string(p) + "].stages[" + std::to_string(s) + "].device";
+      if (st.device.empty()) throw InputError("plan", f + ": missing; the cost model needs the device each stage runs on");
+      int d = cluster.device_index(st.device);
+      if (d < 0) {
+        std::vector<std::string> names;
+        for (const auto& x : cluster.devices) names.push_back(x.name);
+        throw InputError("plan", f + ": no device '" + st.device + "' in the cluster (devices: " + join(names) + ")");
+      }
+      auto [it, fresh] = rank_on_device.emplace(d, st.ranks[0]);
+      if (!fresh)
+        throw InputError("plan", f + ": device '" + st.device + "' already runs rank " + std::to_string(it->second) +
+                                     "; the cost model puts one rank on a device");
+      dev_of[static_cast<size_t>(st.ranks[0])] = d;
+    }
+
+  std::vector<std::vector<CostContext::Holder>> holders(plan.pipelines.size());
+  std::vector<double> last_bwd_start(static_cast<size_t>(W), 0), phase_end(static_cast<size_t>(W), 0);
+  std::vector<size_t> stage_of_rank(static_cast<size_t>(W), 0);
+  for (size_t p = 0; p < plan.pipelines.size(); ++p) {
+    const PipelinePlan& pl = plan.pipelines[p];
+    const int64_t S = static_cast<int64_t>(pl.stages.size()), M = pl.num_micro_batches, m = pl.micro_batch_size;
+    pipeline::SimCosts costs;
+    std::vector<std::vector<pipeline::Action>> actions;
+    for (int64_t s = 0; s < S; ++s) {
+      const StagePlan& st = pl.stages[static_cast<size_t>(s)];
+      const int d = dev_of[static_cast<size_t>(st.ranks[0])];
+      const bool first = s == 0, last = s + 1 == S;
+      const int64_t blocks = st.layer_end - st.layer_begin;
+      costs.forward.push_back(ctx.forward_s(ctx.type_of(d), blocks, first, last, m));
+      costs.backward.push_back(ctx.backward_s(ctx.type_of(d), blocks, first, last, m));
+      if (!last) {
+        const int next = dev_of[static_cast<size_t>(pl.stages[static_cast<size_t>(s + 1)].ranks[0])];
+        costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m));
+      }
+      actions.push_back(pipeline::make_schedule(plan.schedule, s, S, M));
+      holders[p].push_back({st.ranks[0], st.layer_begin, st.layer_end, first, last});
+    }
+    pipeline::SimResult sim = pipeline::simulate(actions, costs);
+    PipelineCost pcost;
+    pcost.micro_batch_size = m;
+    pcost.num_micro_batches = M;
+    pcost.phase_s = sim.makespan;
+    std::vector<double> p2p(static_cast<size_t>(S), 0);
+    for (const auto& e : sim.events) {
+      const size_t s = static_cast<size_t>(e.stage);
+      const int r = pl.stages[s].ranks[0];
+      if (e.action.kind == pipeline::ActionKind::SendActivation || e.action.kind == pipeline::ActionKind::SendGrad)
+        p2p[s] += e.end - e.start;
+      if (e.action.kind == pipeline::ActionKind::Backward) {  // events are in list order: the last one wins
+        last_bwd_start[static_cast<size_t>(r)] = e.start;
+        phase_end[static_cast<size_t>(r)] = e.end;
+      }
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      const StagePlan& st = pl.stages[static_cast<size_t>(s)];
+      const int r = st.ranks[0], d = dev_of[static_cast<size_t>(r)];
+      const bool first = s == 0, last = s + 1 == S;
+      StageCost sc;
+      sc.pipeline = static_cast<int>(p);
+      sc.stage = static_cast<int>(s);
+      sc.rank = r;
+      sc.device = cluster.devices[static_cast<size_t>(d)].name;
+      sc.type = ctx.type_name(ctx.type_of(d));
+      sc.host = ctx.host_name(ctx.host_of(d));
+      sc.layer_begin = st.layer_begin;
+      sc.layer_end = st.layer_end;
+      sc.forward_s = static_cast<double>(M) * costs.forward[static_cast<size_t>(s)];
+      sc.backward_s = static_cast<double>(M) * costs.backward[static_cast<size_t>(s)];
+      sc.p2p_s = p2p[static_cast<size_t>(s)];
+      sc.bubble_s = std::max(0.0, sim.makespan - sc.forward_s - sc.backward_s);
+      sc.phase_end_s = phase_end[static_cast<size_t>(r)];
+      sc.peak_in_flight = sim.peak_in_flight[static_cast<size_t>(s)];
+      sc.param_bytes = ctx.param_bytes(st.layer_end - st.layer_begin, first, last);
+      sc.activation_bytes = static_cast<double>(sc.peak_in_flight * m) * ctx.act_bytes_per_sample(st.layer_end - st.layer_begin, first, last);
+      sc.memory_capacity_bytes = ctx.capacity_bytes(d);
+      sc.optimizer_s = ctx.optimizer_s(ctx.type_of(d), sc.param_bytes);
+      stage_of_rank[static_cast<size_t>(r)] = pc.stages.size();
+      pc.stages.push_back(sc);
+    }
+    pc.pipelines.push_back(pcost);
+  }
+
+  // Gradient sync per holder set.
+  const double bucket_bytes = plan.bucket_mb * 1024 * 1024;
+  std::vector<double> done(phase_end), bucket(static_cast<size_t>(W), 0), longest(static_cast<size_t>(W), 0);
+  for (auto& set : ctx.sync_sets(holders)) {
+    SyncGroupCost g;
+    g.ranks = set.ids;
+    std::sort(g.ranks.begin(), g.ranks.end(), [&](int a, int b) {
+      return ctx.ring_less(dev_of[static_cast<size_t>(a)], a, dev_of[static_cast<size_t>(b)], b);
+    });
+    std::vector<int> devs;
+    for (int r : g.ranks) devs.push_back(dev_of[static_cast<size_t>(r)]);
+    CostContext::Ring ring = ctx.ring(devs);
+    g.bytes = set.bytes;
+    g.slowest_bytes_per_s = ring.slowest_bytes_per_s;
+    g.time_s = ctx.allreduce_s(ring, set.bytes, bucket_bytes, &g.buckets);
+    for (int r : g.ranks) g.ready_s = std::max(g.ready_s, last_bwd_start[static_cast<size_t>(r)]);
+    for (int r : g.ranks) {
+      done[static_cast<size_t>(r)] = std::max(done[static_cast<size_t>(r)], g.ready_s + g.time_s);
+      bucket[static_cast<size_t>(r)] += set.bytes;
+      longest[static_cast<size_t>(r)] = std::max(longest[static_cast<size_t>(r)], g.time_s);
+    }
+    pc.sync_groups.push_back(g);
+  }
+
+  std::vector<int> world(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) world[static_cast<size_t>(r)] = r;
+  std::sort(world.begin(), world.end(), [&](int a, int b) {
+    return ctx.ring_less(dev_of[static_cast<size_t>(a)], a, dev_of[static_cast<size_t>(b)], b);
+  });
+  std::vector<int> world_devs;
+  for (int r : world) world_devs.push_back(dev_of[static_cast<size_t>(r)]);
+  pc.world_allreduce_s = ctx.allreduce_s(ctx.ring(world_devs), 2 * 8.0, 0);
+
+  std::vector<std::string> overflow;
+  for (auto& sc : pc.stages) {
+    const size_t r = static_cast<size_t>(sc.rank);
+    sc.sync_s = longest[r];
+    sc.sync_exposed_s = done[r] - phase_end[r];
+    sc.bucket_bytes = bucket[r];
+    sc.state_bytes = sc.param_bytes * ctx.state_bytes_per_param_byte();
+    const auto& pl = plan.pipelines[static_cast<size_t>(sc.pipeline)];
+    const bool first = sc.stage == 0, last = sc.stage + 1 == static_cast<int>(pl.stages.size());
+    sc.memory_bytes = ctx.memory_bytes(sc.param_bytes, sc.bucket_bytes, sc.peak_in_flight, pl.micro_batch_size,
+                                       ctx.act_bytes_per_sample(sc.layer_end - sc.layer_begin, first, last));
+    sc.fits = sc.memory_capacity_bytes <= 0 || sc.memory_bytes <= sc.memory_capacity_bytes;
+    if (!sc.fits) {
+      const double over = sc.memory_bytes - sc.memory_capacity_bytes;
+      std::ostringstream o;
+      o << "device '" << sc.device << "' (rank " << sc.rank << ", pipeline " << sc.pipeline << " stage " << sc.stage << ", blocks ["
+        << sc.layer_begin << "," << sc.layer_end << ")) needs " << gb(sc.memory_bytes) << " (" << static_cast<int64_t>(sc.memory_bytes)
+        << " bytes: weights+gradients+AdamW " << gb(sc.state_bytes) << ", reducer buckets " << gb(sc.bucket_bytes) << ", activations "
+        << gb(sc.activation_bytes) << " for " << sc.peak_in_flight << " micro-batch" << (sc.peak_in_flight == 1 ? "" : "es") << " of "
+        << pl.micro_batch_size << " in flight) but has " << gb(sc.memory_capacity_bytes) << ": over by " << gb(over) << " ("
+        << static_cast<int64_t>(std::ceil(over)) << " bytes, " << static_cast<int>(std::ceil(100 * over / sc.memory_capacity_bytes)) << "%)";
+      overflow.push_back(o.str());
+    }
+    pc.sync_done_s = std::max(pc.sync_done_s, done[r]);
+    pc.optimizer_s = std::max(pc.optimizer_s, sc.optimizer_s);
+  }
+  for (const auto& p : pc.pipelines) pc.phase_s = std::max(pc.phase_s, p.phase_s);
+  for (size_t p = 0; p < pc.pipelines.size(); ++p)
+    for (const auto& st : plan.pipelines[p].stages)
+      pc.pipelines[p].done_s = std::max(pc.pipelines[p].done_s, done[static_cast<size_t>(st.ranks[0])]);
+  pc.step_s = pc.sync_done_s + pc.world_allreduce_s + pc.optimizer_s;
+  pc.fits = overflow.empty();
+  for (size_t i = 0; i < overflow.size(); ++i) pc.explanation += (i ? "; " : "") + overflow[i];
+  return pc;
+}
+
+nlohmann::json PlanCost::to_json() const {
+  using nlohmann::json;
+  json j = {{"step_s", step_s},
+            {"phase_s", phase_s},
+            {"sync_done_s", sync_done_s},
+            {"world_allreduce_s", world_allreduce_s},
+            {"optimizer_s", optimizer_s},
+            {"fits", fits}};
+  if (!explanation.empty()) j["explanation"] = explanation;
+  j["pipelines"] = json::array();
+  for (const auto& p : pipelines)
+    j["pipelines"].push_back({{"micro_batch_size", p.micro_batch_size},
+                              {"num_micro_batches", p.num_micro_batches},
+                              {"phase_s", p.phase_s},
+                              {"done_s", p.done_s}});
+  j["per_stage"] = json::array();
+  for (const auto& s : stages)
+    j["per_stage"].push_back({{"pipeline", s.pipeline},
+                              {"stage", s.stage},
+                              {"rank", s.rank},
+                              {"device", s.device},
+                              {"type", s.type},
+                              {"host", s.host},
+                              {"layers", {s.layer_begin, s.layer_end}},
+                              {"forward_s", s.forward_s},
+                              {"backward_s", s.backward_s},
+                              {"p2p_s", s.p2p_s},
+                              {"bubble_s", s.bubble_s},
+                              {"phase_end_s", s.phase_end_s},
+                              {"sync_s", s.sync_s},
+                              {"sync_exposed_s", s.sync_exposed_s},
+                              {"optimizer_s", s.optimizer_s},
+                              {"peak_in_flight", s.peak_in_flight},
+                              {"memory_bytes", s.memory_bytes},
+                              {"memory_capacity_bytes", s.memory_capacity_bytes},
+                              {"fits", s.fits}});
+  j["sync_groups"] = json::array();
+  for (const auto& g : sync_groups)
+    j["sync_groups"].push_back({{"ranks", g.ranks},
+                                {"bytes", g.bytes},
+                                {"buckets", g.buckets},
+                                {"slowest_bytes_per_s", g.slowest_bytes_per_s},
+                                {"ready_s", g.ready_s},
+                                {"time_s", g.time_s}});
+  return j;
+}
+
+}  // namespace alloy::plan

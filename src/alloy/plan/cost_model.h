@@ -1,0 +1,182 @@
+#pragma once
+// Cost model: what one optimizer step of a Plan takes on a cluster, stage by stage, and whether
+// every rank fits in its device's memory. It follows what the trainer does per step:
+//
+//  1. Every pipeline runs its schedule (pipeline::make_schedule), event by event
+//     (pipeline::simulate): forward/backward of a micro-batch of m samples on a stage costs
+//     blocks * t_block(m) (+ t_embed(m) on stage 0, + t_head(m) on the last stage) with the
+//     LinearCost t(m) of the device's TYPE from the profile; an activation or gradient message
+//     between consecutive stages costs latency + m*seq_len*hidden*dtype_bytes / bandwidth of THE
+//     link between the two hosts (a measured profile link wins over the cluster spec). Sends do not
+//     block the sender; two messages on one link do not slow each other (NCCL/Gloo p2p overlap).
+//  2. Gradient sync: the parameters of every distinct set of holder ranks (a block held by one
+//     stage of every pipeline; the embedding by the first stages; the head by the last stages; a
+//     tied GPT-2 wte by the first AND last stages) are SUM-all-reduced in one ring per set:
+//        time = buckets * 2(n-1)/n * sum(ring hop latencies) + 2(n-1)/n * bytes / slowest hop
+//     with buckets = ceil(bytes / bucket_mb) (each bucket is its own collective) and the ring in
+//     host order (holders grouped by host as the cluster lists hosts, then by rank; that is rank
+//     order whenever the cluster lists devices host by host). On equal hops the latency term is
+//     the textbook 2(n-1)*latency; on unequal hops a chunk crosses each hop in turn, so their
+//     latencies add up instead of the slowest being paid 2(n-1) times.
+//     Approximation: the reducer launches buckets as gradients become ready during the LAST
+//     micro-batch's backward. We take a set's all-reduce to start when the last of its holders
+//     STARTS that backward (ready) and to run for `time`, ignoring that early buckets start
+//     before late ones are filled and that a rank's concurrent groups share its network
+//     interface. A rank is done at max(end of its last backward, max over its sets of
+//     ready + time); exposed sync = done - end of backward.
+//  3. The loss + gradient-norm all-reduce over all ranks: latency-bound, 2(W-1)/W * the ring's
+//     hop latencies (16 bytes). It is a barrier: it ends when the last rank is done.
+//  4. AdamW on each rank's own parameters: params * optimizer_s_per_param of its type.
+//  Step time = max over ranks = (last rank done) + world all-reduce + slowest optimizer step.
+//
+// Memory per rank: held parameter bytes * state_bytes_per_param_byte (weights, gradients, AdamW
+// moments) + the reducer's bucket copy of every gradient it syncs + activations kept for backward:
+// peak micro-batches in flight (1F1B: min(S - s, M); GPipe: M) * m * activation bytes per sample
+// of the held layers. Capacity is memory_gb * 1e9 bytes; memory_gb 0 means unknown: unlimited.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "alloy/core/plan.h"
+#include "alloy/plan/cluster.h"
+#include "alloy/plan/profile.h"
+
+namespace alloy::plan {
+
+struct StageCost {
+  int pipeline = 0, stage = 0, rank = 0;
+  std::string device, type, host;
+  int64_t layer_begin = 0, layer_end = 0;
+  double forward_s = 0, backward_s = 0;  // all micro-batches of the step
+  double p2p_s = 0;        // transfer time of the messages this stage sends (overlaps compute)
+  double bubble_s = 0;     // idle time inside the pipeline phase: pipeline makespan - compute
+  double phase_end_s = 0;  // end of this stage's last backward
+  double sync_s = 0;       // longest all-reduce among the holder sets this rank is in
+  double sync_exposed_s = 0;
+  double optimizer_s = 0;
+  double param_bytes = 0;
+  double state_bytes = 0, bucket_bytes = 0, activation_bytes = 0;
+  int64_t peak_in_flight = 0;
+  double memory_bytes = 0, memory_capacity_bytes = 0;  // capacity 0 = unknown
+  bool fits = true;
+};
+
+struct PipelineCost {
+  int64_t micro_batch_size = 0, num_micro_batches = 0;
+  double phase_s = 0;  // the schedule's makespan
+  double done_s = 0;   // its last rank done with gradient sync
+};
+
+struct SyncGroupCost {
+  std::vector<int> ranks;  // in ring order
+  double bytes = 0;
+  int64_t buckets = 0;
+  double slowest_bytes_per_s = 0;
+  double ready_s = 0, time_s = 0;
+};
+
+struct PlanCost {
+  double step_s = 0;
+  double phase_s = 0;           // slowest pipeline's schedule
+  double sync_done_s = 0;       // every rank has its gradients
+  double world_allreduce_s = 0;
+  double optimizer_s = 0;       // slowest rank's optimizer step
+  std::vector<StageCost> stages;  // pipelines in order, their stages in order
+  std::vector<PipelineCost> pipelines;
+  std::vector<SyncGroupCost> sync_groups;
+  bool fits = true;
+  std::string explanation;  // what does not fit and by how much; empty when everything fits
+  nlohmann::json to_json() const;
+};
+
+// Throws InputError when a stage's device is missing or not in the cluster, a device type has no
+// profile, a link has no usable bandwidth, or the plan does not validate against profile.model.
+PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profile& profile);
+
+// The pieces simulate_plan is made of, shared with the search so that its predictions are the
+// same numbers to the last bit: a cluster and a profile resolved into indexed tables.
+class CostContext {
+ public:
+  CostContext(const ClusterSpec& cluster, const Profile& profile);  // throws InputError as above
+
+  const ClusterSpec& cluster() const { return *cluster_; }
+  const Profile& profile() const { return *profile_; }
+  int num_devices() const { return static_cast<int>(dev_type_.size()); }
+  int num_types() const { return static_cast<int>(types_.size()); }
+  int num_hosts() const { return static_cast<int>(hosts_.size()); }
+  int type_of(int device) const { return dev_type_[static_cast<size_t>(device)]; }
+  int host_of(int device) const { return dev_host_[static_cast<size_t>(device)]; }
+  const std::string& type_name(int type) const { return types_[static_cast<size_t>(type)]; }
+  const std::string& host_name(int host) const { return hosts_[static_cast<size_t>(host)]; }
+  double capacity_bytes(int device) const { return capacity_[static_cast<size_t>(device)]; }
+  int64_t layers() const { return profile_->model.layers; }
+
+  // One micro-batch of M samples through BLOCKS blocks plus the embedding (FIRST) / head (LAST).
+  double forward_s(int type, int64_t blocks, bool first, bool last, int64_t m) const;
+  double backward_s(int type, int64_t blocks, bool first, bool last, int64_t m) const;
+  // Seconds per sample through the whole model at micro-batch M (forward + backward): a type's speed.
+  double full_model_s_per_sample(int type, int64_t m) const;
+  // One activation (or gradient) message of M samples between two hosts.
+  double p2p_s(int host_a, int host_b, int64_t m) const;
+  double message_bytes(int64_t m) const { return static_cast<double>(m) * act_message_bytes_; }
+  double link_bytes_per_s(int host_a, int host_b) const { return bw_[idx(host_a, host_b)]; }
+  double link_latency_s(int host_a, int host_b) const { return lat_[idx(host_a, host_b)]; }
+
+  // Parameter bytes of a stage, activation bytes per sample kept for backward, and the tied wte.
+  double param_bytes(int64_t blocks, bool first, bool last) const;
+  double act_bytes_per_sample(int64_t blocks, bool first, bool last) const;
+  double dtype_bytes() const { return dtype_bytes_; }
+  double optimizer_s(int type, double param_bytes) const;
+  double state_bytes_per_param_byte() const { return profile_->memory.state_bytes_per_param_byte; }
+  double memory_bytes(double param_bytes, double bucket_bytes, int64_t in_flight, int64_t m, double act_per_sample) const;
+
+  // A ring of devices, in the order given (callers sort with ring_less): hop figures.
+  struct Ring {
+    int n = 0;
+    double slowest_bytes_per_s = 0, latency_sum_s = 0;
+  };
+  Ring ring(const std::vector<int>& devices_in_order) const;
+  bool ring_less(int dev_a, int key_a, int dev_b, int key_b) const {  // host order, then KEY (rank)
+    return host_of(dev_a) != host_of(dev_b) ? host_of(dev_a) < host_of(dev_b) : key_a < key_b;
+  }
+  double allreduce_s(const Ring& r, double bytes, double bucket_bytes, int64_t* buckets = nullptr) const;
+  double world_allreduce_s() const { return world_allreduce_s_; }
+
+  // Parameter units and their holders. A stage of a pipeline, seen by the sync computation.
+  struct Holder {
+    int id;                  // rank (simulate_plan) or device (search)
+    int64_t begin, end;      // blocks
+    bool first, last;
+  };
+  // Distinct holder sets with two or more members and the bytes they sync, in a fixed unit order
+  // (embedding rest, tied wte, blocks 0..L-1, head rest) so every caller sums in the same order.
+  struct SyncSet {
+    std::vector<int> ids;  // sorted ascending
+    double bytes = 0;
+  };
+  std::vector<SyncSet> sync_sets(const std::vector<std::vector<Holder>>& pipelines) const;
+  // Bytes of each unit, in that order (sizes: L + 3), and whether a unit is held by first/last/
+  // block stages: the search uses these to build the same sets with bit masks.
+  double unit_embed_rest() const { return embed_rest_; }
+  double unit_wte() const { return wte_; }
+  double unit_head_rest() const { return head_rest_; }
+  double unit_block() const { return profile_->memory.param_bytes_per_block; }
+
+ private:
+  size_t idx(int a, int b) const { return static_cast<size_t>(a) * hosts_.size() + static_cast<size_t>(b); }
+  const ClusterSpec* cluster_;
+  const Profile* profile_;
+  std::vector<std::string> types_, hosts_;
+  std::vector<int> dev_type_, dev_host_;
+  std::vector<double> capacity_;
+  std::vector<const DeviceProfile*> type_profile_;
+  std::vector<double> bw_, lat_, ring_bw_;  // host x host
+  double act_message_bytes_ = 0, dtype_bytes_ = 4;
+  double wte_ = 0, embed_rest_ = 0, head_rest_ = 0;
+  bool tied_ = false;
+  double world_allreduce_s_ = 0;
+};
+
+}  // namespace alloy::plan

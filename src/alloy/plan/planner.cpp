@@ -1,0 +1,129 @@
+#include "alloy/plan/planner.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+#include "alloy/core/error.h"
+#include "alloy/core/fs.h"
+
+namespace alloy::plan {
+namespace {
+std::string fmt(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
+}
+std::string ms(double s) { return fmt("%.1f ms", s * 1e3); }
+std::string gib(double bytes) { return fmt("%.2f GiB", bytes / (1024.0 * 1024 * 1024)); }
+std::string mib(double bytes) { return fmt("%.1f MiB", bytes / (1024.0 * 1024)); }
+std::string mem(double bytes) { return bytes >= 1024.0 * 1024 * 1024 ? gib(bytes) : mib(bytes); }
+}  // namespace
+
+ClusterSpec load_cluster(const std::string& path, int* ptafm_stages) {
+  std::string text = read_file(path);
+  if (text.find("NUM_STAGE") != std::string::npos) {
+    PtafmCluster c = import_ptafm(path);
+    if (ptafm_stages) *ptafm_stages = c.num_stages;
+    return c.spec;
+  }
+  auto first = text.find_first_not_of(" \t\r\n");
+  if (first != std::string::npos && text[first] == '{' && text.find("\"workers\"") != std::string::npos)
+    return import_hetero_config(path);
+  return ClusterSpec::load(path);
+}
+
+std::string describe_profile(const Profile& p) {
+  std::ostringstream o;
+  o << "profile of " << p.model.arch << " (" << p.model.layers << " blocks, hidden " << p.model.hidden << ", seq "
+    << p.model.seq_len << ")\n";
+  for (const auto& [type, d] : p.devices) {
+    o << "  " << type << ": block fwd " << ms(d.block_fwd.fixed_s) << " + " << ms(d.block_fwd.per_sample_s)
+      << "/sample, bwd " << ms(d.block_bwd.fixed_s) << " + " << ms(d.block_bwd.per_sample_s) << "/sample; head fwd+bwd "
+      << ms(d.head_fwd.per_sample_s + d.head_bwd.per_sample_s) << "/sample\n";
+  }
+  for (const auto& l : p.links)
+    o << "  link " << l.host_a << " <-> " << l.host_b << ": " << fmt("%.1f", l.bytes_per_s * 8 / 1e6) << " Mbit/s, latency "
+      << fmt("%.2f", l.latency_s * 1e3) << " ms\n";
+  o << "  memory: " << mib(p.memory.param_bytes_per_block) << " parameters and "
+    << mib(p.memory.act_bytes_per_sample_block) << " activations per sample per block\n";
+  return o.str();
+}
+
+PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options, bool compare) {
+  PlanReport r;
+  r.chosen = search(cluster, profile, options);  // errors here are the user's: nothing fits
+  if (compare) {
+    for (const std::string s : {"alloy", "uniform", "proportional", "ptafm"}) {
+      if (s == options.strategy) continue;
+      SearchOptions o = options;
+      o.strategy = s;
+      try {
+        r.baselines.push_back(search(cluster, profile, o));
+      } catch (const std::exception& e) {
+        r.failed.push_back(s + ": " + e.what());
+      }
+    }
+  }
+  return r;
+}
+
+std::string PlanReport::text() const {
+  std::ostringstream o;
+  const PlanCost& c = chosen.cost;
+  o << "plan (" << chosen.strategy << (chosen.exact ? ", optimal in its search space" : "") << ", "
+    << chosen.candidates_evaluated << " candidates in " << fmt("%.2f", chosen.search_s) << " s):\n";
+  o << chosen.plan.describe();
+  o << "predicted step time " << ms(c.step_s) << ": pipeline phase " << ms(c.phase_s) << ", gradients synced at "
+    << ms(c.sync_done_s) << ", optimizer " << ms(c.optimizer_s) << "\n";
+  o << "  rank  device            blocks    fwd+bwd      p2p   bubble  sync(exposed)  memory / capacity\n";
+  for (const auto& s : c.stages) {
+    char line[256];
+    std::snprintf(line, sizeof line, "  %4d  %-16s  [%2lld,%2lld)  %9s %8s %8s  %13s  %s / %s%s\n", s.rank, s.device.c_str(),
+                  static_cast<long long>(s.layer_begin), static_cast<long long>(s.layer_end), ms(s.forward_s + s.backward_s).c_str(),
+                  ms(s.p2p_s).c_str(), ms(s.bubble_s).c_str(), ms(s.sync_exposed_s).c_str(), mem(s.memory_bytes).c_str(),
+                  s.memory_capacity_bytes > 0 ? mem(s.memory_capacity_bytes).c_str() : "unknown", s.fits ? "" : "  DOES NOT FIT");
+    o << line;
+  }
+  for (const auto& n : chosen.notes) o << "  note: " << n << "\n";
+  if (!baselines.empty() || !failed.empty()) {
+    o << "compared with the other strategies on the same profile:\n";
+    o << "  strategy       predicted step   vs " << chosen.strategy << "\n";
+    auto row = [&](const SearchResult& s) {
+      char line[160];
+      std::snprintf(line, sizeof line, "  %-13s  %14s   %6.2fx\n", s.strategy.c_str(), ms(s.cost.step_s).c_str(),
+                    s.cost.step_s / c.step_s);
+      o << line;
+    };
+    row(chosen);
+    for (const auto& b : baselines) row(b);
+    for (const auto& f : failed) o << "  " << f << "\n";
+  }
+  return o.str();
+}
+
+std::string predicted_vs_measured(const nlohmann::json& pred, const nlohmann::json& ranks, double measured_step_s) {
+  if (!pred.is_object() || !pred.contains("per_stage")) return "";
+  std::map<int, nlohmann::json> by_rank;
+  for (const auto& r : ranks) by_rank[r.value("rank", -1)] = r;
+  std::ostringstream o;
+  const double ps = pred.value("step_s", 0.0);
+  o << "predicted vs measured (median over steps):\n";
+  o << "  step time: predicted " << ms(ps) << ", measured " << ms(measured_step_s) << " ("
+    << fmt("%+.1f%%", ps > 0 ? 100.0 * (measured_step_s - ps) / ps : 0.0) << ")\n";
+  o << "  rank  device            compute pred   compute meas   sync wait pred  sync wait meas\n";
+  for (const auto& s : pred["per_stage"]) {
+    int rank = s.value("rank", -1);
+    double pc = s.value("forward_s", 0.0) + s.value("backward_s", 0.0);
+    double mc = by_rank.count(rank) ? by_rank[rank].value("compute_s_median", 0.0) : 0.0;
+    double msync = by_rank.count(rank) ? by_rank[rank].value("sync_wait_s_median", 0.0) : 0.0;
+    char line[200];
+    std::snprintf(line, sizeof line, "  %4d  %-16s  %13s  %13s  %14s  %14s\n", rank, s.value("device", std::string()).c_str(),
+                  ms(pc).c_str(), ms(mc).c_str(), ms(s.value("sync_exposed_s", 0.0)).c_str(), ms(msync).c_str());
+    o << line;
+  }
+  return o.str();
+}
+
+}  // namespace alloy::plan

@@ -1,0 +1,36 @@
+#pragma once
+// What `alloy plan`, `alloy profile` and `alloy train --plan auto` print: the chosen plan next to
+// the baselines, with the predicted step time broken down and memory against capacity, and after
+// a run the predicted against the measured step time per stage.
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "alloy/plan/cluster.h"
+#include "alloy/plan/profile.h"
+#include "alloy/plan/search.h"
+
+namespace alloy::plan {
+
+std::string describe_profile(const Profile& p);
+
+// A cluster from a ClusterSpec YAML, a PTAFM data-centre description (recognised by NUM_STAGE; its
+// stage count goes to *PTAFM_STAGES) or a HeteroShard hetero_config.json (recognised by "workers").
+ClusterSpec load_cluster(const std::string& path, int* ptafm_stages = nullptr);
+
+struct PlanReport {
+  SearchResult chosen;
+  std::vector<SearchResult> baselines;  // the other strategies, for comparison
+  std::vector<std::string> failed;      // strategies that found nothing that fits, with why
+  std::string text() const;             // the plan, its breakdown, memory, and the comparison table
+};
+
+// Runs STRATEGY and, when COMPARE, every other strategy on the same inputs.
+PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options, bool compare = true);
+
+// Table of predicted (PLAN_PREDICTED: PlanCost::to_json) against measured (RANKS: the run's
+// ranks.json) step time per stage; MEASURED_STEP_S is the job's median step time.
+std::string predicted_vs_measured(const nlohmann::json& plan_predicted, const nlohmann::json& ranks, double measured_step_s);
+
+}  // namespace alloy::plan

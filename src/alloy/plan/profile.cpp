@@ -1,0 +1,227 @@
+#include "alloy/plan/profile.h"
+
+#include <cmath>
+#include <set>
+
+#include "alloy/core/error.h"
+#include "alloy/core/fs.h"
+
+namespace alloy::plan {
+
+namespace {
+
+using nlohmann::json;
+
+const char* const kFormat = "alloy-profile";
+constexpr int kVersion = 1;
+
+// The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
+struct CostField {
+  const char* key;
+  LinearCost DeviceProfile::*member;
+};
+const CostField kCostFields[] = {
+    {"block_fwd", &DeviceProfile::block_fwd}, {"block_bwd", &DeviceProfile::block_bwd},
+    {"embed_fwd", &DeviceProfile::embed_fwd}, {"embed_bwd", &DeviceProfile::embed_bwd},
+    {"head_fwd", &DeviceProfile::head_fwd},   {"head_bwd", &DeviceProfile::head_bwd},
+};
+
+struct MemField {
+  const char* key;
+  double MemoryProfile::*member;
+};
+const MemField kMemFields[] = {
+    {"param_bytes_per_block", &MemoryProfile::param_bytes_per_block},
+    {"param_bytes_embed", &MemoryProfile::param_bytes_embed},
+    {"param_bytes_head", &MemoryProfile::param_bytes_head},
+    {"act_bytes_per_sample_block", &MemoryProfile::act_bytes_per_sample_block},
+    {"act_bytes_per_sample_embed", &MemoryProfile::act_bytes_per_sample_embed},
+    {"act_bytes_per_sample_head", &MemoryProfile::act_bytes_per_sample_head},
+    {"state_bytes_per_param_byte", &MemoryProfile::state_bytes_per_param_byte},
+};
+
+json cost_json(const LinearCost& c) { return {{"fixed_s", c.fixed_s}, {"per_sample_s", c.per_sample_s}}; }
+
+class Reader {
+ public:
+  explicit Reader(std::string where) : where_(std::move(where)) {}
+
+  [[noreturn]] void fail(const std::string& field, const std::string& msg) const {
+    throw InputError(where_, field.empty() ? msg : field + ": " + msg);
+  }
+
+  const json& object(const json& parent, const char* key, const std::string& field) const {
+    if (!parent.contains(key)) fail(field, "is missing");
+    const json& v = parent[key];
+    if (!v.is_object()) fail(field, std::string("must be an object, got ") + v.type_name());
+    return v;
+  }
+
+  // Profiles are written by `alloy profile`; a key it never writes is a typo or another file.
+  void only_keys(const json& obj, const std::set<std::string>& allowed, const std::string& field) const {
+    for (const auto& kv : obj.items())
+      if (!allowed.count(kv.key())) {
+        std::string list;
+        for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
+        fail(field.empty() ? kv.key() : field + "." + kv.key(), "unknown key (expected " + list + ")");
+      }
+  }
+
+  double number(const json& obj, const char* key, const std::string& field, bool required = true,
+                double fallback = 0) const {
+    if (!obj.contains(key)) {
+      if (required) fail(field, "is missing");
+      return fallback;
+    }
+    const json& v = obj[key];
+    if (!v.is_number()) fail(field, "must be a number, got " + v.dump());
+    double d = v.get<double>();
+    if (!std::isfinite(d)) fail(field, "must be finite, got " + v.dump());
+    return d;
+  }
+
+  std::string string(const json& obj, const char* key, const std::string& field) const {
+    if (!obj.contains(key)) fail(field, "is missing");
+    const json& v = obj[key];
+    if (!v.is_string()) fail(field, "must be a string, got " + v.dump());
+    return v.get<std::string>();
+  }
+
+  LinearCost cost(const json& parent, const char* key, const std::string& field) const {
+    const json& o = object(parent, key, field);
+    only_keys(o, {"fixed_s", "per_sample_s"}, field);
+    LinearCost c;
+    c.fixed_s = number(o, "fixed_s", field + ".fixed_s");
+    c.per_sample_s = number(o, "per_sample_s", field + ".per_sample_s");
+    if (c.per_sample_s < 0) fail(field + ".per_sample_s", "must be >= 0 seconds, got " + json(c.per_sample_s).dump());
+    // A least-squares fit may put the intercept a little below zero; what must hold is that one
+    // sample never takes negative time.
+    if (c.at(1) < 0)
+      fail(field, "fixed_s + per_sample_s = " + json(c.at(1)).dump() + " s for one sample; it must be >= 0");
+    return c;
+  }
+
+ private:
+  std::string where_;
+};
+
+}  // namespace
+
+double Profile::activation_bytes_per_sample() const {
+  double bytes = 0;
+  if (model.dtype == "float32") {
+    bytes = 4;
+  } else if (model.dtype == "float64") {
+    bytes = 8;
+  } else {
+    throw InputError("profile", "model.dtype: unknown dtype '" + model.dtype + "' (expected float32 or float64)");
+  }
+  return static_cast<double>(model.seq_len) * static_cast<double>(model.hidden) * bytes;
+}
+
+nlohmann::json Profile::to_json() const {
+  json j;
+  j["format"] = kFormat;
+  j["version"] = kVersion;
+  j["model"] = model_to_json(model);
+  j["devices"] = json::object();
+  for (const auto& [type, d] : devices) {
+    json dj = json::object();
+    for (const auto& f : kCostFields) dj[f.key] = cost_json(d.*(f.member));
+    dj["optimizer_s_per_param"] = d.optimizer_s_per_param;
+    j["devices"][type] = dj;
+  }
+  j["links"] = json::array();
+  for (const auto& l : links)
+    j["links"].push_back({{"host_a", l.host_a},
+                          {"host_b", l.host_b},
+                          {"bytes_per_s", l.bytes_per_s},
+                          {"latency_s", l.latency_s},
+                          {"allreduce_bytes_per_s", l.allreduce_bytes_per_s}});
+  j["memory"] = json::object();
+  for (const auto& f : kMemFields) j["memory"][f.key] = memory.*(f.member);
+  return j;
+}
+
+Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
+  Reader rd(where);
+  if (!j.is_object()) rd.fail("", std::string("expected a JSON object (an alloy profile), got ") + j.type_name());
+  // "meta" is free-form provenance (who measured, when, with what); it is accepted and not kept.
+  rd.only_keys(j, {"format", "version", "model", "devices", "links", "memory", "meta"}, "");
+  if (!j.contains("format")) rd.fail("format", "is missing; expected \"alloy-profile\" (is this a profile?)");
+  if (j["format"] != kFormat) rd.fail("format", j["format"].dump() + ", not \"alloy-profile\"");
+  if (!j.contains("version")) rd.fail("version", "is missing");
+  if (j["version"] != kVersion) rd.fail("version", j["version"].dump() + "; this Alloy reads version 1");
+
+  Profile p;
+  if (!j.contains("model")) rd.fail("model", "is missing");
+  if (!j["model"].is_object()) rd.fail("model", std::string("must be an object, got ") + j["model"].type_name());
+  // The model section has the schema of a config's model section; reuse its checks and messages.
+  p.model = Config::from_json(json{{"model", j["model"]}}, where).model;
+
+  const json& devs = rd.object(j, "devices", "devices");
+  if (devs.empty()) rd.fail("devices", "the profile has no device types");
+  std::set<std::string> dev_keys{"optimizer_s_per_param"};
+  for (const auto& f : kCostFields) dev_keys.insert(f.key);
+  for (const auto& kv : devs.items()) {
+    const std::string f = "devices." + kv.key();
+    if (kv.key().empty()) rd.fail("devices", "a device type must have a name");
+    if (!kv.value().is_object()) rd.fail(f, std::string("must be an object, got ") + kv.value().type_name());
+    rd.only_keys(kv.value(), dev_keys, f);
+    DeviceProfile d;
+    for (const auto& cf : kCostFields) d.*(cf.member) = rd.cost(kv.value(), cf.key, f + "." + cf.key);
+    d.optimizer_s_per_param = rd.number(kv.value(), "optimizer_s_per_param", f + ".optimizer_s_per_param");
+    if (d.optimizer_s_per_param < 0) rd.fail(f + ".optimizer_s_per_param", "must be >= 0");
+    p.devices[kv.key()] = d;
+  }
+
+  if (j.contains("links")) {
+    const json& ls = j["links"];
+    if (!ls.is_array()) rd.fail("links", std::string("must be an array, got ") + ls.type_name());
+    for (size_t i = 0; i < ls.size(); ++i) {
+      const std::string f = "links[" + std::to_string(i) + "]";
+      if (!ls[i].is_object()) rd.fail(f, std::string("must be an object, got ") + ls[i].type_name());
+      rd.only_keys(ls[i], {"host_a", "host_b", "bytes_per_s", "latency_s", "allreduce_bytes_per_s"}, f);
+      LinkProfile l;
+      l.host_a = rd.string(ls[i], "host_a", f + ".host_a");
+      l.host_b = rd.string(ls[i], "host_b", f + ".host_b");
+      if (l.host_a.empty()) rd.fail(f + ".host_a", "must not be empty");
+      if (l.host_b.empty()) rd.fail(f + ".host_b", "must not be empty");
+      l.bytes_per_s = rd.number(ls[i], "bytes_per_s", f + ".bytes_per_s");
+      if (!(l.bytes_per_s > 0)) rd.fail(f + ".bytes_per_s", "must be > 0, got " + ls[i]["bytes_per_s"].dump());
+      l.latency_s = rd.number(ls[i], "latency_s", f + ".latency_s");
+      if (l.latency_s < 0) rd.fail(f + ".latency_s", "must be >= 0, got " + ls[i]["latency_s"].dump());
+      l.allreduce_bytes_per_s = rd.number(ls[i], "allreduce_bytes_per_s", f + ".allreduce_bytes_per_s", false, 0);
+      if (l.allreduce_bytes_per_s < 0) rd.fail(f + ".allreduce_bytes_per_s", "must be >= 0 (0 = not measured)");
+      p.links.push_back(l);
+    }
+  }
+
+  const json& mem = rd.object(j, "memory", "memory");
+  std::set<std::string> mem_keys;
+  for (const auto& f : kMemFields) mem_keys.insert(f.key);
+  rd.only_keys(mem, mem_keys, "memory");
+  for (const auto& f : kMemFields) {
+    const std::string field = std::string("memory.") + f.key;
+    double v = rd.number(mem, f.key, field);
+    if (v < 0) rd.fail(field, "must be >= 0, got " + mem[f.key].dump());
+    p.memory.*(f.member) = v;
+  }
+  if (!(p.memory.state_bytes_per_param_byte > 0))
+    rd.fail("memory.state_bytes_per_param_byte", "must be > 0 (weights alone are 1 byte per parameter byte)");
+  return p;
+}
+
+Profile Profile::load(const std::string& path) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(path));
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(path, std::string("not valid JSON: ") + e.what());
+  }
+  return from_json(j, path);
+}
+
+void Profile::save(const std::string& path) const { write_file_atomic(path, to_json().dump(2) + "\n"); }
+
+}  // namespace alloy::plan

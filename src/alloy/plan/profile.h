@@ -1,0 +1,54 @@
+#pragma once
+// Profile: what `alloy profile` measured, per device type and per link, that the cost model
+// turns into step times. Times are linear in the micro-batch size: t(m) = fixed + per_sample * m
+// (fitted over several measured sizes), because small micro-batches waste a fixed cost per call.
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "alloy/core/config.h"
+
+namespace alloy::plan {
+
+struct LinearCost {
+  double fixed_s = 0, per_sample_s = 0;
+  double at(double samples) const { return fixed_s + per_sample_s * samples; }
+};
+
+struct DeviceProfile {
+  LinearCost block_fwd, block_bwd;  // one transformer block
+  LinearCost embed_fwd, embed_bwd;  // the embedding (first stage)
+  LinearCost head_fwd, head_bwd;    // final norm + logits + loss (last stage)
+  double optimizer_s_per_param = 0; // AdamW step + clipping
+};
+
+struct LinkProfile {
+  std::string host_a, host_b;
+  double bytes_per_s = 0, latency_s = 0;          // point to point
+  double allreduce_bytes_per_s = 0;                // measured ring all-reduce "bus" bandwidth, if any
+};
+
+struct MemoryProfile {
+  double param_bytes_per_block = 0, param_bytes_embed = 0, param_bytes_head = 0;
+  // Activations kept for backward, per sample: one block, the embedding, the head.
+  double act_bytes_per_sample_block = 0, act_bytes_per_sample_embed = 0, act_bytes_per_sample_head = 0;
+  // Bytes per parameter for weights + gradients + AdamW moments (4 + 4 + 8 in float32).
+  double state_bytes_per_param_byte = 4.0;
+};
+
+struct Profile {
+  ModelConfig model;
+  std::map<std::string, DeviceProfile> devices;  // by device type
+  std::vector<LinkProfile> links;                // measured host pairs (optional)
+  MemoryProfile memory;
+  double activation_bytes_per_sample() const;    // one hidden-state tensor crossing a stage boundary
+
+  nlohmann::json to_json() const;
+  static Profile from_json(const nlohmann::json& j, const std::string& where);
+  static Profile load(const std::string& path);
+  void save(const std::string& path) const;  // atomic
+};
+
+}  // namespace alloy::plan

@@ -1,0 +1,273 @@
+#include "alloy/plan/profiler.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+
+#include "alloy/core/error.h"
+#include "alloy/core/log.h"
+#include "alloy/dist/world.h"
+#include "alloy/model/transformer.h"
+#include "alloy/pipeline/executor.h"
+#include "alloy/train/optimizer.h"
+
+namespace alloy::plan {
+namespace {
+using Clock = std::chrono::steady_clock;
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Least-squares line through (x, y).
+LinearCost fit(const std::vector<double>& x, const std::vector<double>& y) {
+  double n = static_cast<double>(x.size()), sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (size_t i = 0; i < x.size(); ++i) sx += x[i], sy += y[i], sxx += x[i] * x[i], sxy += x[i] * y[i];
+  double den = n * sxx - sx * sx;
+  LinearCost c;
+  c.per_sample_s = den > 0 ? (n * sxy - sx * sy) / den : (sx > 0 ? sy / sx : 0);
+  c.fixed_s = (sy - c.per_sample_s * sx) / n;
+  // Noise can tilt the line below zero at either end; a time cannot be negative.
+  if (c.per_sample_s < 0) {
+    c.per_sample_s = 0;
+    c.fixed_s = sy / n;
+  }
+  if (c.fixed_s < 0) {
+    c.fixed_s = 0;
+    c.per_sample_s = sxx > 0 ? sxy / sxx : c.per_sample_s;
+  }
+  return c;
+}
+
+struct FwdBwd {
+  double fwd, bwd;
+  int64_t act_bytes;
+};
+
+// Times forward and backward of SLICE on a batch of M samples. The calls repeat back to back for
+// at least WINDOW seconds and the times are averages over that window: a CPU quota (cgroup CFS)
+// lets a process run at full speed in bursts and then stalls it, so a single short call would
+// measure the burst, not the device.
+FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool ids_in, bool loss_out) {
+  const auto& c = slice.config();
+  auto gen = at::detail::createCPUGenerator(5);
+  at::Tensor x0 = ids_in ? at::randint(c.vocab_size, {m, c.seq_len}, gen, at::kLong)
+                         : at::randn({m, c.seq_len, c.hidden}, gen, at::TensorOptions().dtype(slice.dtype()));
+  at::Tensor tgt = at::randint(c.vocab_size, {m, c.seq_len}, gen, at::kLong);
+  double f = 0, b = 0;
+  int64_t act = 0, n = 0;
+  auto start = Clock::now();
+  for (int64_t it = 0;; ++it) {
+    at::Tensor x = ids_in ? x0 : x0.detach().requires_grad_(true);
+    int64_t before = pipeline::heap_bytes_in_use();
+    auto t0 = Clock::now();
+    at::Tensor out = slice.forward(x);
+    if (loss_out) out = model::Transformer::loss_sum(out, tgt) / static_cast<double>(m * c.seq_len);
+    auto t1 = Clock::now();
+    int64_t held = pipeline::heap_bytes_in_use() - before;
+    if (loss_out) out.backward();
+    else out.backward(at::ones_like(out));
+    auto t2 = Clock::now();
+    for (auto* p : slice.parameters()) p->tensor.mutable_grad().reset();
+    if (it == 0) {  // warm-up: first calls allocate and pick kernels
+      start = Clock::now();
+      continue;
+    }
+    f += std::chrono::duration<double>(t1 - t0).count();
+    b += std::chrono::duration<double>(t2 - t1).count();
+    act = std::max<int64_t>(act, held);
+    ++n;
+    if (n >= 3 && std::chrono::duration<double>(Clock::now() - start).count() >= window_s) break;
+  }
+  return {f / static_cast<double>(n), b / static_cast<double>(n), act};
+}
+
+}  // namespace
+
+DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, MemoryProfile* mem) {
+  const int64_t L = model.layers;
+  model::Transformer embed(model, {0, 1}, 1), block(model, {1, 2}, 1), head(model, {L + 1, L + 2}, 1);
+  DeviceProfile d;
+  std::vector<double> xs, ef, eb, bf, bb, hf, hb;
+  FwdBwd last_e{}, last_b{}, last_h{};
+  for (int64_t m : o.micro_batch_sizes) {
+    last_e = time_slice(embed, m, o.window_s, true, false);
+    last_b = time_slice(block, m, o.window_s, false, false);
+    last_h = time_slice(head, m, o.window_s, false, true);
+    xs.push_back(static_cast<double>(m));
+    ef.push_back(last_e.fwd), eb.push_back(last_e.bwd);
+    bf.push_back(last_b.fwd), bb.push_back(last_b.bwd);
+    hf.push_back(last_h.fwd), hb.push_back(last_h.bwd);
+  }
+  d.embed_fwd = fit(xs, ef), d.embed_bwd = fit(xs, eb);
+  d.block_fwd = fit(xs, bf), d.block_bwd = fit(xs, bb);
+  d.head_fwd = fit(xs, hf), d.head_bwd = fit(xs, hb);
+
+  // The optimizer step (AdamW + clipping's norm) per parameter, on one block's parameters.
+  {
+    train::AdamW opt(block.parameters(), {});
+    for (auto* p : block.parameters()) p->tensor.mutable_grad() = at::randn_like(p->tensor);
+    int64_t n = 0;
+    auto t0 = Clock::now();
+    double spent = 0;
+    while (n < 3 || spent < o.window_s / 2) {
+      train::global_grad_norm_sq(block.parameters());
+      opt.step(1e-6);
+      ++n;
+      spent = std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+    d.optimizer_s_per_param = spent / static_cast<double>(n) / static_cast<double>(block.num_parameters());
+  }
+  if (mem) {
+    const double bytes = model.dtype == "float64" ? 8.0 : 4.0;
+    const double m = static_cast<double>(o.micro_batch_sizes.back());
+    mem->param_bytes_per_block = static_cast<double>(block.num_parameters()) * bytes;
+    mem->param_bytes_embed = static_cast<double>(embed.num_parameters()) * bytes;
+    mem->param_bytes_head = static_cast<double>(head.num_parameters()) * bytes;
+    mem->act_bytes_per_sample_block = static_cast<double>(last_b.act_bytes) / m;
+    mem->act_bytes_per_sample_embed = static_cast<double>(last_e.act_bytes) / m;
+    mem->act_bytes_per_sample_head = static_cast<double>(last_h.act_bytes) / m;
+    mem->state_bytes_per_param_byte = 4.0;  // weights, gradients, two AdamW moments
+  }
+  return d;
+}
+
+std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
+  std::vector<std::string> notes;
+  if (p.devices.empty()) throw Error("profile has no measured device type to extrapolate from");
+  // Reference: the measured type; others scale by the spec's speed hints (flops when given).
+  auto hint = [&](const std::string& type) {
+    for (const auto& d : spec.devices)
+      if (d.type == type) return d.flops > 0 ? d.flops : d.speed;
+    return 1.0;
+  };
+  const std::string ref = p.devices.begin()->first;
+  const DeviceProfile base = p.devices.begin()->second;
+  for (const auto& type : spec.types()) {
+    if (p.devices.count(type)) continue;
+    double s = hint(ref) / hint(type);  // a device twice as fast takes half the time
+    auto scale = [&](LinearCost c) { return LinearCost{c.fixed_s * s, c.per_sample_s * s}; };
+    DeviceProfile d{scale(base.block_fwd), scale(base.block_bwd), scale(base.embed_fwd),
+                    scale(base.embed_bwd), scale(base.head_fwd),  scale(base.head_bwd), base.optimizer_s_per_param * s};
+    p.devices[type] = d;
+    notes.push_back("device type " + type + ": estimated from " + ref + " scaled by speed hints (" + std::to_string(hint(type)) +
+                    " vs " + std::to_string(hint(ref)) + ")");
+  }
+  auto hosts = spec.hosts();
+  for (size_t i = 0; i < hosts.size(); ++i)
+    for (size_t j = i + 1; j < hosts.size(); ++j) {
+      bool have = false;
+      for (const auto& l : p.links)
+        if ((l.host_a == hosts[i] && l.host_b == hosts[j]) || (l.host_a == hosts[j] && l.host_b == hosts[i])) have = true;
+      if (have) continue;
+      Link l = spec.link(hosts[i], hosts[j]);
+      p.links.push_back({hosts[i], hosts[j], l.bytes_per_s(), l.latency_s(), 0});
+    }
+  return notes;
+}
+
+Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::World* world, const ProfileOptions& o) {
+  Profile prof;
+  prof.model = model;
+  const int rank = world ? world->rank() : 0;
+  const int n = world ? world->size() : 1;
+  if (world && n != static_cast<int>(spec.devices.size()))
+    throw InputError(spec.source, "has " + std::to_string(spec.devices.size()) + " devices but the job has " + std::to_string(n) +
+                                      " ranks: run one rank per device");
+  // Rank r is device r. The first device of each type measures that type.
+  std::map<std::string, int> measurer;
+  for (int r = 0; r < static_cast<int>(spec.devices.size()) && r < n; ++r) measurer.emplace(spec.devices[static_cast<size_t>(r)].type, r);
+  if (!world) {
+    MemoryProfile mem;
+    prof.devices[spec.devices.empty() ? "cpu" : spec.devices[0].type] = measure_device(model, o, &mem);
+    prof.memory = mem;
+    complete_profile(prof, spec);
+    return prof;
+  }
+  auto& store = world->store();
+  auto put = [&](const std::string& k, const std::string& v) { store.set(k, std::vector<uint8_t>(v.begin(), v.end())); };
+  auto get = [&](const std::string& k) {
+    store.wait({k});
+    auto b = store.get(k);
+    return std::string(b.begin(), b.end());
+  };
+  // Compute: the measuring ranks take turns so they never share the machine's cores while timing
+  // (matters when an emulated cluster runs on one box; costs little on real hardware).
+  for (const auto& [type, r] : measurer) {
+    world->all().barrier();
+    if (rank == r) {
+      log_info("profiling device type " + type + " on rank " + std::to_string(r));
+      MemoryProfile mem;
+      DeviceProfile d = measure_device(model, o, &mem);
+      nlohmann::json j = Profile{model, {{type, d}}, {}, mem, }.to_json();
+      put("alloy/profile/type/" + type, j.dump());
+    }
+  }
+  world->all().barrier();
+  // Links: one representative rank per host; one pair at a time.
+  if (o.measure_links) {
+    std::map<std::string, int> rep;
+    for (int r = 0; r < n; ++r) rep.emplace(spec.devices[static_cast<size_t>(r)].host, r);
+    std::vector<std::pair<int, int>> pairs;
+    for (auto a = rep.begin(); a != rep.end(); ++a)
+      for (auto b = std::next(a); b != rep.end(); ++b) pairs.emplace_back(a->second, b->second);
+    for (auto [a, b] : pairs) {
+      world->all().barrier();
+      if (rank != a && rank != b) continue;
+      std::vector<double> xs, ys;
+      for (int64_t bytes : o.message_bytes) {
+        at::Tensor t = at::zeros({bytes / 4}, at::kFloat);
+        std::vector<double> rtts;
+        const int link_repeats = std::min(o.repeats, 3);  // slow links make every repeat costly
+        for (int k = 0; k < link_repeats + 1; ++k) {
+          auto t0 = Clock::now();
+          if (rank == a) {
+            dist::wait_work(world->all().send(t, b, 7000 + k), "profiling link send");
+            dist::wait_work(world->all().recv(t, b, 8000 + k), "profiling link receive");
+          } else {
+            dist::wait_work(world->all().recv(t, a, 7000 + k), "profiling link receive");
+            dist::wait_work(world->all().send(t, a, 8000 + k), "profiling link send");
+          }
+          if (k) rtts.push_back(std::chrono::duration<double>(Clock::now() - t0).count() / 2);
+        }
+        xs.push_back(static_cast<double>(bytes));
+        ys.push_back(median(rtts));
+      }
+      if (rank == a) {
+        LinearCost c = fit(xs, ys);  // t(bytes) = latency + bytes / bandwidth
+        nlohmann::json j = {{"a", spec.devices[static_cast<size_t>(a)].host},
+                            {"b", spec.devices[static_cast<size_t>(b)].host},
+                            {"bytes_per_s", c.per_sample_s > 0 ? 1.0 / c.per_sample_s : 0.0},
+                            {"latency_s", c.fixed_s}};
+        put("alloy/profile/link/" + std::to_string(a) + "-" + std::to_string(b), j.dump());
+        log_info("link " + j["a"].get<std::string>() + " <-> " + j["b"].get<std::string>() + ": " +
+                 std::to_string(j["bytes_per_s"].get<double>() * 8 / 1e6) + " Mbit/s, latency " +
+                 std::to_string(c.fixed_s * 1e3) + " ms");
+      }
+    }
+    world->all().barrier();
+    if (rank == 0)
+      for (auto [a, b] : pairs) {
+        auto j = nlohmann::json::parse(get("alloy/profile/link/" + std::to_string(a) + "-" + std::to_string(b)));
+        prof.links.push_back({j["a"], j["b"], j["bytes_per_s"], j["latency_s"], 0});
+      }
+  }
+  if (rank == 0) {
+    for (const auto& [type, r] : measurer) {
+      Profile part = Profile::from_json(nlohmann::json::parse(get("alloy/profile/type/" + type)), "profile from rank " + std::to_string(r));
+      prof.devices[type] = part.devices.at(type);
+      prof.memory = part.memory;
+    }
+    complete_profile(prof, spec);
+  }
+  world->all().barrier();
+  return prof;
+}
+
+}  // namespace alloy::plan

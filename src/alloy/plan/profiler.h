@@ -1,0 +1,41 @@
+#pragma once
+// `alloy profile`: measures, on the real ranks, what the cost model needs. One rank per device
+// type times the forward and backward of one block, the embedding and the head at several
+// micro-batch sizes (fitting t(m) = fixed + per_sample * m), the optimizer step per parameter and
+// the activation memory per sample; one rank per host pair measures point-to-point latency and
+// bandwidth (ping-pong at several message sizes). Rank 0 collects everything through the store.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "alloy/core/config.h"
+#include "alloy/plan/cluster.h"
+#include "alloy/plan/profile.h"
+
+namespace alloy::dist {
+class World;
+}
+
+namespace alloy::plan {
+
+struct ProfileOptions {
+  std::vector<int64_t> micro_batch_sizes = {1, 2, 4};
+  int repeats = 5;            // link ping-pongs per message size (at most 3 on slow links)
+  double window_s = 0.4;      // each compute figure averages calls over this long (spans CPU-quota periods)
+  std::vector<int64_t> message_bytes = {1 << 12, 1 << 18, 1 << 20, 1 << 21};
+  bool measure_links = true;
+};
+
+// Every rank of WORLD calls this (rank i runs on device i of SPEC); rank 0 returns the full
+// profile. Without a world (single process), measures this process as every device type (the
+// types' `speed` hints scale it) and takes link figures from the spec.
+Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::World* world, const ProfileOptions& o = {});
+
+// Compute figures of the device this process runs on.
+DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, MemoryProfile* memory);
+
+// Fills device types nobody measured from a measured one, scaled by the spec's speed (or flops)
+// hints, and links nobody measured from the spec. Returns notes on what was estimated.
+std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec);
+
+}  // namespace alloy::plan

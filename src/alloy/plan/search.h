@@ -1,0 +1,101 @@
+#pragma once
+// The planner: which devices form each data-parallel replica (pipeline), in which stage order,
+// which blocks each stage holds, how many samples each replica takes and in micro-batches of
+// which size, and which schedule, so that simulate_plan's step time is smallest and every rank
+// fits in memory.
+//
+// THE SEARCH SPACE (search() and exhaustive() enumerate exactly this; plans outside it are never
+// proposed, and "optimal" means optimal within it):
+//  - replicas: any partition of the cluster's devices into non-empty sets; every device is used,
+//    exactly once, as its own rank: stage.ranks = {device index}, stage.device = device name;
+//  - stage order: any permutation of a replica's devices (a replica has at most model.layers
+//    devices, since every stage holds >= 1 block);
+//  - layer split: any contiguous split of the blocks with >= 1 block per stage;
+//  - batch: replica r takes b_r >= 1 samples, sum b_r = global_batch, in micro-batches of a size
+//    m_r from SearchOptions' candidate sizes that divides b_r (num_micro_batches = b_r / m_r);
+//  - schedule: one of SearchOptions::schedules, for the whole plan (Plan has one schedule);
+//  - bucket_mb: SearchOptions::bucket_mb, fixed.
+// Feasible: every rank fits its device's memory. Objective: simulate_plan(plan).step_s.
+// Devices with the same type, host and memory are interchangeable under the cost model (the sync
+// ring runs in host order), which the exact search exploits.
+//
+// STRATEGIES
+//  - "alloy" (default): exact when the space is small (at most exact_limit replica/order/split
+//    configurations): branch and bound over the space modulo interchangeable devices, the batch
+//    split solved exactly per configuration (min-max DP over replicas). Beyond: heuristics (see
+//    search.cpp): replica templates from device groupings (locality, stage-major across
+//    hosts/regions, type-homogeneous, speed-balanced) at each pipeline depth, layer splits by a
+//    min-max DP on per-stage compute, batch by greedy min-max allocation, then local search on
+//    layer boundaries within time_budget_s. The baselines' plans are seeds, so alloy is never
+//    predicted slower than them.
+//  - "uniform" (Megatron/DeepSpeed): equal layers per stage, equal batch per replica. Pure data
+//    parallelism if the model fits every device, else the smallest equal depth d (d divides the
+//    device count) whose pipelines of consecutive devices fit.
+//  - "proportional" (SynerFuse ITD-like): uniform's replicas, but layers within a pipeline and
+//    samples across replicas proportional to measured device speed.
+//  - "ptafm" (PTAFM-style): hosts (data centres) grouped into K stages by longest-processing-time
+//    balancing of compute power (the profile's speed) then deterministic move/swap improvement of
+//    PTAFM's cost 1*DP + 2*PP + 5*balance; stage groups chained in the order of cheapest links;
+//    each replica takes a share of every stage group; layers and samples by power.
+// Every strategy throws InputError, saying what does not fit and by how much, when the global
+// batch cannot be split, the model does not fit the pool, or no plan of the strategy fits.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "alloy/core/plan.h"
+#include "alloy/plan/cluster.h"
+#include "alloy/plan/cost_model.h"
+#include "alloy/plan/profile.h"
+
+namespace alloy::plan {
+
+struct SearchOptions {
+  std::string strategy = "alloy";  // alloy | uniform | proportional | ptafm
+  int64_t global_batch = 0;        // required
+  double time_budget_s = 1.0;      // heuristic local search stops here; the exact search runs to the end
+  std::vector<std::string> schedules = {"1f1b", "gpipe"};
+  int64_t max_micro_batch = 8;
+  std::vector<int64_t> micro_batch_sizes;  // candidate sizes; empty: powers of two up to max_micro_batch
+  double bucket_mb = 25.0;
+  int ptafm_stages = 0;  // PTAFM's NUM_STAGE; 0: the fewest stages whose plan fits
+  // The alloy strategy is exact when the space has at most this many (partition, order, split)
+  // configurations per schedule, counted before removing interchangeable devices.
+  double exact_limit = 2e6;
+
+  std::vector<int64_t> candidate_micro_batches() const;  // sorted ascending, validated
+};
+
+struct SearchResult {
+  Plan plan;
+  PlanCost cost;
+  std::string strategy;
+  int64_t candidates_evaluated = 0;  // full plans whose step time was computed
+  double search_s = 0;
+  bool exact = false;  // the plan is optimal within the search space
+  double search_step_s = 0;  // the step time the search computed; equals cost.step_s (checked by tests)
+  std::vector<std::string> notes;
+  nlohmann::json to_json() const;
+};
+
+SearchResult search(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
+
+// The reference: walks every configuration of the search space (every set partition, every
+// permutation, every split, every schedule; for each, the best batch split by an exact min-max DP
+// over replicas, itself checked against enumerating every allocation in the tests). Throws
+// InputError when the space has more than options.exact_limit configurations per schedule.
+SearchResult exhaustive(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
+
+// Min-max split of TOTAL units over replicas: minimises max_r g[r][b_r] over b_r >= 1 with
+// sum b_r = TOTAL, exactly, by DP over replicas (O(R * TOTAL^2)); g[r] has TOTAL + 1 entries
+// (index = units), +inf where a replica cannot take that many. Returns the optimum (+inf if none)
+// and the b_r in CHOICE.
+double minmax_split(const std::vector<std::vector<double>>& g, int64_t total, std::vector<int64_t>* choice);
+
+// Size of the space without symmetry: sum over set partitions of prod over replicas of
+// k! * C(L-1, k-1) (k devices, L blocks). Infinity when it overflows a double.
+double search_space_configurations(int num_devices, int64_t layers);
+
+}  // namespace alloy::plan

@@ -1,0 +1,521 @@
+// The cluster emulator, checked for what it promises rather than for Alloy's speed: a shaped link
+// carries a large transfer at its bandwidth, pairwise links are independent, CPU quotas follow the
+// devices' speeds, ranks land in their host's namespace and cgroup, and nothing is left behind
+// after teardown, an interrupt or a crash. Needs root, iproute2 and the cgroup v1 cpu controller;
+// on a machine without them every test fails with the emulator's reason (none is skipped).
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <future>
+#include <sstream>
+#include <thread>
+
+#include "alloy/emu/emulator.h"
+
+using alloy::emu::EmulatedCluster;
+using alloy::emu::EmulatorOptions;
+namespace plan = alloy::plan;
+
+namespace {
+
+std::string uid(const std::string& tag) { return "t" + std::to_string(::getpid()) + "_" + tag; }
+
+plan::ClusterSpec spec_of(const std::vector<std::pair<std::string, double>>& host_speed, double default_gbps) {
+  plan::ClusterSpec s;
+  s.name = "emu-test";
+  s.source = "test_emulator";
+  for (size_t i = 0; i < host_speed.size(); ++i) {
+    plan::Device d;
+    d.name = "d" + std::to_string(i);
+    d.host = host_speed[i].first;
+    d.type = "cpu";
+    d.memory_gb = 1;
+    d.speed = host_speed[i].second;
+    s.devices.push_back(d);
+  }
+  s.default_link = plan::Link{default_gbps, 0.0};
+  return s;
+}
+
+#define CREATE_OR_FAIL(var, spec, opts)                                   \
+  std::unique_ptr<EmulatedCluster> var;                                   \
+  try {                                                                   \
+    var = EmulatedCluster::create(spec, opts);                            \
+  } catch (const std::exception& e) {                                     \
+    FAIL() << "cannot emulate a cluster on this machine: " << e.what();   \
+  }
+
+bool exists(const std::string& p) {
+  struct stat sb {};
+  return ::stat(p.c_str(), &sb) == 0;
+}
+
+std::string slurp(const std::string& p) {
+  std::ifstream f(p);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::string run(const std::string& cmd) {
+  std::string out;
+  FILE* f = ::popen(cmd.c_str(), "r");
+  if (!f) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, n);
+  ::pclose(f);
+  return out;
+}
+
+// Every trace of emulator ID on the machine: namespaces, cgroups, interfaces in the root
+// namespace, the state file.
+std::vector<std::string> traces_of(const std::string& id) {
+  std::vector<std::string> t;
+  const std::string mine = "alloy-emu-" + id + "-";
+  for (const char* dir : {"/run/netns", "/sys/fs/cgroup/cpu"}) {
+    std::string out = run(std::string("ls ") + dir + " 2>/dev/null");
+    std::istringstream ss(out);
+    std::string n;
+    while (ss >> n)
+      if (n.rfind(mine, 0) == 0) t.push_back(std::string(dir) + "/" + n);
+  }
+  if (run("ip -o link show").find(id) != std::string::npos) t.push_back("an interface in the root namespace");
+  if (exists("/run/alloy-emu/" + id + ".json")) t.push_back("/run/alloy-emu/" + id + ".json");
+  return t;
+}
+
+// Runs ARGV and returns its standard output.
+std::string run_argv(std::vector<std::string> argv) {
+  std::vector<char*> a;
+  for (auto& s : argv) a.push_back(s.data());
+  a.push_back(nullptr);
+  int fds[2];
+  if (::pipe(fds) != 0) return "";
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fds[1], STDOUT_FILENO);
+    ::close(fds[0]);
+    ::close(fds[1]);
+    ::execv(a[0], a.data());
+    ::_exit(127);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fds[0], buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  ::waitpid(pid, nullptr, 0);
+  return out;
+}
+
+bool enter_netns(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  bool ok = ::setns(fd, CLONE_NEWNET) == 0;  // network namespaces can be joined per thread
+  ::close(fd);
+  return ok;
+}
+
+struct Transfer {
+  size_t bytes = 0;
+  double seconds = 0;
+  std::string error;
+  double mbit() const { return seconds > 0 ? bytes * 8.0 / seconds / 1e6 : 0; }
+};
+
+// Sends BYTES over TCP from device FROM's host to device TO's host; the receiver times first to
+// last byte, so connection setup and the sender's socket buffer do not count.
+Transfer transfer(const EmulatedCluster& c, int from, int to, size_t bytes) {
+  Transfer t;
+  std::string server_err, client_err;
+  std::promise<void> ready;
+  auto ready_f = ready.get_future();
+  const std::string to_ip = c.ip_of_device(to);
+  const uint16_t port = 5201;
+  std::thread server([&] {
+    int ls = -1, s = -1;
+    auto done = [&](const std::string& e) {
+      server_err = e.empty() ? "" : e + ": " + std::strerror(errno);
+      if (s >= 0) ::close(s);
+      if (ls >= 0) ::close(ls);
+    };
+    bool signalled = false;
+    auto signal_ready = [&] {
+      if (!signalled) ready.set_value(), signalled = true;
+    };
+    if (!enter_netns(c.netns_path_of_device(to))) return done("setns (server)"), signal_ready();
+    ls = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int one = 1;
+    ::setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    ::inet_pton(AF_INET, to_ip.c_str(), &a.sin_addr);
+    if (::bind(ls, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(ls, 1) != 0) return done("bind " + to_ip), signal_ready();
+    signal_ready();
+    pollfd p{ls, POLLIN, 0};
+    if (::poll(&p, 1, 20000) != 1) return done("no connection");
+    s = ::accept(ls, nullptr, nullptr);
+    if (s < 0) return done("accept");
+    timeval tv{30, 0};
+    ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    std::vector<char> buf(1 << 20);
+    std::chrono::steady_clock::time_point t0, t1;
+    size_t got = 0;
+    for (;;) {
+      ssize_t n = ::recv(s, buf.data(), buf.size(), 0);
+      if (n < 0) return done("recv");
+      if (n == 0) break;
+      if (got == 0) t0 = std::chrono::steady_clock::now();
+      got += static_cast<size_t>(n);
+      t1 = std::chrono::steady_clock::now();
+    }
+    t.bytes = got;
+    t.seconds = std::chrono::duration<double>(t1 - t0).count();
+    done("");
+  });
+  ready_f.wait();
+  std::thread client([&] {
+    if (!enter_netns(c.netns_path_of_device(from))) return void(client_err = "setns (client)");
+    int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    ::inet_pton(AF_INET, to_ip.c_str(), &a.sin_addr);
+    if (::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+      client_err = "connect " + to_ip + ": " + std::strerror(errno);
+      ::close(s);
+      return;
+    }
+    std::vector<char> buf(1 << 20, 'x');
+    size_t sent = 0;
+    while (sent < bytes) {
+      ssize_t n = ::send(s, buf.data(), std::min(buf.size(), bytes - sent), MSG_NOSIGNAL);
+      if (n <= 0) {
+        client_err = std::string("send: ") + std::strerror(errno);
+        break;
+      }
+      sent += static_cast<size_t>(n);
+    }
+    ::close(s);
+  });
+  client.join();
+  server.join();
+  t.error = server_err.empty() ? client_err : server_err;
+  return t;
+}
+
+double cpu_seconds_now() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+}  // namespace
+
+TEST(Emulator, TwoHostLinkCarriesItsBandwidth) {
+  auto spec = spec_of({{"h0", 1.0}, {"h1", 1.0}}, 0.1);  // 100 Mbit/s
+  EmulatorOptions o;
+  o.id = uid("bw");
+  o.limit_cpu = false;
+  CREATE_OR_FAIL(c, spec, o);
+  EXPECT_NE(c->netns_of_device(0), c->netns_of_device(1));
+  EXPECT_EQ(c->ip_of_device(0), "10.213.0.1");
+  EXPECT_EQ(c->ip_of_device(1), "10.213.0.2");
+  Transfer t = transfer(*c, 0, 1, 50u << 20);
+  ASSERT_TRUE(t.error.empty()) << t.error;
+  EXPECT_EQ(t.bytes, 50u << 20);
+  std::printf("h0 -> h1, 100 Mbit/s link: %.1f Mbit/s over %.2f s\n", t.mbit(), t.seconds);
+  EXPECT_GT(t.mbit(), 80.0);
+  EXPECT_LT(t.mbit(), 120.0);
+}
+
+TEST(Emulator, PairwiseLinksAreIndependent) {
+  // One slow pair (h0-h2, 20 Mbit/s) among fast ones (200 Mbit/s).
+  auto spec = spec_of({{"h0", 1.0}, {"h1", 1.0}, {"h2", 1.0}}, 0.2);
+  spec.rules.push_back(plan::LinkRule{"h0", "h2", plan::Link{0.02, 0.0}});
+  EmulatorOptions o;
+  o.id = uid("pair");
+  o.limit_cpu = false;
+  CREATE_OR_FAIL(c, spec, o);
+  Transfer slow = transfer(*c, 0, 2, 5u << 20);
+  ASSERT_TRUE(slow.error.empty()) << slow.error;
+  Transfer back = transfer(*c, 2, 0, 5u << 20);
+  ASSERT_TRUE(back.error.empty()) << back.error;
+  Transfer fast = transfer(*c, 0, 1, 20u << 20);
+  ASSERT_TRUE(fast.error.empty()) << fast.error;
+  std::printf("h0 -> h2 (20 Mbit/s): %.1f, h2 -> h0: %.1f, h0 -> h1 (200 Mbit/s): %.1f Mbit/s\n", slow.mbit(), back.mbit(), fast.mbit());
+  EXPECT_GT(slow.mbit(), 16.0);
+  EXPECT_LT(slow.mbit(), 24.0);
+  EXPECT_GT(back.mbit(), 16.0);
+  EXPECT_LT(back.mbit(), 24.0);
+  EXPECT_GT(fast.mbit(), 160.0);
+  EXPECT_LT(fast.mbit(), 240.0);
+}
+
+TEST(Emulator, CpuQuotaFollowsSpeed) {
+  auto spec = spec_of({{"h0", 1.0}, {"h0", 0.5}, {"h0", 0.25}}, 1.0);
+  EmulatorOptions o;
+  o.id = uid("cpu");
+  o.limit_network = false;
+  CREATE_OR_FAIL(c, spec, o);
+  const long expected[] = {100000, 50000, 25000};
+  for (int d = 0; d < 3; ++d) {
+    const std::string g = c->cgroup_of_device(d);
+    EXPECT_EQ(g, "/sys/fs/cgroup/cpu/alloy-emu-" + o.id + "-d" + std::to_string(d));
+    EXPECT_EQ(std::stol(slurp(g + "/cpu.cfs_period_us")), 100000);
+    EXPECT_EQ(std::stol(slurp(g + "/cpu.cfs_quota_us")), expected[d]) << g;
+  }
+  // The quota binds: a process spinning for 1 s of wall time in the 0.25 group gets about 0.25 s
+  // of CPU. Only the upper bound is firm; other work on the machine can lower the share further.
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    std::ofstream(c->cgroup_of_device(2) + "/cgroup.procs") << ::getpid() << std::flush;
+    const double c0 = cpu_seconds_now();
+    auto end = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    volatile unsigned long x = 0;
+    while (std::chrono::steady_clock::now() < end) ++x;
+    const double used = cpu_seconds_now() - c0;
+    (void)!::write(fds[1], &used, sizeof used);
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  double used = -1;
+  ASSERT_EQ(::read(fds[0], &used, sizeof used), static_cast<ssize_t>(sizeof used));
+  ::close(fds[0]);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  std::printf("speed 0.25: %.3f s of CPU in 1 s\n", used);
+  EXPECT_LT(used, 0.4);
+  EXPECT_GT(used, 0.05);
+}
+
+TEST(Emulator, TeardownLeavesNothing) {
+  auto spec = spec_of({{"h0", 1.0}, {"h1", 0.5}}, 0.1);
+  EmulatorOptions o;
+  o.id = uid("td");
+  CREATE_OR_FAIL(c, spec, o);
+  EXPECT_TRUE(exists(c->netns_path_of_device(0)));
+  EXPECT_TRUE(exists(c->netns_path_of_device(1)));
+  EXPECT_TRUE(exists(c->cgroup_of_device(1)));
+  EXPECT_TRUE(exists(c->state_file()));
+  std::string sw = run("ip -n " + c->switch_netns() + " -o link show");
+  EXPECT_NE(sw.find("h0@"), std::string::npos) << sw;
+  EXPECT_NE(sw.find("h1@"), std::string::npos) << sw;
+  EXPECT_NE(run("tc -n " + c->netns_of_device(0) + " class show dev eth0").find("rate 100Mbit"), std::string::npos);
+  // IPv6 would bypass the IPv4 shaping filters, so the emulated network has none.
+  EXPECT_EQ(run("ip -n " + c->netns_of_device(0) + " -6 -o addr show dev eth0"), "");
+  // A second cluster under a live id is refused, and the refusal removes nothing of the first.
+  try {
+    EmulatedCluster::create(spec, o);
+    ADD_FAILURE() << "a live id was reused";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("in use"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(exists(c->netns_path_of_device(1)));
+  EXPECT_TRUE(exists(c->cgroup_of_device(1)));
+  EXPECT_TRUE(exists(c->state_file()));
+  c->teardown();
+  EXPECT_EQ(traces_of(o.id), std::vector<std::string>{});
+  c->teardown();  // idempotent
+  c.reset();
+  EXPECT_EQ(traces_of(o.id), std::vector<std::string>{});
+}
+
+TEST(Emulator, CommandPrefixRunsAsTheDevice) {
+  auto spec = spec_of({{"h0", 1.0}, {"h1", 0.5}}, 0.1);
+  EmulatorOptions o;
+  o.id = uid("pfx");
+  CREATE_OR_FAIL(c, spec, o);
+  auto argv = c->command_prefix(1);
+  argv.insert(argv.end(), {"/bin/sh", "-c", "readlink /proc/self/ns/net; grep -E '^[0-9]+:cpu:' /proc/self/cgroup"});
+  const std::string out = run_argv(argv);
+  struct stat ns {};
+  ASSERT_EQ(::stat(c->netns_path_of_device(1).c_str(), &ns), 0);
+  EXPECT_NE(out.find("net:[" + std::to_string(ns.st_ino) + "]"), std::string::npos) << out;
+  EXPECT_NE(out.find(":cpu:/alloy-emu-" + o.id + "-d1"), std::string::npos) << out;
+}
+
+TEST(Emulator, CleanLeftoversRemovesOnlyDeadOwners) {
+  auto spec = spec_of({{"h0", 1.0}, {"h1", 0.5}}, 0.1);
+  // A launcher that crashes: it creates a cluster and exits without tearing it down.
+  EmulatorOptions dead;
+  dead.id = uid("dead");
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    std::string msg = "ok";
+    try {
+      auto c = EmulatedCluster::create(spec, dead);
+      c.release();  // leak on purpose: a crash runs no destructors
+    } catch (const std::exception& e) {
+      msg = e.what();
+    }
+    (void)!::write(fds[1], msg.data(), msg.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string msg;
+  char buf[1024];
+  ssize_t n;
+  while ((n = ::read(fds[0], buf, sizeof buf)) > 0) msg.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  ASSERT_EQ(msg, "ok") << "cannot emulate a cluster on this machine: " << msg;
+  ASSERT_FALSE(traces_of(dead.id).empty());
+
+  // A live owner's cluster and an orphan that no state file claims.
+  EmulatorOptions live;
+  live.id = uid("live");
+  CREATE_OR_FAIL(c, spec, live);
+  const std::string orphan = uid("orphan");
+  ASSERT_EQ(std::system(("ip netns add alloy-emu-" + orphan + "-h0").c_str()), 0);
+  ASSERT_EQ(::mkdir(("/sys/fs/cgroup/cpu/alloy-emu-" + orphan + "-d0").c_str(), 0755), 0);
+
+  const int removed = alloy::emu::clean_leftovers();
+  EXPECT_GE(removed, 3 + 2 + 2);  // dead: 2 hosts + switch netns, 2 cgroups; orphan: 1 + 1 (plus others' leftovers)
+  EXPECT_EQ(traces_of(dead.id), std::vector<std::string>{});
+  EXPECT_EQ(traces_of(orphan), std::vector<std::string>{});
+  EXPECT_TRUE(exists(c->netns_path_of_device(1)));
+  EXPECT_TRUE(exists(c->cgroup_of_device(1)));
+  EXPECT_TRUE(exists(c->state_file()));
+  c.reset();
+  EXPECT_EQ(traces_of(live.id), std::vector<std::string>{});
+}
+
+TEST(Emulator, LaunchPlacesRanksOnTheirHosts) {
+  // d0 and d1 share host h0; d2 is alone on h1.
+  auto spec = spec_of({{"h0", 1.0}, {"h0", 0.5}, {"h1", 0.25}}, 0.1);
+  const std::string dir = "/tmp/alloy_emu_test_" + std::to_string(::getpid());
+  ASSERT_EQ(std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str()), 0);
+  alloy::dist::LaunchOptions lo;
+  lo.nproc = 3;
+  lo.command = {"/bin/sh", "-c",
+                "{ readlink /proc/self/ns/net; grep -E '^[0-9]+:cpu:' /proc/self/cgroup; echo \"$MASTER_ADDR $GLOO_SOCKET_IFNAME $ALLOY_EMU_HOST\"; "
+                "ip -4 -o addr show dev eth0; } > " + dir + "/$RANK"};
+  EmulatorOptions o;
+  o.id = uid("launch");
+  alloy::dist::LaunchResult r;
+  try {
+    r = alloy::emu::launch_emulated(spec, lo, o);
+  } catch (const std::exception& e) {
+    FAIL() << "cannot emulate a cluster on this machine: " << e.what();
+  }
+  EXPECT_EQ(r.exit_code, 0);
+  std::vector<std::vector<std::string>> lines(3);
+  for (int k = 0; k < 3; ++k) {
+    std::istringstream ss(slurp(dir + "/" + std::to_string(k)));
+    std::string l;
+    while (std::getline(ss, l)) lines[static_cast<size_t>(k)].push_back(l);
+    ASSERT_GE(lines[static_cast<size_t>(k)].size(), 4u) << "rank " << k << " wrote: " << slurp(dir + "/" + std::to_string(k));
+  }
+  const std::string own_ns = run("readlink /proc/self/ns/net");
+  EXPECT_EQ(lines[0][0], lines[1][0]);  // same host, same namespace
+  EXPECT_NE(lines[0][0], lines[2][0]);
+  EXPECT_EQ(own_ns.find(lines[0][0]), std::string::npos);
+  for (int k = 0; k < 3; ++k) {
+    const auto& L = lines[static_cast<size_t>(k)];
+    EXPECT_NE(L[1].find(":cpu:/alloy-emu-" + o.id + "-d" + std::to_string(k)), std::string::npos) << L[1];
+    EXPECT_EQ(L[2], std::string("10.213.0.1 eth0 ") + (k < 2 ? "h0" : "h1"));
+    EXPECT_NE(L[3].find(k < 2 ? "10.213.0.1/24" : "10.213.0.2/24"), std::string::npos) << L[3];
+  }
+  EXPECT_EQ(traces_of(o.id), std::vector<std::string>{});
+  std::system(("rm -rf " + dir).c_str());
+}
+
+TEST(Emulator, InterruptedLaunchTearsDown) {
+  auto spec = spec_of({{"h0", 1.0}, {"h1", 0.5}}, 0.1);
+  EmulatorOptions o;
+  o.id = uid("int");
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    alloy::dist::LaunchOptions lo;
+    lo.nproc = 2;
+    lo.command = {"sleep", "30"};
+    int code = 99;
+    try {
+      code = alloy::emu::launch_emulated(spec, lo, o).exit_code;
+    } catch (...) {
+      code = 98;
+    }
+    ::_exit(code);
+  }
+  // Wait until both ranks run inside the emulated cluster, then Ctrl-C the launcher.
+  const std::string g1 = "/sys/fs/cgroup/cpu/alloy-emu-" + o.id + "-d1/cgroup.procs";
+  bool running = false;
+  for (int i = 0; i < 200 && !running; ++i) {
+    running = !slurp(g1).empty() && !slurp("/sys/fs/cgroup/cpu/alloy-emu-" + o.id + "-d0/cgroup.procs").empty();
+    if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ::kill(pid, SIGINT);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  ASSERT_TRUE(running) << "ranks never started under the emulator";
+  ASSERT_TRUE(WIFEXITED(st));
+  EXPECT_NE(WEXITSTATUS(st), 0);
+  EXPECT_NE(WEXITSTATUS(st), 98);
+  EXPECT_EQ(traces_of(o.id), std::vector<std::string>{});
+}
+
+TEST(Emulator, MissingPrerequisiteIsNamed) {
+  // Not root: the emulator says so instead of doing nothing.
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    std::string msg = "no error";
+    if (::setresuid(65534, 65534, 65534) != 0) msg = "setresuid failed";
+    else {
+      try {
+        EmulatedCluster::create(spec_of({{"h0", 1.0}}, 1.0), EmulatorOptions{});
+      } catch (const std::exception& e) {
+        msg = e.what();
+      }
+    }
+    (void)!::write(fds[1], msg.data(), msg.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string msg;
+  char buf[1024];
+  ssize_t n;
+  while ((n = ::read(fds[0], buf, sizeof buf)) > 0) msg.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  ::waitpid(pid, nullptr, 0);
+  EXPECT_NE(msg.find("needs root"), std::string::npos) << msg;
+
+  // A bad id is refused before anything is created.
+  EmulatorOptions bad;
+  bad.id = "a-b";
+  try {
+    EmulatedCluster::create(spec_of({{"h0", 1.0}}, 1.0), bad);
+    ADD_FAILURE() << "id with '-' accepted";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("letters, digits or '_'"), std::string::npos) << e.what();
+  }
+}
