@@ -7,5 +7,6 @@ bash scripts/install-deps.sh
 jobs=$(nproc)
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 echo "[build] compiling with $jobs jobs (first build takes several minutes: LibTorch headers)"
-ninja -C build -j"$jobs"
+# Targets may be named (the demo needs only `alloy_cli`); none = everything, tests included.
+ninja -C build -j"$jobs" "$@"
 echo "[build] done: build/alloy"

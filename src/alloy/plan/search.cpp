@@ -1,3 +1,20 @@
+// The planner. How it stays exact where it can and fast where it cannot:
+//  - Every candidate is scored by the Evaluator with the cost model's own decomposition
+//    (cost_model.h): step = max over replicas of max(makespan, max_s(last backward start_s +
+//    longest sync of that rank)) + world all-reduce + slowest optimizer. Only the max over
+//    replicas depends on the batch split, and each replica's term depends only on its own
+//    samples and micro-batch size once the layout (which fixes the holder sets) is chosen, so the
+//    best batch split of a layout is a min-max allocation: exact by DP when small, greedy beyond.
+//  - Pipeline timings are simulated once per (types, split, link classes, schedule, m, M) and
+//    shared by every replica and candidate with the same key.
+//  - Exact mode enumerates the search space of search.h with devices of one class (type, host,
+//    memory) taken as interchangeable, which the cost model cannot tell apart, and prunes with
+//    lower bounds that need no simulation first and simulated makespans second.
+//  - Heuristic mode builds layouts from groupings that follow where the costs are: sync rings
+//    want holders of a layer inside a host or region (stage-major), pipelines want fast links
+//    between consecutive stages (local), a tied embedding wants first and last stages close
+//    (folded), and compute wants work in proportion to speed (balanced splits, proportional
+//    batches). Local search then moves layer boundaries while the time budget lasts.
 #include "alloy/plan/search.h"
 
 #include <algorithm>
@@ -76,7 +93,19 @@ struct ConfigTable {
 class Tables {
  public:
   Tables(const CostContext& ctx, std::vector<std::string> schedules, std::vector<int64_t> cands, int64_t G)
-      : ctx_(ctx), schedules_(std::move(schedules)), cands_(std::move(cands)), G_(G) {}
+      : ctx_(ctx), schedules_(std::move(schedules)), cands_(std::move(cands)), G_(G) {
+    // Pipelines whose consecutive stages are joined by links of equal bandwidth and latency
+    // time the same, so tables are keyed by link class, not by host: in a cluster of many
+    // alike hosts most replicas then share a table.
+    const int H = ctx.num_hosts();
+    std::map<std::pair<double, double>, int> ids;
+    link_class_.assign(static_cast<size_t>(H * H), 0);
+    for (int a = 0; a < H; ++a)
+      for (int b = 0; b < H; ++b) {
+        auto key = std::make_pair(ctx.link_bytes_per_s(a, b), ctx.link_latency_s(a, b));
+        link_class_[static_cast<size_t>(a * H + b)] = ids.emplace(key, static_cast<int>(ids.size())).first->second;
+      }
+  }
 
   const std::vector<int64_t>& cands() const { return cands_; }
   int64_t global_batch() const { return G_; }
@@ -86,10 +115,11 @@ class Tables {
   ConfigTable* get(int sched, const int* dev, const int64_t* blocks, int S) {
     key_.clear();
     key_.push_back(sched);
+    const int H = ctx_.num_hosts();
     for (int s = 0; s < S; ++s) {
       key_.push_back(ctx_.type_of(dev[s]));
-      key_.push_back(ctx_.host_of(dev[s]));
       key_.push_back(blocks[s]);
+      if (s + 1 < S) key_.push_back(link_class_[static_cast<size_t>(ctx_.host_of(dev[s]) * H + ctx_.host_of(dev[s + 1]))]);
     }
     auto it = configs_.find(key_);
     if (it != configs_.end()) return it->second.get();
@@ -194,6 +224,7 @@ class Tables {
   std::map<std::vector<int64_t>, std::unique_ptr<ConfigTable>> configs_;
   std::deque<PipeTiming> timings_;
   std::vector<int64_t> key_;
+  std::vector<int> link_class_;  // host x host
   pipeline::SimCosts sim_;
   int64_t simulations_ = 0;
 };
@@ -1019,21 +1050,25 @@ Layout ptafm_layout(Problem& P, double* step) {
           if (P.ctx.host_of(d) == h) gdev.back().push_back(d);
       R = std::min(R, gdev.back().size());
     }
+    // PTAFM data-parallelises inside a stage; with single-rank stages that means R replicas each
+    // taking a share of every group. More replicas than the smallest group are needed when a
+    // replica would otherwise get more devices than the model has blocks (it then skips the
+    // small groups: a shorter chain).
+    R = std::max<size_t>(R, static_cast<size_t>((P.N + P.L - 1) / P.L));
     if (R == 0 || static_cast<int64_t>(R) > P.G) continue;
     // Each replica takes a near-equal share of every group, in chain order.
     Layout l;
     l.sched = 0;
     l.reps.resize(R);
-    for (const auto& devs : gdev) {
-      const auto share = equal_split(static_cast<int64_t>(devs.size()), static_cast<int64_t>(R));
-      size_t k = 0;
-      for (size_t r = 0; r < R; ++r)
-        for (int64_t i = 0; i < share[r]; ++i) l.reps[r].dev.push_back(devs[k++]);
-    }
+    // Round robin that carries on from group to group, so the remainders of uneven groups land on
+    // different replicas and every replica ends with floor or ceil of N / R devices.
+    size_t next = 0;
+    for (const auto& devs : gdev)
+      for (int d : devs) l.reps[next++ % R].dev.push_back(d);
     bool ok = true;
     std::vector<double> rep_power;
     for (auto& r : l.reps) {
-      if (static_cast<int64_t>(r.dev.size()) > P.L) ok = false;
+      if (r.dev.empty() || static_cast<int64_t>(r.dev.size()) > P.L) ok = false;
       std::vector<double> w;
       for (int d : r.dev) w.push_back(P.dev_speed(d));
       r.blocks = proportional_split(P.L, w);
@@ -1063,8 +1098,9 @@ Layout ptafm_layout(Problem& P, double* step) {
 // batch split by the min-max DP. With SYMMETRIC, devices of one class (type, host, memory) are
 // interchangeable: partitions, orders and identical replicas are enumerated once per class
 // pattern. With BOUNDED, branch and bound: a partition (and a partial assignment) is skipped when
-// the min-max DP over phase-only lower bounds (best makespan, no sync, no memory limit) plus the
-// world all-reduce already reaches the incumbent.
+// the min-max DP over phase-only lower bounds plus the world all-reduce already reaches the
+// incumbent. The bounds ignore sync and memory; for a chosen configuration the simulation-free
+// bound (Tables::cheap_h) is tried first and its simulated makespans only if that does not prune.
 
 class Exact {
  public:
@@ -1337,15 +1373,15 @@ class Heuristic {
     std::vector<char> used(static_cast<size_t>(H), 0);
     used[0] = 1;
     while (static_cast<int>(chain.size()) < H) {
-      int best = -1;
+      int next = -1;
       double bv = kInf;
       for (int h = 0; h < H; ++h)
         if (!used[static_cast<size_t>(h)]) {
           const double v = P.ctx.p2p_s(chain.back(), h, P.cands.back());
-          if (v < bv) bv = v, best = h;
+          if (v < bv) bv = v, next = h;
         }
-      used[static_cast<size_t>(best)] = 1;
-      chain.push_back(best);
+      used[static_cast<size_t>(next)] = 1;
+      chain.push_back(next);
     }
     host_rank_.assign(static_cast<size_t>(H), 0);
     for (int i = 0; i < H; ++i) host_rank_[static_cast<size_t>(chain[static_cast<size_t>(i)])] = i;
@@ -1374,7 +1410,7 @@ class Heuristic {
       if (d <= 8 || d == dmax || d % 4 == 0) depths.push_back(d);
     for (int d : depths)
       for (int sched = 0; sched < static_cast<int>(P_.opt.schedules.size()); ++sched)
-        for (int policy = 0; policy < 4; ++policy) {
+        for (int policy = 0; policy < 5; ++policy) {
           if (out_of_time() && best_step < kInf) return;
           auto reps = form(policy, d);
           if (reps.empty()) continue;
@@ -1387,7 +1423,7 @@ class Heuristic {
             l.reps.push_back(r);
           }
           offer(l);
-          if (policy == 1 && d > 1) {  // stage-major: one split for all replicas, sync sets stay within stage groups
+          if ((policy == 1 || policy == 4) && d > 1) {  // stage-major: one split for all replicas, sync sets stay within stage groups
             Layout a = l;
             if (align(a)) offer(a);
           }
@@ -1457,7 +1493,10 @@ class Heuristic {
   // 1 stage-major: stage s of every replica from the s-th slice (each stage group, and so each
   //   sync ring, inside a host or region; pipelines cross regions, as PTAFM does);
   // 2 typed: slices of the devices ordered by speed then locality (one type per pipeline);
-  // 3 balanced: fastest devices dealt in snake order so replicas have equal total speed.
+  // 3 balanced: fastest devices dealt in snake order so replicas have equal total speed;
+  // 4 folded stage-major: stage-major with the slices visited 0, 2, 4, ..., 5, 3, 1, so the
+  //   first and last stages (which share a tied embedding) sit in neighbouring slices, and in one
+  //   region when the pipeline crosses two.
   std::vector<std::vector<int>> form(int policy, int d) const {
     auto sz = sizes(d);
     if (sz.empty()) return {};
@@ -1470,11 +1509,19 @@ class Heuristic {
       size_t k = 0;
       for (size_t r = 0; r < R; ++r)
         for (size_t i = 0; i < sz[r]; ++i) reps[r].push_back(o[k++]);
-    } else if (policy == 1) {
+    } else if (policy == 1 || policy == 4) {
+      if (policy == 4 && d < 3) return {};  // nothing to fold
       size_t k = 0;
       for (size_t s = 0; s < static_cast<size_t>(d) + 1; ++s)
         for (size_t r = 0; r < R; ++r)
           if (sz[r] > s) reps[r].push_back(o[k++]);
+      if (policy == 4)
+        for (auto& rep : reps) {
+          std::vector<int> folded;
+          for (size_t i = 0; i < rep.size(); i += 2) folded.push_back(rep[i]);
+          for (size_t i = rep.size() - 1 - (rep.size() % 2 == 0 ? 0 : 1); i < rep.size(); i -= 2) folded.push_back(rep[i]);
+          rep = folded;
+        }
     } else {
       if (d == 1) return {};  // same as local for pure data parallelism
       std::stable_sort(o.begin(), o.end(), [&](int a, int b) { return P_.dev_speed(a) > P_.dev_speed(b); });

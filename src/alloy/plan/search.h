@@ -21,13 +21,14 @@
 //
 // STRATEGIES
 //  - "alloy" (default): exact when the space is small (at most exact_limit replica/order/split
-//    configurations): branch and bound over the space modulo interchangeable devices, the batch
-//    split solved exactly per configuration (min-max DP over replicas). Beyond: heuristics (see
-//    search.cpp): replica templates from device groupings (locality, stage-major across
-//    hosts/regions, type-homogeneous, speed-balanced) at each pipeline depth, layer splits by a
-//    min-max DP on per-stage compute, batch by greedy min-max allocation, then local search on
-//    layer boundaries within time_budget_s. The baselines' plans are seeds, so alloy is never
-//    predicted slower than them.
+//    configurations, and configurations x (global_batch+1)^2 <= 256 x exact_limit for the batch
+//    DP): branch and bound over the space modulo interchangeable devices, the batch split solved
+//    exactly per configuration (min-max DP over replicas). Beyond: heuristics (see search.cpp):
+//    replicas from device groupings (locality, stage-major across hosts/regions, folded
+//    stage-major, type-homogeneous, speed-balanced) at each pipeline depth, layer splits by a
+//    min-max DP on per-stage compute, batch by a throughput-proportional start refined by greedy
+//    min-max moves, then local search on layer boundaries within time_budget_s. The baselines'
+//    plans are seeds, so alloy is never predicted slower than them.
 //  - "uniform" (Megatron/DeepSpeed): equal layers per stage, equal batch per replica. Pure data
 //    parallelism if the model fits every device, else the smallest equal depth d (d divides the
 //    device count) whose pipelines of consecutive devices fit.

@@ -1,0 +1,256 @@
+#!/usr/bin/python3
+"""Heterogeneous pool on an emulated cluster: profile, plan, train, and compare.
+
+Every figure is measured side by side in one invocation on the same emulated pool
+(`alloy launch --emulate`: one network namespace per host, tc-limited links, a CPU quota per
+device):
+  1. efficiency: tokens/s of the pool under Alloy's plan / the sum of each device's tokens/s alone
+  2. plans: Alloy's plan vs `uniform` vs `proportional` vs PyTorch DDP with equal per-rank batches
+  3. predictions: predicted vs measured step time (and per-stage compute) for each Alloy-run plan
+Writes bench/results/hetero.json and bench/results/hetero.png (gnuplot).
+
+  --demo   the README's main job: profile, plan (diagram), each device alone, train the plan with
+           a progress display, and a short report. No baselines.
+
+usage: /usr/bin/python3 bench/hetero_bench.py [--build build] [--cluster examples/cluster-3dev.yaml]
+           [--config examples/demo-gpt2.yaml] [--steps N] [--demo]
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def log(msg):
+    print(f"[hetero] {msg}", flush=True)
+
+
+class Runner:
+    def __init__(self, a):
+        self.alloy = os.path.abspath(os.path.join(a.build, "alloy"))
+        self.cluster = os.path.abspath(a.cluster)
+        self.config = os.path.abspath(a.config)
+        self.work = os.path.abspath(a.work)
+        self.steps = a.steps
+        os.makedirs(self.work, exist_ok=True)
+
+    def run(self, cmd, show=False, check=True):
+        if show:
+            r = subprocess.run(cmd, cwd=REPO)
+        else:
+            r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if check and r.returncode != 0:
+            sys.exit(f"command failed ({r.returncode}): {' '.join(cmd)}\n{'' if show else r.stdout[-2000:] + r.stderr[-4000:]}")
+        return r
+
+    def launch(self, cluster, cmd, show=False):
+        return self.run([self.alloy, "launch", "--emulate", cluster, "--"] + cmd, show=show)
+
+    def profile(self):
+        out = os.path.join(self.work, "profile.json")
+        log("profiling every device and link of the emulated pool")
+        self.launch(self.cluster, [self.alloy, "profile", "--cluster", self.cluster, "--config", self.config, "-o", out])
+        return out
+
+    def plan(self, strategy, profile, diagram=None, show=False):
+        out = os.path.join(self.work, f"plan-{strategy}.json")
+        cmd = [self.alloy, "plan", "--cluster", self.cluster, "--config", self.config, "--profile", profile,
+               "--strategy", strategy, "-o", out]
+        if diagram:
+            cmd += ["--diagram", diagram]
+        if not show:
+            cmd.append("--no-compare")
+        self.run(cmd, show=show)
+        return out
+
+    def train(self, name, plan, steps, show=False, cluster=None, extra=()):
+        out = os.path.join(self.work, "runs", name)
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [self.alloy, "train", "--config", self.config, "--set", f"output.dir={out}",
+               "--set", f"train.steps={steps}", "--set", "train.checkpoint_interval=0"] + list(extra)
+        if plan:
+            cmd += ["--plan", plan]
+        self.launch(cluster or self.cluster, cmd, show=show)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(l) for l in f if l.strip()]
+        ranks = json.load(open(os.path.join(out, "ranks.json"))) if os.path.exists(os.path.join(out, "ranks.json")) else []
+        warm = rows[2:] if len(rows) > 4 else rows
+        step = statistics.median(r["step_s"] for r in warm if "val_loss" not in r) if warm else float("nan")
+        return dict(rows=rows, ranks=ranks, step_s=step, tokens_per_s=statistics.median(r["tokens_per_s"] for r in warm))
+
+
+    def alone(self, devices):
+        res = {}
+        for i, d in enumerate(devices):
+            path = os.path.join(self.work, f"alone-{d['name']}.yaml")
+            with open(path, "w") as f:
+                f.write(f"name: alone-{d['name']}\ndevices:\n  - {{name: {d['name']}, host: {d['host']}, kind: {d['kind']}, "
+                        f"type: {d['type']}, memory_gb: {d['memory_gb']}, speed: {d['speed']}}}\n")
+            r = self.train(f"alone-{d['name']}", None, max(6, self.steps // 4), cluster=path)
+            res[d["name"]] = r["tokens_per_s"]
+            log(f"{d['name']} alone (speed {d['speed']}): {r['tokens_per_s']:.0f} tokens/s")
+        return res
+
+    def ddp(self, ndev, model, gb):
+        per = gb // ndev
+        log(f"PyTorch DDP, equal batches of {per} per rank")
+        cmd = ["/usr/bin/python3", os.path.join(HERE, "ddp_train_step.py"), "--layers", str(model["layers"]),
+               "--hidden", str(model["hidden"]), "--heads", str(model["heads"]), "--seq-len", str(model["seq_len"]),
+               "--vocab", str(model["vocab_size"]), "--batch", str(per), "--steps", str(max(6, self.steps // 3)),
+               "--warmup", "2", "--threads", "1"]
+        r = self.launch(self.cluster, cmd)
+        line = [l for l in (r.stdout + r.stderr).splitlines() if '"pytorch-ddp"' in l][-1]
+        j = json.loads(line[line.index("{"):])
+        return dict(step_s=j["step_s_median"], tokens_per_s=per * ndev * model["seq_len"] / j["step_s_median"])
+
+
+def cluster_devices(alloy, cluster):
+    """Device list via the planner's own reader (alloy plan prints nothing machine-readable, so parse minimal YAML)."""
+    devs = []
+    for line in open(cluster):
+        s = line.strip()
+        if s.startswith("- {") and "name:" in s:
+            body = s[3:s.rindex("}")]
+            d = {}
+            for part in body.split(","):
+                k, v = part.split(":", 1)
+                d[k.strip()] = v.strip()
+            devs.append(d)
+    return devs
+
+
+def model_of(config):
+    m = {}
+    sec = None
+    for line in open(config):
+        if not line.strip() or line.strip().startswith("#"):
+            continue
+        if not line.startswith(" "):
+            sec = line.split(":")[0].strip()
+            continue
+        if sec == "model":
+            k, v = line.strip().split(":", 1)
+            m[k.strip()] = int(v.strip()) if v.strip().isdigit() else v.strip()
+        if sec == "train" and line.strip().startswith("global_batch"):
+            m["global_batch"] = int(line.split(":")[1])
+    return m
+
+
+def predicted_of(plan_path):
+    return json.load(open(plan_path)).get("predicted", {})
+
+
+def report_predictions(name, plan_path, run):
+    pred = predicted_of(plan_path)
+    ps = pred.get("step_s", float("nan"))
+    err = (run["step_s"] - ps) / ps if ps else float("nan")
+    log(f"{name}: predicted {ps * 1e3:.0f} ms/step, measured {run['step_s'] * 1e3:.0f} ms/step ({100 * err:+.1f}%)")
+    stages = []
+    by_rank = {r["rank"]: r for r in run["ranks"]}
+    for s in pred.get("per_stage", []):
+        m = by_rank.get(s["rank"], {})
+        stages.append(dict(rank=s["rank"], device=s["device"], predicted_compute_s=s["forward_s"] + s["backward_s"],
+                           measured_compute_s=m.get("compute_s_median"), predicted_sync_exposed_s=s["sync_exposed_s"],
+                           measured_sync_wait_s=m.get("sync_wait_s_median")))
+    return dict(predicted_step_s=ps, measured_step_s=run["step_s"], relative_error=err, stages=stages)
+
+
+def plot(results, path):
+    names = [r["name"] for r in results]
+    data = os.path.join(os.path.dirname(path), "hetero.dat")
+    with open(data, "w") as f:
+        for r in results:
+            f.write(f"\"{r['name']}\" {r['tokens_per_s']:.1f}\n")
+    script = f"""set terminal pngcairo size 900,480
+set output '{path}'
+set title 'Emulated heterogeneous pool: training throughput (tokens/s)'
+set style fill solid 0.6
+set boxwidth 0.6
+set ylabel 'tokens/s'
+set yrange [0:*]
+set grid ytics
+plot '{data}' using 0:2:xtic(1) with boxes notitle, '' using 0:2:(sprintf('%.0f',$2)) with labels offset 0,1 notitle
+"""
+    subprocess.run(["gnuplot"], input=script, text=True, check=False)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default=os.path.join(REPO, "build"))
+    ap.add_argument("--cluster", default=os.path.join(REPO, "examples", "cluster-3dev.yaml"))
+    ap.add_argument("--config", default=os.path.join(REPO, "examples", "demo-gpt2.yaml"))
+    ap.add_argument("--work", default=os.path.join(REPO, "runs", "hetero"))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--demo", action="store_true")
+    a = ap.parse_args()
+    R = Runner(a)
+    devices = cluster_devices(R.alloy, R.cluster)
+    model = model_of(R.config)
+    subprocess.run([R.alloy, "emu", "clean"], capture_output=True)
+    t0 = time.time()
+    prof = R.profile()
+    diagram = os.path.join(R.work, "plan.svg")
+    log("planning (Alloy's plan, with the baselines' predictions for comparison)")
+    alloy_plan = R.plan("alloy", prof, diagram=diagram, show=True)
+    R.run([R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", prof, "--no-compare",
+           "-o", os.path.join(R.work, "plan-alloy-copy.json"), "--diagram", os.path.join(R.work, "plan.png")])
+    log(f"diagram: {diagram} and {os.path.join(R.work, 'plan.png')}")
+    alone = R.alone(devices)
+    log(f"training {a.steps} steps with Alloy's plan on the emulated pool")
+    main_run = R.train("alloy", alloy_plan, a.steps, show=a.demo)
+    results = [dict(name="alloy", tokens_per_s=main_run["tokens_per_s"], step_s=main_run["step_s"],
+                    prediction=report_predictions("alloy plan", alloy_plan, main_run))]
+    if not a.demo:
+        for strategy in ("uniform", "proportional"):
+            p = R.plan(strategy, prof)
+            run = R.train(strategy, p, a.steps)
+            results.append(dict(name=strategy, tokens_per_s=run["tokens_per_s"], step_s=run["step_s"],
+                                prediction=report_predictions(f"{strategy} plan", p, run)))
+        d = R.ddp(len(devices), model, model.get("global_batch", 16))
+        results.append(dict(name="pytorch-ddp-equal", tokens_per_s=d["tokens_per_s"], step_s=d["step_s"]))
+    total_alone = sum(alone.values())
+    eff = main_run["tokens_per_s"] / total_alone
+    print()
+    print("=" * 72)
+    rows = main_run["rows"]
+    vals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    print(f"loss: {rows[0]['loss']:.3f} at step 1 -> {rows[-1]['loss']:.3f} at step {rows[-1]['step']}"
+          + (f"; validation {vals[0][1]:.3f} (step {vals[0][0]}) -> {vals[-1][1]:.3f} (step {vals[-1][0]})" if vals else ""))
+    print("throughput (tokens/s):")
+    for name, tps in alone.items():
+        print(f"  {name:<18} alone {tps:9.0f}")
+    print(f"  {'sum of the devices':<18}       {total_alone:9.0f}")
+    for r in results:
+        print(f"  pool, {r['name']:<12} {r['tokens_per_s']:9.0f}   ({100 * r['tokens_per_s'] / total_alone:.0f}% of the sum"
+              + (f", {r['tokens_per_s'] / results[-1]['tokens_per_s']:.2f}x DDP" if not a.demo and r is not results[-1] else "") + ")")
+    print(f"heterogeneous efficiency (pool / sum alone): {eff:.2f}")
+    for r in results:
+        if "prediction" in r:
+            p = r["prediction"]
+            print(f"predicted vs measured step, {r['name']}: {p['predicted_step_s'] * 1e3:.0f} ms vs "
+                  f"{p['measured_step_s'] * 1e3:.0f} ms ({100 * p['relative_error']:+.1f}%)")
+    print(f"(all measured in this run, {time.time() - t0:.0f} s, on {platform.node()}, {os.cpu_count()} cores)")
+    out = dict(benchmark="hetero", when=time.strftime("%Y-%m-%d %H:%M:%S"), cluster=os.path.relpath(R.cluster, REPO),
+               config=os.path.relpath(R.config, REPO), machine=f"{platform.node()} {os.cpu_count()} cores",
+               alone_tokens_per_s=alone, efficiency=eff, results=results)
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    name = "hetero-demo.json" if a.demo else "hetero.json"
+    path = os.path.join(HERE, "results", name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(out, f, indent=2)
+    os.replace(path + ".tmp", path)
+    if not a.demo:
+        plot(results + [dict(name="sum alone", tokens_per_s=total_alone)], os.path.join(HERE, "results", "hetero.png"))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

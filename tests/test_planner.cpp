@@ -1,0 +1,629 @@
+#include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "alloy/core/error.h"
+#include "alloy/pipeline/schedule.h"
+#include "alloy/plan/cost_model.h"
+#include "alloy/plan/search.h"
+
+using namespace alloy;
+using namespace alloy::plan;
+
+namespace {
+
+bool near_rel(double a, double b, double rel = 1e-9) { return std::fabs(a - b) <= rel * std::max({1e-300, std::fabs(a), std::fabs(b)}); }
+
+// Runs a rapidcheck property N times (the default 100 would make the exhaustive comparison slow).
+template <typename F>
+void check_times(int n, F f) {
+  auto params = rc::detail::configuration().testParams;
+  params.maxSuccess = n;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  rc::detail::TestMetadata md;
+  md.id = std::string(info->test_case_name()) + "/" + info->name();
+  md.description = info->name();
+  const auto result = rc::detail::checkTestable(f, md, params);
+  if (result.template is<rc::detail::SuccessResult>()) {
+    if (!result.template get<rc::detail::SuccessResult>().distribution.empty()) {
+      rc::detail::printResultMessage(result, std::cout);
+      std::cout << std::endl;
+    }
+  } else {
+    std::ostringstream ss;
+    rc::detail::printResultMessage(result, ss);
+    FAIL() << ss.str();
+  }
+}
+
+// A device type whose costs are SCALE times the reference's; linear in the micro-batch size.
+DeviceProfile dev_profile(double scale, double fixed = 0.0005, double per_sample = 0.002) {
+  DeviceProfile d;
+  d.block_fwd = {fixed * scale, per_sample * scale};
+  d.block_bwd = {2 * fixed * scale, 2 * per_sample * scale};
+  d.embed_fwd = {fixed * scale / 2, per_sample * scale / 4};
+  d.embed_bwd = {fixed * scale / 2, per_sample * scale / 4};
+  d.head_fwd = {fixed * scale, per_sample * scale};
+  d.head_bwd = {fixed * scale, per_sample * scale};
+  d.optimizer_s_per_param = 1e-9 * scale;
+  return d;
+}
+
+Profile base_profile(int64_t layers, const std::string& arch = "llama") {
+  Profile p;
+  p.model.arch = arch;
+  p.model.layers = layers;
+  p.model.hidden = 32;
+  p.model.heads = 4;
+  p.model.seq_len = 16;
+  p.model.vocab_size = 64;
+  p.memory.param_bytes_per_block = 1e6;
+  p.memory.param_bytes_embed = 2e6;
+  p.memory.param_bytes_head = 2e6;
+  p.memory.act_bytes_per_sample_block = 2e5;
+  p.memory.act_bytes_per_sample_embed = 1e5;
+  p.memory.act_bytes_per_sample_head = 4e5;
+  p.memory.state_bytes_per_param_byte = 4;
+  return p;
+}
+
+Device device(const std::string& name, const std::string& host, const std::string& type, double memory_gb = 0) {
+  Device d;
+  d.name = name;
+  d.host = host;
+  d.type = type;
+  d.memory_gb = memory_gb;
+  return d;
+}
+
+StagePlan stage(int rank, int64_t b, int64_t e, const std::string& dev) { return {{rank}, b, e, dev}; }
+
+void expect_uses_every_device(const SearchResult& r, const ClusterSpec& c, const Profile& p) {
+  EXPECT_NO_THROW(r.plan.validate(p.model));
+  std::set<int> seen;
+  for (const auto& pl : r.plan.pipelines)
+    for (const auto& st : pl.stages) {
+      ASSERT_EQ(st.ranks.size(), 1u);
+      const int rank = st.ranks[0];
+      EXPECT_TRUE(seen.insert(rank).second) << "rank " << rank << " twice";
+      ASSERT_GE(rank, 0);
+      ASSERT_LT(rank, static_cast<int>(c.devices.size()));
+      EXPECT_EQ(st.device, c.devices[static_cast<size_t>(rank)].name);
+    }
+  EXPECT_EQ(seen.size(), c.devices.size());
+  EXPECT_TRUE(r.cost.fits) << r.cost.explanation;
+  EXPECT_TRUE(near_rel(r.search_step_s, r.cost.step_s)) << r.search_step_s << " vs " << r.cost.step_s;
+}
+
+}  // namespace
+
+// --- The fast timing path agrees with the event simulator -------------------------------------
+
+RC_GTEST_PROP(SimulateTimes, MatchesTheEventSimulator, ()) {
+  const int64_t S = *rc::gen::inRange<int64_t>(1, 7);
+  const int64_t M = *rc::gen::inRange<int64_t>(1, 12);
+  const std::string name = *rc::gen::element(std::string("1f1b"), std::string("gpipe"));
+  pipeline::SimCosts c;
+  for (int64_t s = 0; s < S; ++s) {
+    c.forward.push_back(*rc::gen::inRange(0, 1000) / 100.0);
+    c.backward.push_back(*rc::gen::inRange(0, 1000) / 100.0);
+    if (s + 1 < S) c.p2p_link.push_back(*rc::gen::inRange(0, 500) / 100.0);
+  }
+  std::vector<std::vector<pipeline::Action>> lists;
+  for (int64_t s = 0; s < S; ++s) lists.push_back(pipeline::make_schedule(name, s, S, M));
+  const auto sim = pipeline::simulate(lists, c);
+  const auto fast = pipeline::simulate_times(name, S, M, c);
+  RC_ASSERT(fast.makespan == sim.makespan);
+  for (int64_t s = 0; s < S; ++s) {
+    double start = -1, end = -1;
+    for (const auto& e : sim.events)
+      if (e.stage == s && e.action.kind == pipeline::ActionKind::Backward) start = e.start, end = e.end;
+    RC_ASSERT(fast.last_backward_start[static_cast<size_t>(s)] == start);
+    RC_ASSERT(fast.last_backward_end[static_cast<size_t>(s)] == end);
+    RC_ASSERT(fast.peak_in_flight[static_cast<size_t>(s)] == sim.peak_in_flight[static_cast<size_t>(s)]);
+    const int64_t expect_peak = name == "gpipe" ? M : std::min(S - s, M);
+    RC_ASSERT(fast.peak_in_flight[static_cast<size_t>(s)] == expect_peak);
+  }
+}
+
+TEST(SimulateTimes, PerLinkP2pDelaysOnlyThatLink) {
+  // Two links: the second is slow. Stage 2's first forward waits for both transfers.
+  pipeline::SimCosts c{{1, 1, 1}, {1, 1, 1}, 0, {0.5, 3}};
+  std::vector<std::vector<pipeline::Action>> lists;
+  for (int s = 0; s < 3; ++s) lists.push_back(pipeline::make_schedule("gpipe", s, 3, 1));
+  const auto sim = pipeline::simulate(lists, c);
+  // F0 on stage 0 [0,1], arrives at 1.5; stage 1 [1.5,2.5], arrives 5.5; stage 2 F [5.5,6.5], B [6.5,7.5];
+  // gradient to stage 1 at 10.5, B [10.5,11.5]; to stage 0 at 12, B [12,13].
+  EXPECT_DOUBLE_EQ(sim.makespan, 13.0);
+  EXPECT_DOUBLE_EQ(pipeline::simulate_times("gpipe", 3, 1, c).makespan, 13.0);
+  c.p2p_link = {0.5};
+  EXPECT_THROW(pipeline::simulate(lists, c), std::invalid_argument);
+}
+
+// --- Cost model on hand-computed cases ----------------------------------------------------------
+
+namespace {
+
+// Costs independent of the micro-batch size, so the arithmetic below is easy to follow.
+DeviceProfile flat(double block_f, double block_b, double end_f, double end_b) {
+  DeviceProfile d;
+  d.block_fwd = {block_f, 0};
+  d.block_bwd = {block_b, 0};
+  d.embed_fwd = d.head_fwd = {end_f, 0};
+  d.embed_bwd = d.head_bwd = {end_b, 0};
+  d.optimizer_s_per_param = 0;
+  return d;
+}
+
+}  // namespace
+
+TEST(CostModel, OneDevice) {
+  Profile p = base_profile(2);
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  p.devices["t"].optimizer_s_per_param = 1e-6;
+  ClusterSpec c;
+  c.devices = {device("d0", "h0", "t", 1.0)};
+  Plan plan;
+  plan.global_batch = 6;
+  plan.pipelines.push_back({2, 3, {stage(0, 0, 2, "d0")}});
+  PlanCost pc = simulate_plan(plan, c, p);
+  // 3 micro-batches of forward (2*0.5 + 0.25 + 0.25 = 1.5) and backward (2*1 + 0.5 + 0.5 = 3).
+  EXPECT_DOUBLE_EQ(pc.phase_s, 3 * 4.5);
+  EXPECT_TRUE(pc.sync_groups.empty());
+  EXPECT_EQ(pc.world_allreduce_s, 0.0);
+  // Parameters: 2 blocks (2 MB) + embedding (2 MB) + head (2 MB) = 6e6 bytes = 1.5e6 float32.
+  EXPECT_NEAR(pc.optimizer_s, 1.5e6 * 1e-6, 1e-12);
+  EXPECT_NEAR(pc.step_s, 13.5 + 1.5, 1e-12);
+  ASSERT_EQ(pc.stages.size(), 1u);
+  // Memory: 6e6 * 4 + no buckets + 1 micro-batch of 2 in flight * (2*2e5 + 1e5 + 4e5) bytes.
+  EXPECT_DOUBLE_EQ(pc.stages[0].memory_bytes, 24e6 + 1 * 2 * 9e5);
+  EXPECT_EQ(pc.stages[0].peak_in_flight, 1);
+  EXPECT_TRUE(pc.fits);
+  EXPECT_DOUBLE_EQ(pc.stages[0].bubble_s, 0.0);
+}
+
+TEST(CostModel, TwoStagePipelineExactStepTime) {
+  Profile p = base_profile(2);
+  p.model.seq_len = 4;
+  p.model.hidden = 8;  // one sample = 4 * 8 * 4 = 128 bytes
+  p.devices["t"] = flat(0.5, 1.0, 0.5, 1.0);
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "t"), device("b", "h1", "t")};
+  // 128 bytes at 512 bytes/s = 0.25 s, plus 0.25 s latency: 0.5 s per message.
+  c.rules.push_back({"h0", "h1", Link{512 * 8 / 1e9, 250}});
+  for (const std::string sched : {"gpipe", "1f1b"}) {
+    Plan plan;
+    plan.global_batch = 2;
+    plan.schedule = sched;
+    plan.pipelines.push_back({1, 2, {stage(0, 0, 1, "a"), stage(1, 1, 2, "b")}});
+    PlanCost pc = simulate_plan(plan, c, p);
+    // Stage costs: forward 0.5 + 0.5 = 1, backward 1 + 1 = 2 on both stages; p2p 0.5.
+    // GPipe: stage 1 F0 [1.5,2.5] F1 [2.5,3.5] B0 [3.5,5.5] B1 [5.5,7.5]; stage 0 B0 [6,8] B1 [8,10].
+    // 1F1B: stage 1 F0 [1.5,2.5] B0 [2.5,4.5] F1 [4.5,5.5] B1 [5.5,7.5]; stage 0 B0 [5,7] B1 [8,10].
+    EXPECT_NEAR(pc.phase_s, 10.0, 1e-9) << sched;
+    EXPECT_TRUE(pc.sync_groups.empty()) << sched;  // LLaMA: nothing is shared inside one pipeline
+    // World all-reduce over 2 ranks: 2(n-1)/n = 1 times the ring's latencies (0.25 each way) + 16 B.
+    EXPECT_NEAR(pc.world_allreduce_s, 0.5 + 16.0 / 512, 1e-9);
+    EXPECT_NEAR(pc.step_s, 10.0 + 0.5 + 16.0 / 512, 1e-9) << sched;
+    ASSERT_EQ(pc.stages.size(), 2u);
+    EXPECT_NEAR(pc.stages[0].p2p_s, 2 * 0.5, 1e-9);  // two activations
+    EXPECT_NEAR(pc.stages[1].p2p_s, 2 * 0.5, 1e-9);  // two gradients
+    EXPECT_NEAR(pc.stages[1].bubble_s, 10.0 - 6.0, 1e-9);
+    EXPECT_EQ(pc.stages[0].peak_in_flight, sched == "gpipe" ? 2 : 2);
+    EXPECT_EQ(pc.stages[1].peak_in_flight, sched == "gpipe" ? 2 : 1);
+  }
+}
+
+TEST(CostModel, DataParallelOverASlowLinkExposesSync) {
+  Profile p = base_profile(2);
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "t"), device("b", "h1", "t")};
+  // 1 MB/s between the hosts, 10 ms latency.
+  c.rules.push_back({"h0", "h1", Link{8e6 / 1e9, 10}});
+  Plan plan;
+  plan.global_batch = 4;
+  plan.bucket_mb = 1;  // 1 MiB buckets
+  plan.pipelines.push_back({2, 1, {stage(0, 0, 2, "a")}});
+  plan.pipelines.push_back({1, 2, {stage(1, 0, 2, "b")}});
+  PlanCost pc = simulate_plan(plan, c, p);
+  // One holder set {0, 1} with everything: 2 blocks + embedding + head = 6e6 bytes.
+  ASSERT_EQ(pc.sync_groups.size(), 1u);
+  const auto& g = pc.sync_groups[0];
+  EXPECT_EQ(g.ranks, (std::vector<int>{0, 1}));
+  EXPECT_DOUBLE_EQ(g.bytes, 6e6);
+  const int64_t buckets = static_cast<int64_t>(std::ceil(6e6 / (1024.0 * 1024.0)));
+  EXPECT_EQ(g.buckets, buckets);
+  const double sync = buckets * 1.0 * (2 * 0.010) + 1.0 * 6e6 / 1e6;
+  EXPECT_NEAR(g.time_s, sync, 1e-9);
+  // Pipeline 0: one micro-batch: forward 1.5, backward 3 -> last backward [1.5, 4.5].
+  // Pipeline 1: F0 B0 F1 B1 -> last backward [6, 9]. Ready at 6 (the later holder).
+  EXPECT_NEAR(g.ready_s, 6.0, 1e-12);
+  EXPECT_NEAR(pc.stages[0].sync_exposed_s, 6 + sync - 4.5, 1e-9);
+  EXPECT_NEAR(pc.stages[1].sync_exposed_s, 6 + sync - 9, 1e-9);
+  EXPECT_GT(pc.stages[1].sync_exposed_s, 0);
+  EXPECT_NEAR(pc.sync_done_s, 6 + sync, 1e-9);
+  EXPECT_NEAR(pc.world_allreduce_s, 2 * 0.010 + 16 / 1e6, 1e-12);
+  EXPECT_NEAR(pc.step_s, 6 + sync + pc.world_allreduce_s, 1e-9);
+  // Each rank keeps a bucket copy of the gradients it syncs.
+  EXPECT_DOUBLE_EQ(pc.stages[0].bucket_bytes, 6e6);
+}
+
+TEST(CostModel, SyncHiddenBehindTheLastBackwardOnAFastLink) {
+  Profile p = base_profile(2);
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "t"), device("b", "h0", "t")};  // same host: 100 Gbps
+  Plan plan;
+  plan.global_batch = 2;
+  plan.pipelines.push_back({1, 1, {stage(0, 0, 2, "a")}});
+  plan.pipelines.push_back({1, 1, {stage(1, 0, 2, "b")}});
+  PlanCost pc = simulate_plan(plan, c, p);
+  ASSERT_EQ(pc.sync_groups.size(), 1u);
+  EXPECT_LT(pc.sync_groups[0].time_s, 3.0);  // less than the 3 s backward
+  EXPECT_EQ(pc.stages[0].sync_exposed_s, 0.0);
+  EXPECT_NEAR(pc.sync_done_s, 4.5, 1e-12);
+}
+
+TEST(CostModel, TiedEmbeddingIsSyncedBetweenFirstAndLastStage) {
+  Profile p = base_profile(4, "gpt2");
+  p.model.vocab_size = 1000;
+  p.model.hidden = 250;  // wte = 1000 * 250 * 4 = 1e6 bytes, inside embed (2e6) and head (2e6)
+  p.devices["t"] = flat(0.1, 0.2, 0.1, 0.2);
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "t"), device("b", "h0", "t")};
+  Plan plan;
+  plan.global_batch = 2;
+  plan.pipelines.push_back({1, 2, {stage(0, 0, 2, "a"), stage(1, 2, 4, "b")}});
+  PlanCost pc = simulate_plan(plan, c, p);
+  ASSERT_EQ(pc.sync_groups.size(), 1u);
+  EXPECT_EQ(pc.sync_groups[0].ranks, (std::vector<int>{0, 1}));
+  EXPECT_DOUBLE_EQ(pc.sync_groups[0].bytes, 1e6);
+  // Stage 0 holds 2 blocks + wte + wpe; stage 1 holds 2 blocks + ln_f + its wte copy.
+  EXPECT_DOUBLE_EQ(pc.stages[0].param_bytes, 2e6 + 2e6);
+  EXPECT_DOUBLE_EQ(pc.stages[1].param_bytes, 2e6 + 2e6);
+  // A one-stage pipeline holds wte once.
+  Plan one;
+  one.global_batch = 1;
+  one.pipelines.push_back({1, 1, {stage(0, 0, 4, "a")}});
+  Plan two = one;
+  two.global_batch = 2;
+  two.pipelines.push_back({1, 1, {stage(1, 0, 4, "b")}});
+  EXPECT_DOUBLE_EQ(simulate_plan(two, c, p).stages[0].param_bytes, 4e6 + 2e6 + 2e6 - 1e6);
+}
+
+TEST(CostModel, MemoryOverflowNamesTheDeviceAndBytes) {
+  Profile p = base_profile(4);
+  p.devices["t"] = flat(0.1, 0.2, 0.1, 0.2);
+  ClusterSpec c;
+  c.devices = {device("big", "h0", "t", 1.0), device("tiny", "h0", "t", 0.015625)};
+  Plan plan;
+  plan.global_batch = 2;
+  plan.pipelines.push_back({1, 2, {stage(0, 0, 1, "big"), stage(1, 1, 4, "tiny")}});
+  PlanCost pc = simulate_plan(plan, c, p);
+  EXPECT_FALSE(pc.fits);
+  EXPECT_TRUE(pc.stages[0].fits);
+  EXPECT_FALSE(pc.stages[1].fits);
+  // tiny: 3 blocks + head = 5e6 bytes * 4 = 2e7 + activations 1 * 1 * (3*2e5 + 4e5) = 2.1e7 > 1.5625e7.
+  EXPECT_DOUBLE_EQ(pc.stages[1].memory_bytes, 2.1e7);
+  EXPECT_NE(pc.explanation.find("'tiny'"), std::string::npos) << pc.explanation;
+  EXPECT_NE(pc.explanation.find("21000000 bytes"), std::string::npos) << pc.explanation;
+  EXPECT_NE(pc.explanation.find("over by"), std::string::npos) << pc.explanation;
+  EXPECT_NE(pc.explanation.find("5375000 bytes"), std::string::npos) << pc.explanation;
+  EXPECT_EQ(pc.to_json()["fits"], false);
+}
+
+TEST(CostModel, RejectsUnknownDevicesTypesAndDeadLinks) {
+  Profile p = base_profile(2);
+  p.devices["t"] = flat(0.1, 0.2, 0.1, 0.2);
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "t")};
+  Plan plan;
+  plan.global_batch = 1;
+  plan.pipelines.push_back({1, 1, {stage(0, 0, 2, "nope")}});
+  EXPECT_THROW(simulate_plan(plan, c, p), InputError);
+  plan.pipelines[0].stages[0].device = "";
+  EXPECT_THROW(simulate_plan(plan, c, p), InputError);
+  plan.pipelines[0].stages[0].device = "a";
+  c.devices[0].type = "unprofiled";
+  try {
+    simulate_plan(plan, c, p);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("unprofiled"), std::string::npos);
+  }
+  c.devices[0].type = "t";
+  c.devices.push_back(device("b", "h1", "t"));
+  c.rules.push_back({"h0", "h1", Link{0, 1}});
+  EXPECT_THROW(simulate_plan(plan, c, p), InputError);
+}
+
+// --- Search ------------------------------------------------------------------------------------
+
+namespace {
+
+struct Pool {
+  ClusterSpec cluster;
+  Profile profile;
+};
+
+// Speeds 1, 0.5, 0.25 on three hosts; one slow link, between the fastest and the slowest.
+Pool three_device_pool() {
+  Pool pl;
+  pl.profile = base_profile(8);
+  pl.profile.devices["fast"] = dev_profile(1);
+  pl.profile.devices["mid"] = dev_profile(2);
+  pl.profile.devices["slow"] = dev_profile(4);
+  pl.cluster.devices = {device("f", "h0", "fast", 0.2), device("m", "h1", "mid", 0.2), device("s", "h2", "slow", 0.2)};
+  pl.cluster.default_link = Link{10, 0.1};
+  pl.cluster.rules.push_back({"h0", "h2", Link{0.1, 5}});
+  return pl;
+}
+
+}  // namespace
+
+TEST(Search, EveryStrategyUsesEveryDeviceOnce) {
+  Pool pl;
+  pl.profile = base_profile(6);
+  pl.profile.devices["a"] = dev_profile(1);
+  pl.profile.devices["b"] = dev_profile(3);
+  for (int i = 0; i < 6; ++i)
+    pl.cluster.devices.push_back(device("d" + std::to_string(i), "h" + std::to_string(i / 2), i % 3 == 0 ? "a" : "b", 0.1));
+  pl.cluster.rules.push_back({"h0", "h2", Link{0.5, 2}});
+  for (const std::string s : {"alloy", "uniform", "proportional", "ptafm"}) {
+    SearchOptions o;
+    o.strategy = s;
+    o.global_batch = 24;
+    SearchResult r = search(pl.cluster, pl.profile, o);
+    SCOPED_TRACE(s + ": " + r.plan.describe());
+    expect_uses_every_device(r, pl.cluster, pl.profile);
+    EXPECT_EQ(r.strategy, s);
+    EXPECT_GT(r.candidates_evaluated, 0);
+    EXPECT_EQ(r.plan.predicted["step_s"], r.cost.step_s);
+  }
+  // PTAFM with its NUM_STAGE given: 2 stage groups of hosts, every replica crossing both.
+  SearchOptions o;
+  o.strategy = "ptafm";
+  o.global_batch = 24;
+  o.ptafm_stages = 2;
+  SearchResult r = search(pl.cluster, pl.profile, o);
+  SCOPED_TRACE(r.plan.describe());
+  expect_uses_every_device(r, pl.cluster, pl.profile);
+  for (const auto& p : r.plan.pipelines) {
+    std::set<std::string> hosts;
+    for (const auto& st : p.stages) hosts.insert(pl.cluster.devices[static_cast<size_t>(st.ranks[0])].host);
+    EXPECT_GE(hosts.size(), 2u);
+  }
+  o.ptafm_stages = 4;  // more stages than hosts
+  EXPECT_THROW(search(pl.cluster, pl.profile, o), InputError);
+  // A dead link is named before any search.
+  pl.cluster.rules.push_back({"h0", "h1", Link{0, 1}});
+  o.strategy = "alloy";
+  try {
+    search(pl.cluster, pl.profile, o);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("no usable link"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Search, UniformFallsBackToPipelinesWhenTheModelDoesNotFitOneDevice) {
+  Pool pl;
+  pl.profile = base_profile(8);
+  pl.profile.devices["a"] = dev_profile(1);
+  // The model: 8 + 2 + 2 = 12 MB of parameters, 48 MB with state: 4 devices of 40 MB need pipelines.
+  for (int i = 0; i < 4; ++i) pl.cluster.devices.push_back(device("d" + std::to_string(i), "h0", "a", 0.04));
+  SearchOptions o;
+  o.strategy = "uniform";
+  o.global_batch = 8;
+  SearchResult r = search(pl.cluster, pl.profile, o);
+  expect_uses_every_device(r, pl.cluster, pl.profile);
+  ASSERT_EQ(r.plan.pipelines.size(), 2u);
+  for (const auto& p : r.plan.pipelines) {
+    ASSERT_EQ(p.stages.size(), 2u);
+    EXPECT_EQ(p.stages[0].layer_end - p.stages[0].layer_begin, 4);
+    EXPECT_EQ(p.samples(), 4);
+  }
+}
+
+TEST(Search, AlloyIsNeverPredictedSlowerThanTheBaselines) {
+  Pool pl = three_device_pool();
+  SearchOptions o;
+  o.global_batch = 16;
+  SearchResult best = search(pl.cluster, pl.profile, o);
+  expect_uses_every_device(best, pl.cluster, pl.profile);
+  EXPECT_TRUE(best.exact);
+  for (const std::string s : {"uniform", "proportional", "ptafm"}) {
+    o.strategy = s;
+    SearchResult r = search(pl.cluster, pl.profile, o);
+    expect_uses_every_device(r, pl.cluster, pl.profile);
+    EXPECT_LE(best.cost.step_s, r.cost.step_s * (1 + 1e-12)) << s << "\nalloy: " << best.plan.describe() << s << ": " << r.plan.describe();
+  }
+  o.strategy = "uniform";
+  const double uniform = search(pl.cluster, pl.profile, o).cost.step_s;
+  EXPECT_LT(best.cost.step_s, uniform * 0.95) << "on a 4x spread of speeds the planner should clearly beat equal shares";
+}
+
+TEST(Search, HeuristicModeBeatsTheBaselinesToo) {
+  // 10 devices and 24 blocks: far beyond the exact limit.
+  Pool pl;
+  pl.profile = base_profile(24);
+  pl.profile.devices["fast"] = dev_profile(1);
+  pl.profile.devices["slow"] = dev_profile(3);
+  for (int i = 0; i < 10; ++i)
+    pl.cluster.devices.push_back(device("d" + std::to_string(i), "h" + std::to_string(i / 5), i % 2 ? "slow" : "fast", 0.2));
+  pl.cluster.rules.push_back({"h0", "h1", Link{1, 5}});
+  SearchOptions o;
+  o.global_batch = 64;
+  o.time_budget_s = 0.5;
+  SearchResult best = search(pl.cluster, pl.profile, o);
+  EXPECT_FALSE(best.exact);
+  expect_uses_every_device(best, pl.cluster, pl.profile);
+  for (const std::string s : {"uniform", "proportional", "ptafm"}) {
+    o.strategy = s;
+    SearchResult r = search(pl.cluster, pl.profile, o);
+    EXPECT_LE(best.cost.step_s, r.cost.step_s * (1 + 1e-12)) << s;
+  }
+}
+
+TEST(Search, ExplainsWhatDoesNotFit) {
+  Pool pl = three_device_pool();
+  SearchOptions o;
+  o.global_batch = 2;  // three devices, 8 blocks: one pipeline of three is possible, so this is fine
+  EXPECT_NO_THROW(search(pl.cluster, pl.profile, o));
+  o.micro_batch_sizes = {4};
+  o.global_batch = 6;  // not a multiple of 4
+  try {
+    search(pl.cluster, pl.profile, o);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot be split"), std::string::npos) << e.what();
+  }
+  // 3 x 10 MB against a 48 MB model
+  o = SearchOptions();
+  o.global_batch = 8;
+  for (auto& d : pl.cluster.devices) d.memory_gb = 0.01;
+  try {
+    search(pl.cluster, pl.profile, o);
+    FAIL();
+  } catch (const InputError& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("does not fit the pool"), std::string::npos) << w;
+    EXPECT_NE(w.find("short by"), std::string::npos) << w;
+  }
+  // Fits the pool in total but no rank layout fits (activations of the head stage).
+  for (auto& d : pl.cluster.devices) d.memory_gb = 0.0185;
+  pl.profile.memory.act_bytes_per_sample_head = 5e7;
+  try {
+    search(pl.cluster, pl.profile, o);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("over by"), std::string::npos) << e.what();
+  }
+  // More pipelines needed than samples: 20 devices, 2 blocks -> at least 10 pipelines.
+  Pool many;
+  many.profile = base_profile(2);
+  many.profile.devices["a"] = dev_profile(1);
+  for (int i = 0; i < 20; ++i) many.cluster.devices.push_back(device("d" + std::to_string(i), "h0", "a"));
+  o.global_batch = 5;
+  try {
+    search(many.cluster, many.profile, o);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("at least 10 pipeline"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Search, MinmaxSplitMatchesBruteForce) {
+  check_times(200, [] {
+    const int R = *rc::gen::inRange(1, 4);
+    const int64_t T = *rc::gen::inRange<int64_t>(R, 10);
+    std::vector<std::vector<double>> g(static_cast<size_t>(R), std::vector<double>(static_cast<size_t>(T + 1)));
+    for (auto& row : g)
+      for (auto& v : row) v = *rc::gen::inRange(0, 12) == 0 ? INFINITY : *rc::gen::inRange(0, 100) / 7.0;
+    std::vector<int64_t> choice;
+    const double dp = minmax_split(g, T, &choice);
+    double brute = INFINITY;
+    std::vector<int64_t> b(static_cast<size_t>(R), 1);
+    std::function<void(int, int64_t)> rec = [&](int r, int64_t left) {
+      if (r == R - 1) {
+        if (left < 1) return;
+        b[static_cast<size_t>(r)] = left;
+        double v = 0;
+        for (int i = 0; i < R; ++i) v = std::max(v, g[static_cast<size_t>(i)][static_cast<size_t>(b[static_cast<size_t>(i)])]);
+        brute = std::min(brute, v);
+        return;
+      }
+      for (int64_t x = 1; x <= left - (R - 1 - r); ++x) {
+        b[static_cast<size_t>(r)] = x;
+        rec(r + 1, left - x);
+      }
+    };
+    rec(0, T);
+    RC_ASSERT(dp == brute);
+    if (std::isfinite(dp)) {
+      int64_t sum = 0;
+      double v = 0;
+      for (int i = 0; i < R; ++i) {
+        sum += choice[static_cast<size_t>(i)];
+        v = std::max(v, g[static_cast<size_t>(i)][static_cast<size_t>(choice[static_cast<size_t>(i)])]);
+      }
+      RC_ASSERT(sum == T);
+      RC_ASSERT(v == dp);
+    }
+  });
+}
+
+TEST(Search, SpaceSizeFormula) {
+  EXPECT_EQ(search_space_configurations(1, 8), 1);
+  EXPECT_EQ(search_space_configurations(2, 8), 15);    // {a}{b} + 2 orders x 7 splits
+  EXPECT_EQ(search_space_configurations(3, 8), 169);
+  EXPECT_EQ(search_space_configurations(6, 8), 546631);
+}
+
+// The exact search (symmetry + branch and bound + DP batch split) finds exhaustive()'s optimum on
+// random small pools; both plans are re-simulated by simulate_plan.
+TEST(Search, ExactSearchMatchesExhaustiveEnumeration) {
+  const auto t0 = std::chrono::steady_clock::now();
+  check_times(60, [] {
+    const int n_types = *rc::gen::inRange(1, 4), n_hosts = *rc::gen::inRange(1, 4);
+    // Mostly 2-5 devices; 6 (half a million configurations per schedule) now and then.
+    const int n = *rc::gen::weightedElement<int>({{1, 1}, {3, 2}, {4, 3}, {4, 4}, {3, 5}, {1, 6}});
+    Pool pl;
+    pl.profile = base_profile(8);
+    std::vector<std::string> types;
+    for (int t = 0; t < n_types; ++t) {
+      types.push_back("t" + std::to_string(t));
+      pl.profile.devices[types.back()] =
+          dev_profile(*rc::gen::inRange(1, 9) / 2.0, *rc::gen::inRange(0, 20) / 10000.0, *rc::gen::inRange(5, 40) / 10000.0);
+    }
+    for (int i = 0; i < n; ++i) {
+      const int t = *rc::gen::inRange(0, n_types), h = *rc::gen::inRange(0, n_hosts);
+      const double mem = *rc::gen::element(0.0, 0.0, 0.02, 0.03, 0.06);
+      pl.cluster.devices.push_back(device("d" + std::to_string(i), "h" + std::to_string(h), types[static_cast<size_t>(t)], mem));
+    }
+    for (int a = 0; a < n_hosts; ++a)
+      for (int b = a + 1; b < n_hosts; ++b)
+        pl.cluster.rules.push_back({"h" + std::to_string(a), "h" + std::to_string(b),
+                                    Link{*rc::gen::element(0.05, 0.5, 5.0), *rc::gen::element(0.05, 1.0, 5.0)}});
+    SearchOptions o;
+    o.global_batch = *rc::gen::inRange<int64_t>(8, 17);
+    o.max_micro_batch = 4;
+    o.bucket_mb = *rc::gen::element(0.5, 25.0);
+    std::string err_s, err_e;
+    SearchResult s, e;
+    try {
+      s = search(pl.cluster, pl.profile, o);
+    } catch (const InputError& x) {
+      err_s = x.what();
+    }
+    try {
+      e = exhaustive(pl.cluster, pl.profile, o);
+    } catch (const InputError& x) {
+      err_e = x.what();
+    }
+    RC_ASSERT(err_s.empty() == err_e.empty());
+    if (!err_s.empty()) {
+      RC_TAG("infeasible");
+      return;
+    }
+    RC_CLASSIFY(n >= 5, "5-6 devices");
+    RC_ASSERT(s.exact);
+    RC_ASSERT(s.cost.fits);
+    RC_ASSERT(e.cost.fits);
+    RC_ASSERT(s.plan.world_size() == n);
+    RC_ASSERT(near_rel(s.search_step_s, s.cost.step_s));
+    RC_ASSERT(near_rel(e.search_step_s, e.cost.step_s));
+    if (!near_rel(s.cost.step_s, e.cost.step_s))
+      RC_FAIL("search " + std::to_string(s.cost.step_s) + " (" + s.plan.describe() + ") vs exhaustive " + std::to_string(e.cost.step_s) +
+              " (" + e.plan.describe() + ")");
+  });
+  std::cout << "exact vs exhaustive: " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";
+}
