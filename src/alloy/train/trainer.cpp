@@ -237,11 +237,12 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
   // activation memory) go to rank 0 through the store and into OUTPUT/ranks.json, so a user can
   // see each stage's share without collecting logs from every host.
   if (r.steps.empty()) return;
-  std::vector<double> step_s, compute_s, sync_s;
+  std::vector<double> step_s, compute_s, sync_s, phase_s;
   for (size_t i = r.steps.size() > 3 ? 1 : 0; i < r.steps.size(); ++i) {  // the first step warms up
     step_s.push_back(r.steps[i].step_s);
     compute_s.push_back(r.steps[i].compute_s);
     sync_s.push_back(r.steps[i].sync_wait_s);
+    phase_s.push_back(r.steps[i].phase_s);
   }
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -255,6 +256,7 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
                        {"step_s_median", median(step_s)},
                        {"compute_s_median", median(compute_s)},
                        {"sync_wait_s_median", median(sync_s)},
+                       {"phase_s_median", median(phase_s)},
                        {"peak_activation_bytes", r.peak_activation_bytes},
                        {"peak_in_flight_micro_batches", r.peak_in_flight}};
   nlohmann::json all = nlohmann::json::array();
@@ -325,6 +327,7 @@ TrainResult Trainer::run() {
     std::vector<uint64_t> samples = sampler_->take(static_cast<uint64_t>(step * gb + offset), static_cast<uint64_t>(mine));
     double loss_local = exec_->run(actions, micro_batches(*train_, samples, pl.micro_batch_size), batch_tokens, reducer_.get());
     auto sync_t0 = std::chrono::steady_clock::now();
+    const double phase_s = std::chrono::duration<double>(sync_t0 - t0).count();
     double sync_wait = reducer_ ? reducer_->finish().wait_s : 0.0;
     if (tracing && reducer_)
       exec_->trace().push_back({"grad sync wait", "sync",
@@ -358,7 +361,8 @@ TrainResult Trainer::run() {
     opt_->zero_grad();
 
     const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    StepRecord rec{step + 1, sums[0] / batch_tokens, lr, grad_norm, step_s, batch_tokens / step_s, exec_->compute_s(), sync_wait};
+    StepRecord rec{step + 1, sums[0] / batch_tokens, lr, grad_norm, step_s, batch_tokens / step_s, exec_->compute_s(), sync_wait,
+                   phase_s};
     result.steps.push_back(rec);
     result.peak_activation_bytes = std::max(result.peak_activation_bytes, exec_->peak_activation_bytes());
     result.peak_in_flight = std::max(result.peak_in_flight, exec_->peak_in_flight());

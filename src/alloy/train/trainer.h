@@ -40,6 +40,7 @@ struct StepRecord {
   int64_t step;  // 1-based: the number of optimizer steps completed
   double loss, lr, grad_norm, step_s, tokens_per_s;
   double compute_s = 0, sync_wait_s = 0;  // this rank's share
+  double phase_s = 0;  // from the step's start to this rank's last schedule action
 };
 
 struct TrainResult {
