@@ -45,25 +45,38 @@ int main(int argc, char** argv) {
   auto params = model->parameters();
   alloy::train::AdamW opt(params, {0.9, 0.95, 1e-8, 0.1});
   auto gen = at::detail::createCPUGenerator(0);
-  std::vector<double> times;
+  std::vector<double> times, tf, tb, to;
   for (int64_t s = 0; s < warmup + steps; ++s) {
     at::Tensor tok = at::randint(m.vocab_size, {B, m.seq_len + 1}, gen, at::kLong);
     auto t0 = std::chrono::steady_clock::now();
     auto logits = model->forward(tok.narrow(1, 0, m.seq_len));
     auto loss = alloy::model::Transformer::loss_sum(logits, tok.narrow(1, 1, m.seq_len)) / static_cast<double>(B * m.seq_len);
+    auto t1 = std::chrono::steady_clock::now();
     loss.backward();
+    auto t2 = std::chrono::steady_clock::now();
     alloy::train::clip_grad_norm(params, 1.0);
     opt.step(lr);
     opt.zero_grad();
-    double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (s >= warmup) times.push_back(dt);
+    auto t3 = std::chrono::steady_clock::now();
+    double dt = std::chrono::duration<double>(t3 - t0).count();
+    if (s >= warmup) {
+      times.push_back(dt);
+      tf.push_back(std::chrono::duration<double>(t1 - t0).count());
+      tb.push_back(std::chrono::duration<double>(t2 - t1).count());
+      to.push_back(std::chrono::duration<double>(t3 - t2).count());
+    }
   }
   std::sort(times.begin(), times.end());
   double mean = 0;
   for (double t : times) mean += t;
   mean /= static_cast<double>(times.size());
   double median = times[times.size() / 2];
-  std::printf("{\"impl\":\"alloy\",\"step_s_median\":%.6f,\"step_s_mean\":%.6f,\"steps\":%lld,\"tokens_per_s\":%.1f}\n", median,
-              mean, static_cast<long long>(steps), static_cast<double>(B * m.seq_len) / median);
+  auto med = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::printf("{\"impl\":\"alloy\",\"step_s_median\":%.6f,\"step_s_mean\":%.6f,\"steps\":%lld,\"tokens_per_s\":%.1f,"
+              "\"forward_s\":%.6f,\"backward_s\":%.6f,\"optimizer_s\":%.6f}\n",
+              median, mean, static_cast<long long>(steps), static_cast<double>(B * m.seq_len) / median, med(tf), med(tb), med(to));
   return 0;
 }

@@ -69,16 +69,21 @@ def main():
     n_total = args.warmup + args.steps
     batches = torch.randint(0, args.vocab, (n_total, args.batch, args.seq_len + 1), generator=g)
 
-    times, losses = [], []
+    times, losses, tf, tb, to = [], [], [], [], []
     for i in range(n_total):
         t0 = time.perf_counter()
         loss = reference.loss_fn(cfg, params, batches[i])
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(plist, 1.0)
         opt.step()
         # set_to_none: the cheaper variant (and torch 2.x's default).
         opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        dt = t3 - t0
+        if i >= args.warmup:
+            tf.append(t1 - t0), tb.append(t2 - t1), to.append(t3 - t2)
         losses.append(loss.item())  # outside the timed region: .item() is not part of a step
         if i >= args.warmup:
             times.append(dt)
@@ -96,7 +101,8 @@ def main():
         "arch": args.arch, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
         "kv_heads": cfg.kv_heads, "ffn": cfg.ffn, "seq_len": args.seq_len,
         "vocab": args.vocab, "batch": args.batch, "threads": args.threads,
-        "torch": torch.__version__, "loss_first": losses[0], "loss_last": losses[-1],
+        "torch": torch.__version__, "forward_s": statistics.median(tf), "backward_s": statistics.median(tb),
+        "optimizer_s": statistics.median(to), "loss_first": losses[0], "loss_last": losses[-1],
     }))
     return 0
 

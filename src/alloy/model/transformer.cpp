@@ -123,7 +123,9 @@ class Gpt2Block : public Layer {
     int64_t B = x.size(0), T = x.size(1), H = c_.hidden, nh = c_.heads, hd = c_.head_dim();
     auto h = at::layer_norm(x, {H}, P[0].tensor, P[1].tensor, c_.norm_eps);
     // HF's Conv1D: y = x @ W + b with W stored [in, out].
-    auto qkv = at::addmm(P[3].tensor, h.reshape({B * T, H}), P[2].tensor).view({B, T, 3, nh, hd}).permute({2, 0, 3, 1, 4});
+    // unbind, not qkv[i]: select's backward writes each gradient into a zeroed full-size tensor
+    // and adds the three; unbind's backward is one stack.
+    auto qkv = at::addmm(P[3].tensor, h.reshape({B * T, H}), P[2].tensor).view({B, T, 3, nh, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
     auto y = attention(qkv[0], qkv[1], qkv[2], sh_->causal_mask(T, x.device()));
     y = y.transpose(1, 2).reshape({B * T, H});
     auto out = x + at::addmm(P[5].tensor, y, P[4].tensor).view({B, T, H});
