@@ -4,6 +4,7 @@
 #include "alloy/cli/commands.h"
 #include "alloy/core/config.h"
 #include "alloy/core/error.h"
+#include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
 #include "alloy/data/tokenizer.h"
 #include "alloy/model/weights.h"
@@ -100,12 +101,7 @@ void add_model_commands(CLI::App& app, Action& action) {
   im->callback([a, &action]() {
     action = [a]() {
       std::string hf = a->hf_config.empty() ? dir_of(a->weights) + "/config.json" : a->hf_config;
-      nlohmann::json j;
-      try {
-        j = nlohmann::json::parse(read_file(hf));
-      } catch (const nlohmann::json::exception& e) {
-        throw InputError(hf, std::string("not valid JSON: ") + e.what());
-      }
+      nlohmann::json j = read_json_file(hf);
       Config cfg = a->config.empty() ? Config{} : Config::load(a->config);
       cfg.model = model::model_config_from_hf(j, hf);
       cfg.output.dir = a->output;

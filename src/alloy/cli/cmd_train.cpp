@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <thread>
 #include <cstdio>
 
 #include "alloy/cli/commands.h"
@@ -219,6 +220,8 @@ void add_train_commands(CLI::App& app, Action& action) {
         std::fprintf(stderr, "alloy: error: rank %d: %s\n", rv.rank, e.what());
         std::fflush(stderr);
         std::fflush(stdout);
+        // Rank 0 hosts the store: linger a moment so the others can still read why before it goes.
+        if (rv.rank == 0 && world->size() > 1) std::this_thread::sleep_for(std::chrono::seconds(3));
         ::_exit(1);
       }
       std::fflush(stdout);

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "alloy/core/error.h"
+#include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
 
 namespace alloy {
@@ -151,12 +152,7 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
 }
 
 Plan Plan::load(const std::string& path) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file(path));
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(path, std::string("not valid JSON: ") + e.what());
-  }
+  nlohmann::json j = read_json_file(path);
   return from_json(j, path);
 }
 

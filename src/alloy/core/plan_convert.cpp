@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "alloy/core/error.h"
+#include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
 
 namespace alloy {
@@ -465,12 +466,7 @@ Plan plan_from_hetero_config(const nlohmann::json& j, int64_t num_layers, int64_
 
 Plan plan_from_hetero_config_file(const std::string& path, int64_t num_layers, int64_t global_batch,
                                   int64_t micro_batch) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file(path));
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(path, std::string("not valid JSON: ") + e.what());
-  }
+  nlohmann::json j = read_json_file(path);
   return plan_from_hetero_config(j, num_layers, global_batch, micro_batch, path);
 }
 

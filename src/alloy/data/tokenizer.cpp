@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "alloy/core/error.h"
+#include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
 
 namespace alloy::data {
@@ -270,12 +271,7 @@ class Gpt2Tokenizer final : public Tokenizer {
     // encoder.json: {"token in byte alphabet": id, ...}, ids dense in [0, n).
     std::unordered_map<std::string, int32_t> sym_to_id;
     {
-      nlohmann::json j;
-      try {
-        j = nlohmann::json::parse(read_file(enc_path));
-      } catch (const nlohmann::json::exception& e) {
-        throw InputError(enc_path, std::string("not valid JSON: ") + e.what());
-      }
+      nlohmann::json j = read_json_file(enc_path);
       if (!j.is_object() || j.empty())
         throw InputError(enc_path, "expected a non-empty JSON object of token -> id");
       const size_t n = j.size();

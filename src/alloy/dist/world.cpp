@@ -126,11 +126,29 @@ World::~World() {
 
 void World::heartbeat_loop() {
   int64_t beat = 0;
+  const size_t n = static_cast<size_t>(rv_.world_size);
+  {
+    std::lock_guard<std::mutex> lk(seen_mu_);
+    seen_beat_.assign(n, "");
+    seen_change_.assign(n, std::chrono::steady_clock::now());
+  }
+  // Watching every peer costs N store reads per period; beyond a few dozen ranks the report falls
+  // back to sampling the heartbeats when a failure happens.
+  const bool watch = rv_.world_size <= 64;
   while (!stop_) {
     try {
       std::lock_guard<std::mutex> lk(g_hb_mu);
       hb_store_->set("alloy/hb/" + std::to_string(rv_.rank), bytes_of(std::to_string(++beat)));
       hb_store_->set("alloy/progress/" + std::to_string(rv_.rank), bytes_of(std::to_string(progress_.load())));
+      if (watch) {
+        auto now = std::chrono::steady_clock::now();
+        for (size_t r = 0; r < n; ++r) {
+          std::string k = "alloy/hb/" + std::to_string(r);
+          std::string v = hb_store_->check({k}) ? str_of(hb_store_->get(k)) : "";
+          std::lock_guard<std::mutex> sl(seen_mu_);
+          if (v != seen_beat_[r]) seen_beat_[r] = v, seen_change_[r] = now;
+        }
+      }
     } catch (const std::exception&) {
       // The store host is gone; failure_report() says so when a collective fails.
     }
@@ -149,6 +167,23 @@ void World::report_exit(const std::string& message) {
 }
 
 std::string World::failure_report() {
+  // First what the heartbeat thread has watched: peers silent for over 1.5 s are dead or frozen.
+  // This needs no store access, which matters when the store's host exits first.
+  {
+    std::lock_guard<std::mutex> sl(seen_mu_);
+    if (!seen_change_.empty() && rv_.world_size <= 64) {
+      auto now = std::chrono::steady_clock::now();
+      std::string out;
+      for (int r = 0; r < rv_.world_size; ++r) {
+        if (r == rv_.rank) continue;
+        double quiet = std::chrono::duration<double>(now - seen_change_[static_cast<size_t>(r)]).count();
+        if (quiet > 1.5)
+          out += (out.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " died or froze (no heartbeat for " +
+                 std::to_string(static_cast<int>(quiet)) + " s)";
+      }
+      if (!out.empty()) return out;
+    }
+  }
   auto read_all = [&](const std::string& prefix) {
     std::vector<std::string> out(static_cast<size_t>(rv_.world_size));
     std::lock_guard<std::mutex> lk(g_hb_mu);

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -92,6 +93,11 @@ class World {
   std::thread hb_thread_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> progress_{-1};
+  // What the heartbeat thread last saw of every rank: its counter and when it last changed. Lets a
+  // failure report name a dead or frozen rank at once, even if the store dies meanwhile.
+  std::mutex seen_mu_;
+  std::vector<std::string> seen_beat_;
+  std::vector<std::chrono::steady_clock::time_point> seen_change_;
 };
 
 }  // namespace alloy::dist

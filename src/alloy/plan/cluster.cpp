@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "alloy/core/error.h"
+#include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
 
 namespace alloy::plan {
@@ -602,12 +603,7 @@ PtafmCluster import_ptafm(const std::string& path) {
 // HeteroShard
 
 ClusterSpec import_hetero_config(const std::string& path) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file(path));
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(path, std::string("not valid JSON: ") + e.what());
-  }
+  nlohmann::json j = read_json_file(path);
   auto fail = [&](const std::string& field, const std::string& msg) { throw InputError(path, field + ": " + msg); };
   if (!j.is_object()) fail("(top level)", "expected a JSON object with \"coordinator\" and \"workers\"");
 

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "alloy/core/error.h"
+#include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
 
 namespace alloy::plan {
@@ -213,12 +214,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
 }
 
 Profile Profile::load(const std::string& path) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file(path));
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(path, std::string("not valid JSON: ") + e.what());
-  }
+  nlohmann::json j = read_json_file(path);
   return from_json(j, path);
 }
 

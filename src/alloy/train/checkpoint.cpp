@@ -8,6 +8,7 @@
 #include <map>
 
 #include "alloy/core/error.h"
+#include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
 #include "alloy/model/weights.h"
 
@@ -121,12 +122,7 @@ std::string resolve_checkpoint(const std::string& path) {
 
 CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {
   std::string file = ckpt_dir + "/state.json";
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(read_file(file));
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(file, std::string("not valid JSON: ") + e.what());
-  }
+  nlohmann::json j = read_json_file(file);
   if (j.value("format", "") != kCheckpointFormat)
     throw InputError(file, "field 'format' is not \"" + std::string(kCheckpointFormat) + "\": not an Alloy checkpoint");
   if (j.value("version", -1) != kCheckpointVersion)
