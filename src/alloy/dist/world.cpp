@@ -256,7 +256,7 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
   auto g = std::make_shared<Group>(name, ranks, rv_.rank);
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
   opts->devices.push_back(make_gloo_device(rv_));
-  opts->threads = 2;
+  opts->threads = 1;  // one worker per group: several groups per rank, and under a CPU quota every thread costs
   auto prefix = c10::make_intrusive<c10d::PrefixStore>("alloy/group/" + name, store_);
   try {
     g->gloo_ = c10::make_intrusive<c10d::ProcessGroupGloo>(prefix, g->rank(), g->size(), opts);
