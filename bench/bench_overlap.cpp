@@ -15,6 +15,7 @@
 
 #include "alloy/dist/reducer.h"
 #include "alloy/dist/world.h"
+#include "alloy/core/process.h"
 #include "alloy/model/transformer.h"
 #include "alloy/train/trainer.h"
 
@@ -26,6 +27,7 @@ static double median(std::vector<double> v) {
 }
 
 int main(int argc, char** argv) {
+  alloy::tune_allocator_for_training();
   std::map<std::string, std::string> a = {{"layers", "4"}, {"hidden", "256"}, {"heads", "4"}, {"seq-len", "128"},
                                           {"batch", "8"},  {"rounds", "7"},  {"bucket-mb", "4"}};
   for (int i = 1; i + 1 < argc; i += 2) a[std::string(argv[i]).substr(2)] = argv[i + 1];

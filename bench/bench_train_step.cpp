@@ -11,11 +11,13 @@
 #include <map>
 #include <string>
 
+#include "alloy/core/process.h"
 #include "alloy/model/transformer.h"
 #include "alloy/train/optimizer.h"
 #include "alloy/train/trainer.h"
 
 int main(int argc, char** argv) {
+  alloy::tune_allocator_for_training();
   std::map<std::string, std::string> a = {{"arch", "gpt2"}, {"layers", "4"},  {"hidden", "256"}, {"heads", "4"},
                                           {"kv-heads", "0"}, {"ffn", "0"},    {"seq-len", "128"}, {"vocab", "257"},
                                           {"batch", "8"},    {"steps", "10"}, {"warmup", "3"},    {"threads", "1"},

@@ -3,8 +3,10 @@
 
 #include "alloy/cli/commands.h"
 #include "alloy/core/error.h"
+#include "alloy/core/process.h"
 
 int main(int argc, char** argv) {
+  alloy::tune_allocator_for_training();
   CLI::App app{"Alloy: train transformer language models across unlike devices and links"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "alloy 0.1.0");
