@@ -86,9 +86,10 @@ std::string file_name_for(const SafetensorsFile& f, const std::string& name) {
   if (f.has("transformer." + name)) return "transformer." + name;
   return "";
 }
-bool ignorable_extra(const std::string& n) {
+bool ignorable_extra(const std::string& arch, const std::string& n) {
   auto ends = [&](const std::string& s) { return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0; };
-  return ends(".attn.bias") || ends(".attn.masked_bias") || n == "lm_head.weight" || ends("rotary_emb.inv_freq");
+  if (arch == "gpt2") return ends(".attn.bias") || ends(".attn.masked_bias") || n == "lm_head.weight";
+  return ends("rotary_emb.inv_freq");
 }
 }  // namespace
 
@@ -108,8 +109,7 @@ void load_weights(Transformer& m, const SafetensorsFile& f, bool allow_extra) {
   }
   if (!allow_extra) {
     for (const auto& n : f.names())
-      if (!used.count(n) && !(m.config().arch == "gpt2" && ignorable_extra(n)) &&
-          !(m.config().arch == "llama" && n.size() > 19 && n.compare(n.size() - 19, 19, "rotary_emb.inv_freq") == 0))
+      if (!used.count(n) && !ignorable_extra(m.config().arch, n))
         throw InputError(f.path(), "tensor '" + n + "' does not belong to a " + m.config().arch + " model of this shape");
   }
 }

@@ -24,8 +24,7 @@ int64_t heap_bytes_in_use() {
   return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
 }
 
-StageExecutor::StageExecutor(model::Transformer& slice, StageLinks links, int64_t micro_batch_size)
-    : slice_(slice), links_(links), mbs_(micro_batch_size) {}
+StageExecutor::StageExecutor(model::Transformer& slice, StageLinks links) : slice_(slice), links_(links) {}
 
 void StageExecutor::record(const std::string& name, const char* stream, Clock::time_point t0) {
   if (!tracing) return;

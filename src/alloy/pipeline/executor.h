@@ -42,7 +42,7 @@ struct StageLinks {
 
 class StageExecutor {
  public:
-  StageExecutor(model::Transformer& slice, StageLinks links, int64_t micro_batch_size);
+  StageExecutor(model::Transformer& slice, StageLinks links);
 
   // Runs ACTIONS for one optimizer step. Every micro-batch loss is divided by LOSS_DIVISOR (the
   // tokens of the global batch). Arms REDUCER (if any) before the last backward. Returns the sum
@@ -73,7 +73,6 @@ class StageExecutor {
 
   model::Transformer& slice_;
   StageLinks links_;
-  int64_t mbs_;
   struct InFlight {
     at::Tensor input;   // received activation (leaf, requires grad) on non-first stages
     at::Tensor output;  // activation to send / loss on the last stage

@@ -73,14 +73,17 @@ double global_grad_norm_sq(const std::vector<model::Param*>& params) {
   return total;
 }
 
+void clip_to(const std::vector<model::Param*>& params, double norm, double max_norm) {
+  if (!(max_norm > 0 && norm > max_norm)) return;
+  at::NoGradGuard ng;
+  const double coef = max_norm / (norm + 1e-6);
+  for (auto* p : params)
+    if (p->tensor.grad().defined()) p->tensor.mutable_grad().mul_(coef);
+}
+
 double clip_grad_norm(const std::vector<model::Param*>& params, double max_norm) {
-  double norm = std::sqrt(global_grad_norm_sq(params));
-  if (max_norm > 0 && norm > max_norm) {
-    at::NoGradGuard ng;
-    double coef = max_norm / (norm + 1e-6);
-    for (auto* p : params)
-      if (p->tensor.grad().defined()) p->tensor.mutable_grad().mul_(coef);
-  }
+  const double norm = std::sqrt(global_grad_norm_sq(params));
+  clip_to(params, norm, max_norm);
   return norm;
 }
 

@@ -44,6 +44,9 @@ class AdamW {
 // norm before clipping. Same rule as torch.nn.utils.clip_grad_norm_.
 double clip_grad_norm(const std::vector<model::Param*>& params, double max_norm);
 double global_grad_norm_sq(const std::vector<model::Param*>& params);
+// The clipping step alone, for callers that computed NORM themselves (across ranks): scales the
+// gradients by max_norm / norm when NORM exceeds MAX_NORM > 0.
+void clip_to(const std::vector<model::Param*>& params, double norm, double max_norm);
 
 // Linear warmup to train.lr over train.warmup steps, then cosine decay to train.min_lr at train.steps.
 double lr_at(const TrainConfig& t, int64_t step);

@@ -136,7 +136,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     if (pos_.stage > 0) links.prev_rank = pl.stages[static_cast<size_t>(pos_.stage - 1)].ranks[0];
     if (pos_.stage + 1 < static_cast<int>(pl.stages.size())) links.next_rank = pl.stages[static_cast<size_t>(pos_.stage + 1)].ranks[0];
   }
-  exec_ = std::make_unique<pipeline::StageExecutor>(*model_, links, pl.micro_batch_size);
+  exec_ = std::make_unique<pipeline::StageExecutor>(*model_, links);
   if (world_) build_groups();
 }
 
@@ -309,6 +309,9 @@ TrainResult Trainer::run() {
 
   TrainResult result;
   auto params = model_->parameters();
+  std::vector<model::Param*> owned;
+  for (auto* p : params)
+    if (holders_.at(p->name).front() == rank_) owned.push_back(p);
   Progress progress("train", static_cast<uint64_t>(t.steps), opts_.quiet);
   auto run_start = std::chrono::steady_clock::now();
   double last_val = std::nan("");
@@ -334,15 +337,7 @@ TrainResult Trainer::run() {
                                 std::chrono::duration<double, std::micro>(sync_t0 - t0).count(), sync_wait * 1e6});
 
     // Global gradient norm: each parameter counted once, by the lowest rank holding it.
-    double norm_sq = 0;
-    {
-      at::NoGradGuard ng;
-      for (auto* p : params)
-        if (holders_.at(p->name).front() == rank_ && p->tensor.grad().defined()) {
-          double n = p->tensor.grad().norm().item<double>();
-          norm_sq += n * n;
-        }
-    }
+    const double norm_sq = global_grad_norm_sq(owned);
     double sums[2] = {loss_local, norm_sq};
     if (world_) {
       at::Tensor v = at::tensor({loss_local, norm_sq}, at::kDouble);
@@ -351,12 +346,7 @@ TrainResult Trainer::run() {
       sums[1] = v[1].item<double>();
     }
     const double grad_norm = std::sqrt(sums[1]);
-    if (t.grad_clip > 0 && grad_norm > t.grad_clip) {
-      at::NoGradGuard ng;
-      double coef = t.grad_clip / (grad_norm + 1e-6);
-      for (auto* p : params)
-        if (p->tensor.grad().defined()) p->tensor.mutable_grad().mul_(coef);
-    }
+    clip_to(params, grad_norm, t.grad_clip);
     opt_->step(lr);
     opt_->zero_grad();
 

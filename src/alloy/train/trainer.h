@@ -90,7 +90,6 @@ class Trainer {
   std::vector<std::shared_ptr<dist::Group>> groups_;
   std::unique_ptr<dist::Reducer> reducer_;
   std::unique_ptr<pipeline::StageExecutor> exec_;
-  std::unique_ptr<pipeline::StageExecutor> val_exec_;
   int64_t start_step_ = 0;
 };
 
