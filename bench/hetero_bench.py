@@ -7,7 +7,7 @@ device):
   1. efficiency: tokens/s of the pool under Alloy's plan / the sum of each device's tokens/s alone
   2. plans: Alloy's plan vs `uniform` vs `proportional` vs PyTorch DDP with equal per-rank batches
   3. predictions: predicted vs measured step time (and per-stage compute) for each Alloy-run plan
-Writes bench/results/hetero.json and bench/results/hetero.png (gnuplot).
+Writes bench/results/hetero.json, hetero.png (throughput) and hetero-predictions.png (gnuplot).
 
   --demo   the README's main job: profile, plan (diagram), each device alone, train the plan with
            a progress display, and a short report. No baselines.
@@ -27,6 +27,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import plot  # noqa: E402
 
 
 def log(msg):
@@ -163,23 +165,29 @@ def report_predictions(name, plan_path, run):
     return dict(predicted_step_s=ps, measured_step_s=run["step_s"], relative_error=err, stages=stages)
 
 
-def plot(results, path):
-    names = [r["name"] for r in results]
-    data = os.path.join(os.path.dirname(path), "hetero.dat")
-    with open(data, "w") as f:
-        for r in results:
-            f.write(f"\"{r['name']}\" {r['tokens_per_s']:.1f}\n")
-    script = f"""set terminal pngcairo size 900,480
-set output '{path}'
-set title 'Emulated heterogeneous pool: training throughput (tokens/s)'
-set style fill solid 0.6
-set boxwidth 0.6
-set ylabel 'tokens/s'
-set yrange [0:*]
-set grid ytics
-plot '{data}' using 0:2:xtic(1) with boxes notitle, '' using 0:2:(sprintf('%.0f',$2)) with labels offset 0,1 notitle
-"""
-    subprocess.run(["gnuplot"], input=script, text=True, check=False)
+def plot_throughput(results, path):
+    plot.bars(path, "Emulated heterogeneous pool: training throughput", "tokens/s", [r["name"] for r in results],
+              {"tokens/s": [r["tokens_per_s"] for r in results]})
+
+
+def plot_predictions(results, path):
+    """Predicted vs measured: whole step per plan, then each rank's compute per plan."""
+    cats, pred, meas = [], [], []
+    for r in results:
+        p = r.get("prediction")
+        if not p:
+            continue
+        cats.append(f"{r['name']} step")
+        pred.append(1e3 * p["predicted_step_s"])
+        meas.append(1e3 * p["measured_step_s"])
+        for s in p["stages"]:
+            if s["measured_compute_s"] is None:
+                continue
+            cats.append(f"{r['name']} {s['device']}")
+            pred.append(1e3 * s["predicted_compute_s"])
+            meas.append(1e3 * s["measured_compute_s"])
+    plot.bars(path, "Predicted vs measured: step time per plan, compute per rank (ms)", "ms", cats,
+              {"predicted": pred, "measured": meas})
 
 
 def main():
@@ -248,7 +256,9 @@ def main():
         json.dump(out, f, indent=2)
     os.replace(path + ".tmp", path)
     if not a.demo:
-        plot(results + [dict(name="sum alone", tokens_per_s=total_alone)], os.path.join(HERE, "results", "hetero.png"))
+        plot_throughput(results + [dict(name="sum alone", tokens_per_s=total_alone)], os.path.join(HERE, "results", "hetero.png"))
+        plot_predictions(results, os.path.join(HERE, "results", "hetero-predictions.png"))
+        print(f"plots: bench/results/hetero.png, bench/results/hetero-predictions.png")
     print(f"wrote {path}")
 
 

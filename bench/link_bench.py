@@ -3,7 +3,7 @@
 
 Builds a 2-host emulated cluster per limit (`alloy launch --emulate`, root), lets `alloy profile`
 measure the link with Gloo ping-pongs of up to 2 MiB (the figure the planner uses), and prints
-measured / limit. Writes bench/results/link.json.
+measured / limit. Writes bench/results/link.json and link.png (gnuplot).
 usage: /usr/bin/python3 bench/link_bench.py [--build build] [--limits-mbit 100 20 500]
 """
 import argparse
@@ -16,6 +16,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import plot  # noqa: E402
 
 
 def main():
@@ -50,7 +52,10 @@ default_link: {{bandwidth_gbps: {mbit / 1000:g}, latency_ms: 0.1}}
     with open(path + ".tmp", "w") as f:
         json.dump(dict(benchmark="link", when=time.strftime("%Y-%m-%d %H:%M:%S"), rows=rows), f, indent=2)
     os.replace(path + ".tmp", path)
-    print(f"wrote {path}")
+    png = os.path.join(HERE, "results", "link.png")
+    plot.bars(png, "Emulated link: tc limit vs bandwidth measured with Gloo", "Mbit/s", [f"{r['limit_mbit']:g} Mbit/s" for r in rows],
+              {"limit": [r["limit_mbit"] for r in rows], "measured": [r["measured_mbit"] for r in rows]})
+    print(f"wrote {path} and {png}")
 
 
 if __name__ == "__main__":

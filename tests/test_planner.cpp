@@ -244,32 +244,51 @@ TEST(CostModel, DataParallelOverASlowLinkExposesSync) {
   const double sync = buckets * 1.0 * (2 * 0.010) + 1.0 * 6e6 / 1e6;
   EXPECT_NEAR(g.time_s, sync, 1e-9);
   // Pipeline 0: one micro-batch: forward 1.5, backward 3 -> last backward [1.5, 4.5].
-  // Pipeline 1: F0 B0 F1 B1 -> last backward [6, 9]. Ready at 6 (the later holder).
-  EXPECT_NEAR(g.ready_s, 6.0, 1e-12);
-  EXPECT_NEAR(pc.stages[0].sync_exposed_s, 6 + sync - 4.5, 1e-9);
-  EXPECT_NEAR(pc.stages[1].sync_exposed_s, 6 + sync - 9, 1e-9);
+  // Pipeline 1: F0 B0 F1 B1 -> last backward [6, 9]. Buckets in backward order, each ready when
+  // the later holder (pipeline 1) has its gradients: head (2e6 bytes, two collectives) at 6.5,
+  // block 1 at 7.5, block 0 at 8.5, embedding (two collectives) at 9. The link is the bottleneck,
+  // so after the first they run back to back.
+  EXPECT_NEAR(g.ready_s, 6.5, 1e-12);
+  EXPECT_NEAR(g.done_s, 6.5 + sync, 1e-9);
+  EXPECT_NEAR(pc.stages[0].sync_exposed_s, 6.5 + sync - 4.5, 1e-9);
+  EXPECT_NEAR(pc.stages[1].sync_exposed_s, 6.5 + sync - 9, 1e-9);
   EXPECT_GT(pc.stages[1].sync_exposed_s, 0);
-  EXPECT_NEAR(pc.sync_done_s, 6 + sync, 1e-9);
+  EXPECT_NEAR(pc.sync_done_s, 6.5 + sync, 1e-9);
   EXPECT_NEAR(pc.world_allreduce_s, 2 * 0.010 + 16 / 1e6, 1e-12);
-  EXPECT_NEAR(pc.step_s, 6 + sync + pc.world_allreduce_s, 1e-9);
+  EXPECT_NEAR(pc.step_s, 6.5 + sync + pc.world_allreduce_s, 1e-9);
   // Each rank keeps a bucket copy of the gradients it syncs.
   EXPECT_DOUBLE_EQ(pc.stages[0].bucket_bytes, 6e6);
 }
 
-TEST(CostModel, SyncHiddenBehindTheLastBackwardOnAFastLink) {
+TEST(CostModel, OnlyTheLastBucketIsExposedOnAFastLink) {
   Profile p = base_profile(2);
   p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
   ClusterSpec c;
   c.devices = {device("a", "h0", "t"), device("b", "h0", "t")};  // same host: 100 Gbps
   Plan plan;
   plan.global_batch = 2;
+  plan.bucket_mb = 1;
   plan.pipelines.push_back({1, 1, {stage(0, 0, 2, "a")}});
   plan.pipelines.push_back({1, 1, {stage(1, 0, 2, "b")}});
   PlanCost pc = simulate_plan(plan, c, p);
   ASSERT_EQ(pc.sync_groups.size(), 1u);
-  EXPECT_LT(pc.sync_groups[0].time_s, 3.0);  // less than the 3 s backward
-  EXPECT_EQ(pc.stages[0].sync_exposed_s, 0.0);
-  EXPECT_NEAR(pc.sync_done_s, 4.5, 1e-12);
+  const auto& g = pc.sync_groups[0];
+  // Last backward [1.5, 4.5] on both: head ready at 2, block 1 at 3, block 0 at 4, embedding at
+  // 4.5. Every bucket but the embedding's is reduced while the backward still runs.
+  EXPECT_NEAR(g.ready_s, 2.0, 1e-12);
+  EXPECT_LT(g.time_s, 0.5);
+  // Six collectives of 1e6 bytes each; the embedding's two are a third of the set's time.
+  EXPECT_EQ(g.buckets, 6);
+  EXPECT_NEAR(pc.stages[0].sync_exposed_s, g.time_s / 3, 1e-12);
+  EXPECT_GT(pc.stages[0].sync_exposed_s, 0);
+  EXPECT_NEAR(pc.sync_done_s, 4.5 + g.time_s / 3, 1e-12);
+
+  // One bucket for everything: it waits for the embedding and is exposed whole.
+  plan.bucket_mb = 25;
+  PlanCost one = simulate_plan(plan, c, p);
+  EXPECT_EQ(one.sync_groups[0].buckets, 1);
+  EXPECT_NEAR(one.sync_groups[0].ready_s, 4.5, 1e-12);
+  EXPECT_NEAR(one.stages[0].sync_exposed_s, one.sync_groups[0].time_s, 1e-12);
 }
 
 TEST(CostModel, TiedEmbeddingIsSyncedBetweenFirstAndLastStage) {

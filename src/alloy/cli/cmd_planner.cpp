@@ -21,6 +21,8 @@ struct ProfileArgs {
   dist::RendezvousFlags rv;
   double timeout_s = 300;
   int repeats = 5;
+  std::vector<int64_t> micro_batches = plan::ProfileOptions{}.micro_batch_sizes;
+  double window_s = plan::ProfileOptions{}.window_s;
 };
 }  // namespace
 
@@ -31,7 +33,13 @@ void add_planner_commands(CLI::App& app, Action& action) {
   prof->add_option("-c,--config", a->config, "Config whose model is profiled")->required()->check(CLI::ExistingFile);
   prof->add_option("--set", a->sets, "Override a config key (repeatable)");
   prof->add_option("-o,--output", a->output, "Profile JSON to write (rank 0)")->capture_default_str();
-  prof->add_option("--repeats", a->repeats, "Timed repetitions per measurement")->capture_default_str();
+  prof->add_option("--repeats", a->repeats, "Ping-pongs per message size when timing links")->capture_default_str();
+  prof->add_option("--micro-batches", a->micro_batches, "Micro-batch sizes timed per device type (costs are fitted as a line through them)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  prof->add_option("--window", a->window_s, "Seconds each compute figure averages over (spans CPU-quota periods)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   prof->add_option("--rank", a->rv.rank, "This process's rank")->group("Rendezvous");
   prof->add_option("--world-size", a->rv.world_size, "Number of ranks")->group("Rendezvous");
   prof->add_option("--master-addr", a->rv.master_addr, "Host of rank 0")->group("Rendezvous");
@@ -49,6 +57,8 @@ void add_planner_commands(CLI::App& app, Action& action) {
       if (rv.world_size > 1) world = dist::World::create(rv, std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000)));
       plan::ProfileOptions po;
       po.repeats = a->repeats;
+      po.micro_batch_sizes = a->micro_batches;
+      po.window_s = a->window_s;
       auto p = plan::run_profile(cfg.model, spec, world.get(), po);
       if (rv.rank == 0) {
         p.save(a->output);

@@ -188,44 +188,95 @@ double CostContext::allreduce_s(const Ring& r, double bytes, double bucket_bytes
   return nb * f * r.latency_sum_s + f * bytes / r.slowest_bytes_per_s;
 }
 
+double CostContext::unit_bytes(int u) const {
+  const int L = static_cast<int>(layers());
+  if (u == 0) return head_rest_;
+  if (u <= L) return profile_->memory.param_bytes_per_block;
+  if (u == L + 1) return embed_rest_;
+  return wte_;
+}
+
 std::vector<CostContext::SyncSet> CostContext::sync_sets(const std::vector<std::vector<Holder>>& pipelines) const {
   const int64_t L = layers();
   std::vector<SyncSet> out;
   std::map<std::vector<int>, size_t> index;
   std::vector<int> ids;
-  auto add = [&](double bytes) {
+  auto add = [&](int u) {
+    const double bytes = unit_bytes(u);
     if (!(bytes > 0)) return;  // a unit with no parameters has nothing to sync
     std::sort(ids.begin(), ids.end());
     if (ids.size() < 2) return;
     auto [it, fresh] = index.emplace(ids, out.size());
-    if (fresh) out.push_back({ids, 0.0});
+    if (fresh) out.push_back({ids, 0.0, {}});
     out[it->second].bytes += bytes;
+    out[it->second].units.emplace_back(u, bytes);
   };
   ids.clear();
   for (const auto& p : pipelines)
     for (const auto& h : p)
-      if (h.first) ids.push_back(h.id);
-  add(embed_rest_);
-  ids.clear();
-  for (const auto& p : pipelines)
-    for (const auto& h : p)
-      if (h.first || h.last) ids.push_back(h.id);
-  add(wte_);
+      if (h.last) ids.push_back(h.id);
+  add(0);
   std::vector<size_t> at(pipelines.size(), 0);  // each pipeline's stage holding the current block
-  for (int64_t l = 0; l < L; ++l) {
+  for (size_t p = 0; p < pipelines.size(); ++p) at[p] = pipelines[p].empty() ? 0 : pipelines[p].size() - 1;
+  for (int64_t l = L - 1; l >= 0; --l) {
     ids.clear();
     for (size_t p = 0; p < pipelines.size(); ++p) {
-      while (at[p] < pipelines[p].size() && pipelines[p][at[p]].end <= l) ++at[p];
-      if (at[p] < pipelines[p].size()) ids.push_back(pipelines[p][at[p]].id);
+      while (at[p] > 0 && pipelines[p][at[p]].begin > l) --at[p];
+      if (!pipelines[p].empty()) ids.push_back(pipelines[p][at[p]].id);
     }
-    add(profile_->memory.param_bytes_per_block);
+    add(block_unit(l));
   }
   ids.clear();
   for (const auto& p : pipelines)
     for (const auto& h : p)
-      if (h.last) ids.push_back(h.id);
-  add(head_rest_);
+      if (h.first) ids.push_back(h.id);
+  add(static_cast<int>(L) + 1);
+  ids.clear();
+  for (const auto& p : pipelines)
+    for (const auto& h : p)
+      if (h.first || h.last) ids.push_back(h.id);
+  add(static_cast<int>(L) + 2);
   return out;
+}
+
+LinearCost CostContext::unit_ready(int type, int64_t begin, int64_t end, bool first, bool last, int u) const {
+  const DeviceProfile& d = *type_profile_[static_cast<size_t>(type)];
+  const int L = static_cast<int>(layers());
+  LinearCost c;
+  auto add = [&](const LinearCost& x, double k) {
+    c.fixed_s += k * x.fixed_s;
+    c.per_sample_s += k * x.per_sample_s;
+  };
+  if (last) add(d.head_bwd, 1);
+  if (u == 0 || (u == L + 2 && !first)) return c;  // head rest; tied wte on a stage without the embedding
+  if (u <= L) {
+    add(d.block_bwd, static_cast<double>(end - (L - u)));
+    return c;
+  }
+  add(d.block_bwd, static_cast<double>(end - begin));
+  add(d.embed_bwd, 1);
+  return c;
+}
+
+void CostContext::buckets(const Ring& r, const std::vector<std::pair<int, double>>& units, double cap, std::vector<Bucket>* out) const {
+  out->clear();
+  auto close = [&](Bucket& b) {
+    b.collectives = cap > 0 ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(b.bytes / cap))) : 1;
+    b.time_s = r.n < 2 ? 0 : allreduce_s(r, b.bytes, cap);
+    out->push_back(b);
+  };
+  Bucket cur;
+  bool open = false;
+  for (const auto& [u, bytes] : units) {
+    if (open && cap > 0 && cur.bytes + bytes > cap) {
+      close(cur);
+      open = false;
+    }
+    if (!open) cur = Bucket{}, open = true;
+    cur.last_unit = u;
+    cur.bytes += bytes;
+  }
+  if (open) close(cur);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -323,9 +374,17 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     pc.pipelines.push_back(pcost);
   }
 
-  // Gradient sync per holder set.
+  // Gradient sync per holder set, bucket by bucket.
   const double bucket_bytes = plan.bucket_mb * 1024 * 1024;
   std::vector<double> done(phase_end), bucket(static_cast<size_t>(W), 0), longest(static_cast<size_t>(W), 0);
+  std::vector<const CostContext::Holder*> holder_of(static_cast<size_t>(W), nullptr);
+  std::vector<int64_t> mbs_of(static_cast<size_t>(W), 0);
+  for (size_t p = 0; p < holders.size(); ++p)
+    for (const auto& h : holders[p]) {
+      holder_of[static_cast<size_t>(h.id)] = &h;
+      mbs_of[static_cast<size_t>(h.id)] = plan.pipelines[p].micro_batch_size;
+    }
+  std::vector<CostContext::Bucket> bks;
   for (auto& set : ctx.sync_sets(holders)) {
     SyncGroupCost g;
     g.ranks = set.ids;
@@ -337,10 +396,23 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     CostContext::Ring ring = ctx.ring(devs);
     g.bytes = set.bytes;
     g.slowest_bytes_per_s = ring.slowest_bytes_per_s;
-    g.time_s = ctx.allreduce_s(ring, set.bytes, bucket_bytes, &g.buckets);
-    for (int r : g.ranks) g.ready_s = std::max(g.ready_s, last_bwd_start[static_cast<size_t>(r)]);
+    ctx.buckets(ring, set.units, bucket_bytes, &bks);
+    double end = 0;
+    for (size_t k = 0; k < bks.size(); ++k) {
+      double ready = 0;
+      for (int r : g.ranks) {
+        const CostContext::Holder& h = *holder_of[static_cast<size_t>(r)];
+        const LinearCost off = ctx.unit_ready(ctx.type_of(dev_of[static_cast<size_t>(r)]), h.begin, h.end, h.first, h.last, bks[k].last_unit);
+        ready = std::max(ready, last_bwd_start[static_cast<size_t>(r)] + off.at(static_cast<double>(mbs_of[static_cast<size_t>(r)])));
+      }
+      if (k == 0) g.ready_s = ready;
+      end = std::max(ready, end) + bks[k].time_s;
+      g.time_s += bks[k].time_s;
+      g.buckets += bks[k].collectives;
+    }
+    g.done_s = end;
     for (int r : g.ranks) {
-      done[static_cast<size_t>(r)] = std::max(done[static_cast<size_t>(r)], g.ready_s + g.time_s);
+      done[static_cast<size_t>(r)] = std::max(done[static_cast<size_t>(r)], end);
       bucket[static_cast<size_t>(r)] += set.bytes;
       longest[static_cast<size_t>(r)] = std::max(longest[static_cast<size_t>(r)], g.time_s);
     }
@@ -435,7 +507,8 @@ nlohmann::json PlanCost::to_json() const {
                                 {"buckets", g.buckets},
                                 {"slowest_bytes_per_s", g.slowest_bytes_per_s},
                                 {"ready_s", g.ready_s},
-                                {"time_s", g.time_s}});
+                                {"time_s", g.time_s},
+                                {"done_s", g.done_s}});
   return j;
 }
 

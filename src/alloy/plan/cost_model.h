@@ -18,12 +18,16 @@
 //     order whenever the cluster lists devices host by host). On equal hops the latency term is
 //     the textbook 2(n-1)*latency; on unequal hops a chunk crosses each hop in turn, so their
 //     latencies add up instead of the slowest being paid 2(n-1) times.
-//     Approximation: the reducer launches buckets as gradients become ready during the LAST
-//     micro-batch's backward. We take a set's all-reduce to start when the last of its holders
-//     STARTS that backward (ready) and to run for `time`, ignoring that early buckets start
-//     before late ones are filled and that a rank's concurrent groups share its network
-//     interface. A rank is done at max(end of its last backward, max over its sets of
-//     ready + time); exposed sync = done - end of backward.
+//     The reducer fills each set's buckets (bucket_mb) with its parameters in backward order (head,
+//     blocks L-1..0, embedding, tied wte) and launches a bucket when its last gradient is final,
+//     i.e. during the LAST micro-batch's backward: on a rank whose stage holds blocks [b, e),
+//     block l is final (head backward) + (e - l) block backwards after that backward starts, the
+//     embedding after all of them. A bucket's collective starts when every holder has launched it
+//     and the one before it in the set is done (one Gloo group per set runs its collectives in
+//     order); sets run concurrently (we ignore that a rank's sets share its network interface).
+//     So gradients of early layers, ready only at the end of the backward, are exposed, while those
+//     of late layers hide behind the rest of it. A rank is done at max(end of its last backward,
+//     end of the last bucket of each of its sets); exposed sync = done - end of backward.
 //  3. The loss + gradient-norm all-reduce over all ranks: latency-bound, 2(W-1)/W * the ring's
 //     hop latencies (16 bytes). It is a barrier: it ends when the last rank is done.
 //  4. AdamW on each rank's own parameters: params * optimizer_s_per_param of its type.
@@ -74,7 +78,9 @@ struct SyncGroupCost {
   double bytes = 0;
   int64_t buckets = 0;
   double slowest_bytes_per_s = 0;
-  double ready_s = 0, time_s = 0;
+  double ready_s = 0;  // the first bucket can start (all holders have it)
+  double time_s = 0;   // all buckets' collectives back to back
+  double done_s = 0;   // the last bucket is reduced
 };
 
 struct PlanCost {
@@ -150,19 +156,30 @@ class CostContext {
     int64_t begin, end;      // blocks
     bool first, last;
   };
-  // Distinct holder sets with two or more members and the bytes they sync, in a fixed unit order
-  // (embedding rest, tied wte, blocks 0..L-1, head rest) so every caller sums in the same order.
+  // Parameter units in backward order, the order the reducer fills buckets: 0 head rest,
+  // 1..L blocks L-1..0, L+1 embedding rest, L+2 tied wte (0 bytes when untied).
+  int num_units() const { return static_cast<int>(layers()) + 3; }
+  int block_unit(int64_t block) const { return static_cast<int>(layers() - block); }
+  double unit_bytes(int u) const;
+  // Distinct holder sets with two or more members, their units (ascending, with bytes) and the
+  // bytes they sync, summed in unit order so every caller gets the same number.
   struct SyncSet {
     std::vector<int> ids;  // sorted ascending
     double bytes = 0;
+    std::vector<std::pair<int, double>> units;
   };
   std::vector<SyncSet> sync_sets(const std::vector<std::vector<Holder>>& pipelines) const;
-  // Bytes of each unit, in that order (sizes: L + 3), and whether a unit is held by first/last/
-  // block stages: the search uses these to build the same sets with bit masks.
-  double unit_embed_rest() const { return embed_rest_; }
-  double unit_wte() const { return wte_; }
-  double unit_head_rest() const { return head_rest_; }
-  double unit_block() const { return profile_->memory.param_bytes_per_block; }
+  // How long after the start of its last backward a stage (TYPE, blocks [BEGIN, END), FIRST,
+  // LAST) has unit U's gradients final, as a function of the micro-batch size.
+  LinearCost unit_ready(int type, int64_t begin, int64_t end, bool first, bool last, int u) const;
+  // The reducer's buckets of one set: units (ascending) packed up to CAP bytes; a unit over CAP
+  // alone is split into ceil(bytes / CAP) collectives that are ready together.
+  struct Bucket {
+    int last_unit = 0;  // the unit whose gradients complete it
+    double bytes = 0, time_s = 0;
+    int64_t collectives = 0;
+  };
+  void buckets(const Ring& r, const std::vector<std::pair<int, double>>& units, double cap, std::vector<Bucket>* out) const;
 
  private:
   size_t idx(int a, int b) const { return static_cast<size_t>(a) * hosts_.size() + static_cast<size_t>(b); }

@@ -83,7 +83,7 @@ FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool id
     b += std::chrono::duration<double>(t2 - t1).count();
     act = std::max<int64_t>(act, held);
     ++n;
-    if (n >= 3 && std::chrono::duration<double>(Clock::now() - start).count() >= window_s) break;
+    if (n >= 2 && std::chrono::duration<double>(Clock::now() - start).count() >= window_s) break;
   }
   return {f / static_cast<double>(n), b / static_cast<double>(n), act};
 }
@@ -94,17 +94,38 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
   const int64_t L = model.layers;
   model::Transformer embed(model, {0, 1}, 1), block(model, {1, 2}, 1), head(model, {L + 1, L + 2}, 1);
   DeviceProfile d;
+  // Each figure is the median of several rounds spread over the whole measurement (every round
+  // times every size and slice), so a slow spell of a shared machine (seconds of CPU steal in a
+  // VM) spoils one round of each figure instead of every figure of one size.
+  const int rounds = std::max(1, o.rounds);
+  const double window = o.window_s / rounds;
+  const size_t n = o.micro_batch_sizes.size();
+  std::vector<std::vector<FwdBwd>> te(n), tb(n), th(n);
+  for (int r = 0; r < rounds; ++r)
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t m = o.micro_batch_sizes[i];
+      te[i].push_back(time_slice(embed, m, window, true, false));
+      tb[i].push_back(time_slice(block, m, window, false, false));
+      th[i].push_back(time_slice(head, m, window, false, true));
+    }
+  auto med = [](const std::vector<FwdBwd>& v, bool fwd) {
+    std::vector<double> x;
+    for (const auto& t : v) x.push_back(fwd ? t.fwd : t.bwd);
+    return median(x);
+  };
+  auto peak = [](const std::vector<FwdBwd>& v) {
+    int64_t a = 0;
+    for (const auto& t : v) a = std::max(a, t.act_bytes);
+    return a;
+  };
   std::vector<double> xs, ef, eb, bf, bb, hf, hb;
-  FwdBwd last_e{}, last_b{}, last_h{};
-  for (int64_t m : o.micro_batch_sizes) {
-    last_e = time_slice(embed, m, o.window_s, true, false);
-    last_b = time_slice(block, m, o.window_s, false, false);
-    last_h = time_slice(head, m, o.window_s, false, true);
-    xs.push_back(static_cast<double>(m));
-    ef.push_back(last_e.fwd), eb.push_back(last_e.bwd);
-    bf.push_back(last_b.fwd), bb.push_back(last_b.bwd);
-    hf.push_back(last_h.fwd), hb.push_back(last_h.bwd);
+  for (size_t i = 0; i < n; ++i) {
+    xs.push_back(static_cast<double>(o.micro_batch_sizes[i]));
+    ef.push_back(med(te[i], true)), eb.push_back(med(te[i], false));
+    bf.push_back(med(tb[i], true)), bb.push_back(med(tb[i], false));
+    hf.push_back(med(th[i], true)), hb.push_back(med(th[i], false));
   }
+  const FwdBwd last_e{0, 0, peak(te.back())}, last_b{0, 0, peak(tb.back())}, last_h{0, 0, peak(th.back())};
   d.embed_fwd = fit(xs, ef), d.embed_bwd = fit(xs, eb);
   d.block_fwd = fit(xs, bf), d.block_bwd = fit(xs, bb);
   d.head_fwd = fit(xs, hf), d.head_bwd = fit(xs, hb);

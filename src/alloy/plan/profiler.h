@@ -19,9 +19,12 @@ class World;
 namespace alloy::plan {
 
 struct ProfileOptions {
-  std::vector<int64_t> micro_batch_sizes = {1, 2, 4};
+  // Up to the planner's largest default candidate (8): costs per sample still fall a little
+  // between 4 and 8, and a line fitted to small sizes alone overestimates the larger ones.
+  std::vector<int64_t> micro_batch_sizes = {1, 2, 4, 8};
   int repeats = 5;            // link ping-pongs per message size (at most 3 on slow links)
   double window_s = 0.4;      // each compute figure averages calls over this long (spans CPU-quota periods)
+  int rounds = 3;             // ... split into this many rounds, spread out in time; the median is kept
   std::vector<int64_t> message_bytes = {1 << 12, 1 << 18, 1 << 20, 1 << 21};
   bool measure_links = true;
 };

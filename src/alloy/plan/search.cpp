@@ -276,8 +276,12 @@ double minmax_allocate(const std::vector<const double*>& g, int64_t G, std::vect
 
 // ---------------------------------------------------------------------------------------------
 // The evaluator: step time of a layout, the same numbers simulate_plan computes (the decomposition
-// is in cost_model.h: step = max over replicas of max(makespan, max_s(lbs_s + maxsync_s)) +
-// world all-reduce + slowest optimizer), with the batch split optimised or given.
+// is in cost_model.h: step = max over replicas of max(makespan, max_s(lbs_s + sync_s(m))) +
+// world all-reduce + slowest optimizer), with the batch split optimised or given. A set's
+// buckets run back to back from ready times max_r(lbs_r + off_r,b(m)), so its last one ends at
+// max over buckets b and holders r of lbs_r + off_r,b(m) + (time of buckets b..end): the end
+// decomposes per rank into lbs + sync_s(m), sync_s(m) = max over its (set, bucket) pairs of
+// (off.fixed + tail) + off.per_sample * m, which depends on nothing but the replica's own m.
 
 enum class Batch { Fixed, FixedSamples, Optimize };
 
@@ -285,8 +289,9 @@ class Evaluator {
  public:
   Evaluator(const CostContext& ctx, Tables& tables, double bucket_bytes) : ctx_(ctx), tables_(tables), bucket_bytes_(bucket_bytes) {
     const int N = ctx.num_devices();
-    maxsync_.assign(static_cast<size_t>(N), 0);
+    syncp_.assign(static_cast<size_t>(N), {});
     bucket_.assign(static_cast<size_t>(N), 0);
+    stage_.assign(static_cast<size_t>(N), {});
   }
 
   int64_t evaluated = 0;
@@ -371,7 +376,7 @@ class Evaluator {
         if (cap > 0 && !(ctx_.memory_bytes(t.param[static_cast<size_t>(s)], bucket_[static_cast<size_t>(d)], pt.peak[static_cast<size_t>(s)], m,
                                            t.act[static_cast<size_t>(s)]) <= cap))
           fits = false;
-        v = std::max(v, pt.lbs[static_cast<size_t>(s)] + maxsync_[static_cast<size_t>(d)]);
+        v = std::max(v, pt.lbs[static_cast<size_t>(s)] + sync_at(d, m));
       }
       if (fits && v < best) best = v, best_m = m;
     }
@@ -413,72 +418,97 @@ class Evaluator {
   }
 
  private:
+  // Exposed-sync term of device D at micro-batch size M (see the class comment).
+  double sync_at(int d, int64_t m) const {
+    double v = 0;
+    for (const auto& [c, per] : syncp_[static_cast<size_t>(d)]) v = std::max(v, c + per * static_cast<double>(m));
+    return v;
+  }
+
   void compute_sync(const Layout& L) {
     const int N = ctx_.num_devices();
-    for (const auto& rep : L.reps)
-      for (int d : rep.dev) maxsync_[static_cast<size_t>(d)] = 0, bucket_[static_cast<size_t>(d)] = 0;
+    for (const auto& rep : L.reps) {
+      int64_t begin = 0;
+      for (size_t s = 0; s < rep.dev.size(); ++s) {
+        const size_t d = static_cast<size_t>(rep.dev[s]);
+        syncp_[d].clear(), bucket_[d] = 0;
+        stage_[d] = {rep.dev[s], begin, begin + rep.blocks[s], s == 0, s + 1 == rep.dev.size()};
+        begin += rep.blocks[s];
+      }
+    }
     if (N <= 64) {
       compute_sync_masks(L);
       return;
     }
     holders_.assign(L.reps.size(), {});
-    for (size_t r = 0; r < L.reps.size(); ++r) {
-      int64_t begin = 0;
-      const auto& rep = L.reps[r];
-      for (size_t s = 0; s < rep.dev.size(); ++s) {
-        holders_[r].push_back({rep.dev[s], begin, begin + rep.blocks[s], s == 0, s + 1 == rep.dev.size()});
-        begin += rep.blocks[s];
-      }
-    }
+    for (size_t r = 0; r < L.reps.size(); ++r)
+      for (int d : L.reps[r].dev) holders_[r].push_back(stage_[static_cast<size_t>(d)]);
     for (auto& set : ctx_.sync_sets(holders_)) {
       std::vector<int>& d = set.ids;
       std::sort(d.begin(), d.end(), [&](int a, int b) { return ctx_.ring_less(a, a, b, b); });
-      const double t = ctx_.allreduce_s(ctx_.ring(d), set.bytes, bucket_bytes_);
-      for (int x : d) {
-        maxsync_[static_cast<size_t>(x)] = std::max(maxsync_[static_cast<size_t>(x)], t);
-        bucket_[static_cast<size_t>(x)] += set.bytes;
+      add_set(ctx_.ring(d), d.data(), d.size(), set.units, set.bytes);
+    }
+  }
+
+  // Buckets of one set and their tails; every member gets its (set, bucket) pairs.
+  void add_set(const CostContext::Ring& ring, const int* members, size_t n, const std::vector<std::pair<int, double>>& units, double bytes) {
+    ctx_.buckets(ring, units, bucket_bytes_, &bks_);
+    tail_.assign(bks_.size() + 1, 0);
+    for (size_t k = bks_.size(); k-- > 0;) tail_[k] = tail_[k + 1] + bks_[k].time_s;
+    for (size_t i = 0; i < n; ++i) {
+      const size_t x = static_cast<size_t>(members[i]);
+      const CostContext::Holder& h = stage_[x];
+      for (size_t k = 0; k < bks_.size(); ++k) {
+        const LinearCost off = ctx_.unit_ready(ctx_.type_of(members[i]), h.begin, h.end, h.first, h.last, bks_[k].last_unit);
+        syncp_[x].emplace_back(off.fixed_s + tail_[k], off.per_sample_s);
       }
+      bucket_[x] += bytes;
     }
   }
 
   // Same sets, same unit order and sums as CostContext::sync_sets, with device bit masks.
   void compute_sync_masks(const Layout& L) {
-    const int64_t Lb = ctx_.layers();
+    const int Lb = static_cast<int>(ctx_.layers());
     nsets_ = 0;
-    auto add = [&](uint64_t mask, double bytes) {
+    auto add = [&](uint64_t mask, int u) {
+      const double bytes = ctx_.unit_bytes(u);
       if (!(bytes > 0) || __builtin_popcountll(mask) < 2) return;
       for (size_t i = 0; i < nsets_; ++i)
         if (masks_[i] == mask) {
           bytes_[i] += bytes;
+          units_[i].emplace_back(u, bytes);
           return;
         }
-      if (masks_.size() <= nsets_) masks_.resize(nsets_ + 1), bytes_.resize(nsets_ + 1);
+      if (masks_.size() <= nsets_) masks_.resize(nsets_ + 1), bytes_.resize(nsets_ + 1), units_.resize(nsets_ + 1);
       masks_[nsets_] = mask;
       bytes_[nsets_] = bytes;
+      units_[nsets_].assign(1, {u, bytes});
       ++nsets_;
     };
-    uint64_t first = 0, ends = 0, last = 0;
+    uint64_t first = 0, last = 0;
     for (const auto& rep : L.reps) {
       first |= 1ULL << rep.dev.front();
       last |= 1ULL << rep.dev.back();
     }
-    ends = first | last;
-    add(first, ctx_.unit_embed_rest());
-    add(ends, ctx_.unit_wte());
+    add(last, 0);
     at_.assign(L.reps.size(), 0);
     left_.assign(L.reps.size(), 0);
-    for (size_t r = 0; r < L.reps.size(); ++r) left_[r] = L.reps[r].blocks[0];
-    for (int64_t l = 0; l < Lb; ++l) {
+    for (size_t r = 0; r < L.reps.size(); ++r) {
+      at_[r] = L.reps[r].dev.size() - 1;
+      left_[r] = L.reps[r].blocks.back();
+    }
+    for (int l = Lb - 1; l >= 0; --l) {
       uint64_t mask = 0;
       for (size_t r = 0; r < L.reps.size(); ++r) {
         const auto& rep = L.reps[r];
-        while (left_[r] == 0) left_[r] = rep.blocks[++at_[r]];
+        while (left_[r] == 0) left_[r] = rep.blocks[--at_[r]];
         mask |= 1ULL << rep.dev[at_[r]];
         --left_[r];
       }
-      add(mask, ctx_.unit_block());
+      add(mask, ctx_.block_unit(l));
     }
-    add(last, ctx_.unit_head_rest());
+    add(first, Lb + 1);
+    add(first | last, Lb + 2);
     for (size_t i = 0; i < nsets_; ++i) {
       auto it = rings_.find(masks_[i]);
       if (it == rings_.end()) {
@@ -487,12 +517,9 @@ class Evaluator {
         std::sort(d.begin(), d.end(), [&](int a, int b) { return ctx_.ring_less(a, a, b, b); });
         it = rings_.emplace(masks_[i], ctx_.ring(d)).first;
       }
-      const double t = ctx_.allreduce_s(it->second, bytes_[i], bucket_bytes_);
-      for (uint64_t m = masks_[i]; m; m &= m - 1) {
-        const size_t x = static_cast<size_t>(__builtin_ctzll(m));
-        maxsync_[x] = std::max(maxsync_[x], t);
-        bucket_[x] += bytes_[i];
-      }
+      members_.clear();
+      for (uint64_t m = masks_[i]; m; m &= m - 1) members_.push_back(__builtin_ctzll(m));
+      add_set(it->second, members_.data(), members_.size(), units_[i], bytes_[i]);
     }
   }
 
@@ -625,10 +652,16 @@ class Evaluator {
   Tables& tables_;
   double bucket_bytes_;
   std::vector<ConfigTable*> tabs_;
-  std::vector<double> maxsync_, bucket_;
+  std::vector<std::vector<std::pair<double, double>>> syncp_;  // per device: (fixed + tail, per sample) of each (set, bucket)
+  std::vector<double> bucket_;
+  std::vector<CostContext::Holder> stage_;  // per device of the layout: its stage (id = device)
   std::vector<std::vector<CostContext::Holder>> holders_;
   std::vector<uint64_t> masks_;
   std::vector<double> bytes_;
+  std::vector<std::vector<std::pair<int, double>>> units_;
+  std::vector<CostContext::Bucket> bks_;
+  std::vector<double> tail_;
+  std::vector<int> members_;
   size_t nsets_ = 0;
   std::vector<size_t> at_;
   std::vector<int64_t> left_;
