@@ -470,6 +470,43 @@ TEST(Search, AlloyIsNeverPredictedSlowerThanTheBaselines) {
   EXPECT_LT(best.cost.step_s, uniform * 0.95) << "on a 4x spread of speeds the planner should clearly beat equal shares";
 }
 
+TEST(Search, SmallerBucketsWhenTheyHideSync) {
+  // Two replicas over a 10 MB/s link: one bucket of everything (6e6 bytes, 0.6 s) is ready only
+  // when the backward ends and is exposed whole; with per-unit buckets only the embedding's is.
+  Profile p = base_profile(2);
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "t"), device("b", "h1", "t")};
+  c.rules.push_back({"h0", "h1", Link{8e7 / 1e9, 0.001}});
+  SearchResult r;
+  r.strategy = "alloy";
+  r.plan.global_batch = 2;
+  r.plan.pipelines.push_back({1, 1, {stage(0, 0, 2, "a")}});
+  r.plan.pipelines.push_back({1, 1, {stage(1, 0, 2, "b")}});
+  r.cost = simulate_plan(r.plan, c, p);
+  r.search_step_s = r.cost.step_s;
+  ASSERT_EQ(r.plan.bucket_mb, 25.0);
+  const double before = r.cost.step_s;
+  EXPECT_NEAR(before, 4.5 + 0.6, 1e-3);
+  tune_buckets(r, c, p);
+  EXPECT_LT(r.plan.bucket_mb, 25.0);
+  EXPECT_NEAR(r.cost.step_s, 4.5 + 0.2, 1e-3);  // the embedding's 2e6 bytes after the backward
+  ASSERT_FALSE(r.notes.empty());
+  EXPECT_NE(r.notes.back().find("gradient buckets of"), std::string::npos);
+  // The result is the plan's own simulation, and the plan carries it.
+  EXPECT_DOUBLE_EQ(r.cost.step_s, simulate_plan(r.plan, c, p).step_s);
+  EXPECT_DOUBLE_EQ(r.plan.predicted["step_s"].get<double>(), r.cost.step_s);
+  EXPECT_DOUBLE_EQ(r.search_step_s, r.cost.step_s);
+
+  // On one host (100 Gbit/s) the sync is too short to matter: the cap stays.
+  c.devices[1].host = "h0";
+  SearchResult same = r;
+  same.plan.bucket_mb = 25;
+  same.cost = simulate_plan(same.plan, c, p);
+  tune_buckets(same, c, p);
+  EXPECT_EQ(same.plan.bucket_mb, 25.0);
+}
+
 TEST(Search, HeuristicModeBeatsTheBaselinesToo) {
   // 10 devices and 24 blocks: far beyond the exact limit.
   Pool pl;

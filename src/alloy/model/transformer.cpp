@@ -51,13 +51,13 @@ struct Shared {
   const ModelConfig* cfg;
   at::ScalarType dtype;
   int64_t mask_len = -1;
-  at::Tensor mask;  // [T, T] bool, true above the diagonal (future positions)
+  at::Tensor mask;  // [T, T] additive: 0 on and below the diagonal, -inf above (future positions)
   int64_t rope_len = -1;
   at::Tensor cos, sin;  // [T, head_dim]
 
   const at::Tensor& causal_mask(int64_t T, const at::Device& dev) {
     if (T != mask_len || mask.device() != dev) {
-      mask = at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(dev)).triu(1);
+      mask = at::full({T, T}, -std::numeric_limits<double>::infinity(), at::TensorOptions().dtype(dtype).device(dev)).triu(1);
       mask_len = T;
     }
     return mask;
@@ -77,12 +77,14 @@ struct Shared {
 };
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
-  // q [B, nh, T, hd]; k, v [B, nh, T, hd]
-  double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  auto att = at::matmul(q, k.transpose(-2, -1)).mul_(scale);
-  att.masked_fill_(mask, -std::numeric_limits<double>::infinity());
-  att = at::softmax(att, -1);
-  return at::matmul(att, v);
+  // q, k, v [B, nh, T, hd] -> [B, nh, T, hd]. One baddbmm applies the scale and the additive
+  // causal mask inside the product: the separate scale and masked_fill passes over the [T, T]
+  // scores (and their two backward passes) go away.
+  const int64_t B = q.size(0), nh = q.size(1), T = q.size(2), hd = q.size(3);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  auto q3 = q.reshape({B * nh, T, hd}), k3 = k.reshape({B * nh, T, hd}), v3 = v.reshape({B * nh, T, hd});
+  auto att = at::softmax(at::baddbmm(mask, q3, k3.transpose(1, 2), 1.0, scale), -1);
+  return at::bmm(att, v3).view({B, nh, T, hd});
 }
 
 class Gpt2Embedding : public Layer {

@@ -54,6 +54,7 @@ std::string describe_profile(const Profile& p) {
 PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options, bool compare) {
   PlanReport r;
   r.chosen = search(cluster, profile, options);  // errors here are the user's: nothing fits
+  if (r.chosen.strategy == "alloy") tune_buckets(r.chosen, cluster, profile);
   if (compare) {
     for (const std::string s : {"alloy", "uniform", "proportional", "ptafm"}) {
       if (s == options.strategy) continue;
@@ -61,6 +62,7 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
       o.strategy = s;
       try {
         r.baselines.push_back(search(cluster, profile, o));
+        if (s == std::string("alloy")) tune_buckets(r.baselines.back(), cluster, profile);
       } catch (const std::exception& e) {
         r.failed.push_back(s + ": " + e.what());
       }

@@ -83,6 +83,12 @@ struct SearchResult {
 
 SearchResult search(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
 
+// Smaller gradient buckets start the late layers' all-reduces while the backward still runs, at
+// one latency per extra collective. Re-simulates RESULT's plan with bucket caps from its own down
+// to 1 MiB and keeps the fastest when it gains over 0.2%, noting the change. Applied after the
+// search, so search() stays comparable with exhaustive() at a fixed cap.
+void tune_buckets(SearchResult& result, const ClusterSpec& cluster, const Profile& profile);
+
 // The reference: walks every configuration of the search space (every set partition, every
 // permutation, every split, every schedule; for each, the best batch split by an exact min-max DP
 // over replicas, itself checked against enumerating every allocation in the tests). Throws
