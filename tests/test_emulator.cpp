@@ -271,17 +271,18 @@ TEST(Emulator, PairwiseLinksAreIndependent) {
 }
 
 TEST(Emulator, CpuQuotaFollowsSpeed) {
-  auto spec = spec_of({{"h0", 1.0}, {"h0", 0.5}, {"h0", 0.25}}, 1.0);
+  // 10 ms periods; a device too slow for a 1 ms quota in 10 ms gets a longer period instead.
+  auto spec = spec_of({{"h0", 1.0}, {"h0", 0.5}, {"h0", 0.25}, {"h0", 0.05}}, 1.0);
   EmulatorOptions o;
   o.id = uid("cpu");
   o.limit_network = false;
   CREATE_OR_FAIL(c, spec, o);
-  const long expected[] = {100000, 50000, 25000};
-  for (int d = 0; d < 3; ++d) {
+  const long period[] = {10000, 10000, 10000, 20000}, quota[] = {10000, 5000, 2500, 1000};
+  for (int d = 0; d < 4; ++d) {
     const std::string g = c->cgroup_of_device(d);
     EXPECT_EQ(g, "/sys/fs/cgroup/cpu/alloy-emu-" + o.id + "-d" + std::to_string(d));
-    EXPECT_EQ(std::stol(slurp(g + "/cpu.cfs_period_us")), 100000);
-    EXPECT_EQ(std::stol(slurp(g + "/cpu.cfs_quota_us")), expected[d]) << g;
+    EXPECT_EQ(std::stol(slurp(g + "/cpu.cfs_period_us")), period[d]) << g;
+    EXPECT_EQ(std::stol(slurp(g + "/cpu.cfs_quota_us")), quota[d]) << g;
   }
   // The quota binds: a process spinning for 1 s of wall time in the 0.25 group gets about 0.25 s
   // of CPU. Only the upper bound is firm; other work on the machine can lower the share further.
