@@ -26,7 +26,7 @@ def bars(path, title, ylabel, categories, series, fmt="%.0f"):
         off = (k - (n - 1) / 2) * width
         plots.append(f"'{data}' using ($0+{off:.4f}):{k + 2}:({width:.4f}) with boxes title '{name}'")
         plots.append(f"'{data}' using ($0+{off:.4f}):{k + 2}:(sprintf('{fmt}',${k + 2})) with labels offset 0,0.7 font ',8' notitle")
-    script = f"""set terminal pngcairo size 960,520
+    script = f"""set terminal pngcairo size 1000,560
 set output '{path}'
 set title '{title}'
 set style fill solid 0.7 border -1
@@ -34,8 +34,10 @@ set ylabel '{ylabel}'
 set yrange [0:*]
 set offsets 0.5, 0.5, graph 0.12, 0
 set grid ytics
+set rmargin 10
+set bmargin 6
 set key top left autotitle columnhead
-set xtics ({", ".join(f'"{c}" {i}' for i, c in enumerate(categories))})
+set xtics rotate by -35 ({", ".join(f'"{c}" {i}' for i, c in enumerate(categories))})
 plot {", ".join(plots)}
 """
     r = subprocess.run(["gnuplot"], input=script, text=True, capture_output=True)
