@@ -11,9 +11,10 @@
 //     block the sender; two messages on one link do not slow each other (NCCL/Gloo p2p overlap).
 //  2. Gradient sync: the parameters of every distinct set of holder ranks (a block held by one
 //     stage of every pipeline; the embedding by the first stages; the head by the last stages; a
-//     tied GPT-2 wte by the first AND last stages) are SUM-all-reduced in one ring per set:
-//        time = buckets * 2(n-1)/n * sum(ring hop latencies) + 2(n-1)/n * bytes / slowest hop
-//     with buckets = ceil(bytes / bucket_mb) (each bucket is its own collective) and the ring in
+//     tied GPT-2 wte by the first AND last stages) are SUM-all-reduced in one ring per set, a
+//     bucket of b bytes at a time:
+//        time = c * 2(n-1)/n * sum(ring hop latencies) + 2(n-1)/n * b / slowest hop
+//     with c = ceil(b / bucket_mb) collectives (1 unless one unit alone exceeds the cap), the ring in
 //     host order (holders grouped by host as the cluster lists hosts, then by rank; that is rank
 //     order whenever the cluster lists devices host by host). On equal hops the latency term is
 //     the textbook 2(n-1)*latency; on unequal hops a chunk crosses each hop in turn, so their

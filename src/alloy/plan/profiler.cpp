@@ -125,7 +125,8 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
     bf.push_back(med(tb[i], true)), bb.push_back(med(tb[i], false));
     hf.push_back(med(th[i], true)), hb.push_back(med(th[i], false));
   }
-  const FwdBwd last_e{0, 0, peak(te.back())}, last_b{0, 0, peak(tb.back())}, last_h{0, 0, peak(th.back())};
+  // Activation memory at the largest size, the most any round kept.
+  const int64_t act_e = peak(te.back()), act_b = peak(tb.back()), act_h = peak(th.back());
   d.embed_fwd = fit(xs, ef), d.embed_bwd = fit(xs, eb);
   d.block_fwd = fit(xs, bf), d.block_bwd = fit(xs, bb);
   d.head_fwd = fit(xs, hf), d.head_bwd = fit(xs, hb);
@@ -151,9 +152,9 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
     mem->param_bytes_per_block = static_cast<double>(block.num_parameters()) * bytes;
     mem->param_bytes_embed = static_cast<double>(embed.num_parameters()) * bytes;
     mem->param_bytes_head = static_cast<double>(head.num_parameters()) * bytes;
-    mem->act_bytes_per_sample_block = static_cast<double>(last_b.act_bytes) / m;
-    mem->act_bytes_per_sample_embed = static_cast<double>(last_e.act_bytes) / m;
-    mem->act_bytes_per_sample_head = static_cast<double>(last_h.act_bytes) / m;
+    mem->act_bytes_per_sample_block = static_cast<double>(act_b) / m;
+    mem->act_bytes_per_sample_embed = static_cast<double>(act_e) / m;
+    mem->act_bytes_per_sample_head = static_cast<double>(act_h) / m;
     mem->state_bytes_per_param_byte = 4.0;  // weights, gradients, two AdamW moments
   }
   return d;
