@@ -311,6 +311,24 @@ TEST(Emulator, CpuQuotaFollowsSpeed) {
   EXPECT_GT(used, 0.05);
 }
 
+TEST(EmulatorCpus, DevicesArePackedLargestFirstOntoTheLeastLoadedCore) {
+  using alloy::emu::assign_cpus;
+  using V = std::vector<std::vector<int>>;
+  // The shipped 3-device pool on 2 cores: the fast device keeps a core, the others share one.
+  EXPECT_EQ(assign_cpus({0.8, 0.4, 0.2}, {0, 1}), (V{{0}, {1}, {1}}));
+  EXPECT_EQ(assign_cpus({0.2, 0.4, 0.8}, {0, 1}), (V{{1}, {1}, {0}}));
+  // More cores than devices: everyone alone.
+  EXPECT_EQ(assign_cpus({1.0, 0.5, 0.25}, {0, 1, 2, 3}), (V{{0}, {1}, {2}}));
+  // CPU ids are the process's own, not 0..n-1; a device of 2 cores gets two whole ones.
+  EXPECT_EQ(assign_cpus({2.0, 0.5}, {4, 5, 6}), (V{{4, 5}, {6}}));
+  // Equal speeds alternate; a core can be filled exactly.
+  EXPECT_EQ(assign_cpus({0.5, 0.5, 0.5, 0.5}, {0, 1}), (V{{0}, {1}, {0}, {1}}));
+  // Does not fit: nobody is pinned.
+  EXPECT_EQ(assign_cpus({0.8, 0.8, 0.8}, {0, 1}), (V{{}, {}, {}}));
+  EXPECT_EQ(assign_cpus({1.5}, {0}), (V{{}}));
+  EXPECT_EQ(assign_cpus({0.5, 0.0}, {0, 1}), (V{{}, {}}));
+}
+
 TEST(Emulator, TeardownLeavesNothing) {
   auto spec = spec_of({{"h0", 1.0}, {"h1", 0.5}}, 0.1);
   EmulatorOptions o;
@@ -416,7 +434,7 @@ TEST(Emulator, LaunchPlacesRanksOnTheirHosts) {
   lo.nproc = 3;
   lo.command = {"/bin/sh", "-c",
                 "{ readlink /proc/self/ns/net; grep -E '^[0-9]+:cpu:' /proc/self/cgroup; echo \"$MASTER_ADDR $GLOO_SOCKET_IFNAME $ALLOY_EMU_HOST\"; "
-                "ip -4 -o addr show dev eth0; } > " + dir + "/$RANK"};
+                "ip -4 -o addr show dev eth0; grep Cpus_allowed_list /proc/self/status; } > " + dir + "/$RANK"};
   EmulatorOptions o;
   o.id = uid("launch");
   alloy::dist::LaunchResult r;
@@ -431,7 +449,7 @@ TEST(Emulator, LaunchPlacesRanksOnTheirHosts) {
     std::istringstream ss(slurp(dir + "/" + std::to_string(k)));
     std::string l;
     while (std::getline(ss, l)) lines[static_cast<size_t>(k)].push_back(l);
-    ASSERT_GE(lines[static_cast<size_t>(k)].size(), 4u) << "rank " << k << " wrote: " << slurp(dir + "/" + std::to_string(k));
+    ASSERT_GE(lines[static_cast<size_t>(k)].size(), 5u) << "rank " << k << " wrote: " << slurp(dir + "/" + std::to_string(k));
   }
   const std::string own_ns = run("readlink /proc/self/ns/net");
   EXPECT_EQ(lines[0][0], lines[1][0]);  // same host, same namespace
@@ -442,6 +460,17 @@ TEST(Emulator, LaunchPlacesRanksOnTheirHosts) {
     EXPECT_NE(L[1].find(":cpu:/alloy-emu-" + o.id + "-d" + std::to_string(k)), std::string::npos) << L[1];
     EXPECT_EQ(L[2], std::string("10.213.0.1 eth0 ") + (k < 2 ? "h0" : "h1"));
     EXPECT_NE(L[3].find(k < 2 ? "10.213.0.1/24" : "10.213.0.2/24"), std::string::npos) << L[3];
+  }
+  // Pinned: speeds 1.0 / 0.5 / 0.25 on a machine of two or more cores give each rank one CPU, and
+  // the 1.0 device a core the others do not touch.
+  auto cpus_of = [&](int k) {
+    const std::string& l = lines[static_cast<size_t>(k)][4];
+    return l.substr(l.find_last_of(" \t") + 1);
+  };
+  if (std::thread::hardware_concurrency() >= 2) {
+    for (int k = 0; k < 3; ++k) EXPECT_EQ(cpus_of(k).find_first_of(",-"), std::string::npos) << "rank " << k << ": " << cpus_of(k);
+    EXPECT_NE(cpus_of(0), cpus_of(1));
+    EXPECT_NE(cpus_of(0), cpus_of(2));
   }
   EXPECT_EQ(traces_of(o.id), std::vector<std::string>{});
   std::system(("rm -rf " + dir).c_str());

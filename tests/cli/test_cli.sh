@@ -113,6 +113,38 @@ printf '{"global_batch": 8, "pipelines": [{"micro_batch_size": 2, "num_micro_bat
 expect_fail "plan with a gap rejected before training" "gap.json" "a gap" -- "$alloy" train --config tiny.yaml --plan gap.json --set output.dir=gaprun
 [ ! -e gaprun ] && ok "rejected plan started nothing" || bad "rejected plan created output"
 
+# --- profile on real ranks (all at once, and in turns), then --plan auto plans and trains
+cat > pool.yaml <<YAML
+name: two-types
+devices:
+  - {name: big, host: h0, kind: cpu, type: cpu-big, memory_gb: 2, speed: 1.0}
+  - {name: small, host: h1, kind: cpu, type: cpu-small, memory_gb: 2, speed: 0.5}
+default_link: {bandwidth_gbps: 1, latency_ms: 0.1}
+YAML
+check_profile() {  # FILE: both types timed (positive per-sample costs) and the h0-h1 link measured
+  /usr/bin/python3 - "$1" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+for t in ("cpu-big", "cpu-small"):
+    d = p["devices"][t]
+    assert d["block_fwd"]["per_sample_s"] > 0 and d["block_bwd"]["per_sample_s"] > 0, (t, d)
+    assert d["optimizer_s_per_param"] > 0, (t, d)
+links = [l for l in p["links"] if {l["host_a"], l["host_b"]} == {"h0", "h1"}]
+assert links and links[0]["bytes_per_s"] > 0, p["links"]
+PY
+}
+for mode in together one-at-a-time; do
+  extra=(); [ $mode = one-at-a-time ] && extra=(--one-at-a-time)
+  expect_ok "profile 2 ranks ($mode)" "$alloy" launch --nproc 2 -- "$alloy" profile --cluster pool.yaml --config tiny.yaml \
+    --micro-batches 1 2 --window 0.03 "${extra[@]}" -o prof-$mode.json
+  check_profile prof-$mode.json && ok "profile ($mode) has both types and the link" || bad "profile ($mode) incomplete"
+done
+expect_ok "train --plan auto (reusing the profile)" "$alloy" launch --nproc 2 -- "$alloy" train --config tiny.yaml --plan auto \
+  --cluster pool.yaml --profile prof-together.json --set output.dir=autorun --set train.steps=3
+/usr/bin/python3 -c "import json,sys; p=json.load(open('autorun/plan.json')); sys.exit(0 if sum(pl['micro_batch_size']*pl['num_micro_batches'] for pl in p['pipelines'])==4 and 'step_s' in p['predicted'] else 1)" \
+  && ok "--plan auto wrote its plan with a prediction" || bad "--plan auto plan: $(head -c 300 autorun/plan.json 2>&1)"
+[ "$(wc -l < autorun/metrics.jsonl)" -eq 3 ] && ok "--plan auto trained 3 steps" || bad "--plan auto metrics"
+
 # --- generate prints text
 gen=$("$alloy" generate --checkpoint run --prompt "The " -n 40 2>/dev/null)
 [ ${#gen} -ge 40 ] && ok "generate: $(head -c 60 <<<"$gen" | tr '\n' ' ')" || bad "generate printed '${gen}'"

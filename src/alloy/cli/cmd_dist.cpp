@@ -34,7 +34,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
   auto* launch = app.add_subcommand("launch", "Start N local ranks of a command (usually `alloy train`), torchrun style");
   auto emu_path = std::make_shared<std::string>();
   auto emu_opts = std::make_shared<emu::EmulatorOptions>();
-  auto no_cpu = std::make_shared<bool>(false), no_net = std::make_shared<bool>(false);
+  auto no_cpu = std::make_shared<bool>(false), no_net = std::make_shared<bool>(false), no_pin = std::make_shared<bool>(false);
   launch->add_option("-n,--nproc", lo->nproc, "Number of ranks (default with --emulate: one per device)");
   launch->add_option("--emulate", *emu_path,
                      "Run rank i as device i of this ClusterSpec: each host in its own network namespace with tc-limited "
@@ -42,6 +42,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
       ->check(CLI::ExistingFile);
   launch->add_flag("--no-cpu-limit", *no_cpu, "With --emulate: no CPU quotas");
   launch->add_flag("--no-net-limit", *no_net, "With --emulate: no bandwidth limits");
+  launch->add_flag("--no-pin", *no_pin, "With --emulate: do not pin each device to its own CPUs");
   launch->add_option("--master-addr", lo->master_addr, "Rendezvous host")->capture_default_str();
   launch->add_option("--master-port", lo->master_port, "Rendezvous port; 0 = a free one")->capture_default_str();
   launch->add_option("--threads-per-rank", lo->threads_per_rank, "Intra-op threads per rank; 0 = cores / nproc")
@@ -49,9 +50,9 @@ void add_dist_commands(CLI::App& app, Action& action) {
   launch->add_option("--grace", lo->grace_s, "Seconds the other ranks get to report after one fails")->capture_default_str();
   launch->add_option("command", lo->command, "Command to run, after --")->required();
   launch->footer("Example: alloy launch --nproc 3 -- alloy train --config examples/tiny-gpt2.yaml --plan plan.json");
-  launch->callback([lo, emu_path, emu_opts, no_cpu, no_net, launch, &action]() {
+  launch->callback([lo, emu_path, emu_opts, no_cpu, no_net, no_pin, launch, &action]() {
     bool nproc_given = launch->count("--nproc") > 0;
-    action = [lo, emu_path, emu_opts, no_cpu, no_net, nproc_given]() {
+    action = [lo, emu_path, emu_opts, no_cpu, no_net, no_pin, nproc_given]() {
       // `alloy` as the command means this very binary, wherever it is installed.
       if (!lo->command.empty() && lo->command[0] == "alloy") {
         char buf[4096];
@@ -69,6 +70,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         ::setenv("ALLOY_CLUSTER", std::filesystem::absolute(*emu_path).c_str(), 1);
         emu_opts->limit_cpu = !*no_cpu;
         emu_opts->limit_network = !*no_net;
+        emu_opts->pin_cpus = !*no_pin;
         r = emu::launch_emulated(spec, *lo, *emu_opts);
       } else {
         if (!nproc_given) throw InputError("--nproc", "is required (or --emulate CLUSTER for one rank per device)");

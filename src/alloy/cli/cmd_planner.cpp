@@ -23,6 +23,7 @@ struct ProfileArgs {
   int repeats = 5;
   std::vector<int64_t> micro_batches = plan::ProfileOptions{}.micro_batch_sizes;
   double window_s = plan::ProfileOptions{}.window_s;
+  bool one_at_a_time = false;
 };
 }  // namespace
 
@@ -40,6 +41,8 @@ void add_planner_commands(CLI::App& app, Action& action) {
   prof->add_option("--window", a->window_s, "Seconds each compute figure averages over (spans CPU-quota periods)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  prof->add_flag("--one-at-a-time", a->one_at_a_time,
+                 "Time device types in turns on an otherwise idle machine (default: all devices at once, as in training)");
   prof->add_option("--rank", a->rv.rank, "This process's rank")->group("Rendezvous");
   prof->add_option("--world-size", a->rv.world_size, "Number of ranks")->group("Rendezvous");
   prof->add_option("--master-addr", a->rv.master_addr, "Host of rank 0")->group("Rendezvous");
@@ -59,6 +62,7 @@ void add_planner_commands(CLI::App& app, Action& action) {
       po.repeats = a->repeats;
       po.micro_batch_sizes = a->micro_batches;
       po.window_s = a->window_s;
+      po.concurrent = !a->one_at_a_time;
       auto p = plan::run_profile(cfg.model, spec, world.get(), po);
       if (rv.rank == 0) {
         p.save(a->output);

@@ -49,6 +49,12 @@ void place_self(int rank, const RankPlacement& p) {
     if (fd < 0 || ::setns(fd, CLONE_NEWNET) != 0) fail("network namespace", p.netns_path);
     ::close(fd);
   }
+  if (!p.cpus.empty()) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int c : p.cpus) CPU_SET(c, &set);
+    if (::sched_setaffinity(0, sizeof set, &set) != 0) fail("CPUs", std::to_string(p.cpus.size()) + " pinned");
+  }
   for (const auto& [k, v] : p.env) ::setenv(k.c_str(), v.c_str(), 1);
 }
 }  // namespace

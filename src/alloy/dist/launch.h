@@ -14,6 +14,7 @@ struct RankPlacement {
   std::string netns_path;  // network namespace to join (setns), e.g. /run/netns/NAME; empty = the launcher's
   std::string cgroup_dir;  // cgroup v1 directory to join (pid written to its cgroup.procs); empty = the launcher's
   std::vector<std::pair<std::string, std::string>> env;  // extra variables, set after (and over) the standard ones
+  std::vector<int> cpus;   // CPUs the rank may run on (sched_setaffinity); empty = the launcher's
 };
 
 struct LaunchOptions {

@@ -324,6 +324,34 @@ int g_clusters_in_process = 0;
 
 // ---------------------------------------------------------------------------------------------
 
+std::vector<std::vector<int>> assign_cpus(const std::vector<double>& speeds, const std::vector<int>& cpus) {
+  const size_t n = speeds.size();
+  std::vector<std::vector<int>> out(n);
+  std::vector<double> left(cpus.size(), 1.0);
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return speeds[a] > speeds[b]; });
+  constexpr double kSlack = 1e-9;
+  for (size_t i : order) {
+    const double s = speeds[i];
+    if (!(s > 0) || !std::isfinite(s)) return std::vector<std::vector<int>>(n);
+    if (s >= 1 - kSlack) {
+      size_t need = static_cast<size_t>(std::ceil(s - kSlack));
+      for (size_t c = 0; c < cpus.size() && need > 0; ++c)
+        if (left[c] >= 1 - kSlack) out[i].push_back(cpus[c]), left[c] = 0, --need;
+      if (need > 0) return std::vector<std::vector<int>>(n);
+      continue;
+    }
+    size_t best = cpus.size();
+    for (size_t c = 0; c < cpus.size(); ++c)
+      if (left[c] >= s - kSlack && (best == cpus.size() || left[c] > left[best] + kSlack)) best = c;
+    if (best == cpus.size()) return std::vector<std::vector<int>>(n);
+    left[best] -= s;
+    out[i].push_back(cpus[best]);
+  }
+  return out;
+}
+
 std::unique_ptr<EmulatedCluster> EmulatedCluster::create(const plan::ClusterSpec& spec, EmulatorOptions o) {
   // Prerequisites first, each named, so a machine that cannot emulate says exactly why.
   if (::geteuid() != 0)
@@ -366,6 +394,21 @@ std::unique_ptr<EmulatedCluster> EmulatedCluster::create(const plan::ClusterSpec
     c->device_host_.push_back(c->host_index(spec.devices[d].host));
     c->device_names_.push_back(spec.devices[d].name);
     c->cgroups_.push_back(o.limit_cpu ? std::string(kCgroupRoot) + "/" + kPrefix + o.id + "-d" + std::to_string(d) : "");
+  }
+  c->cpus_.assign(spec.devices.size(), {});
+  if (o.limit_cpu && o.pin_cpus) {
+    std::vector<int> mine;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (::sched_getaffinity(0, sizeof set, &set) == 0)
+      for (int k = 0; k < CPU_SETSIZE; ++k)
+        if (CPU_ISSET(k, &set)) mine.push_back(k);
+    std::vector<double> speeds;
+    for (const auto& d : spec.devices) speeds.push_back(d.speed);
+    c->cpus_ = assign_cpus(speeds, mine);
+    if (c->cpus_[0].empty())
+      log_warn("emulator: the devices' speeds do not fit on the " + std::to_string(mine.size()) +
+               " CPUs this process may use, one core at most per core's worth; ranks are not pinned to CPUs");
   }
 
   // Claiming an id (and clean_leftovers() judging claims) happens under one lock, so two launches
@@ -506,6 +549,7 @@ void EmulatedCluster::build(const plan::ClusterSpec& spec) {
       char b[64];
       std::snprintf(b, sizeof b, "%s %.2f", device_names_[d].c_str(), quota / double(period));
       quotas += (quotas.empty() ? "" : ", ") + std::string(b);
+      for (size_t k = 0; k < cpus_[d].size(); ++k) quotas += (k ? "," : " on cpu ") + std::to_string(cpus_[d][k]);
     }
     const unsigned cores = std::thread::hardware_concurrency();
     if (cores > 0 && total > cores)
@@ -568,6 +612,11 @@ std::string EmulatedCluster::netns_of_host(const std::string& host) const { retu
 std::string EmulatedCluster::ip_of_host(const std::string& host) const { return kSubnet + std::to_string(host_index(host) + 1); }
 std::string EmulatedCluster::state_file() const { return state_path(id_); }
 
+const std::vector<int>& EmulatedCluster::cpus_of_device(int device) const {
+  check_device(device);
+  return cpus_[static_cast<size_t>(device)];
+}
+
 std::vector<std::string> EmulatedCluster::command_prefix(int device) const {
   const std::string ns = netns_of_device(device);
   const std::string cg = cgroup_of_device(device);
@@ -580,6 +629,7 @@ dist::RankPlacement EmulatedCluster::placement_of_device(int device) const {
   dist::RankPlacement p;
   p.netns_path = netns_path_of_device(device);
   p.cgroup_dir = cgroup_of_device(device);
+  p.cpus = cpus_of_device(device);
   p.env = {{"GLOO_SOCKET_IFNAME", "eth0"},
            {"ALLOY_EMU_HOST", hosts_[static_cast<size_t>(device_host_[static_cast<size_t>(device)])]},
            {"ALLOY_EMU_DEVICE", device_names_[static_cast<size_t>(device)]}};

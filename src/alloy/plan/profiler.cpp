@@ -219,16 +219,23 @@ Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::Wor
     auto b = store.get(k);
     return std::string(b.begin(), b.end());
   };
-  // Compute: the measuring ranks take turns so they never share the machine's cores while timing
-  // (matters when an emulated cluster runs on one box; costs little on real hardware).
-  for (const auto& [type, r] : measurer) {
+  // Compute. Concurrent: every rank measures its device at the same time, under the same load as
+  // in training (the figures are time-window based, so fast and slow devices measure for about as
+  // long). Otherwise the measuring ranks take turns on an idle machine.
+  auto measure_mine = [&](const std::string& type, bool publish) {
+    log_info("profiling device type " + type + " on rank " + std::to_string(rank) + (publish ? "" : " (as load only)"));
+    MemoryProfile mem;
+    DeviceProfile d = measure_device(model, o, &mem);
+    if (publish) put("alloy/profile/type/" + type, Profile{model, {{type, d}}, {}, mem, }.to_json().dump());
+  };
+  const std::string& my_type = spec.devices[static_cast<size_t>(rank)].type;
+  if (o.concurrent) {
     world->all().barrier();
-    if (rank == r) {
-      log_info("profiling device type " + type + " on rank " + std::to_string(r));
-      MemoryProfile mem;
-      DeviceProfile d = measure_device(model, o, &mem);
-      nlohmann::json j = Profile{model, {{type, d}}, {}, mem, }.to_json();
-      put("alloy/profile/type/" + type, j.dump());
+    measure_mine(my_type, measurer.at(my_type) == rank);
+  } else {
+    for (const auto& [type, r] : measurer) {
+      world->all().barrier();
+      if (rank == r) measure_mine(type, true);
     }
   }
   world->all().barrier();

@@ -2,7 +2,8 @@
 // `alloy profile`: measures, on the real ranks, what the cost model needs. One rank per device
 // type times the forward and backward of one block, the embedding and the head at several
 // micro-batch sizes (fitting t(m) = fixed + per_sample * m), the optimizer step per parameter and
-// the activation memory per sample; one rank per host pair measures point-to-point latency and
+// the activation memory per sample (all ranks compute at once while it does, see
+// ProfileOptions::concurrent); one rank per host pair measures point-to-point latency and
 // bandwidth (ping-pong at several message sizes). Rank 0 collects everything through the store.
 #include <memory>
 #include <string>
@@ -27,6 +28,12 @@ struct ProfileOptions {
   int rounds = 3;             // ... split into this many rounds, spread out in time; the median is kept
   std::vector<int64_t> message_bytes = {1 << 12, 1 << 18, 1 << 20, 1 << 21};
   bool measure_links = true;
+  // Every rank times its device at once, as they all compute during training; the first device of
+  // each type gives that type's figures. Measured on the 2-core VM: two cores streaming memory at
+  // once get 35 GB/s each against 72 GB/s for one alone, and a device profiled on an otherwise
+  // idle machine ran 10-15% slower in the pool than predicted. False: types take turns on an
+  // idle machine (a device's speed alone).
+  bool concurrent = true;
 };
 
 // Every rank of WORLD calls this (rank i runs on device i of SPEC); rank 0 returns the full
