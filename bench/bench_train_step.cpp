@@ -17,6 +17,7 @@
 #include "alloy/train/trainer.h"
 
 int main(int argc, char** argv) {
+  alloy::prefer_passive_openmp_waits(argv);  // as the alloy binary does
   alloy::tune_allocator_for_training();
   std::map<std::string, std::string> a = {{"arch", "gpt2"}, {"layers", "4"},  {"hidden", "256"}, {"heads", "4"},
                                           {"kv-heads", "0"}, {"ffn", "0"},    {"seq-len", "128"}, {"vocab", "257"},

@@ -4,7 +4,9 @@
 Every figure is measured side by side in one invocation on the same emulated pool
 (`alloy launch --emulate`: one network namespace per host, tc-limited links, a CPU quota per
 device):
-  1. efficiency: tokens/s of the pool under Alloy's plan / the sum of each device's tokens/s alone
+  1. efficiency: tokens/s of the pool under Alloy's plan / the sum of each device's tokens/s training
+     on its own, (a) all devices at once side by side (the machine's memory bandwidth shared as in
+     the pool) and (b) each alone on an idle machine; pool and (a) alternate over --rounds
   2. plans: Alloy's plan vs `uniform` vs `proportional` vs PyTorch DDP with equal per-rank batches
   3. predictions: predicted vs measured step time (and per-stage compute) for each Alloy-run plan
 Writes bench/results/hetero.json, hetero.png (throughput) and hetero-predictions.png (gnuplot).
@@ -13,7 +15,7 @@ Writes bench/results/hetero.json, hetero.png (throughput) and hetero-predictions
            a progress display, and a short report. No baselines.
 
 usage: /usr/bin/python3 bench/hetero_bench.py [--build build] [--cluster examples/cluster-3dev.yaml]
-           [--config examples/demo-gpt2.yaml] [--steps N] [--demo]
+           [--config examples/demo-gpt2.yaml] [--steps N] [--rounds N] [--out NAME] [--demo]
 """
 import argparse
 import json
@@ -226,10 +228,14 @@ def main():
     ap.add_argument("--work", default=os.path.join(REPO, "runs", "hetero"))
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--demo", action="store_true")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="runs of Alloy's plan and of the devices side by side, alternating (median kept); default 2, 1 with --demo")
     ap.add_argument("--out", default=None,
                     help="name of the result files in bench/results (default: hetero for the 3-device pool, "
                          "hetero-<cluster file's stem> for another cluster)")
     a = ap.parse_args()
+    if a.rounds is None:
+        a.rounds = 1 if a.demo else 2
     if a.out is None:
         stem = os.path.splitext(os.path.basename(a.cluster))[0]
         a.out = "hetero" if stem == "cluster-3dev" else "hetero-" + stem
@@ -247,8 +253,20 @@ def main():
     log(f"diagram: {diagram} and {os.path.join(R.work, 'plan.png')}")
     alone = R.alone(devices)
     side = R.side_by_side(devices)
+    extra_rounds = []  # (alloy run, side-by-side) pairs after the first, to average out the VM's slow spells
     log(f"training {a.steps} steps with Alloy's plan on the emulated pool")
     main_run = R.train("alloy", alloy_plan, a.steps, show=a.demo)
+    for k in range(1, a.rounds):
+        log(f"round {k + 1} of {a.rounds}: the pool and the devices side by side again")
+        extra_rounds.append((R.train(f"alloy-{k + 1}", alloy_plan, a.steps), R.side_by_side(devices)))
+    if extra_rounds:
+        runs = [main_run] + [r for r, _ in extra_rounds]
+        sides = [side] + [sd for _, sd in extra_rounds]
+        main_run = dict(main_run, tokens_per_s=statistics.median(r["tokens_per_s"] for r in runs),
+                        step_s=statistics.median(r["step_s"] for r in runs))
+        side = {n: statistics.median(sd[n] for sd in sides) for n in side}
+        log("pool tokens/s per round: " + ", ".join(f"{r['tokens_per_s']:.0f}" for r in runs) +
+            "; side-by-side sums: " + ", ".join(f"{sum(sd.values()):.0f}" for sd in sides) + " (medians used)")
     results = [dict(name="alloy", tokens_per_s=main_run["tokens_per_s"], step_s=main_run["step_s"],
                     prediction=report_predictions("alloy plan", alloy_plan, main_run))]
     if not a.demo:

@@ -6,6 +6,7 @@
 #include "alloy/core/process.h"
 
 int main(int argc, char** argv) {
+  alloy::prefer_passive_openmp_waits(argv);
   alloy::tune_allocator_for_training();
   CLI::App app{"Alloy: train transformer language models across unlike devices and links"};
   app.require_subcommand(1);

@@ -10,4 +10,14 @@ namespace alloy {
 // Environment variables (MALLOC_MMAP_THRESHOLD_ etc.) still win if the user set them.
 void tune_allocator_for_training();
 
+// LibTorch's OpenMP threads and OpenBLAS's own pthread pool each keep a worker per extra core, and
+// both spin after their work is done: with two threads per process, an OpenMP worker spinning
+// after an element-wise op held the core that OpenBLAS's worker needed for the next matrix
+// product, and a Llama training step took 0.53 s instead of 0.17 s (PyTorch from Python, the same
+// LibTorch: 0.45 s instead of 0.16 s). OMP_WAIT_POLICY=PASSIVE makes OpenMP workers sleep at once.
+// libgomp reads it when it is loaded, before main(), so when it is unset this sets it and re-execs
+// the program (/proc/self/exe, same arguments): call it first thing in main(). A value the user
+// set is kept. Returns only if no re-exec happened (or it failed).
+void prefer_passive_openmp_waits(char** argv);
+
 }  // namespace alloy
