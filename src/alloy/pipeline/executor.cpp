@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
+#include <deque>
 
 #include "alloy/core/error.h"
 #include "alloy/dist/reducer.h"
@@ -47,24 +48,35 @@ void StageExecutor::send_tensor(int dst, int64_t mb, int kind, const at::Tensor&
   sends_.emplace_back(links_.group->send(data, dst, tag_of(mb, kind + 1)), data);
 }
 
-at::Tensor StageExecutor::recv_tensor(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype) {
-  at::Tensor header = at::empty({6}, at::kLong);
-  at::Tensor data = at::empty(shape, slice_.parameters()[0]->tensor.options().dtype(dtype).requires_grad(false));
+StageExecutor::PostedRecv StageExecutor::post_recv(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype) {
+  PostedRecv r;
+  r.src = src, r.mb = mb, r.kind = kind;
+  r.header = at::empty({6}, at::kLong);
+  r.data = at::empty(shape, slice_.parameters()[0]->tensor.options().dtype(dtype).requires_grad(false));
   // Both receives are posted together: one round trip, and the header is checked after.
-  auto wh = links_.group->recv(header, src, tag_of(mb, kind));
-  auto wd = links_.group->recv(data, src, tag_of(mb, kind + 1));
-  std::string what = std::string("receiving the ") + kind_text(kind) + " of micro-batch " + std::to_string(mb) +
-                     " from rank " + std::to_string(src);
-  dist::wait_work(wh, what);
-  const int64_t* h = header.data_ptr<int64_t>();
+  r.wh = links_.group->recv(r.header, src, tag_of(mb, kind));
+  r.wd = links_.group->recv(r.data, src, tag_of(mb, kind + 1));
+  return r;
+}
+
+at::Tensor StageExecutor::finish_recv(PostedRecv& r, at::IntArrayRef shape, at::ScalarType dtype) {
+  std::string what = std::string("receiving the ") + kind_text(r.kind) + " of micro-batch " + std::to_string(r.mb) +
+                     " from rank " + std::to_string(r.src);
+  dist::wait_work(r.wh, what);
+  const int64_t* h = r.header.data_ptr<int64_t>();
   if (h[0] != 3 || h[1] != shape[0] || h[2] != shape[1] || h[3] != shape[2] || h[4] != static_cast<int64_t>(dtype) ||
-      h[5] != mb)
+      h[5] != r.mb)
     throw Error(what + ": got shape [" + std::to_string(h[1]) + ", " + std::to_string(h[2]) + ", " + std::to_string(h[3]) +
                 "] dtype " + c10::toString(static_cast<at::ScalarType>(h[4])) + " for micro-batch " + std::to_string(h[5]) +
                 ", expected [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + ", " +
                 std::to_string(shape[2]) + "] " + c10::toString(dtype) + ": the two stages disagree on the plan");
-  dist::wait_work(wd, what);
-  return data;
+  dist::wait_work(r.wd, what);
+  return r.data;
+}
+
+at::Tensor StageExecutor::recv_tensor(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype) {
+  PostedRecv r = post_recv(src, mb, kind, shape, dtype);
+  return finish_recv(r, shape, dtype);
 }
 
 void StageExecutor::wait_sends() {
@@ -85,6 +97,34 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
   compute_s_ = 0;
   double loss_sum = 0;
 
+  // Receives in the order the actions consume them; a sliding window of them stays posted. Every
+  // message a stage receives is [rows, T, H]: activations from the previous stage, and gradients
+  // of this (non-last) stage's output from the next.
+  std::vector<size_t> recv_actions;
+  for (size_t i = 0; i < actions.size(); ++i)
+    if (actions[i].kind == ActionKind::RecvActivation || actions[i].kind == ActionKind::RecvGrad) recv_actions.push_back(i);
+  std::deque<PostedRecv> posted;
+  size_t next_post = 0;
+  auto shape_of = [&](int64_t m) { return std::vector<int64_t>{mbs[static_cast<size_t>(m)].rows, T, H}; };
+  auto top_up = [&]() {
+    while (posted.size() < kRecvsAhead && next_post < recv_actions.size()) {
+      const Action& r = actions[recv_actions[next_post++]];
+      const bool act = r.kind == ActionKind::RecvActivation;
+      posted.push_back(post_recv(act ? links_.prev_rank : links_.next_rank, r.micro_batch, act ? kActHeader : kGradHeader,
+                                 shape_of(r.micro_batch), dt));
+    }
+  };
+  auto take = [&](int64_t m, int kind) {
+    top_up();
+    PostedRecv r = std::move(posted.front());
+    posted.pop_front();
+    if (r.mb != m || r.kind != kind) throw Error("pipeline executor: receives out of order (internal error)");
+    at::Tensor t = finish_recv(r, shape_of(m), dt);
+    top_up();
+    return t;
+  };
+  top_up();
+
   for (size_t i = 0; i < actions.size(); ++i) {
     const Action& a = actions[i];
     const int64_t m = a.micro_batch;
@@ -92,7 +132,7 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
     auto t0 = Clock::now();
     switch (a.kind) {
       case ActionKind::RecvActivation:
-        st.input = recv_tensor(links_.prev_rank, m, kActHeader, {mbs[static_cast<size_t>(m)].rows, T, H}, dt).requires_grad_(true);
+        st.input = take(m, kActHeader).requires_grad_(true);
         record("recv A" + std::to_string(m), "recv", t0);
         break;
       case ActionKind::Forward: {
@@ -115,7 +155,7 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
         record("send A" + std::to_string(m), "send", t0);
         break;
       case ActionKind::RecvGrad:
-        st.grad_in = recv_tensor(links_.next_rank, m, kGradHeader, st.output.sizes(), dt);
+        st.grad_in = take(m, kGradHeader);
         record("recv G" + std::to_string(m), "recv", t0);
         break;
       case ActionKind::Backward: {
