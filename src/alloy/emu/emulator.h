@@ -21,9 +21,10 @@
 //   * every device is pinned to its own CPUs (sched_setaffinity, see assign_cpus): the devices'
 //     speeds are packed onto the machine's cores, largest first, each onto the core with the most
 //     capacity left, so a 0.8-core device keeps a core to itself while 0.4 and 0.2 share the
-//     other. Without pinning the scheduler moves ranks between cores and lets them meet on one,
-//     and a rank computing beside another ran 10-20% slower than alone although the quotas added
-//     up to less than the cores: separate machines do not disturb each other that way.
+//     other. Without pinning the scheduler moves ranks between cores and can let two devices meet
+//     on one while the other idles, which separate machines never do. What pinning cannot separate
+//     is memory bandwidth: on the 2-core VM a device computing while the others compute runs
+//     10-15% slower than alone (bench/README.md measures against both).
 //
 // Measured on a 2-core VM: a 100 Mbit/s link carries 95.7 Mbit/s of TCP payload (the ceiling for
 // 1514-byte frames is 95.6%), 20 Mbit/s -> 19.2, 200 -> 192, 1 Gbit/s -> 958 Mbit/s; unshaped veths
