@@ -121,13 +121,15 @@ devices:
   - {name: small, host: h1, kind: cpu, type: cpu-small, memory_gb: 2, speed: 0.5}
 default_link: {bandwidth_gbps: 1, latency_ms: 0.1}
 YAML
-check_profile() {  # FILE: both types timed (positive per-sample costs) and the h0-h1 link measured
+check_profile() {  # FILE: both types timed (a micro-batch of 4 costs time) and the h0-h1 link measured
   /usr/bin/python3 - "$1" <<'PY'
 import json, sys
 p = json.load(open(sys.argv[1]))
+at4 = lambda c: c["fixed_s"] + 4 * c["per_sample_s"]
 for t in ("cpu-big", "cpu-small"):
     d = p["devices"][t]
-    assert d["block_fwd"]["per_sample_s"] > 0 and d["block_bwd"]["per_sample_s"] > 0, (t, d)
+    # A tiny model on a loaded machine may fit a flat line, but never a free one.
+    assert at4(d["block_fwd"]) > 0 and at4(d["block_bwd"]) > 0 and at4(d["head_bwd"]) > 0, (t, d)
     assert d["optimizer_s_per_param"] > 0, (t, d)
 links = [l for l in p["links"] if {l["host_a"], l["host_b"]} == {"h0", "h1"}]
 assert links and links[0]["bytes_per_s"] > 0, p["links"]
@@ -136,7 +138,7 @@ PY
 for mode in together one-at-a-time; do
   extra=(); [ $mode = one-at-a-time ] && extra=(--one-at-a-time)
   expect_ok "profile 2 ranks ($mode)" "$alloy" launch --nproc 2 -- "$alloy" profile --cluster pool.yaml --config tiny.yaml \
-    --micro-batches 1 2 --window 0.03 "${extra[@]}" -o prof-$mode.json
+    --micro-batches 1 4 --window 0.05 "${extra[@]}" -o prof-$mode.json
   check_profile prof-$mode.json && ok "profile ($mode) has both types and the link" || bad "profile ($mode) incomplete"
 done
 expect_ok "train --plan auto (reusing the profile)" "$alloy" launch --nproc 2 -- "$alloy" train --config tiny.yaml --plan auto \
