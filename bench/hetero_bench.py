@@ -38,6 +38,13 @@ def log(msg):
     print(f"[hetero] {msg}", flush=True)
 
 
+def read_metrics(out):
+    """A run's metrics.jsonl rows, and the rows after the first two (warm-up) when there are enough."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(l) for l in f if l.strip()]
+    return rows, (rows[2:] if len(rows) > 4 else rows)
+
+
 class Runner:
     def __init__(self, a):
         self.alloy = os.path.abspath(os.path.join(a.build, "alloy"))
@@ -84,10 +91,8 @@ class Runner:
         if plan:
             cmd += ["--plan", plan]
         self.launch(cluster or self.cluster, cmd, show=show)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            rows = [json.loads(l) for l in f if l.strip()]
+        rows, warm = read_metrics(out)
         ranks = json.load(open(os.path.join(out, "ranks.json"))) if os.path.exists(os.path.join(out, "ranks.json")) else []
-        warm = rows[2:] if len(rows) > 4 else rows
         step = statistics.median(r["step_s"] for r in warm if "val_loss" not in r) if warm else float("nan")
         return dict(rows=rows, ranks=ranks, step_s=step, tokens_per_s=statistics.median(r["tokens_per_s"] for r in warm))
 
@@ -124,9 +129,7 @@ class Runner:
         self.launch(self.cluster, ["/bin/sh", "-c", script])
         res = {}
         for name, out in outs.items():
-            with open(os.path.join(out, "metrics.jsonl")) as f:
-                rows = [json.loads(l) for l in f if l.strip()]
-            warm = rows[2:] if len(rows) > 4 else rows
+            _, warm = read_metrics(out)
             res[name] = statistics.median(r["tokens_per_s"] for r in warm)
             log(f"{name} on its own beside the others: {res[name]:.0f} tokens/s")
         return res

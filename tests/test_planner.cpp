@@ -85,6 +85,14 @@ Device device(const std::string& name, const std::string& host, const std::strin
 
 StagePlan stage(int rank, int64_t b, int64_t e, const std::string& dev) { return {{rank}, b, e, dev}; }
 
+// Devices a (host h0) and b (host h1), both of type "t", joined by one link.
+ClusterSpec two_hosts(double bandwidth_gbps, double latency_ms) {
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "t"), device("b", "h1", "t")};
+  c.rules.push_back({"h0", "h1", Link{bandwidth_gbps, latency_ms}});
+  return c;
+}
+
 void expect_uses_every_device(const SearchResult& r, const ClusterSpec& c, const Profile& p) {
   EXPECT_NO_THROW(r.plan.validate(p.model));
   std::set<int> seen;
@@ -194,10 +202,8 @@ TEST(CostModel, TwoStagePipelineExactStepTime) {
   p.model.seq_len = 4;
   p.model.hidden = 8;  // one sample = 4 * 8 * 4 = 128 bytes
   p.devices["t"] = flat(0.5, 1.0, 0.5, 1.0);
-  ClusterSpec c;
-  c.devices = {device("a", "h0", "t"), device("b", "h1", "t")};
   // 128 bytes at 512 bytes/s = 0.25 s, plus 0.25 s latency: 0.5 s per message.
-  c.rules.push_back({"h0", "h1", Link{512 * 8 / 1e9, 250}});
+  ClusterSpec c = two_hosts(512 * 8 / 1e9, 250);
   for (const std::string sched : {"gpipe", "1f1b"}) {
     Plan plan;
     plan.global_batch = 2;
@@ -224,10 +230,8 @@ TEST(CostModel, TwoStagePipelineExactStepTime) {
 TEST(CostModel, DataParallelOverASlowLinkExposesSync) {
   Profile p = base_profile(2);
   p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
-  ClusterSpec c;
-  c.devices = {device("a", "h0", "t"), device("b", "h1", "t")};
   // 1 MB/s between the hosts, 10 ms latency.
-  c.rules.push_back({"h0", "h1", Link{8e6 / 1e9, 10}});
+  ClusterSpec c = two_hosts(8e6 / 1e9, 10);
   Plan plan;
   plan.global_batch = 4;
   plan.bucket_mb = 1;  // 1 MiB buckets
@@ -475,9 +479,7 @@ TEST(Search, SmallerBucketsWhenTheyHideSync) {
   // when the backward ends and is exposed whole; with per-unit buckets only the embedding's is.
   Profile p = base_profile(2);
   p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
-  ClusterSpec c;
-  c.devices = {device("a", "h0", "t"), device("b", "h1", "t")};
-  c.rules.push_back({"h0", "h1", Link{8e7 / 1e9, 0.001}});
+  ClusterSpec c = two_hosts(8e7 / 1e9, 0.001);
   SearchResult r;
   r.strategy = "alloy";
   r.plan.global_batch = 2;

@@ -115,7 +115,6 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
     }
   };
   auto take = [&](int64_t m, int kind) {
-    top_up();
     PostedRecv r = std::move(posted.front());
     posted.pop_front();
     if (r.mb != m || r.kind != kind) throw Error("pipeline executor: receives out of order (internal error)");
