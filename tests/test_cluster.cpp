@@ -706,6 +706,7 @@ Profile sample_profile() {
   a.embed_bwd = {2e-5, 2e-6};
   a.head_fwd = {3e-4, 7e-5};
   a.head_bwd = {6e-4, 1.4e-4};
+  a.block_bwd.set_points({1, 2, 4}, {3e-4, 3.2e-4, 4.1e-4});
   a.optimizer_s_per_param = 1.0 / 3.0 * 1e-9;
   p.devices["cpu-full"] = a;
   alloy::plan::DeviceProfile b = a;
@@ -747,6 +748,10 @@ TEST(Profile, JsonRoundTrip) {
     EXPECT_EQ(e.embed_bwd.per_sample_s, d.embed_bwd.per_sample_s);
     EXPECT_EQ(e.head_fwd.per_sample_s, d.head_fwd.per_sample_s);
     EXPECT_EQ(e.head_bwd.fixed_s, d.head_bwd.fixed_s);
+    ASSERT_EQ(e.block_bwd.n, 3);
+    EXPECT_EQ(e.block_bwd.m, d.block_bwd.m);
+    EXPECT_EQ(e.block_bwd.t, d.block_bwd.t);
+    EXPECT_EQ(e.block_fwd.n, 0);
     EXPECT_EQ(e.optimizer_s_per_param, d.optimizer_s_per_param);
   }
   ASSERT_EQ(q.links.size(), 2u);
@@ -761,13 +766,41 @@ TEST(Profile, JsonRoundTrip) {
   EXPECT_EQ(q.to_json(), p.to_json());
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-profile");
-  EXPECT_EQ(j["version"], 1);
+  EXPECT_EQ(j["version"], 2);
+  // Version 1 (lines without points) still reads.
+  {
+    nlohmann::json v1 = j;
+    v1["version"] = 1;
+    for (auto& [type, d] : v1["devices"].items())
+      for (auto& [key, c] : d.items())
+        if (c.is_object()) c.erase("points");
+    EXPECT_EQ(Profile::from_json(v1, "p.json").devices.at("cpu-full").block_bwd.n, 0);
+  }
   // Free-form provenance is accepted.
   j["meta"] = {{"measured_on", "2024-01-01"}};
   EXPECT_EQ(profile_error(j), "");
   // allreduce_bytes_per_s is optional (0 = not measured).
   j["links"][0].erase("allreduce_bytes_per_s");
   EXPECT_EQ(Profile::from_json(j, "p.json").links[0].allreduce_bytes_per_s, 0);
+}
+
+TEST(MicroBatchCost, InterpolatesMeasuredPointsAndExtendsWithTheFittedSlope) {
+  alloy::plan::MicroBatchCost c{1e-3, 1e-3};  // the line says 2 ms at m = 1
+  EXPECT_DOUBLE_EQ(c.at(3), 4e-3);
+  c.set_points({1, 2, 4}, {3e-3, 3.5e-3, 5.5e-3});  // measured: m = 1 costs 3 ms
+  EXPECT_DOUBLE_EQ(c.at(1), 3e-3);
+  EXPECT_DOUBLE_EQ(c.at(2), 3.5e-3);
+  EXPECT_DOUBLE_EQ(c.at(3), 4.5e-3);          // halfway between 2 and 4
+  EXPECT_DOUBLE_EQ(c.at(8), 5.5e-3 + 4e-3);   // past the last point: the line's slope
+  EXPECT_DOUBLE_EQ(c.at(0.5), 2.5e-3);        // below the first point: same slope, not below proportional
+  // Sums keep the points: 2 * c + d, on the union of both grids.
+  alloy::plan::MicroBatchCost d{0, 1e-3};
+  d.set_points({1, 8}, {1e-3, 8e-3});
+  alloy::plan::MicroBatchCost s;
+  s.add(c, 2);
+  s.add(d, 1);
+  for (double m : {1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0}) EXPECT_NEAR(s.at(m), 2 * c.at(m) + d.at(m), 1e-15) << "m = " << m;
+  EXPECT_DOUBLE_EQ(s.per_sample_s, 3e-3);
 }
 
 TEST(Profile, ActivationBytesPerSample) {
@@ -788,7 +821,15 @@ TEST(Profile, ValidationErrorsNameFileAndField) {
   };
   EXPECT_HAS(with([](auto& j) { j["format"] = "alloy-plan"; }), "p.json: format: \"alloy-plan\", not \"alloy-profile\"");
   EXPECT_HAS(with([](auto& j) { j.erase("format"); }), "p.json: format: is missing");
-  EXPECT_HAS(with([](auto& j) { j["version"] = 2; }), "p.json: version: 2; this Alloy reads version 1");
+  EXPECT_HAS(with([](auto& j) { j["version"] = 3; }), "p.json: version: 3; this Alloy reads versions 1 and 2");
+  EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["block_bwd"]["points"][1][0] = 1; }),
+             "p.json: devices.cpu-full.block_bwd.points[1]: micro-batch sizes must increase, got 1 after 1");
+  EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["block_bwd"]["points"][2] = {4, -1}; }),
+             "p.json: devices.cpu-full.block_bwd.points[2]: seconds must be finite and >= 0, got -1");
+  EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["block_bwd"]["points"][0] = 7; }),
+             "p.json: devices.cpu-full.block_bwd.points[0]: must be [micro-batch size, seconds], got 7");
+  EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["block_bwd"]["points"][0][0] = 0; }),
+             "points[0]: micro-batch size must be >= 1, got 0");
   EXPECT_HAS(with([](auto& j) { j.erase("devices"); }), "p.json: devices: is missing");
   EXPECT_HAS(with([](auto& j) { j["devices"] = nlohmann::json::object(); }), "p.json: devices: the profile has no device types");
   EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["block_fwd"]["per_sample_s"] = -1; }),

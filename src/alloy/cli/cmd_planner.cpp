@@ -35,7 +35,7 @@ void add_planner_commands(CLI::App& app, Action& action) {
   prof->add_option("--set", a->sets, "Override a config key (repeatable)");
   prof->add_option("-o,--output", a->output, "Profile JSON to write (rank 0)")->capture_default_str();
   prof->add_option("--repeats", a->repeats, "Ping-pongs per message size when timing links")->capture_default_str();
-  prof->add_option("--micro-batches", a->micro_batches, "Micro-batch sizes timed per device type (costs are fitted as a line through them)")
+  prof->add_option("--micro-batches", a->micro_batches, "Micro-batch sizes timed per device type (the planner interpolates between them and extends the fitted line past the largest)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   prof->add_option("--window", a->window_s, "Seconds each compute figure averages over (spans CPU-quota periods)")

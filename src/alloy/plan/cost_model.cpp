@@ -239,14 +239,11 @@ std::vector<CostContext::SyncSet> CostContext::sync_sets(const std::vector<std::
   return out;
 }
 
-LinearCost CostContext::unit_ready(int type, int64_t begin, int64_t end, bool first, bool last, int u) const {
+MicroBatchCost CostContext::unit_ready(int type, int64_t begin, int64_t end, bool first, bool last, int u) const {
   const DeviceProfile& d = *type_profile_[static_cast<size_t>(type)];
   const int L = static_cast<int>(layers());
-  LinearCost c;
-  auto add = [&](const LinearCost& x, double k) {
-    c.fixed_s += k * x.fixed_s;
-    c.per_sample_s += k * x.per_sample_s;
-  };
+  MicroBatchCost c;
+  auto add = [&](const MicroBatchCost& x, double k) { c.add(x, k); };
   if (last) add(d.head_bwd, 1);
   if (u == 0 || (u == L + 2 && !first)) return c;  // head rest; tied wte on a stage without the embedding
   if (u <= L) {
@@ -402,7 +399,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       double ready = 0;
       for (int r : g.ranks) {
         const CostContext::Holder& h = *holder_of[static_cast<size_t>(r)];
-        const LinearCost off = ctx.unit_ready(ctx.type_of(dev_of[static_cast<size_t>(r)]), h.begin, h.end, h.first, h.last, bks[k].last_unit);
+        const MicroBatchCost off = ctx.unit_ready(ctx.type_of(dev_of[static_cast<size_t>(r)]), h.begin, h.end, h.first, h.last, bks[k].last_unit);
         ready = std::max(ready, last_bwd_start[static_cast<size_t>(r)] + off.at(static_cast<double>(mbs_of[static_cast<size_t>(r)])));
       }
       if (k == 0) g.ready_s = ready;

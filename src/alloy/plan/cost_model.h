@@ -5,7 +5,7 @@
 //  1. Every pipeline runs its schedule (pipeline::make_schedule), event by event
 //     (pipeline::simulate): forward/backward of a micro-batch of m samples on a stage costs
 //     blocks * t_block(m) (+ t_embed(m) on stage 0, + t_head(m) on the last stage) with the
-//     LinearCost t(m) of the device's TYPE from the profile; an activation or gradient message
+//     MicroBatchCost t(m) of the device's TYPE from the profile; an activation or gradient message
 //     between consecutive stages costs latency + m*seq_len*hidden*dtype_bytes / bandwidth of THE
 //     link between the two hosts (a measured profile link wins over the cluster spec). Sends do not
 //     block the sender; two messages on one link do not slow each other (NCCL/Gloo p2p overlap).
@@ -172,7 +172,7 @@ class CostContext {
   std::vector<SyncSet> sync_sets(const std::vector<std::vector<Holder>>& pipelines) const;
   // How long after the start of its last backward a stage (TYPE, blocks [BEGIN, END), FIRST,
   // LAST) has unit U's gradients final, as a function of the micro-batch size.
-  LinearCost unit_ready(int type, int64_t begin, int64_t end, bool first, bool last, int u) const;
+  MicroBatchCost unit_ready(int type, int64_t begin, int64_t end, bool first, bool last, int u) const;
   // The reducer's buckets of one set: units (ascending) packed up to CAP bytes; a unit over CAP
   // alone is split into ceil(bytes / CAP) collectives that are ready together.
   struct Bucket {

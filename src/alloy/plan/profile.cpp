@@ -1,5 +1,6 @@
 #include "alloy/plan/profile.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -14,12 +15,13 @@ namespace {
 using nlohmann::json;
 
 const char* const kFormat = "alloy-profile";
-constexpr int kVersion = 1;
+// Version 2 added each compute cost's measured points; version 1 files (lines alone) still read.
+constexpr int kVersion = 2;
 
 // The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
 struct CostField {
   const char* key;
-  LinearCost DeviceProfile::*member;
+  MicroBatchCost DeviceProfile::*member;
 };
 const CostField kCostFields[] = {
     {"block_fwd", &DeviceProfile::block_fwd}, {"block_bwd", &DeviceProfile::block_bwd},
@@ -41,7 +43,14 @@ const MemField kMemFields[] = {
     {"state_bytes_per_param_byte", &MemoryProfile::state_bytes_per_param_byte},
 };
 
-json cost_json(const LinearCost& c) { return {{"fixed_s", c.fixed_s}, {"per_sample_s", c.per_sample_s}}; }
+json cost_json(const MicroBatchCost& c) {
+  json j{{"fixed_s", c.fixed_s}, {"per_sample_s", c.per_sample_s}};
+  if (c.n > 0) {
+    j["points"] = json::array();
+    for (int i = 0; i < c.n; ++i) j["points"].push_back({c.m[static_cast<size_t>(i)], c.t[static_cast<size_t>(i)]});
+  }
+  return j;
+}
 
 class Reader {
  public:
@@ -88,17 +97,37 @@ class Reader {
     return v.get<std::string>();
   }
 
-  LinearCost cost(const json& parent, const char* key, const std::string& field) const {
+  MicroBatchCost cost(const json& parent, const char* key, const std::string& field) const {
     const json& o = object(parent, key, field);
-    only_keys(o, {"fixed_s", "per_sample_s"}, field);
-    LinearCost c;
+    only_keys(o, {"fixed_s", "per_sample_s", "points"}, field);
+    MicroBatchCost c;
     c.fixed_s = number(o, "fixed_s", field + ".fixed_s");
     c.per_sample_s = number(o, "per_sample_s", field + ".per_sample_s");
     if (c.per_sample_s < 0) fail(field + ".per_sample_s", "must be >= 0 seconds, got " + json(c.per_sample_s).dump());
     // A least-squares fit may put the intercept a little below zero; what must hold is that one
     // sample never takes negative time.
-    if (c.at(1) < 0)
-      fail(field, "fixed_s + per_sample_s = " + json(c.at(1)).dump() + " s for one sample; it must be >= 0");
+    if (c.fixed_s + c.per_sample_s < 0)
+      fail(field, "fixed_s + per_sample_s = " + json(c.fixed_s + c.per_sample_s).dump() + " s for one sample; it must be >= 0");
+    if (o.contains("points")) {
+      const json& pts = o["points"];
+      const std::string pf = field + ".points";
+      if (!pts.is_array()) fail(pf, std::string("must be an array of [micro-batch size, seconds], got ") + pts.type_name());
+      if (pts.size() > static_cast<size_t>(MicroBatchCost::kMaxPoints))
+        fail(pf, "has " + std::to_string(pts.size()) + " points; at most " + std::to_string(MicroBatchCost::kMaxPoints));
+      std::vector<double> ms, ts;
+      for (size_t i = 0; i < pts.size(); ++i) {
+        const std::string f = pf + "[" + std::to_string(i) + "]";
+        const json& q = pts[i];
+        if (!q.is_array() || q.size() != 2 || !q[0].is_number() || !q[1].is_number())
+          fail(f, "must be [micro-batch size, seconds], got " + q.dump());
+        const double m = q[0].get<double>(), t = q[1].get<double>();
+        if (!(m >= 1) || !std::isfinite(m)) fail(f, "micro-batch size must be >= 1, got " + q[0].dump());
+        if (!ms.empty() && !(m > ms.back())) fail(f, "micro-batch sizes must increase, got " + q[0].dump() + " after " + json(ms.back()).dump());
+        if (!(t >= 0) || !std::isfinite(t)) fail(f, "seconds must be finite and >= 0, got " + q[1].dump());
+        ms.push_back(m), ts.push_back(t);
+      }
+      c.set_points(ms, ts);
+    }
     return c;
   }
 
@@ -107,6 +136,42 @@ class Reader {
 };
 
 }  // namespace
+
+double MicroBatchCost::at(double x) const {
+  if (n == 0) return fixed_s + per_sample_s * x;
+  const size_t last = static_cast<size_t>(n - 1);
+  if (x <= m[0]) return std::max(t[0] * x / m[0], t[0] - per_sample_s * (m[0] - x));
+  if (x >= m[last]) return t[last] + per_sample_s * (x - m[last]);
+  size_t i = 1;
+  while (m[i] < x) ++i;
+  const double w = (x - m[i - 1]) / (m[i] - m[i - 1]);
+  return t[i - 1] + w * (t[i] - t[i - 1]);
+}
+
+void MicroBatchCost::add(const MicroBatchCost& other, double k) {
+  if (n > 0 || other.n > 0) {
+    std::vector<double> xs(m.begin(), m.begin() + n);
+    xs.insert(xs.end(), other.m.begin(), other.m.begin() + other.n);
+    std::sort(xs.begin(), xs.end());
+    xs.erase(std::unique(xs.begin(), xs.end()), xs.end());
+    if (xs.size() > static_cast<size_t>(kMaxPoints))  // unlike grids: keep one of them
+      xs.assign(n > 0 ? m.begin() : other.m.begin(), n > 0 ? m.begin() + n : other.m.begin() + other.n);
+    std::vector<double> ts;
+    for (double x : xs) ts.push_back(at(x) + k * other.at(x));
+    set_points(xs, ts);
+  }
+  fixed_s += k * other.fixed_s;
+  per_sample_s += k * other.per_sample_s;
+}
+
+void MicroBatchCost::set_points(const std::vector<double>& ms, const std::vector<double>& ts) {
+  if (ms.size() != ts.size() || ms.size() > static_cast<size_t>(kMaxPoints))
+    throw Error("MicroBatchCost::set_points: " + std::to_string(ms.size()) + " sizes and " + std::to_string(ts.size()) + " times (at most " +
+                std::to_string(kMaxPoints) + ")");
+  n = static_cast<int>(ms.size());
+  std::copy(ms.begin(), ms.end(), m.begin());
+  std::copy(ts.begin(), ts.end(), t.begin());
+}
 
 double Profile::activation_bytes_per_sample() const {
   double bytes = 0;
@@ -152,7 +217,8 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
   if (!j.contains("format")) rd.fail("format", "is missing; expected \"alloy-profile\" (is this a profile?)");
   if (j["format"] != kFormat) rd.fail("format", j["format"].dump() + ", not \"alloy-profile\"");
   if (!j.contains("version")) rd.fail("version", "is missing");
-  if (j["version"] != kVersion) rd.fail("version", j["version"].dump() + "; this Alloy reads version 1");
+  if (j["version"] != 1 && j["version"] != kVersion)
+    rd.fail("version", j["version"].dump() + "; this Alloy reads versions 1 and " + std::to_string(kVersion));
 
   Profile p;
   if (!j.contains("model")) rd.fail("model", "is missing");

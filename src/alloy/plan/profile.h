@@ -1,7 +1,11 @@
 #pragma once
 // Profile: what `alloy profile` measured, per device type and per link, that the cost model
-// turns into step times. Times are linear in the micro-batch size: t(m) = fixed + per_sample * m
-// (fitted over several measured sizes), because small micro-batches waste a fixed cost per call.
+// turns into step times. A compute time is a function of the micro-batch size m: the medians
+// measured at a few sizes (the sizes plans use by default), joined by straight lines, and beyond
+// the largest size a line fitted to all of them (t(m) = fixed + per_sample * m). At a measured
+// size the planner uses what was measured there, not a line that averages it with the others
+// (a fixed cost per call, or sizes that use the cores worse, would be smoothed away).
+#include <array>
 #include <map>
 #include <string>
 #include <vector>
@@ -12,15 +16,23 @@
 
 namespace alloy::plan {
 
-struct LinearCost {
-  double fixed_s = 0, per_sample_s = 0;
-  double at(double samples) const { return fixed_s + per_sample_s * samples; }
+struct MicroBatchCost {
+  static constexpr int kMaxPoints = 8;
+  double fixed_s = 0, per_sample_s = 0;  // the fitted line
+  // Measured (m, seconds), m strictly increasing; none: the line alone.
+  int n = 0;
+  std::array<double, kMaxPoints> m{}, t{};
+
+  double at(double samples) const;
+  // this + k * other, as a function of m (points at the union of both sizes, at most kMaxPoints).
+  void add(const MicroBatchCost& other, double k);
+  void set_points(const std::vector<double>& ms, const std::vector<double>& ts);
 };
 
 struct DeviceProfile {
-  LinearCost block_fwd, block_bwd;  // one transformer block
-  LinearCost embed_fwd, embed_bwd;  // the embedding (first stage)
-  LinearCost head_fwd, head_bwd;    // final norm + logits + loss (last stage)
+  MicroBatchCost block_fwd, block_bwd;  // one transformer block
+  MicroBatchCost embed_fwd, embed_bwd;  // the embedding (first stage)
+  MicroBatchCost head_fwd, head_bwd;    // final norm + logits + loss (last stage)
   double optimizer_s_per_param = 0; // AdamW step + clipping
 };
 

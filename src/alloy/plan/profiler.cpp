@@ -26,11 +26,11 @@ double median(std::vector<double> v) {
 }
 
 // Least-squares line through (x, y).
-LinearCost fit(const std::vector<double>& x, const std::vector<double>& y) {
+MicroBatchCost fit(const std::vector<double>& x, const std::vector<double>& y) {
   double n = static_cast<double>(x.size()), sx = 0, sy = 0, sxx = 0, sxy = 0;
   for (size_t i = 0; i < x.size(); ++i) sx += x[i], sy += y[i], sxx += x[i] * x[i], sxy += x[i] * y[i];
   double den = n * sxx - sx * sx;
-  LinearCost c;
+  MicroBatchCost c;
   c.per_sample_s = den > 0 ? (n * sxy - sx * sy) / den : (sx > 0 ? sy / sx : 0);
   c.fixed_s = (sy - c.per_sample_s * sx) / n;
   // Noise can tilt the line below zero at either end; a time cannot be negative.
@@ -42,6 +42,28 @@ LinearCost fit(const std::vector<double>& x, const std::vector<double>& y) {
     c.fixed_s = 0;
     c.per_sample_s = sxx > 0 ? sxy / sxx : c.per_sample_s;
   }
+  return c;
+}
+
+// The measured medians as points of the cost, made non-decreasing in m (pool adjacent violators:
+// a larger micro-batch never takes less time; a noisy reading that says so is averaged with its
+// neighbour), on top of the fitted line that extends them past the largest size.
+MicroBatchCost measured(const std::vector<double>& x, const std::vector<double>& y) {
+  MicroBatchCost c = fit(x, y);
+  std::vector<double> val, weight;
+  std::vector<size_t> count;
+  for (double v : y) {
+    val.push_back(v), weight.push_back(1), count.push_back(1);
+    while (val.size() > 1 && val[val.size() - 2] > val.back()) {
+      const size_t b = val.size() - 1, a = b - 1;
+      val[a] = (val[a] * weight[a] + val[b] * weight[b]) / (weight[a] + weight[b]);
+      weight[a] += weight[b], count[a] += count[b];
+      val.pop_back(), weight.pop_back(), count.pop_back();
+    }
+  }
+  std::vector<double> ts;
+  for (size_t i = 0; i < val.size(); ++i) ts.insert(ts.end(), count[i], val[i]);
+  if (x.size() <= static_cast<size_t>(MicroBatchCost::kMaxPoints)) c.set_points(x, ts);
   return c;
 }
 
@@ -127,9 +149,9 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
   }
   // Activation memory at the largest size, the most any round kept.
   const int64_t act_e = peak(te.back()), act_b = peak(tb.back()), act_h = peak(th.back());
-  d.embed_fwd = fit(xs, ef), d.embed_bwd = fit(xs, eb);
-  d.block_fwd = fit(xs, bf), d.block_bwd = fit(xs, bb);
-  d.head_fwd = fit(xs, hf), d.head_bwd = fit(xs, hb);
+  d.embed_fwd = measured(xs, ef), d.embed_bwd = measured(xs, eb);
+  d.block_fwd = measured(xs, bf), d.block_bwd = measured(xs, bb);
+  d.head_fwd = measured(xs, hf), d.head_bwd = measured(xs, hb);
 
   // The optimizer step (AdamW + clipping's norm) per parameter, on one block's parameters.
   {
@@ -174,7 +196,7 @@ std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
   for (const auto& type : spec.types()) {
     if (p.devices.count(type)) continue;
     double s = hint(ref) / hint(type);  // a device twice as fast takes half the time
-    auto scale = [&](LinearCost c) { return LinearCost{c.fixed_s * s, c.per_sample_s * s}; };
+    auto scale = [&](MicroBatchCost c) { return MicroBatchCost{c.fixed_s * s, c.per_sample_s * s}; };
     DeviceProfile d{scale(base.block_fwd), scale(base.block_bwd), scale(base.embed_fwd),
                     scale(base.embed_bwd), scale(base.head_fwd),  scale(base.head_bwd), base.optimizer_s_per_param * s};
     p.devices[type] = d;
@@ -269,7 +291,7 @@ Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::Wor
         ys.push_back(median(rtts));
       }
       if (rank == a) {
-        LinearCost c = fit(xs, ys);  // t(bytes) = latency + bytes / bandwidth
+        MicroBatchCost c = fit(xs, ys);  // t(bytes) = latency + bytes / bandwidth
         // On a fast link under load one slow ping-pong can flatten the fit to a slope of 0; the
         // largest message's own rate is then a measured lower bound, better than no figure.
         double bw = c.per_sample_s > 0 ? 1.0 / c.per_sample_s : 0.0;

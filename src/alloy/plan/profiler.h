@@ -1,7 +1,7 @@
 #pragma once
 // `alloy profile`: measures, on the real ranks, what the cost model needs. One rank per device
 // type times the forward and backward of one block, the embedding and the head at several
-// micro-batch sizes (fitting t(m) = fixed + per_sample * m), the optimizer step per parameter and
+// micro-batch sizes (kept as points, plus a fitted line for larger sizes), the optimizer step per parameter and
 // the activation memory per sample (all ranks compute at once while it does, see
 // ProfileOptions::concurrent); one rank per host pair measures point-to-point latency and
 // bandwidth (ping-pong at several message sizes). Rank 0 collects everything through the store.

@@ -421,7 +421,7 @@ class Evaluator {
   // Exposed-sync term of device D at micro-batch size M (see the class comment).
   double sync_at(int d, int64_t m) const {
     double v = 0;
-    for (const auto& [c, per] : syncp_[static_cast<size_t>(d)]) v = std::max(v, c + per * static_cast<double>(m));
+    for (const auto& [tail, off] : syncp_[static_cast<size_t>(d)]) v = std::max(v, tail + off.at(static_cast<double>(m)));
     return v;
   }
 
@@ -459,8 +459,8 @@ class Evaluator {
       const size_t x = static_cast<size_t>(members[i]);
       const CostContext::Holder& h = stage_[x];
       for (size_t k = 0; k < bks_.size(); ++k) {
-        const LinearCost off = ctx_.unit_ready(ctx_.type_of(members[i]), h.begin, h.end, h.first, h.last, bks_[k].last_unit);
-        syncp_[x].emplace_back(off.fixed_s + tail_[k], off.per_sample_s);
+        const MicroBatchCost off = ctx_.unit_ready(ctx_.type_of(members[i]), h.begin, h.end, h.first, h.last, bks_[k].last_unit);
+        syncp_[x].emplace_back(tail_[k], off);
       }
       bucket_[x] += bytes;
     }
@@ -652,7 +652,7 @@ class Evaluator {
   Tables& tables_;
   double bucket_bytes_;
   std::vector<ConfigTable*> tabs_;
-  std::vector<std::vector<std::pair<double, double>>> syncp_;  // per device: (fixed + tail, per sample) of each (set, bucket)
+  std::vector<std::vector<std::pair<double, MicroBatchCost>>> syncp_;  // per device: (tail, ready offset) of each (set, bucket)
   std::vector<double> bucket_;
   std::vector<CostContext::Holder> stage_;  // per device of the layout: its stage (id = device)
   std::vector<std::vector<CostContext::Holder>> holders_;
