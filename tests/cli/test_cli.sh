@@ -146,6 +146,28 @@ expect_ok "train --plan auto (reusing the profile)" "$alloy" launch --nproc 2 --
 /usr/bin/python3 -c "import json,sys; p=json.load(open('autorun/plan.json')); sys.exit(0 if sum(pl['micro_batch_size']*pl['num_micro_batches'] for pl in p['pipelines'])==4 and 'step_s' in p['predicted'] else 1)" \
   && ok "--plan auto wrote its plan with a prediction" || bad "--plan auto plan: $(head -c 300 autorun/plan.json 2>&1)"
 [ "$(wc -l < autorun/metrics.jsonl)" -eq 3 ] && ok "--plan auto trained 3 steps" || bad "--plan auto metrics"
+# --evaluate predicts a given plan on the same inputs: the planner's own plan gets the step time
+# the planner gave it; a hand-made change of it gets its own, shown beside the searched plans.
+expect_ok "plan --evaluate" "$alloy" plan --cluster pool.yaml --config tiny.yaml --profile prof-together.json \
+  --evaluate autorun/plan.json -o evaluated.json
+/usr/bin/python3 - <<'PY' && ok "--evaluate reproduces the planner's prediction" || bad "--evaluate prediction differs"
+import json, math
+a = json.load(open("autorun/plan.json"))["predicted"]["step_s"]
+b = json.load(open("evaluated.json"))["predicted"]["step_s"]
+assert math.isclose(a, b, rel_tol=1e-9), (a, b)
+PY
+/usr/bin/python3 - <<'PY'
+import json
+p = json.load(open("autorun/plan.json"))
+p.pop("predicted", None)
+for pl in p["pipelines"]:  # the same samples in micro-batches of 1
+    pl["num_micro_batches"] *= pl["micro_batch_size"]
+    pl["micro_batch_size"] = 1
+json.dump(p, open("by-ones.json", "w"))
+PY
+out=$("$alloy" plan --cluster pool.yaml --config tiny.yaml --profile prof-together.json --evaluate by-ones.json 2>&1)
+grep -q "plan (given)" <<<"$out" && grep -q "1 x " <<<"$out" && grep -qE "^  alloy +[0-9.]+ ms" <<<"$out" \
+  && ok "--evaluate shows the given plan beside the searched one" || bad "--evaluate output: $out"
 
 # --- generate prints text
 gen=$("$alloy" generate --checkpoint run --prompt "The " -n 40 2>/dev/null)

@@ -21,7 +21,7 @@ namespace alloy::cli {
 namespace {
 struct PlanArgs {
   bool from_synerfuse = false;
-  std::string shard_plan, config, output, cluster, profile, strategy = "alloy", diagram;
+  std::string shard_plan, config, output, cluster, profile, strategy = "alloy", diagram, evaluate;
   double time_budget_s = 2.0;
   bool no_compare = false;
   std::vector<std::string> sets;
@@ -116,6 +116,10 @@ void add_dist_commands(CLI::App& app, Action& action) {
       ->group(g)->capture_default_str();
   plan->add_option("--diagram", pa->diagram, "Draw the plan: FILE.svg | .png | .pdf (Graphviz) | .mmd (Mermaid) | .dot")->group(g);
   plan->add_flag("--no-compare", pa->no_compare, "Do not plan the other strategies for comparison")->group(g);
+  plan->add_option("--evaluate", pa->evaluate,
+                   "Predict a given plan (hand-written or converted) on the cluster instead of searching one; "
+                   "the strategies' plans are shown beside it")
+      ->group(g)->check(CLI::ExistingFile);
   plan->allow_extras();
   plan->callback([pa, plan, &action]() {
     auto extras = plan->remaining();
@@ -160,6 +164,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         so.time_budget_s = pa->time_budget_s;
         so.ptafm_stages = ptafm_stages;
         auto report = plan::make_plan(spec, prof, so, !pa->no_compare);
+        if (!pa->evaluate.empty()) report = plan::evaluate_plan(Plan::load(pa->evaluate), pa->evaluate, cfg.model, spec, prof, report);
         std::printf("%s", report.text().c_str());
         p = report.chosen.plan;
         p.predicted = report.chosen.cost.to_json();

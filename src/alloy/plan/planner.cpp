@@ -71,11 +71,29 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
   return r;
 }
 
+PlanReport evaluate_plan(const Plan& plan, const std::string& where, const ModelConfig& model, const ClusterSpec& cluster,
+                         const Profile& profile, const PlanReport& searched) {
+  plan.validate(model, where);
+  PlanReport r;
+  r.chosen.plan = plan;
+  r.chosen.cost = simulate_plan(plan, cluster, profile);
+  r.chosen.search_step_s = r.chosen.cost.step_s;
+  r.chosen.strategy = "given";
+  r.chosen.notes.push_back("the plan of " + where + ", predicted, not searched");
+  r.baselines.push_back(searched.chosen);
+  r.baselines.insert(r.baselines.end(), searched.baselines.begin(), searched.baselines.end());
+  r.failed = searched.failed;
+  return r;
+}
+
 std::string PlanReport::text() const {
   std::ostringstream o;
   const PlanCost& c = chosen.cost;
-  o << "plan (" << chosen.strategy << (chosen.exact ? ", optimal in its search space" : "") << ", "
-    << chosen.candidates_evaluated << " candidates in " << fmt("%.2f", chosen.search_s) << " s):\n";
+  if (chosen.candidates_evaluated > 0)
+    o << "plan (" << chosen.strategy << (chosen.exact ? ", optimal in its search space" : "") << ", "
+      << chosen.candidates_evaluated << " candidates in " << fmt("%.2f", chosen.search_s) << " s):\n";
+  else
+    o << "plan (" << chosen.strategy << "):\n";
   o << chosen.plan.describe();
   o << "predicted step time " << ms(c.step_s) << ": pipeline phase " << ms(c.phase_s) << ", gradients synced at "
     << ms(c.sync_done_s) << ", optimizer " << ms(c.optimizer_s) << "\n";

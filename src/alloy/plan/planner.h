@@ -29,6 +29,11 @@ struct PlanReport {
 // Runs STRATEGY and, when COMPARE, every other strategy on the same inputs.
 PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options, bool compare = true);
 
+// A report whose chosen plan is PLAN (read from WHERE; validated against MODEL), predicted on
+// the same inputs, with the strategies' plans of SEARCHED (their chosen one included) beside it.
+PlanReport evaluate_plan(const Plan& plan, const std::string& where, const ModelConfig& model, const ClusterSpec& cluster,
+                         const Profile& profile, const PlanReport& searched);
+
 // Table of predicted (PLAN_PREDICTED: PlanCost::to_json) against measured (RANKS: the run's
 // ranks.json) step time per stage; MEASURED_STEP_S is the job's median step time.
 std::string predicted_vs_measured(const nlohmann::json& plan_predicted, const nlohmann::json& ranks, double measured_step_s);
