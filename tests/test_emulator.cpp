@@ -271,13 +271,13 @@ TEST(Emulator, PairwiseLinksAreIndependent) {
 }
 
 TEST(Emulator, CpuQuotaFollowsSpeed) {
-  // 10 ms periods; a device too slow for a 1 ms quota in 10 ms gets a longer period instead.
+  // 5 ms periods; a device too slow for a 1 ms quota in 5 ms gets a longer period instead.
   auto spec = spec_of({{"h0", 1.0}, {"h0", 0.5}, {"h0", 0.25}, {"h0", 0.05}}, 1.0);
   EmulatorOptions o;
   o.id = uid("cpu");
   o.limit_network = false;
   CREATE_OR_FAIL(c, spec, o);
-  const long period[] = {10000, 10000, 10000, 20000}, quota[] = {10000, 5000, 2500, 1000};
+  const long period[] = {5000, 5000, 5000, 20000}, quota[] = {5000, 2500, 1250, 1000};
   for (int d = 0; d < 4; ++d) {
     const std::string g = c->cgroup_of_device(d);
     EXPECT_EQ(g, "/sys/fs/cgroup/cpu/alloy-emu-" + o.id + "-d" + std::to_string(d));

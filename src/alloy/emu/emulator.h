@@ -16,7 +16,7 @@
 //     is used even when all rates are equal. Traffic between ranks of one host stays on that
 //     host's loopback and is not shaped (intra_host is far above what emulation can model);
 //   * every device gets a cgroup v1 cpu group (/sys/fs/cgroup/cpu/alloy-emu-<id>-d<device>) with
-//     cpu.cfs_period_us = 10000 (longer for devices too slow for the kernel's 1 ms minimum quota)
+//     cpu.cfs_period_us = 5000 (longer for devices too slow for the kernel's 1 ms minimum quota)
 //     and cpu.cfs_quota_us = speed * period: speed 0.5 = half a core.
 //   * every device is pinned to its own CPUs (sched_setaffinity, see assign_cpus): the devices'
 //     speeds are packed onto the machine's cores, largest first, each onto the core with the most
