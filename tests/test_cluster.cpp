@@ -11,6 +11,7 @@
 #include "alloy/core/error.h"
 #include "alloy/plan/cluster.h"
 #include "alloy/plan/profile.h"
+#include "alloy/plan/profiler.h"
 
 using alloy::InputError;
 using alloy::plan::ClusterSpec;
@@ -801,6 +802,23 @@ TEST(MicroBatchCost, InterpolatesMeasuredPointsAndExtendsWithTheFittedSlope) {
   s.add(d, 1);
   for (double m : {1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0}) EXPECT_NEAR(s.at(m), 2 * c.at(m) + d.at(m), 1e-15) << "m = " << m;
   EXPECT_DOUBLE_EQ(s.per_sample_s, 3e-3);
+}
+
+TEST(Profile, UnmeasuredTypesScaleMeasuredPointsBySpeed) {
+  Profile p = sample_profile();
+  p.devices.erase("cpu-quarter");
+  const ClusterSpec spec = ClusterSpec::from_yaml_string(R"(
+devices:
+  - {name: a, host: h0, kind: cpu, type: cpu-full, memory_gb: 1, speed: 1.0}
+  - {name: b, host: h1, kind: cpu, type: cpu-half, memory_gb: 1, speed: 0.5}
+default_link: {bandwidth_gbps: 1, latency_ms: 0.1}
+)", "c.yaml");
+  alloy::plan::complete_profile(p, spec);
+  ASSERT_EQ(p.devices.count("cpu-half"), 1u);
+  const auto& full = p.devices.at("cpu-full").block_bwd;
+  const auto& half = p.devices.at("cpu-half").block_bwd;
+  ASSERT_EQ(half.n, full.n);
+  for (double m : {1.0, 2.0, 3.0, 4.0, 16.0}) EXPECT_NEAR(half.at(m), 2 * full.at(m), 1e-15) << "m = " << m;
 }
 
 TEST(Profile, ActivationBytesPerSample) {

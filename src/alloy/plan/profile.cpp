@@ -286,4 +286,42 @@ Profile Profile::load(const std::string& path) {
 
 void Profile::save(const std::string& path) const { write_file_atomic(path, to_json().dump(2) + "\n"); }
 
+std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
+  std::vector<std::string> notes;
+  if (p.devices.empty()) throw Error("profile has no measured device type to extrapolate from");
+  // Reference: the measured type; others scale by the spec's speed hints (flops when given).
+  auto hint = [&](const std::string& type) {
+    for (const auto& d : spec.devices)
+      if (d.type == type) return d.flops > 0 ? d.flops : d.speed;
+    return 1.0;
+  };
+  const std::string ref = p.devices.begin()->first;
+  const DeviceProfile base = p.devices.begin()->second;
+  for (const auto& type : spec.types()) {
+    if (p.devices.count(type)) continue;
+    double s = hint(ref) / hint(type);  // a device twice as fast takes half the time
+    auto scale = [&](MicroBatchCost c) {
+      c.fixed_s *= s, c.per_sample_s *= s;
+      for (int i = 0; i < c.n; ++i) c.t[static_cast<size_t>(i)] *= s;
+      return c;
+    };
+    DeviceProfile d{scale(base.block_fwd), scale(base.block_bwd), scale(base.embed_fwd),
+                    scale(base.embed_bwd), scale(base.head_fwd),  scale(base.head_bwd), base.optimizer_s_per_param * s};
+    p.devices[type] = d;
+    notes.push_back("device type " + type + ": estimated from " + ref + " scaled by speed hints (" + std::to_string(hint(type)) +
+                    " vs " + std::to_string(hint(ref)) + ")");
+  }
+  auto hosts = spec.hosts();
+  for (size_t i = 0; i < hosts.size(); ++i)
+    for (size_t j = i + 1; j < hosts.size(); ++j) {
+      bool have = false;
+      for (const auto& l : p.links)
+        if ((l.host_a == hosts[i] && l.host_b == hosts[j]) || (l.host_a == hosts[j] && l.host_b == hosts[i])) have = true;
+      if (have) continue;
+      Link l = spec.link(hosts[i], hosts[j]);
+      p.links.push_back({hosts[i], hosts[j], l.bytes_per_s(), l.latency_s(), 0});
+    }
+  return notes;
+}
+
 }  // namespace alloy::plan

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "alloy/core/config.h"
+#include "alloy/plan/cluster.h"
 
 namespace alloy::plan {
 
@@ -62,5 +63,9 @@ struct Profile {
   static Profile load(const std::string& path);
   void save(const std::string& path) const;  // atomic
 };
+
+// Fills device types nobody measured from a measured one, scaled by the spec's speed (or flops)
+// hints, and links nobody measured from the spec. Returns notes on what was estimated.
+std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec);
 
 }  // namespace alloy::plan

@@ -115,6 +115,11 @@ FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool id
 DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, MemoryProfile* mem) {
   const int64_t L = model.layers;
   model::Transformer embed(model, {0, 1}, 1), block(model, {1, 2}, 1), head(model, {L + 1, L + 2}, 1);
+  // Blocks are timed as a stack of up to blocks_timed, the per-block figure being the stack's
+  // share: one block called over and over keeps its weights in cache, which a stage of several
+  // blocks does not.
+  const int64_t K = std::max<int64_t>(1, std::min<int64_t>(L, o.blocks_timed));
+  model::Transformer stack(model, {1, 1 + K}, 1);
   DeviceProfile d;
   // Each figure is the median of several rounds spread over the whole measurement (every round
   // times every size and slice), so a slow spell of a shared machine (seconds of CPU steal in a
@@ -127,7 +132,9 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
     for (size_t i = 0; i < n; ++i) {
       const int64_t m = o.micro_batch_sizes[i];
       te[i].push_back(time_slice(embed, m, window, true, false));
-      tb[i].push_back(time_slice(block, m, window, false, false));
+      FwdBwd t = time_slice(stack, m, window, false, false);
+      t.fwd /= static_cast<double>(K), t.bwd /= static_cast<double>(K), t.act_bytes /= K;
+      tb[i].push_back(t);
       th[i].push_back(time_slice(head, m, window, false, true));
     }
   auto med = [](const std::vector<FwdBwd>& v, bool fwd) {
@@ -182,39 +189,6 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
   return d;
 }
 
-std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
-  std::vector<std::string> notes;
-  if (p.devices.empty()) throw Error("profile has no measured device type to extrapolate from");
-  // Reference: the measured type; others scale by the spec's speed hints (flops when given).
-  auto hint = [&](const std::string& type) {
-    for (const auto& d : spec.devices)
-      if (d.type == type) return d.flops > 0 ? d.flops : d.speed;
-    return 1.0;
-  };
-  const std::string ref = p.devices.begin()->first;
-  const DeviceProfile base = p.devices.begin()->second;
-  for (const auto& type : spec.types()) {
-    if (p.devices.count(type)) continue;
-    double s = hint(ref) / hint(type);  // a device twice as fast takes half the time
-    auto scale = [&](MicroBatchCost c) { return MicroBatchCost{c.fixed_s * s, c.per_sample_s * s}; };
-    DeviceProfile d{scale(base.block_fwd), scale(base.block_bwd), scale(base.embed_fwd),
-                    scale(base.embed_bwd), scale(base.head_fwd),  scale(base.head_bwd), base.optimizer_s_per_param * s};
-    p.devices[type] = d;
-    notes.push_back("device type " + type + ": estimated from " + ref + " scaled by speed hints (" + std::to_string(hint(type)) +
-                    " vs " + std::to_string(hint(ref)) + ")");
-  }
-  auto hosts = spec.hosts();
-  for (size_t i = 0; i < hosts.size(); ++i)
-    for (size_t j = i + 1; j < hosts.size(); ++j) {
-      bool have = false;
-      for (const auto& l : p.links)
-        if ((l.host_a == hosts[i] && l.host_b == hosts[j]) || (l.host_a == hosts[j] && l.host_b == hosts[i])) have = true;
-      if (have) continue;
-      Link l = spec.link(hosts[i], hosts[j]);
-      p.links.push_back({hosts[i], hosts[j], l.bytes_per_s(), l.latency_s(), 0});
-    }
-  return notes;
-}
 
 Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::World* world, const ProfileOptions& o) {
   Profile prof;

@@ -26,6 +26,7 @@ struct ProfileOptions {
   int repeats = 5;            // link ping-pongs per message size (at most 3 on slow links)
   double window_s = 0.4;      // each compute figure averages calls over this long (spans CPU-quota periods)
   int rounds = 3;             // ... split into this many rounds, spread out in time; the median is kept
+  int blocks_timed = 4;       // blocks timed together (at most the model's); their mean is the per-block figure
   std::vector<int64_t> message_bytes = {1 << 12, 1 << 18, 1 << 20, 1 << 21};
   bool measure_links = true;
   // Every rank times its device at once, as they all compute during training; the first device of
@@ -44,8 +45,5 @@ Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::Wor
 // Compute figures of the device this process runs on.
 DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, MemoryProfile* memory);
 
-// Fills device types nobody measured from a measured one, scaled by the spec's speed (or flops)
-// hints, and links nobody measured from the spec. Returns notes on what was estimated.
-std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec);
 
 }  // namespace alloy::plan
