@@ -23,8 +23,8 @@ class Work;
 
 namespace alloy::dist {
 
-// A process group over a subset of the world's ranks (Gloo; NCCL when every member is a CUDA
-// device and Alloy is built with ALLOY_WITH_NCCL).
+// A process group over a subset of the world's ranks, on Gloo. (NCCL for all-CUDA groups is not
+// built: it needs a CUDA LibTorch and a GPU to test on; docs/DESIGN.md, "Not built yet".)
 class Group {
  public:
   Group(std::string name, std::vector<int> ranks, int my_global_rank);
