@@ -25,22 +25,26 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+struct Line {
+  double intercept = 0, slope = 0;
+};
+
 // Least-squares line through (x, y).
-MicroBatchCost fit(const std::vector<double>& x, const std::vector<double>& y) {
+Line fit(const std::vector<double>& x, const std::vector<double>& y) {
   double n = static_cast<double>(x.size()), sx = 0, sy = 0, sxx = 0, sxy = 0;
   for (size_t i = 0; i < x.size(); ++i) sx += x[i], sy += y[i], sxx += x[i] * x[i], sxy += x[i] * y[i];
   double den = n * sxx - sx * sx;
-  MicroBatchCost c;
-  c.per_sample_s = den > 0 ? (n * sxy - sx * sy) / den : (sx > 0 ? sy / sx : 0);
-  c.fixed_s = (sy - c.per_sample_s * sx) / n;
+  Line c;
+  c.slope = den > 0 ? (n * sxy - sx * sy) / den : (sx > 0 ? sy / sx : 0);
+  c.intercept = (sy - c.slope * sx) / n;
   // Noise can tilt the line below zero at either end; a time cannot be negative.
-  if (c.per_sample_s < 0) {
-    c.per_sample_s = 0;
-    c.fixed_s = sy / n;
+  if (c.slope < 0) {
+    c.slope = 0;
+    c.intercept = sy / n;
   }
-  if (c.fixed_s < 0) {
-    c.fixed_s = 0;
-    c.per_sample_s = sxx > 0 ? sxy / sxx : c.per_sample_s;
+  if (c.intercept < 0) {
+    c.intercept = 0;
+    c.slope = sxx > 0 ? sxy / sxx : c.slope;
   }
   return c;
 }
@@ -49,16 +53,17 @@ MicroBatchCost fit(const std::vector<double>& x, const std::vector<double>& y) {
 // a larger micro-batch never takes less time; a noisy reading that says so is averaged with its
 // neighbour), on top of the fitted line that extends them past the largest size.
 MicroBatchCost measured(const std::vector<double>& x, const std::vector<double>& y) {
-  MicroBatchCost c = fit(x, y);
-  std::vector<double> val, weight;
+  const Line line = fit(x, y);
+  MicroBatchCost c{line.intercept, line.slope};
+  std::vector<double> val;  // pooled blocks: their mean and how many points each holds
   std::vector<size_t> count;
   for (double v : y) {
-    val.push_back(v), weight.push_back(1), count.push_back(1);
+    val.push_back(v), count.push_back(1);
     while (val.size() > 1 && val[val.size() - 2] > val.back()) {
       const size_t b = val.size() - 1, a = b - 1;
-      val[a] = (val[a] * weight[a] + val[b] * weight[b]) / (weight[a] + weight[b]);
-      weight[a] += weight[b], count[a] += count[b];
-      val.pop_back(), weight.pop_back(), count.pop_back();
+      val[a] = (val[a] * static_cast<double>(count[a]) + val[b] * static_cast<double>(count[b])) / static_cast<double>(count[a] + count[b]);
+      count[a] += count[b];
+      val.pop_back(), count.pop_back();
     }
   }
   std::vector<double> ts;
@@ -189,7 +194,6 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
   return d;
 }
 
-
 Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::World* world, const ProfileOptions& o) {
   Profile prof;
   prof.model = model;
@@ -265,19 +269,19 @@ Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::Wor
         ys.push_back(median(rtts));
       }
       if (rank == a) {
-        MicroBatchCost c = fit(xs, ys);  // t(bytes) = latency + bytes / bandwidth
+        const Line c = fit(xs, ys);  // t(bytes) = latency + bytes / bandwidth
         // On a fast link under load one slow ping-pong can flatten the fit to a slope of 0; the
         // largest message's own rate is then a measured lower bound, better than no figure.
-        double bw = c.per_sample_s > 0 ? 1.0 / c.per_sample_s : 0.0;
+        double bw = c.slope > 0 ? 1.0 / c.slope : 0.0;
         if (!(bw > 0) && ys.back() > 0) bw = xs.back() / ys.back();
         nlohmann::json j = {{"a", spec.devices[static_cast<size_t>(a)].host},
                             {"b", spec.devices[static_cast<size_t>(b)].host},
                             {"bytes_per_s", bw},
-                            {"latency_s", c.fixed_s}};
+                            {"latency_s", c.intercept}};
         put("alloy/profile/link/" + std::to_string(a) + "-" + std::to_string(b), j.dump());
         log_info("link " + j["a"].get<std::string>() + " <-> " + j["b"].get<std::string>() + ": " +
                  std::to_string(j["bytes_per_s"].get<double>() * 8 / 1e6) + " Mbit/s, latency " +
-                 std::to_string(c.fixed_s * 1e3) + " ms");
+                 std::to_string(c.intercept * 1e3) + " ms");
       }
     }
     world->all().barrier();
