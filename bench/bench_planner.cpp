@@ -6,6 +6,7 @@
 //   g++ -std=c++17 -O2 -Isrc bench/bench_planner.cpp src/alloy/plan/{search,cost_model,cluster}.cpp
 //       src/alloy/pipeline/schedule.cpp src/alloy/core/{plan,config,fs}.cpp -lyaml-cpp -o /tmp/bench_planner
 // Optional argument: the search's time budget in seconds (default 1).
+#include <vector>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -21,7 +22,7 @@ using namespace alloy::plan;
 
 namespace {
 
-// Per-sample costs of one type; forward of a block at micro-batch m is fixed + per_sample * m.
+// Costs of one type; forward of a block at micro-batch m is fixed + per_sample * m.
 DeviceProfile type_profile(double block_fwd_per_sample, double fixed) {
   DeviceProfile d;
   d.block_fwd = {fixed, block_fwd_per_sample};
@@ -31,6 +32,13 @@ DeviceProfile type_profile(double block_fwd_per_sample, double fixed) {
   d.head_fwd = {fixed, 1.5 * block_fwd_per_sample};
   d.head_bwd = {fixed, 3 * block_fwd_per_sample};
   d.optimizer_s_per_param = block_fwd_per_sample * 1e-7;
+  // A measured profile also holds the times at the sizes it timed; the cost model then
+  // interpolates them, which is the path to time.
+  for (MicroBatchCost* c : {&d.block_fwd, &d.block_bwd, &d.embed_fwd, &d.embed_bwd, &d.head_fwd, &d.head_bwd}) {
+    std::vector<double> ms{1, 2, 4, 8}, ts;
+    for (double m : ms) ts.push_back(c->at(m));
+    c->set_points(ms, ts);
+  }
   return d;
 }
 
