@@ -39,9 +39,13 @@ def log(msg):
 
 
 def read_metrics(out):
-    """A run's metrics.jsonl rows, and the rows after the first two (warm-up) when there are enough."""
+    """A run's metrics.jsonl rows, and the rows after the first two (warm-up) when there are enough.
+    After a re-plan (a row marked "replanned"), only the steps of the final plan after its first."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(l) for l in f if l.strip()]
+    switch = [i for i, r in enumerate(rows) if r.get("replanned")]
+    if switch and len(rows) - switch[-1] > 3:
+        return rows, rows[switch[-1] + 2:]
     return rows, (rows[2:] if len(rows) > 4 else rows)
 
 
@@ -94,7 +98,14 @@ class Runner:
         rows, warm = read_metrics(out)
         ranks = json.load(open(os.path.join(out, "ranks.json"))) if os.path.exists(os.path.join(out, "ranks.json")) else []
         step = statistics.median(r["step_s"] for r in warm if "val_loss" not in r) if warm else float("nan")
-        return dict(rows=rows, ranks=ranks, step_s=step, tokens_per_s=statistics.median(r["tokens_per_s"] for r in warm))
+        replan = os.path.join(out, "replan.json")
+        return dict(rows=rows, ranks=ranks, step_s=step, tokens_per_s=statistics.median(r["tokens_per_s"] for r in warm),
+                    out=out, replan=json.load(open(replan)) if os.path.exists(replan) else None)
+
+    def train_auto(self, name, profile, steps, show=False):
+        """Alloy as a user runs it: --plan auto on the profile (the same plan `alloy plan` printed), which
+        re-plans after train.replan_step from the compute each rank measured."""
+        return self.train(name, "auto", steps, show=show, extra=["--profile", profile])
 
 
     def alone(self, devices):
@@ -184,10 +195,28 @@ def predicted_of(plan_path):
 
 
 def report_predictions(name, plan_path, run):
+    """Predicted vs measured for the plan that ran the measured steps: after a re-plan, the run's own
+    plan.json (predicted with the calibrated profile); the profile's prediction of the first plan and
+    the calibration are kept beside it."""
+    events = (run.get("replan") or {}).get("replans", [])
+    if any(e["switched"] for e in events):
+        plan_path = os.path.join(run["out"], "plan.json")
     pred = predicted_of(plan_path)
     ps = pred.get("step_s", float("nan"))
     err = (run["step_s"] - ps) / ps if ps else float("nan")
     log(f"{name}: predicted {ps * 1e3:.0f} ms/step, measured {run['step_s'] * 1e3:.0f} ms/step ({100 * err:+.1f}%)")
+    extra = {}
+    if events:
+        extra = dict(replans=[dict(step=e["step"], switched=e["switched"], factors=e["factors"],
+                                   running_plan_predicted_s=e["running_plan_predicted_s"],
+                                   running_plan_calibrated_s=e["running_plan_calibrated_s"],
+                                   best_calibrated_s=e["best_calibrated_s"]) for e in events])
+        for e in events:
+            log(f"{name}: after step {e['step']} measured/predicted compute per device type: " +
+                ", ".join(f"{t} x{f:.2f}" for t, f in e["factors"].items()) +
+                (f"; switched plans (the running plan {e['running_plan_calibrated_s'] * 1e3:.0f} ms calibrated, "
+                 f"{e['running_plan_predicted_s'] * 1e3:.0f} ms predicted before; the new one "
+                 f"{e['best_calibrated_s'] * 1e3:.0f} ms)" if e["switched"] else "; kept the plan"))
     stages = []
     by_rank = {r["rank"]: r for r in run["ranks"]}
     for s in pred.get("per_stage", []):
@@ -195,7 +224,7 @@ def report_predictions(name, plan_path, run):
         stages.append(dict(rank=s["rank"], device=s["device"], predicted_compute_s=s["forward_s"] + s["backward_s"],
                            measured_compute_s=m.get("compute_s_median"), predicted_sync_exposed_s=s["sync_exposed_s"],
                            measured_sync_wait_s=m.get("sync_wait_s_median")))
-    return dict(predicted_step_s=ps, measured_step_s=run["step_s"], relative_error=err, stages=stages)
+    return dict(predicted_step_s=ps, measured_step_s=run["step_s"], relative_error=err, stages=stages, **extra)
 
 
 def plot_throughput(results, path):
@@ -258,10 +287,19 @@ def main():
     side = R.side_by_side(devices)
     extra_rounds = []  # (alloy run, side-by-side) pairs after the first, to average out the VM's slow spells
     log(f"training {a.steps} steps with Alloy's plan on the emulated pool")
-    main_run = R.train("alloy", alloy_plan, a.steps, show=a.demo)
+    main_run = R.train_auto("alloy", prof, a.steps, show=a.demo)
+    final_plan = os.path.join(R.work, "plan-alloy-final.json")  # the plan the measured steps ran
+    shutil.copyfile(os.path.join(main_run["out"], "plan.json"), final_plan)
+    if any(e["switched"] for e in (main_run["replan"] or {}).get("replans", [])):
+        R.run([R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", prof, "--no-compare",
+               "--evaluate", final_plan, "--diagram", os.path.join(R.work, "plan-final.svg")])
+        R.run([R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", prof, "--no-compare",
+               "--evaluate", final_plan, "--diagram", os.path.join(R.work, "plan-final.png")])
+        log(f"the plan after re-planning: {os.path.join(R.work, 'plan-final.svg')} and .png")
     for k in range(1, a.rounds):
+        # The same plan again (no second calibration), to average out the VM's slow spells.
         log(f"round {k + 1} of {a.rounds}: the pool and the devices side by side again")
-        extra_rounds.append((R.train(f"alloy-{k + 1}", alloy_plan, a.steps), R.side_by_side(devices)))
+        extra_rounds.append((R.train(f"alloy-{k + 1}", final_plan, a.steps), R.side_by_side(devices)))
     if extra_rounds:
         runs = [main_run] + [r for r, _ in extra_rounds]
         sides = [side] + [sd for _, sd in extra_rounds]
@@ -271,7 +309,7 @@ def main():
         log("pool tokens/s per round: " + ", ".join(f"{r['tokens_per_s']:.0f}" for r in runs) +
             "; side-by-side sums: " + ", ".join(f"{sum(sd.values()):.0f}" for sd in sides) + " (medians used)")
     results = [dict(name="alloy", tokens_per_s=main_run["tokens_per_s"], step_s=main_run["step_s"],
-                    prediction=report_predictions("alloy plan", alloy_plan, main_run))]
+                    prediction=report_predictions("alloy plan", final_plan, main_run))]
     if not a.demo:
         for strategy in ("uniform", "proportional"):
             p = R.plan(strategy, prof)

@@ -11,7 +11,9 @@
 
 #include "alloy/core/error.h"
 #include "alloy/pipeline/schedule.h"
+#include "alloy/plan/calibrate.h"
 #include "alloy/plan/cost_model.h"
+#include "alloy/plan/planner.h"
 #include "alloy/plan/search.h"
 
 using namespace alloy;
@@ -684,4 +686,82 @@ TEST(Search, ExactSearchMatchesExhaustiveEnumeration) {
               " (" + e.plan.describe() + ")");
   });
   std::cout << "exact vs exhaustive: " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";
+}
+
+// --- Calibration from measured compute ---------------------------------------------------------
+
+namespace {
+// Two devices on two hosts, of types "fast" and "slow".
+ClusterSpec two_types() {
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "fast"), device("b", "h1", "slow")};
+  c.rules.push_back({"h0", "h1", Link{10, 0.01}});
+  return c;
+}
+}  // namespace
+
+TEST(Calibrate, ScalesEachTypeByMeasuredOverPredicted) {
+  Profile p = base_profile(4);
+  p.devices["fast"] = dev_profile(1.0);
+  p.devices["slow"] = dev_profile(2.0);
+  p.devices["slow"].block_fwd.set_points({1, 2, 4}, {0.01, 0.02, 0.04});
+  ClusterSpec c = two_types();
+  SearchOptions o;
+  o.global_batch = 12;
+  SearchResult r = search(c, p, o);
+  PlanCost before = simulate_plan(r.plan, c, p);
+  std::map<int, double> measured;
+  for (const auto& s : before.stages) measured[s.rank] = (s.forward_s + s.backward_s) * (s.type == "slow" ? 1.5 : 1.0);
+  Calibration cal = calibrate(r.plan, c, p, measured);
+  EXPECT_NEAR(cal.factor.at("fast"), 1.0, 1e-12);
+  EXPECT_NEAR(cal.factor.at("slow"), 1.5, 1e-12);
+  // Every figure of the type scales, measured points included; the other type is untouched.
+  const DeviceProfile& s = cal.profile.devices.at("slow");
+  EXPECT_NEAR(s.block_fwd.at(2), 0.03, 1e-12);
+  EXPECT_NEAR(s.block_bwd.per_sample_s, 1.5 * p.devices["slow"].block_bwd.per_sample_s, 1e-15);
+  EXPECT_NEAR(s.optimizer_s_per_param, 1.5 * p.devices["slow"].optimizer_s_per_param, 1e-20);
+  EXPECT_EQ(cal.profile.devices.at("fast").block_fwd.per_sample_s, p.devices["fast"].block_fwd.per_sample_s);
+  // The running plan's stages now predict what was measured.
+  PlanCost after = simulate_plan(r.plan, c, cal.profile);
+  for (const auto& st : after.stages) EXPECT_NEAR(st.forward_s + st.backward_s, measured.at(st.rank), 1e-9 * measured.at(st.rank));
+  // A rank stalled for seconds says nothing about its speed beyond the clamp.
+  measured[1] = 1e6;
+  EXPECT_EQ(calibrate(r.plan, c, p, measured).factor.at("slow"), 4.0);
+}
+
+TEST(Calibrate, ReplanSwitchesOnlyWhenTheSpeedsWereWrong) {
+  Profile p = base_profile(4);
+  p.devices["fast"] = dev_profile(1.0);
+  p.devices["slow"] = dev_profile(4.0);  // the profile says 4x slower
+  ClusterSpec c = two_types();
+  SearchOptions o;
+  o.global_batch = 16;
+  SearchResult r = search(c, p, o);
+  auto compute = [&](const Profile& prof) {
+    std::map<int, double> m;
+    for (const auto& s : simulate_plan(r.plan, c, prof).stages) m[s.rank] = s.forward_s + s.backward_s;
+    return m;
+  };
+  // Measured as predicted: the same plan, no switch.
+  Replan same = replan(r.plan, c, calibrate(r.plan, c, p, compute(p)), o);
+  EXPECT_FALSE(same.change) << same.text;
+  EXPECT_NEAR(same.current.step_s, r.cost.step_s, 1e-12);
+  // Both devices really run at the same speed: the slow one was given too little.
+  Profile truth = p;
+  truth.devices["slow"] = dev_profile(1.0);
+  Replan fix = replan(r.plan, c, calibrate(r.plan, c, p, compute(truth)), o);
+  ASSERT_TRUE(fix.change) << fix.text;
+  EXPECT_LT(fix.best.step_s, 0.95 * fix.current.step_s);
+  // The new plan is what the planner finds on the true speeds, and gives the slow device more.
+  PlanReport on_truth = make_plan(c, truth, o, false);
+  EXPECT_NEAR(simulate_plan(fix.plan, c, truth).step_s, on_truth.chosen.cost.step_s, 1e-9);
+  auto samples_of_b = [](const Plan& plan) {
+    int64_t n = 0;
+    for (const auto& pl : plan.pipelines)
+      for (const auto& st : pl.stages)
+        if (st.device == "b") n += pl.micro_batch_size * pl.num_micro_batches;
+    return n;
+  };
+  EXPECT_GT(samples_of_b(fix.plan), samples_of_b(r.plan));
+  EXPECT_TRUE(fix.plan.predicted.contains("step_s"));
 }

@@ -169,6 +169,55 @@ out=$("$alloy" plan --cluster pool.yaml --config tiny.yaml --profile prof-togeth
 grep -q "plan (given)" <<<"$out" && grep -q "1 x " <<<"$out" && grep -qE "^  alloy +[0-9.]+ ms" <<<"$out" \
   && ok "--evaluate shows the given plan beside the searched one" || bad "--evaluate output: $out"
 
+# --- re-planning from measured speeds: a profile that puts the small device 8x slower than the
+# big one (both are the same here) gives it one sample in three; after step 3 the measured compute
+# corrects it, the job switches plans at a checkpoint, and the loss stays the one-device loss.
+cat > mid.yaml <<YAML
+model: {arch: gpt2, layers: 2, hidden: 128, heads: 4, seq_len: 64, vocab_size: 257}
+data: {prefix: data/corpus}
+train: {steps: 8, global_batch: 8, lr: 1e-3, warmup: 2, eval_interval: 0, eval_batches: 2, threads: 1}
+YAML
+expect_ok "profile for re-planning" "$alloy" launch --nproc 2 -- "$alloy" profile --cluster pool.yaml --config mid.yaml \
+  --micro-batches 1 4 --window 0.05 -o prof-mid.json
+/usr/bin/python3 - <<'PY'
+import json
+p = json.load(open("prof-mid.json"))
+big = p["devices"]["cpu-big"]
+slow = {}
+for k, v in big.items():
+    if isinstance(v, dict):
+        v = dict(v, fixed_s=8 * v["fixed_s"], per_sample_s=8 * v["per_sample_s"])
+        if "points" in v:
+            v["points"] = [[m, 8 * t] for m, t in v["points"]]
+        slow[k] = v
+    else:
+        slow[k] = 8 * v
+p["devices"]["cpu-small"] = slow
+json.dump(p, open("prof-wrong.json", "w"))
+PY
+for r in 3 0; do
+  expect_ok "train --plan auto, replan_step=$r" "$alloy" launch --nproc 2 -- "$alloy" train --config mid.yaml --plan auto \
+    --cluster pool.yaml --profile prof-wrong.json --set output.dir=replan$r --set train.replan_step=$r
+done
+expect_ok "one device, for the loss" "$alloy" train --config mid.yaml --set output.dir=mid-one
+/usr/bin/python3 - <<'PY' && ok "re-planned at step 3: the small device takes more, the loss is the one-device loss" || bad "re-planning"
+import json
+rows = lambda d: [json.loads(l) for l in open(d + "/metrics.jsonl")]
+r, one = rows("replan3"), rows("mid-one")
+# Switched at step 3; at step 6 it calibrates again and may switch once more (equal devices: noise).
+switched = [x["step"] for x in r if x.get("replanned")]
+assert len(r) == 8 and switched[:1] == [3] and set(switched) <= {3, 6}, switched
+assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(r, one)) < 1e-5
+doc = json.load(open("replan3/replan.json"))
+rp = doc["replans"][0]
+assert doc["format"] == "alloy-replan" and rp["step"] == 3 and rp["switched"] and rp["factors"]["cpu-small"] < 0.5, doc
+assert [e["step"] for e in doc["replans"]] == [3, 6] and [e["step"] for e in doc["replans"] if e["switched"]] == switched, doc
+small = lambda d: sum(pl["micro_batch_size"] * pl["num_micro_batches"] for pl in json.load(open(d + "/plan.json"))["pipelines"]
+                      if any(st["device"] == "small" for st in pl["stages"]))
+assert small("replan3") > small("replan0"), (small("replan3"), small("replan0"))
+assert not any(x.get("replanned") for x in rows("replan0"))
+PY
+
 # --- generate prints text
 gen=$("$alloy" generate --checkpoint run --prompt "The " -n 40 2>/dev/null)
 [ ${#gen} -ge 40 ] && ok "generate: $(head -c 60 <<<"$gen" | tr '\n' ' ')" || bad "generate printed '${gen}'"

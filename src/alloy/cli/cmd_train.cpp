@@ -14,6 +14,7 @@
 #include "alloy/dist/rendezvous.h"
 #include "alloy/dist/world.h"
 #include "alloy/core/fs.h"
+#include "alloy/plan/calibrate.h"
 #include "alloy/plan/planner.h"
 #include "alloy/plan/profiler.h"
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -55,10 +56,17 @@ void print_summary(const train::TrainResult& r) {
   std::printf("mean throughput: %.0f tokens/s\n", tps / static_cast<double>(n));
 }
 
+struct AutoPlan {
+  Plan plan;
+  plan::ClusterSpec spec;
+  plan::Profile profile;  // complete on rank 0 only
+  plan::SearchOptions options;
+};
+
 // --plan auto: profile the ranks (or reuse a profile), then rank 0 searches and hands the plan to
 // the others through the store, so every rank runs the same plan even if the search's time
 // budget would cut differently on different machines.
-Plan auto_plan(const Config& cfg, const TrainArgs& a, dist::World* world) {
+AutoPlan auto_plan(const Config& cfg, const TrainArgs& a, dist::World* world) {
   const char* env = std::getenv("ALLOY_CLUSTER");
   std::string cluster_path = !a.cluster.empty() ? a.cluster : env ? env : "";
   if (cluster_path.empty())
@@ -85,11 +93,11 @@ Plan auto_plan(const Config& cfg, const TrainArgs& a, dist::World* world) {
     }
   }
   std::string plan_json;
+  plan::SearchOptions so;
+  so.global_batch = cfg.train.global_batch;
+  so.ptafm_stages = ptafm_stages;
   if (rank == 0) {
     try {
-      plan::SearchOptions so;
-      so.global_batch = cfg.train.global_batch;
-      so.ptafm_stages = ptafm_stages;
       auto report = plan::make_plan(spec, prof, so, true);
       std::printf("%s", report.text().c_str());
       std::fflush(stdout);
@@ -107,7 +115,43 @@ Plan auto_plan(const Config& cfg, const TrainArgs& a, dist::World* world) {
     plan_json.assign(b.begin(), b.end());
     if (plan_json == "!") throw Error("rank 0 found no plan that fits (see its error)");
   }
-  return Plan::from_json(nlohmann::json::parse(plan_json), "the automatic plan");
+  return {Plan::from_json(nlohmann::json::parse(plan_json), "the automatic plan"), spec, prof, so};
+}
+
+// Rank 0's side of train.replan_step: calibrate the profile with the compute each rank measured
+// in steps FROM..TO under the running plan, search again, record it in OUTPUT/replan.json, and
+// return the plan to switch to, if any. After a switch the calibrated profile and the new plan
+// become the running ones, so a later call corrects what the first calibration got wrong (the
+// profile's shape across micro-batch sizes, e.g.).
+struct Replanning {
+  AutoPlan ap;
+  nlohmann::json events = nlohmann::json::array();
+};
+std::shared_ptr<Plan> replan_from_measured(Replanning& st, const Config& cfg, int64_t from, int64_t to,
+                                           const std::map<int, double>& measured) {
+  AutoPlan& ap = st.ap;
+  plan::Calibration cal = plan::calibrate(ap.plan, ap.spec, ap.profile, measured);
+  plan::Replan rp = plan::replan(ap.plan, ap.spec, cal, ap.options);
+  log_info("re-planning with the compute measured in steps " + std::to_string(from) + "-" + std::to_string(to) + ":\n" +
+           cal.text + rp.text);
+  nlohmann::json m = nlohmann::json::object(), f = nlohmann::json::object();
+  for (const auto& [r, v] : measured) m[std::to_string(r)] = v;
+  for (const auto& [t, v] : cal.factor) f[t] = v;
+  nlohmann::json e = {{"step", to},
+                      {"measured_compute_s", m},
+                      {"factors", f},
+                      {"running_plan_predicted_s", ap.plan.predicted.value("step_s", 0.0)},
+                      {"running_plan_calibrated_s", rp.current.step_s},
+                      {"best_calibrated_s", rp.best.step_s},
+                      {"switched", rp.change}};
+  if (rp.change) e["plan"] = rp.plan.to_json();
+  st.events.push_back(e);
+  nlohmann::json doc = {{"format", "alloy-replan"}, {"version", 1}, {"replans", st.events}};
+  write_file_atomic(cfg.output.dir + "/replan.json", doc.dump(2) + "\n");
+  if (!rp.change) return nullptr;
+  ap.plan = rp.plan;
+  ap.profile = cal.profile;
+  return std::make_shared<Plan>(rp.plan);
 }
 
 bool synerfuse_given(const SynerFuseArgs& a) {
@@ -176,8 +220,10 @@ void add_train_commands(CLI::App& app, Action& action) {
       }
       try {
         std::shared_ptr<Plan> plan;
+        std::shared_ptr<AutoPlan> ap;
         if (a->plan_file == "auto") {
-          plan = std::make_shared<Plan>(auto_plan(cfg, *a, world.get()));
+          ap = std::make_shared<AutoPlan>(auto_plan(cfg, *a, world.get()));
+          plan = std::make_shared<Plan>(ap->plan);
         } else if (!a->plan_file.empty()) {
           plan = std::make_shared<Plan>(Plan::load(a->plan_file));
         } else if (!a->hetero_config.empty()) {
@@ -209,9 +255,39 @@ void add_train_commands(CLI::App& app, Action& action) {
         o.plan = plan;
         o.trace = a->trace;
         o.world = world;
-        train::Trainer trainer(cfg, o);
-        auto result = trainer.run();
-        if (rv.rank == 0) print_summary(result);
+        // Up to kMaxReplans switches, each replan_step steps after the previous one; the first
+        // calibration that finds nothing better ends it.
+        constexpr int kMaxReplans = 2;
+        auto replanning = std::make_shared<Replanning>();
+        int64_t measured_from = 2;
+        if (ap && world && cfg.train.replan_step > 0) {
+          replanning->ap = *ap;
+          o.replan_at = cfg.train.replan_step;
+          o.replan = [replanning, &cfg, &o, &measured_from](const std::map<int, double>& measured) {
+            return replan_from_measured(*replanning, cfg, measured_from, o.replan_at, measured);
+          };
+        }
+        // A re-plan ends a run early at a checkpoint; the next one resumes from it under the new
+        // plan, with its own process groups.
+        train::TrainResult all;
+        for (int generation = 1;; ++generation) {
+          train::TrainResult r;
+          {
+            train::Trainer trainer(cfg, o);
+            r = trainer.run();
+          }
+          all.steps.insert(all.steps.end(), r.steps.begin(), r.steps.end());
+          all.val_loss.insert(all.val_loss.end(), r.val_loss.begin(), r.val_loss.end());
+          all.checkpoint = r.checkpoint;
+          if (!r.next_plan) break;
+          o.plan = r.next_plan;
+          o.resume = r.checkpoint;
+          o.init_weights.clear();
+          measured_from = o.replan_at + 2;  // a new layout's first step warms up too
+          o.replan_at = generation < kMaxReplans ? o.replan_at + cfg.train.replan_step : 0;
+          o.generation = "plan" + std::to_string(generation + 1) + "/";
+        }
+        if (rv.rank == 0) print_summary(all);
       } catch (const std::exception& e) {
         if (!world) throw;
         // Tell the others why, then leave at once: tearing down process groups whose peers are

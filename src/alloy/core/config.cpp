@@ -98,6 +98,8 @@ const std::vector<Field>& schema() {
       ALLOY_INT(train, eval_interval, "steps between validation runs; 0 = only at the end"),
       ALLOY_INT(train, eval_batches, "global batches per validation run"),
       ALLOY_INT(train, checkpoint_interval, "steps between checkpoints; 0 = only at the end"),
+      ALLOY_INT(train, replan_step, "--plan auto: after this step, scale the profile by each device's measured compute, "
+                                    "search again and switch plans if 5% faster (again after as many steps, once); 0 = never"),
       ALLOY_INT(train, log_interval, "steps between log lines when not on a terminal"),
       ALLOY_INT(train, threads, "intra-op threads; 0 = all cores"),
       ALLOY_STR(train, device, "cpu | cuda | cuda:N"),
@@ -270,6 +272,7 @@ void Config::validate() const {
   if (t.eval_interval < 0) fail("train.eval_interval", "must be >= 0");
   if (t.eval_batches < 0) fail("train.eval_batches", "must be >= 0");
   if (t.checkpoint_interval < 0) fail("train.checkpoint_interval", "must be >= 0");
+  if (t.replan_step < 0) fail("train.replan_step", "must be >= 0");
   if (t.log_interval < 1) fail("train.log_interval", "must be >= 1");
   if (t.threads < 0) fail("train.threads", "must be >= 0");
   if (t.device != "cpu" && t.device.rfind("cuda", 0) != 0) fail("train.device", "must be cpu, cuda or cuda:N");

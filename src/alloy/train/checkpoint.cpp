@@ -15,12 +15,13 @@
 namespace fs = std::filesystem;
 
 namespace alloy::train {
-namespace {
 std::string step_name(int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step_%08lld", static_cast<long long>(step));
   return buf;
 }
+
+namespace {
 std::string shard_name(const std::string& base, int rank, int world) {
   if (world == 1) return base + ".safetensors";
   char buf[64];

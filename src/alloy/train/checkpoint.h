@@ -34,6 +34,9 @@ struct CheckpointState {
   nlohmann::json plan;            // the plan that wrote it (informational)
 };
 
+// The directory name of STEP's checkpoint under RUN/checkpoints/ ("step_00000020").
+std::string step_name(int64_t step);
+
 // Collective save, in three phases (ranks synchronise between them):
 std::string checkpoint_staging_dir(const std::string& run_dir, int64_t step);
 void begin_checkpoint(const std::string& run_dir, int64_t step);  // rank 0

@@ -76,7 +76,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   if (plan_->world_size() != job_size)
     throw InputError("plan", "needs " + std::to_string(plan_->world_size()) + " ranks but the job has " +
                                  std::to_string(job_size) + " (world size)");
-  if (world_) world_->check_same("config and plan", job_fingerprint(cfg_, *plan_));
+  if (world_) world_->check_same("config and plan" + opts_.generation, job_fingerprint(cfg_, *plan_));
   pos_ = plan_->locate(rank_);
   const PipelinePlan& pl = plan_->pipelines[static_cast<size_t>(pos_.pipeline)];
   const StagePlan& st = pl.stages[static_cast<size_t>(pos_.stage)];
@@ -149,7 +149,7 @@ void Trainer::build_groups() {
   std::map<std::vector<int>, std::shared_ptr<dist::Group>> by_set;
   for (const auto& s : sets) {
     if (std::find(s.begin(), s.end(), rank_) == s.end()) continue;
-    by_set[s] = world_->new_group("grad-" + join(s, "-"), s);
+    by_set[s] = world_->new_group(opts_.generation + "grad-" + join(s, "-"), s);
     groups_.push_back(by_set[s]);
   }
   // Buckets fill in backward order: parameters of the last layers first.
@@ -264,10 +264,11 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
     all.push_back(me);
   } else {
     std::string s = me.dump();
-    world_->store().set("alloy/rankstats/" + std::to_string(rank_), std::vector<uint8_t>(s.begin(), s.end()));
+    const std::string prefix = "alloy/" + opts_.generation + "rankstats/";
+    world_->store().set(prefix + std::to_string(rank_), std::vector<uint8_t>(s.begin(), s.end()));
     if (rank_ != 0) return;
     for (int q = 0; q < world_->size(); ++q) {
-      std::string key = "alloy/rankstats/" + std::to_string(q);
+      std::string key = prefix + std::to_string(q);
       world_->store().wait({key});
       auto b = world_->store().get(key);
       all.push_back(nlohmann::json::parse(std::string(b.begin(), b.end())));
@@ -278,6 +279,40 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
     if (!plan_->predicted.is_null() && !opts_.quiet)
       std::fprintf(stderr, "%s", plan::predicted_vs_measured(plan_->predicted, all, median(step_s)).c_str());
   }
+}
+
+std::shared_ptr<Plan> Trainer::replan_now(const TrainResult& r) {
+  // Median compute of the steps after the first (it warms up allocators and caches).
+  std::vector<double> v;
+  for (size_t i = r.steps.size() > 1 ? 1 : 0; i < r.steps.size(); ++i) v.push_back(r.steps[i].compute_s);
+  std::sort(v.begin(), v.end());
+  const double mine = v.empty() ? 0.0 : v[(v.size() - 1) / 2];  // the lower middle: a stall only raises times
+  const std::string prefix = "alloy/" + opts_.generation + "replan/";
+  auto& store = world_->store();
+  auto put = [&](const std::string& k, const std::string& s) { store.set(prefix + k, std::vector<uint8_t>(s.begin(), s.end())); };
+  auto get = [&](const std::string& k) {
+    store.wait({prefix + k});
+    auto b = store.get(prefix + k);
+    return std::string(b.begin(), b.end());
+  };
+  put("compute/" + std::to_string(rank_), std::to_string(mine));
+  std::string decision;
+  if (rank_ == 0) {
+    std::map<int, double> measured;
+    for (int q = 0; q < world_->size(); ++q) measured[q] = std::stod(get("compute/" + std::to_string(q)));
+    try {
+      auto next = opts_.replan ? opts_.replan(measured) : nullptr;
+      if (next) decision = next->to_json().dump();
+    } catch (const std::exception& e) {
+      log_warn(std::string("re-planning failed, the running plan stays: ") + e.what());
+    }
+    put("decision", decision.empty() ? "keep" : decision);
+  } else {
+    decision = get("decision");
+    if (decision == "keep") decision.clear();
+  }
+  if (decision.empty()) return nullptr;
+  return std::make_shared<Plan>(Plan::from_json(nlohmann::json::parse(decision), "the re-planned layout from rank 0"));
 }
 
 TrainResult Trainer::run() {
@@ -394,6 +429,11 @@ TrainResult Trainer::run() {
       j["val_loss"] = last_val;
       result.val_loss.emplace_back(rec.step, last_val);
     }
+    std::shared_ptr<Plan> next_plan;
+    if (world_ && opts_.replan_at > 0 && rec.step == opts_.replan_at && !last) {
+      next_plan = replan_now(result);
+      if (next_plan) j["replanned"] = true;  // the steps after this one ran another plan
+    }
     if (metrics) metrics->log(j);
 
     if (!quiet) {
@@ -409,13 +449,16 @@ TrainResult Trainer::run() {
                  std::to_string(lr));
     }
 
+    if (next_plan) {
+      save(rec.step);
+      result.checkpoint = cfg_.output.dir + "/checkpoints/" + step_name(rec.step);
+      result.next_plan = next_plan;
+      if (!quiet && stderr_is_tty()) progress.finish();
+      return result;
+    }
     if ((t.checkpoint_interval > 0 && rec.step % t.checkpoint_interval == 0) || last) {
       save(rec.step);
-      result.checkpoint = cfg_.output.dir + "/checkpoints/" + [&] {
-        char b[32];
-        std::snprintf(b, sizeof b, "step_%08lld", static_cast<long long>(rec.step));
-        return std::string(b);
-      }();
+      result.checkpoint = cfg_.output.dir + "/checkpoints/" + step_name(rec.step);
     }
   }
   publish_rank_stats(result);

@@ -6,6 +6,7 @@
 //   clip by the global norm -> AdamW step -> log -> evaluate -> checkpoint.
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -34,6 +35,15 @@ struct TrainOptions {
   std::shared_ptr<Plan> plan; // null = one device, the whole model
   std::shared_ptr<dist::World> world;  // null = single process
   std::string trace;          // write a Chrome trace of the schedule of the first traced steps here
+  // Re-planning from measured speeds (with a world): after step REPLAN_AT (1-based) every rank
+  // reports its median compute per step over the steps after its first, and rank 0 calls REPLAN
+  // with them (rank -> seconds). When it returns a plan, every rank checkpoints and run() returns
+  // early with TrainResult::next_plan, for the caller to resume under that plan.
+  int64_t replan_at = 0;
+  std::function<std::shared_ptr<Plan>(const std::map<int, double>&)> replan;
+  // Tags this trainer's store keys and process groups: a later Trainer in the same World (after a
+  // re-plan) must not meet the keys the earlier one left behind.
+  std::string generation;
 };
 
 struct StepRecord {
@@ -49,6 +59,7 @@ struct TrainResult {
   std::string checkpoint;                             // last checkpoint written
   int64_t peak_activation_bytes = 0;                  // this rank, over the run
   int64_t peak_in_flight = 0;
+  std::shared_ptr<Plan> next_plan;                    // set when run() stopped early to switch plans
 };
 
 // Intra-op threads for LibTorch and OpenBLAS; 0 = leave the defaults.
@@ -74,6 +85,7 @@ class Trainer {
   void load(const std::string& dir, bool with_optimizer);
   void build_groups();
   void publish_rank_stats(const TrainResult& r);
+  std::shared_ptr<Plan> replan_now(const TrainResult& r);
 
   Config cfg_;
   TrainOptions opts_;
