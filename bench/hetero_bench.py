@@ -311,11 +311,22 @@ def main():
     results = [dict(name="alloy", tokens_per_s=main_run["tokens_per_s"], step_s=main_run["step_s"],
                     prediction=report_predictions("alloy plan", final_plan, main_run))]
     if not a.demo:
+        calibrated = os.path.join(main_run["out"], "profile-calibrated.json")
         for strategy in ("uniform", "proportional"):
             p = R.plan(strategy, prof)
             run = R.train(strategy, p, a.steps)
-            results.append(dict(name=strategy, tokens_per_s=run["tokens_per_s"], step_s=run["step_s"],
-                                prediction=report_predictions(f"{strategy} plan", p, run)))
+            pred = report_predictions(f"{strategy} plan", p, run)
+            if os.path.exists(calibrated):
+                # The same plan predicted with the speeds Alloy's run measured (under another layout):
+                # the cost model's error once the profile's own error is taken out.
+                ev = os.path.join(R.work, f"plan-{strategy}-calibrated.json")
+                R.run([R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", calibrated,
+                       "--no-compare", "--evaluate", p, "-o", ev])
+                cs = predicted_of(ev)["step_s"]
+                pred.update(calibrated_predicted_step_s=cs, calibrated_relative_error=(run["step_s"] - cs) / cs)
+                log(f"{strategy} plan with the speeds measured in Alloy's run: predicted {cs * 1e3:.0f} ms/step "
+                    f"({100 * pred['calibrated_relative_error']:+.1f}%)")
+            results.append(dict(name=strategy, tokens_per_s=run["tokens_per_s"], step_s=run["step_s"], prediction=pred))
         d = R.ddp(len(devices), model, model.get("global_batch", 16))
         results.append(dict(name="pytorch-ddp-equal", tokens_per_s=d["tokens_per_s"], step_s=d["step_s"]))
     total_alone = sum(alone.values())
@@ -344,7 +355,10 @@ def main():
         if "prediction" in r:
             p = r["prediction"]
             print(f"predicted vs measured step, {r['name']}: {p['predicted_step_s'] * 1e3:.0f} ms vs "
-                  f"{p['measured_step_s'] * 1e3:.0f} ms ({100 * p['relative_error']:+.1f}%)")
+                  f"{p['measured_step_s'] * 1e3:.0f} ms ({100 * p['relative_error']:+.1f}%)"
+                  + (" after re-planning" if any(e["switched"] for e in p.get("replans", [])) else "")
+                  + (f"; with the speeds Alloy's run measured: {p['calibrated_predicted_step_s'] * 1e3:.0f} ms "
+                     f"({100 * p['calibrated_relative_error']:+.1f}%)" if "calibrated_predicted_step_s" in p else ""))
     print(f"(all measured in this run, {time.time() - t0:.0f} s, on {platform.node()}, {os.cpu_count()} cores)")
     out = dict(benchmark="hetero", when=time.strftime("%Y-%m-%d %H:%M:%S"), cluster=os.path.relpath(R.cluster, REPO),
                config=os.path.relpath(R.config, REPO), machine=f"{platform.node()} {os.cpu_count()} cores",

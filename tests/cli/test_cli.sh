@@ -216,7 +216,12 @@ small = lambda d: sum(pl["micro_batch_size"] * pl["num_micro_batches"] for pl in
                       if any(st["device"] == "small" for st in pl["stages"]))
 assert small("replan3") > small("replan0"), (small("replan3"), small("replan0"))
 assert not any(x.get("replanned") for x in rows("replan0"))
+cal = json.load(open("replan3/profile-calibrated.json"))["devices"]["cpu-small"]["block_bwd"]["per_sample_s"]
+wrong = json.load(open("prof-wrong.json"))["devices"]["cpu-small"]["block_bwd"]["per_sample_s"]
+assert cal < 0.5 * wrong, (cal, wrong)
 PY
+expect_ok "plan with the run's calibrated profile" "$alloy" plan --cluster pool.yaml --config mid.yaml \
+  --profile replan3/profile-calibrated.json --no-compare -o replanned-again.json
 
 # --- generate prints text
 gen=$("$alloy" generate --checkpoint run --prompt "The " -n 40 2>/dev/null)

@@ -146,6 +146,9 @@ std::shared_ptr<Plan> replan_from_measured(Replanning& st, const Config& cfg, in
                       {"switched", rp.change}};
   if (rp.change) e["plan"] = rp.plan.to_json();
   st.events.push_back(e);
+  // The speeds this run measured, for `alloy plan --profile` (a later job on the same pool, or
+  // predicting other plans with them).
+  cal.profile.save(cfg.output.dir + "/profile-calibrated.json");
   nlohmann::json doc = {{"format", "alloy-replan"}, {"version", 1}, {"replans", st.events}};
   write_file_atomic(cfg.output.dir + "/replan.json", doc.dump(2) + "\n");
   if (!rp.change) return nullptr;
