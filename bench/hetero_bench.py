@@ -56,6 +56,9 @@ class Runner:
         self.config = os.path.abspath(a.config)
         self.work = os.path.abspath(a.work)
         self.steps = a.steps
+        # A device on its own runs as many samples as it would in steps of 48 (its tokens/s does not
+        # depend on the global batch): larger batches would otherwise make the slow devices' runs long.
+        self.batch_scale = min(1.0, 48 / model_of(self.config).get("global_batch", 48))
         os.makedirs(self.work, exist_ok=True)
 
     def run(self, cmd, show=False, check=True):
@@ -115,7 +118,7 @@ class Runner:
             with open(path, "w") as f:
                 f.write(f"name: alone-{d['name']}\ndevices:\n  - {{name: {d['name']}, host: {d['host']}, kind: {d['kind']}, "
                         f"type: {d['type']}, memory_gb: {d['memory_gb']}, speed: {d['speed']}}}\n")
-            r = self.train(f"alone-{d['name']}", None, max(6, self.steps // 4), cluster=path)
+            r = self.train(f"alone-{d['name']}", None, max(6, round(self.steps * self.batch_scale / 4)), cluster=path)
             res[d["name"]] = r["tokens_per_s"]
             log(f"{d['name']} alone (speed {d['speed']}): {r['tokens_per_s']:.0f} tokens/s")
         return res
@@ -125,9 +128,11 @@ class Runner:
         the pool's emulated devices: what the pool's hardware gives when nothing is shared but the
         machine. Steps are proportional to speed so all finish at about the same time."""
         maxs = max(float(d["speed"]) for d in devices)
+        mins = min(float(d["speed"]) for d in devices)
+        slowest = max(6, round(self.steps * self.batch_scale * mins / maxs))
         cases, outs = [], {}
         for d in devices:
-            steps = max(6, round(self.steps * float(d["speed"]) / maxs))
+            steps = round(slowest * float(d["speed"]) / mins)
             out = os.path.join(self.work, "runs", f"side-{d['name']}")
             shutil.rmtree(out, ignore_errors=True)
             outs[d["name"]] = out

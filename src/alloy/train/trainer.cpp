@@ -259,6 +259,11 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
                        {"phase_s_median", median(phase_s)},
                        {"peak_activation_bytes", r.peak_activation_bytes},
                        {"peak_in_flight_micro_batches", r.peak_in_flight}};
+  // Every step's figures too: the medians hide drift (a rank slow in the first steps only), and
+  // re-planning decides from the first steps.
+  nlohmann::json per_step = nlohmann::json::array();
+  for (const auto& s : r.steps) per_step.push_back({s.step_s, s.compute_s, s.sync_wait_s});
+  me["steps_step_compute_syncwait_s"] = per_step;
   nlohmann::json all = nlohmann::json::array();
   if (!world_) {
     all.push_back(me);
