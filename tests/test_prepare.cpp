@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 
@@ -51,4 +52,23 @@ TEST(Prepare, WritesTrainAndValidDatasetsThatReadBackAsTheText) {
   v0.pop_back();
   EXPECT_EQ(tok->decode(v0), "fortune number 9\n");  // every 10th document is held out
   std::filesystem::remove_all(dir);
+}
+
+// alloy::remove_tree replaces std::filesystem::remove_all (see core/fs.h): it must remove nested
+// directories, remove a link without touching its target, and accept a missing path.
+TEST(RemoveTree, RemovesNestedDirectoriesButNotWhatLinksPointTo) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("alloy_remove_tree_" + std::to_string(::getpid()));
+  const fs::path keep = root.string() + "_kept";
+  fs::create_directories(root / "a" / "b");
+  fs::create_directories(keep);
+  alloy::write_file_atomic((root / "a" / "b" / "f.txt").string(), "x");
+  alloy::write_file_atomic((keep / "target.txt").string(), "y");
+  fs::create_directory_symlink(keep, root / "a" / "link");
+  EXPECT_TRUE(alloy::remove_tree(root.string()));
+  EXPECT_FALSE(fs::exists(root));
+  EXPECT_EQ(alloy::read_file((keep / "target.txt").string()), "y");
+  EXPECT_TRUE(alloy::remove_tree(root.string()));  // already gone: no error
+  EXPECT_TRUE(alloy::remove_tree(keep.string()));
+  EXPECT_FALSE(fs::exists(keep));
 }

@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 
@@ -15,10 +16,25 @@ using alloy::Config;
 namespace {
 // A small slice of the real fortunes corpus (Debian's `fortunes` package, installed by the
 // project's install script) so the loop trains on English text, not noise.
+// One copy per process: ctest runs each test in its own process, in parallel, and a shared
+// directory that one process recreates while another maps its files crashes the other. Removed
+// when the tests end. alloy::remove_tree, not std::filesystem::remove_all: see core/fs.h.
+const std::filesystem::path& corpus_dir() {
+  static const fs::path dir = fs::temp_directory_path() / ("alloy_train_test_data_" + std::to_string(::getpid()));
+  return dir;
+}
+
+struct RemoveCorpusAfterTests : ::testing::Environment {
+  void TearDown() override {
+    alloy::remove_tree(corpus_dir().string());
+  }
+};
+::testing::Environment* const remove_corpus_after_tests = ::testing::AddGlobalTestEnvironment(new RemoveCorpusAfterTests);
+
 const std::string& corpus_prefix() {
   static std::string prefix = [] {
-    fs::path dir = fs::temp_directory_path() / "alloy_train_test_data";
-    fs::remove_all(dir);
+    const fs::path& dir = corpus_dir();
+    alloy::remove_tree(dir.string());
     fs::create_directories(dir);
     std::string text = alloy::read_file("/usr/share/games/fortunes/fortunes").substr(0, 60000);
     alloy::write_file_atomic((dir / "corpus.txt").string(), text);
@@ -40,7 +56,7 @@ Config tiny_config(const std::string& run, const std::string& arch = "gpt2") {
                      "  eval_interval: 3\n  eval_batches: 2\n  threads: 1\n"
                      "output:\n  tensorboard: false\n";
   fs::path dir = fs::temp_directory_path() / ("alloy_train_test_" + run);
-  fs::remove_all(dir);
+  alloy::remove_tree(dir.string());
   return Config::from_yaml_string(yaml, "test", {"data.prefix=" + corpus_prefix(), "output.dir=" + dir.string()});
 }
 
@@ -129,7 +145,7 @@ TEST(Train, BadOutputDirFailsBeforeTraining) {
 
 TEST(Train, CheckpointWithoutStateIsRejectedClearly) {
   fs::path dir = fs::temp_directory_path() / "alloy_bad_ckpt";
-  fs::remove_all(dir);
+  alloy::remove_tree(dir.string());
   fs::create_directories(dir / "checkpoints" / "step_00000001");
   alloy::write_file_atomic((dir / "checkpoints" / "step_00000001" / "state.json").string(), "{\"format\": \"other\"}");
   alloy::write_file_atomic((dir / "checkpoints" / "latest").string(), "step_00000001\n");

@@ -146,6 +146,13 @@ expect_ok "train --plan auto (reusing the profile)" "$alloy" launch --nproc 2 --
 /usr/bin/python3 -c "import json,sys; p=json.load(open('autorun/plan.json')); sys.exit(0 if sum(pl['micro_batch_size']*pl['num_micro_batches'] for pl in p['pipelines'])==4 and 'step_s' in p['predicted'] else 1)" \
   && ok "--plan auto wrote its plan with a prediction" || bad "--plan auto plan: $(head -c 300 autorun/plan.json 2>&1)"
 [ "$(wc -l < autorun/metrics.jsonl)" -eq 3 ] && ok "--plan auto trained 3 steps" || bad "--plan auto metrics"
+# --devices places each rank (ALLOY_DEVICE over train.device); ranks.json says where each ran.
+expect_ok "launch --devices cpu,cpu" "$alloy" launch --nproc 2 --devices cpu,cpu -- "$alloy" train --config tiny.yaml \
+  --set output.dir=devrun --set train.steps=1
+/usr/bin/python3 -c "import json,sys; sys.exit(0 if [r['device'] for r in json.load(open('devrun/ranks.json'))]==['cpu','cpu'] else 1)" \
+  && ok "ranks.json names each rank's device" || bad "ranks.json devices: $(head -c 300 devrun/ranks.json 2>&1)"
+expect_fail "launch --devices count" "--devices" "3 devices for 2 ranks" -- "$alloy" launch --nproc 2 --devices cpu,cpu,cpu -- "$alloy" train --config tiny.yaml
+expect_fail "unknown device" "ALLOY_DEVICE" "unknown device 'gpu0'" -- "$alloy" launch --nproc 1 --devices gpu0 -- "$alloy" train --config tiny.yaml
 # --evaluate predicts a given plan on the same inputs: the planner's own plan gets the step time
 # the planner gave it; a hand-made change of it gets its own, shown beside the searched plans.
 expect_ok "plan --evaluate" "$alloy" plan --cluster pool.yaml --config tiny.yaml --profile prof-together.json \

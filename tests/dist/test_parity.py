@@ -4,6 +4,10 @@
 Runs `alloy train` on one device, then each layout through `alloy launch` (real processes, Gloo
 over loopback), and compares the per-step training loss (and validation loss) from
 metrics.jsonl within a relative tolerance. usage: test_parity.py ALLOY WORKDIR [LAYOUT...]
+
+With --devices (a CUDA build on a GPU machine, scripts/gpu-check.sh), the layouts run with ranks
+placed on CUDA, or on CUDA and the CPU together (`alloy launch --devices`), against the one-device
+CPU run: float32 on the GPU sums in another order, hence a looser tolerance there.
 """
 import json
 import os
@@ -54,6 +58,19 @@ LAYOUTS = {
 }
 
 
+# name: (layout above, or None for one rank training alone; device of each rank). Compared with
+# the one-device run on the CPU.
+DEVICE_LAYOUTS = {
+    "cuda": (None, ["cuda"]),
+    "cuda-dp2": ("dp2-6x2-2x6", ["cuda", "cuda"]),
+    "cuda-pp2": ("pp2-6+2-1f1b", ["cuda", "cuda"]),
+    "cuda+cpu-dp2": ("dp2-6x2-2x6", ["cuda", "cpu"]),
+    "cuda+cpu-pp2": ("pp2-6+2-1f1b", ["cpu", "cuda"]),
+    "cuda+cpu-mixed": ("mixed-5+3_and_8", ["cuda", "cpu", "cpu"]),
+}
+RTOL_GPU = 1e-4
+
+
 def config(work, arch, gb, out):
     path = os.path.join(work, f"{arch}-{gb}.yaml")
     with open(path, "w") as f:
@@ -73,7 +90,11 @@ def losses(run_dir):
 
 def main():
     alloy, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
-    wanted = sys.argv[3:] or list(LAYOUTS)
+    args = sys.argv[3:]
+    on_devices = "--devices" in args
+    args = [a for a in args if a != "--devices"]
+    table = DEVICE_LAYOUTS if on_devices else LAYOUTS
+    wanted = args or list(table)
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     with open("/usr/share/games/fortunes/fortunes", "rb") as f:
@@ -86,7 +107,15 @@ def main():
     baselines = {}
     failures = 0
     for name in wanted:
-        arch, gb, layout, world = LAYOUTS[name]
+        devices, rtol = [], RTOL
+        if on_devices:
+            base_name, devices = DEVICE_LAYOUTS[name]
+            arch, gb, layout, world = LAYOUTS[base_name or "dp2-equal"]
+            if base_name is None:
+                layout, world = plan(gb, [(gb // 2, 2, full(0))]), 1
+            rtol = RTOL_GPU
+        else:
+            arch, gb, layout, world = LAYOUTS[name]
         if (arch, gb) not in baselines:
             out = os.path.join(work, f"single-{arch}-{gb}")
             sh([alloy, "train", "--config", config(work, arch, gb, out)], env=env)
@@ -101,11 +130,19 @@ def main():
             extra = ["--plan", plan_path]
         else:
             extra = layout
-        sh([alloy, "launch", "--nproc", str(world), "--threads-per-rank", "1", "--",
+        placement = ["--devices", ",".join(devices)] if devices else []
+        sh([alloy, "launch", "--nproc", str(world), "--threads-per-rank", "1"] + placement + ["--",
             alloy, "train", "--config", cfg, "--timeout", "120"] + extra, env=env)
         got = losses(out)
         worst = 0.0
         ok = len(got) == len(base) == STEPS
+        if devices:  # each rank must have run where it was placed, not quietly on the CPU
+            with open(os.path.join(out, "ranks.json")) as f:
+                ran_on = [r["device"] for r in sorted(json.load(f), key=lambda r: r["rank"])]
+            placed = [d if d != "cuda" else "cuda:0" for d in devices]
+            if [d if d != "cuda" else "cuda:0" for d in ran_on] != placed:
+                print(f"     {name}: ranks ran on {ran_on}, placed on {devices}")
+                ok = False
         for (s, l, v), (bs, bl, bv) in zip(got, base):
             worst = max(worst, abs(l - bl) / abs(bl))
             if v is not None or bv is not None:
@@ -113,7 +150,7 @@ def main():
                     ok = False
                 else:
                     worst = max(worst, abs(v - bv) / abs(bv))
-        ok = ok and worst <= RTOL
+        ok = ok and worst <= rtol
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name:<18} world {world}: {len(got)} steps, worst relative loss difference {worst:.2e}"
               f" (first {got[0][1]:.4f}, last {got[-1][1]:.4f})", flush=True)

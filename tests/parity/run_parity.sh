@@ -10,4 +10,4 @@ rm -rf "$dir"
 # the same to near machine precision.
 rtol=1e-5
 [ "$dtype" = float64 ] && rtol=1e-10
-exec /usr/bin/python3 "$here/reference.py" "$dir" --rtol "$rtol"
+exec "${ALLOY_PYTHON:-/usr/bin/python3}" "$here/reference.py" "$dir" --rtol "$rtol"

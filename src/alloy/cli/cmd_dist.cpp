@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <sstream>
 
 #include "alloy/cli/commands.h"
 #include "alloy/core/config.h"
@@ -14,6 +15,7 @@
 #include "alloy/plan/cluster.h"
 #include "alloy/plan/planner.h"
 #include "alloy/plan/profiler.h"
+#include "alloy/train/trainer.h"
 #include "alloy/viz/diagram.h"
 
 namespace alloy::cli {
@@ -47,6 +49,16 @@ void add_dist_commands(CLI::App& app, Action& action) {
   launch->add_option("--master-port", lo->master_port, "Rendezvous port; 0 = a free one")->capture_default_str();
   launch->add_option("--threads-per-rank", lo->threads_per_rank, "Intra-op threads per rank; 0 = cores / nproc")
       ->capture_default_str();
+  // One comma-separated value: a multi-value option would swallow the `--` before the command.
+  launch->add_option_function<std::string>(
+      "--devices",
+      [lo](const std::string& list) {
+        lo->devices.clear();
+        std::stringstream in(list);
+        for (std::string d; std::getline(in, d, ',');) lo->devices.push_back(d);
+      },
+      "Device of each rank, e.g. cuda:0,cpu,cpu (one for all ranks or one per rank); sets ALLOY_DEVICE, "
+      "which overrides train.device, so one GPU and spare CPU cores can train together");
   launch->add_option("--grace", lo->grace_s, "Seconds the other ranks get to report after one fails")->capture_default_str();
   launch->add_option("command", lo->command, "Command to run, after --")->required();
   launch->footer("Example: alloy launch --nproc 3 -- alloy train --config examples/tiny-gpt2.yaml --plan plan.json");
@@ -156,7 +168,9 @@ void add_dist_commands(CLI::App& app, Action& action) {
           for (const auto& n : plan::complete_profile(prof, spec)) std::printf("note: %s\n", n.c_str());
         } else {
           std::printf("no --profile: measuring this machine once and scaling by the cluster's speed hints\n");
-          prof = plan::run_profile(cfg.model, spec, nullptr);
+          plan::ProfileOptions po;
+          po.device = train::rank_device(cfg);
+          prof = plan::run_profile(cfg.model, spec, nullptr, po);
         }
         plan::SearchOptions so;
         so.strategy = pa->strategy;

@@ -63,6 +63,7 @@ void add_planner_commands(CLI::App& app, Action& action) {
       po.micro_batch_sizes = a->micro_batches;
       po.window_s = a->window_s;
       po.concurrent = !a->one_at_a_time;
+      po.device = train::rank_device(cfg);
       auto p = plan::run_profile(cfg.model, spec, world.get(), po);
       if (rv.rank == 0) {
         p.save(a->output);

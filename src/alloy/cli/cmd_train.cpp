@@ -85,7 +85,9 @@ AutoPlan auto_plan(const Config& cfg, const TrainArgs& a, dist::World* world) {
   }
   if (!have) {
     if (rank == 0) log_info("profiling " + std::to_string(spec.devices.size()) + " devices of " + cluster_path);
-    prof = plan::run_profile(cfg.model, spec, world);
+    plan::ProfileOptions po;
+    po.device = train::rank_device(cfg);
+    prof = plan::run_profile(cfg.model, spec, world, po);
     if (rank == 0) {
       ensure_writable_dir(cfg.output.dir);
       prof.save(cfg.output.dir + "/profile.json");

@@ -1,6 +1,7 @@
 #include "alloy/core/fs.h"
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -92,6 +93,17 @@ void fsync_dir(const std::string& dir) {
   if (fd < 0) return;  // best effort: some filesystems refuse O_DIRECTORY opens
   ::fsync(fd);
   ::close(fd);
+}
+
+namespace {
+int remove_entry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path) == 0 || errno == ENOENT ? 0 : -1; }
+}  // namespace
+
+bool remove_tree(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return errno == ENOENT;
+  // Depth first, not following symbolic links: a link is removed, never what it points to.
+  return ::nftw(path.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS) == 0;
 }
 
 }  // namespace alloy

@@ -37,5 +37,10 @@ bool file_exists(const std::string& path);
 void ensure_writable_dir(const std::string& dir);
 // fsync a directory so a rename inside it is durable.
 void fsync_dir(const std::string& dir);
+// Removes PATH and everything under it; a missing PATH is no error. Returns false if something
+// could not be removed. Not std::filesystem::remove_all: PyTorch's pip LibTorch 2.x exports its
+// own copy of it, which programs linked against that LibTorch call instead of libstdc++'s, and it
+// crashed (a call through a null pointer) on a path that did not exist.
+bool remove_tree(const std::string& path);
 
 }  // namespace alloy

@@ -77,6 +77,9 @@ int free_tcp_port() {
 LaunchResult launch(const LaunchOptions& o) {
   if (o.nproc < 1) throw InputError("--nproc", "must be >= 1");
   if (o.command.empty()) throw InputError("launch", "no command given (put it after --)");
+  if (o.devices.size() > 1 && o.devices.size() != static_cast<size_t>(o.nproc))
+    throw InputError("--devices", std::to_string(o.devices.size()) + " devices for " + std::to_string(o.nproc) +
+                                      " ranks: give one for all ranks or one per rank");
   const int port = o.master_port > 0 ? o.master_port : free_tcp_port();
   int cores = static_cast<int>(std::thread::hardware_concurrency());
   const int threads = o.threads_per_rank > 0 ? o.threads_per_rank : std::max(1, cores / o.nproc);
@@ -114,6 +117,7 @@ LaunchResult launch(const LaunchOptions& o) {
       ::setenv("OMP_NUM_THREADS", t.c_str(), 1);
       ::setenv("OPENBLAS_NUM_THREADS", t.c_str(), 1);
       ::setenv("MKL_NUM_THREADS", t.c_str(), 1);
+      if (!o.devices.empty()) ::setenv("ALLOY_DEVICE", o.devices[o.devices.size() == 1 ? 0 : static_cast<size_t>(r)].c_str(), 1);
       if (o.prefix_output) ::setenv("ALLOY_OUTPUT_PREFIXED", "1", 1);  // the rank needs no prefix of its own
       if (static_cast<size_t>(r) < o.placement.size()) place_self(r, o.placement[static_cast<size_t>(r)]);
       std::vector<std::string> argv_s;

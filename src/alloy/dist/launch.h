@@ -22,6 +22,9 @@ struct LaunchOptions {
   std::string master_addr = "127.0.0.1";
   int master_port = 0;        // 0 = pick a free port
   int threads_per_rank = 0;   // 0 = cores / nproc, at least 1
+  // Device of each rank (cpu, cuda, cuda:N), passed as ALLOY_DEVICE, which overrides train.device:
+  // one entry for all ranks or one per rank. Empty: every rank uses its config's train.device.
+  std::vector<std::string> devices;
   double grace_s = 5.0;       // after a failure, time the others get to report before SIGTERM
   std::vector<std::string> command;
   // Per-rank command prefix (e.g. the emulator's `ip netns exec` wrapper); {rank} is substituted.

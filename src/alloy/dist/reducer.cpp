@@ -34,7 +34,9 @@ Reducer::Reducer(std::vector<ParamGroup> groups, double bucket_mb) {
         cur->offsets.push_back(n);
         n += p->tensor.numel();
       }
-      cur->flat = at::zeros({n}, cur->params[0]->tensor.options().requires_grad(false));
+      // Gloo reduces host memory: the bucket lives on the CPU whatever the parameters' device,
+      // and CUDA gradients are copied in and out of it.
+      cur->flat = at::zeros({n}, cur->params[0]->tensor.options().device(at::kCPU).requires_grad(false));
       cur->ready.assign(cur->params.size(), false);
       buckets_.push_back(std::move(cur));
       cur_bytes = 0;
@@ -78,7 +80,9 @@ void Reducer::on_grad_ready(size_t bi, size_t slot, const at::Tensor& incoming) 
   // share is already in .grad.
   at::Tensor slice = b.flat.narrow(0, b.offsets[slot], p->tensor.numel());
   const at::Tensor& prev = p->tensor.grad();
-  if (prev.defined())
+  if (!incoming.is_cpu())
+    slice.copy_(prev.defined() ? (prev + incoming).reshape({-1}) : incoming.reshape({-1}));
+  else if (prev.defined())
     at::add_out(slice, prev.reshape({-1}), incoming.reshape({-1}));
   else
     slice.copy_(incoming.reshape({-1}));
@@ -130,7 +134,7 @@ ReducerStats Reducer::finish() {
       at::Tensor& p = b->params[s]->tensor;
       at::Tensor slice = b->flat.narrow(0, b->offsets[s], p.numel()).view(p.sizes());
       if (p.grad().defined()) p.mutable_grad().copy_(slice);
-      else p.mutable_grad() = slice.clone();
+      else p.mutable_grad() = slice.to(p.device(), /*non_blocking=*/false, /*copy=*/true);
     }
     st.bytes += b->flat.numel() * static_cast<int64_t>(b->flat.element_size());
   }

@@ -23,8 +23,9 @@ class Work;
 
 namespace alloy::dist {
 
-// A process group over a subset of the world's ranks, on Gloo. (NCCL for all-CUDA groups is not
-// built: it needs a CUDA LibTorch and a GPU to test on; docs/DESIGN.md, "Not built yet".)
+// A process group over a subset of the world's ranks, on Gloo, which moves host memory: callers
+// stage CUDA tensors through the CPU (reducer buckets, pipeline sends). NCCL for all-CUDA groups is
+// not built (docs/DESIGN.md, "Not built yet").
 class Group {
  public:
   Group(std::string name, std::vector<int> ranks, int my_global_rank);

@@ -40,7 +40,8 @@ void StageExecutor::sample_memory() {
 }
 
 void StageExecutor::send_tensor(int dst, int64_t mb, int kind, const at::Tensor& t) {
-  at::Tensor data = t.detach().contiguous();
+  // Gloo moves host memory: activations of a CUDA stage travel through a CPU copy.
+  at::Tensor data = t.detach().to(at::kCPU).contiguous();
   at::Tensor header = at::tensor({static_cast<int64_t>(data.dim()), data.size(0), data.size(1), data.size(2),
                                   static_cast<int64_t>(data.scalar_type()), mb},
                                  at::kLong);
@@ -52,7 +53,7 @@ StageExecutor::PostedRecv StageExecutor::post_recv(int src, int64_t mb, int kind
   PostedRecv r;
   r.src = src, r.mb = mb, r.kind = kind;
   r.header = at::empty({6}, at::kLong);
-  r.data = at::empty(shape, slice_.parameters()[0]->tensor.options().dtype(dtype).requires_grad(false));
+  r.data = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCPU));
   // Both receives are posted together: one round trip, and the header is checked after.
   r.wh = links_.group->recv(r.header, src, tag_of(mb, kind));
   r.wd = links_.group->recv(r.data, src, tag_of(mb, kind + 1));
@@ -71,7 +72,7 @@ at::Tensor StageExecutor::finish_recv(PostedRecv& r, at::IntArrayRef shape, at::
                 ", expected [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + ", " +
                 std::to_string(shape[2]) + "] " + c10::toString(dtype) + ": the two stages disagree on the plan");
   dist::wait_work(r.wd, what);
-  return r.data;
+  return r.data.to(slice_.parameters()[0]->tensor.device());
 }
 
 at::Tensor StageExecutor::recv_tensor(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype) {

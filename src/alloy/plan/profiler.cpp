@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/cuda.h>
 
 #include <algorithm>
 #include <chrono>
@@ -81,25 +82,34 @@ struct FwdBwd {
 // at least WINDOW seconds and the times are averages over that window: a CPU quota (cgroup CFS)
 // lets a process run at full speed in bursts and then stalls it, so a single short call would
 // measure the burst, not the device.
-FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool ids_in, bool loss_out) {
+// A CUDA call returns before its kernels finish: the clock reads after waiting for them.
+void wait_for(const at::Device& d) {
+  if (d.is_cuda()) torch::cuda::synchronize(d.has_index() ? d.index() : -1);
+}
+
+FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool ids_in, bool loss_out, const at::Device& dev) {
   const auto& c = slice.config();
   auto gen = at::detail::createCPUGenerator(5);
-  at::Tensor x0 = ids_in ? at::randint(c.vocab_size, {m, c.seq_len}, gen, at::kLong)
-                         : at::randn({m, c.seq_len, c.hidden}, gen, at::TensorOptions().dtype(slice.dtype()));
-  at::Tensor tgt = at::randint(c.vocab_size, {m, c.seq_len}, gen, at::kLong);
+  at::Tensor x0 = (ids_in ? at::randint(c.vocab_size, {m, c.seq_len}, gen, at::kLong)
+                          : at::randn({m, c.seq_len, c.hidden}, gen, at::TensorOptions().dtype(slice.dtype())))
+                      .to(dev);
+  at::Tensor tgt = at::randint(c.vocab_size, {m, c.seq_len}, gen, at::kLong).to(dev);
   double f = 0, b = 0;
   int64_t act = 0, n = 0;
   auto start = Clock::now();
   for (int64_t it = 0;; ++it) {
     at::Tensor x = ids_in ? x0 : x0.detach().requires_grad_(true);
     int64_t before = pipeline::heap_bytes_in_use();
+    wait_for(dev);
     auto t0 = Clock::now();
     at::Tensor out = slice.forward(x);
     if (loss_out) out = model::Transformer::loss_sum(out, tgt) / static_cast<double>(m * c.seq_len);
+    wait_for(dev);
     auto t1 = Clock::now();
     int64_t held = pipeline::heap_bytes_in_use() - before;
     if (loss_out) out.backward();
     else out.backward(at::ones_like(out));
+    wait_for(dev);
     auto t2 = Clock::now();
     for (auto* p : slice.parameters()) p->tensor.mutable_grad().reset();
     if (it == 0) {  // warm-up: first calls allocate and pick kernels
@@ -125,6 +135,8 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
   // blocks does not.
   const int64_t K = std::max<int64_t>(1, std::min<int64_t>(L, o.blocks_timed));
   model::Transformer stack(model, {1, 1 + K}, 1);
+  const at::Device dev(o.device);
+  for (auto* t : {&embed, &block, &head, &stack}) t->to(dev);
   DeviceProfile d;
   // Each figure is the median of several rounds spread over the whole measurement (every round
   // times every size and slice), so a slow spell of a shared machine (seconds of CPU steal in a
@@ -136,11 +148,11 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
   for (int r = 0; r < rounds; ++r)
     for (size_t i = 0; i < n; ++i) {
       const int64_t m = o.micro_batch_sizes[i];
-      te[i].push_back(time_slice(embed, m, window, true, false));
-      FwdBwd t = time_slice(stack, m, window, false, false);
+      te[i].push_back(time_slice(embed, m, window, true, false, dev));
+      FwdBwd t = time_slice(stack, m, window, false, false, dev);
       t.fwd /= static_cast<double>(K), t.bwd /= static_cast<double>(K), t.act_bytes /= K;
       tb[i].push_back(t);
-      th[i].push_back(time_slice(head, m, window, false, true));
+      th[i].push_back(time_slice(head, m, window, false, true, dev));
     }
   auto med = [](const std::vector<FwdBwd>& v, bool fwd) {
     std::vector<double> x;
@@ -175,6 +187,7 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
     while (n < 3 || spent < o.window_s / 2) {
       train::global_grad_norm_sq(block.parameters());
       opt.step(1e-6);
+      wait_for(dev);
       ++n;
       spent = std::chrono::duration<double>(Clock::now() - t0).count();
     }

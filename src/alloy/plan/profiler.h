@@ -35,6 +35,8 @@ struct ProfileOptions {
   // idle machine ran 10-15% slower in the pool than predicted. False: types take turns on an
   // idle machine (a device's speed alone).
   bool concurrent = true;
+  // Where this rank computes: cpu, cuda or cuda:N (`alloy launch --devices`, train.device).
+  std::string device = "cpu";
 };
 
 // Every rank of WORLD calls this (rank i runs on device i of SPEC); rank 0 returns the full

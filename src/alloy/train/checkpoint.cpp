@@ -49,8 +49,7 @@ std::string checkpoint_staging_dir(const std::string& run_dir, int64_t step) {
 void begin_checkpoint(const std::string& run_dir, int64_t step) {
   ensure_writable_dir(run_dir + "/checkpoints");
   std::string tmp = checkpoint_staging_dir(run_dir, step);
-  std::error_code ec;
-  fs::remove_all(tmp, ec);
+  remove_tree(tmp);
   ensure_writable_dir(tmp);
 }
 
@@ -87,13 +86,12 @@ std::string publish_checkpoint(const std::string& run_dir, const CheckpointState
   fsync_dir(tmp);
   // Replace an older checkpoint of the same step only once the new one is complete.
   std::string final_dir = root + "/" + name, old_dir = root + "/." + name + ".old";
-  std::error_code ec;
-  fs::remove_all(old_dir, ec);
+  remove_tree(old_dir);
   if (fs::exists(final_dir)) fs::rename(final_dir, old_dir);
   fs::rename(tmp, final_dir);
   fsync_dir(root);
   write_file_atomic(root + "/latest", name + "\n");
-  fs::remove_all(old_dir, ec);
+  remove_tree(old_dir);
   return final_dir;
 }
 

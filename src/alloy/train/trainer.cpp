@@ -1,5 +1,6 @@
 #include "alloy/train/trainer.h"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <dlfcn.h>
@@ -7,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <filesystem>
 #include <set>
@@ -33,11 +35,23 @@ void configure_threads(int64_t threads) {
   if (auto fn = reinterpret_cast<SetFn>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(static_cast<int>(threads));
 }
 
-at::Device parse_device(const std::string& spec) {
+at::Device parse_device(const std::string& spec, const std::string& field) {
+  const bool cuda = spec.rfind("cuda", 0) == 0;
+  const bool valid = spec == "cpu" || spec == "cuda" ||
+                     (cuda && spec.size() > 5 && spec[4] == ':' && spec.find_first_not_of("0123456789", 5) == std::string::npos);
+  if (!valid) throw InputError(field, "unknown device '" + spec + "' (expected cpu, cuda or cuda:N)");
+  if (cuda && !at::hasCUDA())
+    throw InputError(field, "'" + spec + "' asked for, but this LibTorch build has no CUDA or no GPU is visible");
   at::Device d(spec);
-  if (d.is_cuda() && !at::hasCUDA())
-    throw InputError("train.device", "'" + spec + "' asked for, but this LibTorch build has no CUDA or no GPU is visible");
+  if (d.is_cuda() && d.has_index() && d.index() >= static_cast<int>(at::getNumGPUs()))
+    throw InputError(field, "'" + spec + "' asked for, but only " + std::to_string(at::getNumGPUs()) + " GPU(s) are visible");
   return d;
+}
+
+std::string rank_device(const Config& cfg) {
+  const char* env = std::getenv("ALLOY_DEVICE");
+  if (env && *env) return parse_device(env, "ALLOY_DEVICE").str();
+  return parse_device(cfg.train.device, "train.device").str();
 }
 
 namespace {
@@ -64,7 +78,7 @@ Trainer::~Trainer() = default;
 Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(std::move(opts)) {
   cfg_.validate();
   configure_threads(cfg_.train.threads);
-  device_ = parse_device(cfg_.train.device);
+  device_ = at::Device(rank_device(cfg_));
   world_ = opts_.world;
   rank_ = world_ ? world_->rank() : 0;
   plan_ = opts_.plan ? opts_.plan : std::make_shared<Plan>(Plan::single_device(cfg_));
@@ -250,6 +264,7 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
   };
   const auto& st = plan_->pipelines[static_cast<size_t>(pos_.pipeline)].stages[static_cast<size_t>(pos_.stage)];
   nlohmann::json me = {{"rank", rank_},
+                       {"device", device_.str()},
                        {"pipeline", pos_.pipeline},
                        {"stage", pos_.stage},
                        {"layers", {st.layer_begin, st.layer_end}},

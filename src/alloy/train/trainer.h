@@ -64,7 +64,10 @@ struct TrainResult {
 
 // Intra-op threads for LibTorch and OpenBLAS; 0 = leave the defaults.
 void configure_threads(int64_t threads);
-at::Device parse_device(const std::string& spec);
+at::Device parse_device(const std::string& spec, const std::string& field = "train.device");
+// This rank's device: $ALLOY_DEVICE (set per rank by `alloy launch --devices`) over train.device.
+// Checked: throws InputError naming the variable or key when unknown or not present.
+std::string rank_device(const Config& cfg);
 
 class Trainer {
  public:

@@ -1,7 +1,9 @@
 #include "alloy/viz/diagram.h"
 
+#if ALLOY_HAVE_GRAPHVIZ
 #include <graphviz/cgraph.h>
 #include <graphviz/gvc.h>
+#endif
 
 #include <algorithm>
 #include <cctype>
@@ -536,6 +538,7 @@ std::string to_mermaid(const DiagramInput& in) {
   return o.str();
 }
 
+#if ALLOY_HAVE_GRAPHVIZ
 namespace {
 
 std::mutex g_gv_mutex;
@@ -620,7 +623,19 @@ std::string render(const std::string& dot, const std::string& format, const std:
 
 }  // namespace
 
+bool diagram_renders() { return true; }
 std::string diagram_formats() { return ".svg, .png, .pdf, .dot, .mmd"; }
+#else
+namespace {
+std::string render(const std::string&, const std::string& format, const std::string& file) {
+  throw InputError(file, "this alloy was built without Graphviz (-DALLOY_GRAPHVIZ=OFF), so it cannot render ." + format +
+                             "; write .dot and render it with `dot -T" + format + "`, or write .mmd");
+}
+}  // namespace
+
+bool diagram_renders() { return false; }
+std::string diagram_formats() { return ".dot, .mmd (.svg, .png and .pdf need a build with Graphviz)"; }
+#endif
 
 void write_diagram(const DiagramInput& in, const std::string& file) {
   size_t slash = file.find_last_of('/');

@@ -56,4 +56,8 @@ void write_diagram(const DiagramInput& in, const std::string& file);
 // The extensions write_diagram accepts, for help texts: ".svg, .png, .pdf, .dot, .mmd".
 std::string diagram_formats();
 
+// Whether this build renders .svg/.png/.pdf itself: false when configured with
+// -DALLOY_GRAPHVIZ=OFF (GPU machines often lack libgvc; DOT and Mermaid text need nothing).
+bool diagram_renders();
+
 }  // namespace alloy::viz
