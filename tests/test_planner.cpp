@@ -765,3 +765,47 @@ TEST(Calibrate, ReplanSwitchesOnlyWhenTheSpeedsWereWrong) {
   EXPECT_GT(samples_of_b(fix.plan), samples_of_b(r.plan));
   EXPECT_TRUE(fix.plan.predicted.contains("step_s"));
 }
+
+TEST(Calibrate, RebalanceMovesSamplesFromAPipelineSlowerThanPredicted) {
+  Profile p = base_profile(4);
+  p.devices["fast"] = dev_profile(1.0);
+  p.devices["slow"] = dev_profile(1.0);
+  ClusterSpec c = two_types();
+  SearchOptions o;
+  o.global_batch = 32;
+  SearchResult r = search(c, p, o);
+  ASSERT_EQ(r.plan.pipelines.size(), 2u) << r.plan.describe();  // equal devices: data parallelism
+  const PlanCost pred = simulate_plan(r.plan, c, p);
+  auto phases = [&](double k0, double k1) {
+    std::map<int, double> m;
+    m[r.plan.pipelines[0].stages[0].ranks[0]] = k0 * pred.pipelines[0].phase_s;
+    m[r.plan.pipelines[1].stages[0].ranks[0]] = k1 * pred.pipelines[1].phase_s;
+    return m;
+  };
+  // Each pipeline took what was predicted: the split stays.
+  Rebalance same = rebalance(r.plan, c, p, phases(1.0, 1.0), o);
+  EXPECT_FALSE(same.change) << same.text;
+  EXPECT_NEAR(same.current_s, pred.step_s, 1e-9 * pred.step_s);
+  // Pipeline 1 took 30% longer than predicted (its schedule waits more than the model says):
+  // samples move from it to pipeline 0, the total stays the global batch, and the predicted step
+  // with the measured factors falls.
+  Rebalance fix = rebalance(r.plan, c, p, phases(1.0, 1.3), o);
+  ASSERT_TRUE(fix.change) << fix.text;
+  EXPECT_NEAR(fix.factor[1], 1.3, 1e-9);
+  EXPECT_LT(fix.plan.pipelines[1].samples(), r.plan.pipelines[1].samples()) << fix.text;
+  EXPECT_EQ(fix.plan.pipelines[0].samples() + fix.plan.pipelines[1].samples(), 32);
+  EXPECT_LT(fix.best_s, 0.97 * fix.current_s) << fix.text;
+  EXPECT_EQ(fix.plan.pipelines[0].stages[0].device, r.plan.pipelines[0].stages[0].device);  // same layout
+  EXPECT_TRUE(fix.plan.predicted.contains("step_s"));
+  // A pipeline with no measurement gives no basis for moving anything.
+  std::map<int, double> partial = phases(1.0, 1.3);
+  partial.erase(r.plan.pipelines[1].stages[0].ranks[0]);
+  EXPECT_FALSE(rebalance(r.plan, c, p, partial, o).change);
+  // Through replan: the calibrated search keeps the layout, and the split is rebalanced.
+  std::map<int, double> compute;
+  for (const auto& s : pred.stages) compute[s.rank] = s.forward_s + s.backward_s;
+  const auto measured_phase = phases(1.0, 1.3);
+  Replan rp = replan(r.plan, c, calibrate(r.plan, c, p, compute), o, 0.05, &measured_phase);
+  ASSERT_TRUE(rp.change) << rp.text;
+  EXPECT_LT(rp.plan.pipelines[1].samples(), r.plan.pipelines[1].samples()) << rp.text;
+}

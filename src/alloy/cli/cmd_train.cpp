@@ -130,17 +130,20 @@ struct Replanning {
   nlohmann::json events = nlohmann::json::array();
 };
 std::shared_ptr<Plan> replan_from_measured(Replanning& st, const Config& cfg, int64_t from, int64_t to,
-                                           const std::map<int, double>& measured) {
+                                           const std::map<int, double>& measured, const std::map<int, double>& phase) {
   AutoPlan& ap = st.ap;
   plan::Calibration cal = plan::calibrate(ap.plan, ap.spec, ap.profile, measured);
-  plan::Replan rp = plan::replan(ap.plan, ap.spec, cal, ap.options);
+  plan::Replan rp = plan::replan(ap.plan, ap.spec, cal, ap.options, 0.05, &phase);
   log_info("re-planning with the compute measured in steps " + std::to_string(from) + "-" + std::to_string(to) + ":\n" +
            cal.text + rp.text);
   nlohmann::json m = nlohmann::json::object(), f = nlohmann::json::object();
+  nlohmann::json ph = nlohmann::json::object();
   for (const auto& [r, v] : measured) m[std::to_string(r)] = v;
+  for (const auto& [r, v] : phase) ph[std::to_string(r)] = v;
   for (const auto& [t, v] : cal.factor) f[t] = v;
   nlohmann::json e = {{"step", to},
                       {"measured_compute_s", m},
+                      {"measured_phase_s", ph},
                       {"factors", f},
                       {"running_plan_predicted_s", ap.plan.predicted.value("step_s", 0.0)},
                       {"running_plan_calibrated_s", rp.current.step_s},
@@ -268,8 +271,9 @@ void add_train_commands(CLI::App& app, Action& action) {
         if (ap && world && cfg.train.replan_step > 0) {
           replanning->ap = *ap;
           o.replan_at = cfg.train.replan_step;
-          o.replan = [replanning, &cfg, &o, &measured_from](const std::map<int, double>& measured) {
-            return replan_from_measured(*replanning, cfg, measured_from, o.replan_at, measured);
+          o.replan = [replanning, &cfg, &o, &measured_from](const std::map<int, double>& measured,
+                                                            const std::map<int, double>& phase) {
+            return replan_from_measured(*replanning, cfg, measured_from, o.replan_at, measured, phase);
           };
         }
         // A re-plan ends a run early at a checkpoint; the next one resumes from it under the new

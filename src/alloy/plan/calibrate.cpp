@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <sstream>
 
+#include "alloy/core/error.h"
 #include "alloy/plan/cost_model.h"
 #include "alloy/plan/planner.h"
 
@@ -60,8 +62,101 @@ Calibration calibrate(const Plan& plan, const ClusterSpec& cluster, const Profil
   return c;
 }
 
+Rebalance rebalance(const Plan& plan, const ClusterSpec& cluster, const Profile& profile,
+                    const std::map<int, double>& measured_phase, const SearchOptions& options, double min_gain) {
+  Rebalance rb;
+  rb.plan = plan;
+  const size_t n = plan.pipelines.size();
+  if (n < 2) return rb;
+  const PlanCost predicted = simulate_plan(plan, cluster, profile);
+  rb.factor.assign(n, 1.0);
+  for (size_t r = 0; r < n; ++r) {
+    double m = 0;
+    for (const auto& st : plan.pipelines[r].stages)
+      for (int rank : st.ranks) {
+        auto it = measured_phase.find(rank);
+        if (it == measured_phase.end() || !(it->second > 0)) return rb;  // a pipeline unmeasured: no basis
+        m = std::max(m, it->second);
+      }
+    const double p = predicted.pipelines[r].phase_s;
+    if (!(p > 0)) return rb;
+    rb.factor[r] = std::clamp(m / p, 0.5, 2.0);
+  }
+  // The step with each pipeline's makespan scaled: the slowest scaled makespan, plus what the
+  // prediction puts after the makespans (the last gradient sync, the optimizer).
+  auto score = [&](const Plan& p) {
+    try {
+      const PlanCost c = simulate_plan(p, cluster, profile);
+      if (!c.fits) return std::numeric_limits<double>::infinity();
+      double raw = 0, scaled = 0;
+      for (size_t r = 0; r < n; ++r) {
+        raw = std::max(raw, c.pipelines[r].phase_s);
+        scaled = std::max(scaled, rb.factor[r] * c.pipelines[r].phase_s);
+      }
+      return scaled + (c.step_s - raw);
+    } catch (const InputError&) {
+      return std::numeric_limits<double>::infinity();
+    }
+  };
+  auto scaled_phase = [&](const Plan& p, size_t r) {
+    return rb.factor[r] * simulate_plan(p, cluster, profile).pipelines[r].phase_s;
+  };
+  const std::vector<int64_t> sizes = options.candidate_micro_batches();
+  rb.current_s = score(plan);
+  Plan best = plan;
+  double best_s = rb.current_s;
+  // Greedy: from the slowest pipeline, move the number of samples (up to the largest micro-batch
+  // size) to the other pipeline that lowers the predicted step most; repeat while it falls.
+  for (int round = 0; round < 64; ++round) {
+    size_t hi = 0;
+    for (size_t r = 1; r < n; ++r)
+      if (scaled_phase(best, r) > scaled_phase(best, hi)) hi = r;
+    Plan round_best = best;
+    double round_s = best_s;
+    const int64_t have = best.pipelines[hi].samples();
+    for (size_t lo = 0; lo < n; ++lo) {
+      if (lo == hi) continue;
+      for (int64_t d = 1; d <= sizes.back() && d < have; ++d) {
+        const int64_t a = have - d, b = best.pipelines[lo].samples() + d;
+        for (int64_t ma : sizes) {
+          if (a % ma) continue;
+          for (int64_t mb : sizes) {
+            if (b % mb) continue;
+            Plan cand = best;
+            cand.pipelines[hi].micro_batch_size = ma, cand.pipelines[hi].num_micro_batches = a / ma;
+            cand.pipelines[lo].micro_batch_size = mb, cand.pipelines[lo].num_micro_batches = b / mb;
+            const double sc = score(cand);
+            if (sc < round_s) round_s = sc, round_best = cand;
+          }
+        }
+      }
+    }
+    if (!(round_s < best_s)) break;
+    best = round_best, best_s = round_s;
+  }
+  rb.best_s = best_s;
+  rb.change = best_s < rb.current_s * (1.0 - min_gain);
+  std::ostringstream o;
+  o << "pipelines measured against predicted makespan:";
+  for (size_t r = 0; r < n; ++r) o << (r ? "," : "") << " " << r << " x" << f2(rb.factor[r]);
+  o << "; with these the running split takes " << ms(rb.current_s);
+  if (best_s < rb.current_s) {
+    o << ", the best split " << ms(best_s) << " (";
+    for (size_t r = 0; r < n; ++r)
+      o << (r ? ", " : "") << best.pipelines[r].micro_batch_size << " x " << best.pipelines[r].num_micro_batches;
+    o << ")" << (rb.change ? ": rebalancing" : ": keeping the split (a change needs " + f2(100.0 * min_gain) + "%)");
+  }
+  o << "\n";
+  rb.text = o.str();
+  if (rb.change) {
+    rb.plan = best;
+    rb.plan.predicted = simulate_plan(best, cluster, profile).to_json();
+  }
+  return rb;
+}
+
 Replan replan(const Plan& current, const ClusterSpec& cluster, const Calibration& cal, const SearchOptions& options,
-              double min_gain) {
+              double min_gain, const std::map<int, double>* measured_phase) {
   Replan r;
   r.current = simulate_plan(current, cluster, cal.profile);
   PlanReport found = make_plan(cluster, cal.profile, options, false);
@@ -80,6 +175,16 @@ Replan replan(const Plan& current, const ClusterSpec& cluster, const Calibration
       o << ": switching to\n" << found.chosen.plan.describe();
     else
       o << ": keeping the running plan (a switch needs " << f2(100.0 * min_gain) << "%)\n";
+  }
+  if (!r.change && measured_phase) {
+    Rebalance rb = rebalance(current, cluster, cal.profile, *measured_phase, options);
+    o << rb.text;
+    if (rb.change) {
+      r.change = true;
+      r.plan = rb.plan;
+      r.best = simulate_plan(rb.plan, cluster, cal.profile);
+      o << r.plan.describe();
+    }
   }
   r.text = o.str();
   return r;

@@ -10,6 +10,7 @@
 // to 10% between 4-step windows, and switching at 3% chased that noise back and forth).
 #include <map>
 #include <string>
+#include <vector>
 
 #include "alloy/core/plan.h"
 #include "alloy/plan/cluster.h"
@@ -37,8 +38,32 @@ struct Replan {
   std::string text;
 };
 
-// Searches OPTIONS.strategy again on the calibrated profile and compares with CURRENT.
+// The batch split of a running plan, corrected by what each pipeline took. Calibrating device
+// types fixes compute per block, but a pipeline's schedule also waits (fill and drain, transfers
+// between stages, stages sharing a core) more or less than predicted, and at every step the other
+// replicas then wait for it: on the emulated 3-device pool a pipeline 7% over its prediction made
+// the fast device wait 170 ms of a 1.9 s step. MEASURED_PHASE: rank -> median seconds from a
+// step's start to the rank's last schedule action. Each pipeline's predicted makespan is scaled by
+// measured / predicted (clamped to [1/2, 2]); samples then move between pipelines, micro-batch
+// sizes re-chosen among OPTIONS' candidates, while the predicted step with those factors falls.
+// The margin is smaller than a layout switch's (5%): the layout stays, so only the pipelines'
+// own measurements enter, not the whole profile's noise, and a split that overshoots is
+// corrected at the next calibration. Checked offline on the saved runs of the 3-device pool: the
+// two worst (0.80 and 0.85 of the devices' sum) were predicted 8.3% and 2.8% faster rebalanced,
+// the three others unchanged.
+struct Rebalance {
+  bool change = false;          // the new split is predicted faster by at least min_gain
+  Plan plan;                    // same layout, new samples per pipeline (the input when !change)
+  double current_s = 0, best_s = 0;  // step predicted with the pipelines' factors
+  std::vector<double> factor;   // per pipeline: measured / predicted makespan
+  std::string text;
+};
+Rebalance rebalance(const Plan& plan, const ClusterSpec& cluster, const Profile& profile,
+                    const std::map<int, double>& measured_phase, const SearchOptions& options, double min_gain = 0.02);
+
+// Searches OPTIONS.strategy again on the calibrated profile and compares with CURRENT. When the
+// running layout stays and MEASURED_PHASE is given, its batch split is rebalanced (above).
 Replan replan(const Plan& current, const ClusterSpec& cluster, const Calibration& cal, const SearchOptions& options,
-              double min_gain = 0.05);
+              double min_gain = 0.05, const std::map<int, double>* measured_phase = nullptr);
 
 }  // namespace alloy::plan

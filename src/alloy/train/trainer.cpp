@@ -302,11 +302,15 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
 }
 
 std::shared_ptr<Plan> Trainer::replan_now(const TrainResult& r) {
-  // Median compute of the steps after the first (it warms up allocators and caches).
-  std::vector<double> v;
-  for (size_t i = r.steps.size() > 1 ? 1 : 0; i < r.steps.size(); ++i) v.push_back(r.steps[i].compute_s);
-  std::sort(v.begin(), v.end());
-  const double mine = v.empty() ? 0.0 : v[(v.size() - 1) / 2];  // the lower middle: a stall only raises times
+  // Medians of the steps after the first (it warms up allocators and caches); the lower middle:
+  // a stall only raises times.
+  auto lower_median = [&](double StepRecord::*field) {
+    std::vector<double> v;
+    for (size_t i = r.steps.size() > 1 ? 1 : 0; i < r.steps.size(); ++i) v.push_back(r.steps[i].*field);
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[(v.size() - 1) / 2];
+  };
+  const double mine = lower_median(&StepRecord::compute_s), my_phase = lower_median(&StepRecord::phase_s);
   const std::string prefix = "alloy/" + opts_.generation + "replan/";
   auto& store = world_->store();
   auto put = [&](const std::string& k, const std::string& s) { store.set(prefix + k, std::vector<uint8_t>(s.begin(), s.end())); };
@@ -316,12 +320,16 @@ std::shared_ptr<Plan> Trainer::replan_now(const TrainResult& r) {
     return std::string(b.begin(), b.end());
   };
   put("compute/" + std::to_string(rank_), std::to_string(mine));
+  put("phase/" + std::to_string(rank_), std::to_string(my_phase));
   std::string decision;
   if (rank_ == 0) {
-    std::map<int, double> measured;
-    for (int q = 0; q < world_->size(); ++q) measured[q] = std::stod(get("compute/" + std::to_string(q)));
+    std::map<int, double> measured, phase;
+    for (int q = 0; q < world_->size(); ++q) {
+      measured[q] = std::stod(get("compute/" + std::to_string(q)));
+      phase[q] = std::stod(get("phase/" + std::to_string(q)));
+    }
     try {
-      auto next = opts_.replan ? opts_.replan(measured) : nullptr;
+      auto next = opts_.replan ? opts_.replan(measured, phase) : nullptr;
       if (next) decision = next->to_json().dump();
     } catch (const std::exception& e) {
       log_warn(std::string("re-planning failed, the running plan stays: ") + e.what());

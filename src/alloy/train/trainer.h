@@ -40,7 +40,9 @@ struct TrainOptions {
   // with them (rank -> seconds). When it returns a plan, every rank checkpoints and run() returns
   // early with TrainResult::next_plan, for the caller to resume under that plan.
   int64_t replan_at = 0;
-  std::function<std::shared_ptr<Plan>(const std::map<int, double>&)> replan;
+  // Called on rank 0 with each rank's median compute and median phase (step start to its last
+  // schedule action) over the steps since the last plan started; returns the plan to switch to.
+  std::function<std::shared_ptr<Plan>(const std::map<int, double>& compute, const std::map<int, double>& phase)> replan;
   // Tags this trainer's store keys and process groups: a later Trainer in the same World (after a
   // re-plan) must not meet the keys the earlier one left behind.
   std::string generation;
