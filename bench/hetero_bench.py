@@ -215,13 +215,20 @@ def report_predictions(name, plan_path, run):
         extra = dict(replans=[dict(step=e["step"], switched=e["switched"], factors=e["factors"],
                                    running_plan_predicted_s=e["running_plan_predicted_s"],
                                    running_plan_calibrated_s=e["running_plan_calibrated_s"],
-                                   best_calibrated_s=e["best_calibrated_s"]) for e in events])
+                                   best_calibrated_s=e["best_calibrated_s"],
+                                   **({"rebalance": e["rebalance"]} if "rebalance" in e else {})) for e in events])
         for e in events:
             log(f"{name}: after step {e['step']} measured/predicted compute per device type: " +
                 ", ".join(f"{t} x{f:.2f}" for t, f in e["factors"].items()) +
                 (f"; switched plans (the running plan {e['running_plan_calibrated_s'] * 1e3:.0f} ms calibrated, "
                  f"{e['running_plan_predicted_s'] * 1e3:.0f} ms predicted before; the new one "
                  f"{e['best_calibrated_s'] * 1e3:.0f} ms)" if e["switched"] else "; kept the plan"))
+            if "rebalance" in e:
+                b = e["rebalance"]
+                log(f"{name}: batch split after step {e['step']}: pipelines measured/predicted " +
+                    ", ".join(f"x{f:.2f}" for f in b["pipeline_factors"]) +
+                    f"; running split {b['running_split_s'] * 1e3:.0f} ms, best {b['best_split_s'] * 1e3:.0f} ms" +
+                    ("; rebalanced" if b["switched"] else ""))
     stages = []
     by_rank = {r["rank"]: r for r in run["ranks"]}
     for s in pred.get("per_stage", []):
@@ -230,6 +237,14 @@ def report_predictions(name, plan_path, run):
                            measured_compute_s=m.get("compute_s_median"), predicted_sync_exposed_s=s["sync_exposed_s"],
                            measured_sync_wait_s=m.get("sync_wait_s_median")))
     return dict(predicted_step_s=ps, measured_step_s=run["step_s"], relative_error=err, stages=stages, **extra)
+
+
+def plan_layout(path):
+    """One line per pipeline of a plan file: its stages (device, blocks) and samples, for the JSON."""
+    plan = json.load(open(path))
+    return [" -> ".join(f"{st.get('device', 'rank %d' % st['ranks'][0])} [{st['layers'][0]},{st['layers'][1]})"
+                        for st in pl["stages"]) + f": {pl['micro_batch_size']} x {pl['num_micro_batches']}"
+            for pl in plan["pipelines"]]
 
 
 def plot_throughput(results, path):
@@ -305,6 +320,7 @@ def main():
         # The same plan again (no second calibration), to average out the VM's slow spells.
         log(f"round {k + 1} of {a.rounds}: the pool and the devices side by side again")
         extra_rounds.append((R.train(f"alloy-{k + 1}", final_plan, a.steps), R.side_by_side(devices)))
+    round_tps = [main_run["tokens_per_s"]] + [r["tokens_per_s"] for r, _ in extra_rounds]
     if extra_rounds:
         runs = [main_run] + [r for r, _ in extra_rounds]
         sides = [side] + [sd for _, sd in extra_rounds]
@@ -314,6 +330,8 @@ def main():
         log("pool tokens/s per round: " + ", ".join(f"{r['tokens_per_s']:.0f}" for r in runs) +
             "; side-by-side sums: " + ", ".join(f"{sum(sd.values()):.0f}" for sd in sides) + " (medians used)")
     results = [dict(name="alloy", tokens_per_s=main_run["tokens_per_s"], step_s=main_run["step_s"],
+                    plan=plan_layout(final_plan),
+                    rounds_tokens_per_s=round_tps,
                     prediction=report_predictions("alloy plan", final_plan, main_run))]
     if not a.demo:
         calibrated = os.path.join(main_run["out"], "profile-calibrated.json")

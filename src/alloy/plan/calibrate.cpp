@@ -179,8 +179,11 @@ Replan replan(const Plan& current, const ClusterSpec& cluster, const Calibration
   if (!r.change && measured_phase) {
     Rebalance rb = rebalance(current, cluster, cal.profile, *measured_phase, options);
     o << rb.text;
+    r.split_checked = rb.current_s > 0;  // every pipeline was measured
+    r.pipeline_factor = rb.factor;
+    r.split_current_s = rb.current_s, r.split_best_s = rb.best_s;
     if (rb.change) {
-      r.change = true;
+      r.change = r.rebalanced = true;
       r.plan = rb.plan;
       r.best = simulate_plan(rb.plan, cluster, cal.profile);
       o << r.plan.describe();

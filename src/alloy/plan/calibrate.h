@@ -35,6 +35,10 @@ struct Replan {
   bool change = false;       // the new plan is predicted faster by at least min_gain
   Plan plan;                 // the plan to run from here on (the current one when !change)
   PlanCost current, best;    // both predicted with the calibrated profile
+  // The batch split's check, when the layout stayed and phases were given (for replan.json).
+  bool split_checked = false, rebalanced = false;
+  std::vector<double> pipeline_factor;
+  double split_current_s = 0, split_best_s = 0;
   std::string text;
 };
 
