@@ -292,6 +292,10 @@ def main():
         stem = os.path.splitext(os.path.basename(a.cluster))[0]
         a.out = "hetero" if stem == "cluster-3dev" else "hetero-" + stem
     R = Runner(a)
+    if os.path.abspath(a.config) == os.path.join(REPO, "examples", "demo-gpt2.yaml") and not os.path.exists(
+            os.path.join(REPO, "data", "fortunes_train.idx")):
+        log("preparing the fortunes corpus (data/fortunes), as scripts/demo.sh does")
+        R.run([R.alloy, "data", "prepare", "--input", "/usr/share/games/fortunes", "--output", "data/fortunes"])
     devices = cluster_devices(R.alloy, R.cluster)
     model = model_of(R.config)
     subprocess.run([R.alloy, "emu", "clean"], capture_output=True)
