@@ -807,12 +807,13 @@ TEST(Calibrate, RebalanceMovesSamplesFromAPipelineSlowerThanPredicted) {
   const auto measured_phase = phases(1.0, 1.3);
   Replan rp = replan(r.plan, c, calibrate(r.plan, c, p, compute), o, 0.05, &measured_phase);
   ASSERT_TRUE(rp.change) << rp.text;
-  EXPECT_TRUE(rp.split_checked && rp.rebalanced);
-  ASSERT_EQ(rp.pipeline_factor.size(), 2u);
-  EXPECT_NEAR(rp.pipeline_factor[1], 1.3, 1e-9);
-  EXPECT_LT(rp.split_best_s, rp.split_current_s);
+  ASSERT_TRUE(rp.split.has_value());
+  EXPECT_TRUE(rp.split->change);
+  ASSERT_EQ(rp.split->factor.size(), 2u);
+  EXPECT_NEAR(rp.split->factor[1], 1.3, 1e-9);
+  EXPECT_LT(rp.split->best_s, rp.split->current_s);
   EXPECT_LT(rp.plan.pipelines[1].samples(), r.plan.pipelines[1].samples()) << rp.text;
   // Without phases the split is not checked, and the running plan stays.
   Replan plain = replan(r.plan, c, calibrate(r.plan, c, p, compute), o, 0.05);
-  EXPECT_FALSE(plain.split_checked || plain.rebalanced || plain.change) << plain.text;
+  EXPECT_FALSE(plain.split.has_value() || plain.change) << plain.text;
 }

@@ -149,11 +149,11 @@ std::shared_ptr<Plan> replan_from_measured(Replanning& st, const Config& cfg, in
                       {"running_plan_calibrated_s", rp.current.step_s},
                       {"best_calibrated_s", rp.best.step_s},
                       {"switched", rp.change}};
-  if (rp.split_checked)
-    e["rebalance"] = {{"pipeline_factors", rp.pipeline_factor},
-                      {"running_split_s", rp.split_current_s},
-                      {"best_split_s", rp.split_best_s},
-                      {"switched", rp.rebalanced}};
+  if (rp.split)
+    e["rebalance"] = {{"pipeline_factors", rp.split->factor},
+                      {"running_split_s", rp.split->current_s},
+                      {"best_split_s", rp.split->best_s},
+                      {"switched", rp.split->change}};
   if (rp.change) e["plan"] = rp.plan.to_json();
   st.events.push_back(e);
   // The speeds this run measured, for `alloy plan --profile` (a later job on the same pool, or

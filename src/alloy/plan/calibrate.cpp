@@ -179,11 +179,9 @@ Replan replan(const Plan& current, const ClusterSpec& cluster, const Calibration
   if (!r.change && measured_phase) {
     Rebalance rb = rebalance(current, cluster, cal.profile, *measured_phase, options);
     o << rb.text;
-    r.split_checked = rb.current_s > 0;  // every pipeline was measured
-    r.pipeline_factor = rb.factor;
-    r.split_current_s = rb.current_s, r.split_best_s = rb.best_s;
+    if (rb.current_s > 0) r.split = rb;  // every pipeline was measured
     if (rb.change) {
-      r.change = r.rebalanced = true;
+      r.change = true;
       r.plan = rb.plan;
       r.best = simulate_plan(rb.plan, cluster, cal.profile);
       o << r.plan.describe();

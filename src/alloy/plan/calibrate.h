@@ -9,6 +9,7 @@
 // steps measure on that VM from one window to the next (a device's compute per sample varied by up
 // to 10% between 4-step windows, and switching at 3% chased that noise back and forth).
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,17 +31,6 @@ struct Calibration {
 // to [1/4, 4]: a measurement further off than that is a stall, not a speed.
 Calibration calibrate(const Plan& plan, const ClusterSpec& cluster, const Profile& profile,
                       const std::map<int, double>& measured_compute);
-
-struct Replan {
-  bool change = false;       // the new plan is predicted faster by at least min_gain
-  Plan plan;                 // the plan to run from here on (the current one when !change)
-  PlanCost current, best;    // both predicted with the calibrated profile
-  // The batch split's check, when the layout stayed and phases were given (for replan.json).
-  bool split_checked = false, rebalanced = false;
-  std::vector<double> pipeline_factor;
-  double split_current_s = 0, split_best_s = 0;
-  std::string text;
-};
 
 // The batch split of a running plan, corrected by what each pipeline took. Calibrating device
 // types fixes compute per block, but a pipeline's schedule also waits (fill and drain, transfers
@@ -64,6 +54,16 @@ struct Rebalance {
 };
 Rebalance rebalance(const Plan& plan, const ClusterSpec& cluster, const Profile& profile,
                     const std::map<int, double>& measured_phase, const SearchOptions& options, double min_gain = 0.02);
+
+struct Replan {
+  bool change = false;       // the new plan is predicted faster by at least min_gain
+  Plan plan;                 // the plan to run from here on (the current one when !change)
+  PlanCost current, best;    // both predicted with the calibrated profile
+  // The batch split's check (for replan.json): set when the layout stayed and every pipeline's
+  // phase was measured; split->change means the new plan is that rebalanced split.
+  std::optional<Rebalance> split;
+  std::string text;
+};
 
 // Searches OPTIONS.strategy again on the calibrated profile and compares with CURRENT. When the
 // running layout stays and MEASURED_PHASE is given, its batch split is rebalanced (above).
