@@ -73,3 +73,23 @@ TEST(Config, JsonRoundTripAndDifferences) {
   ASSERT_EQ(diffs.size(), 1u);
   EXPECT_EQ(diffs[0], "model.layers: 3 vs 5");
 }
+
+TEST(Config, GradSyncSectionIsCheckedWithAllowedValues) {
+  Config c = Config::from_yaml_string("grad_sync:\n  compression: dgc\n  density: 0.001\n  fusion: saf-inter\n", "x");
+  EXPECT_EQ(c.grad_sync.compression, "dgc");
+  EXPECT_DOUBLE_EQ(c.grad_sync.density, 0.001);
+  EXPECT_TRUE(c.is_set("grad_sync.compression"));
+  EXPECT_FALSE(c.is_set("grad_sync.scope"));
+  EXPECT_TRUE(c.grad_sync.error_feedback);  // default on for every lossy method
+  std::string e = error_of("grad_sync:\n  compression: dcg\n");
+  EXPECT_NE(e.find("key 'grad_sync.compression': unknown value 'dcg' (did you mean 'dgc'?)"), std::string::npos) << e;
+  EXPECT_NE(e.find("allowed: none, fp16, bf16, topk, randomk, dgc, gaussiank, redsync, sidco, powersgd"), std::string::npos) << e;
+  EXPECT_NE(error_of("", {"grad_sync.density=0"}).find("key 'grad_sync.density': must be in (0, 1]"), std::string::npos);
+  EXPECT_NE(error_of("", {"grad_sync.density=1.5"}).find("must be in (0, 1]"), std::string::npos);
+  EXPECT_NE(error_of("", {"grad_sync.powersgd_rank=0"}).find("key 'grad_sync.powersgd_rank': must be >= 1"), std::string::npos);
+  EXPECT_NE(error_of("", {"grad_sync.fusion=saf-intra"}).find("did you mean 'saf-inter'"), std::string::npos);
+  EXPECT_NE(error_of("", {"grad_sync.scope=slow"}).find("allowed: all, slow-links"), std::string::npos);
+  // SAFusion's names map to Alloy's.
+  EXPECT_EQ(Config::from_yaml_string("", "x", {"grad_sync.compression=gaussian"}).grad_sync.compression, "gaussiank");
+  EXPECT_EQ(Config::from_yaml_string("", "x", {"grad_sync.compression=eftopk"}).grad_sync.compression, "topk");
+}

@@ -144,11 +144,22 @@ TEST(Plan, ScalarFieldsAreChecked) {
   p.schedule = "zb";
   EXPECT_HAS(validate_error(p, 8), "schedule: must be 1f1b or gpipe, got 'zb'");
   p = sample_plan();
-  p.bucket_mb = 0;
-  EXPECT_HAS(validate_error(p, 8), "grad_sync.bucket_mb: must be > 0");
+  p.grad_sync.bucket_mb = 0;
+  EXPECT_HAS(validate_error(p, 8), "key 'grad_sync.bucket_mb': must be > 0");
   p = sample_plan();
-  p.compression = "powersgd";
-  EXPECT_HAS(validate_error(p, 8), "only 'none' is available, got 'powersgd'");
+  p.grad_sync.compression = "powersdg";
+  EXPECT_HAS(validate_error(p, 8), "key 'grad_sync.compression': unknown value 'powersdg' (did you mean 'powersgd'?)");
+  p = sample_plan();
+  p.grad_sync.compression = "dgc";
+  p.grad_sync.density = 0;
+  EXPECT_HAS(validate_error(p, 8), "key 'grad_sync.density': must be in (0, 1], got 0");
+  p = sample_plan();
+  p.grad_sync.compression = "powersgd";
+  p.grad_sync.powersgd_rank = 0;
+  EXPECT_HAS(validate_error(p, 8), "key 'grad_sync.powersgd_rank': must be >= 1, got 0");
+  p = sample_plan();
+  p.slow_links = {{0, 7}};
+  EXPECT_HAS(validate_error(p, 8), "grad_sync.slow_links: [0, 7] must name two different ranks");
   p = sample_plan();
   p.pipelines[1].micro_batch_size = 0;
   EXPECT_HAS(validate_error(p, 8), "pipelines[1].micro_batch_size: must be >= 1, got 0");
@@ -164,7 +175,7 @@ TEST(Plan, ScalarFieldsAreChecked) {
 TEST(Plan, JsonRoundTripKeepsEveryField) {
   Plan p = sample_plan();
   p.schedule = "gpipe";
-  p.bucket_mb = 12.5;
+  p.grad_sync.bucket_mb = 12.5;
   p.predicted = {{"step_ms", 41.5}};
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-plan");
@@ -175,8 +186,8 @@ TEST(Plan, JsonRoundTripKeepsEveryField) {
   Plan q = Plan::from_json(j, "x");
   EXPECT_EQ(q.global_batch, 8);
   EXPECT_EQ(q.schedule, "gpipe");
-  EXPECT_DOUBLE_EQ(q.bucket_mb, 12.5);
-  EXPECT_EQ(q.compression, "none");
+  EXPECT_DOUBLE_EQ(q.grad_sync.bucket_mb, 12.5);
+  EXPECT_EQ(q.grad_sync.compression, "none");
   EXPECT_EQ(q.predicted, p.predicted);
   ASSERT_EQ(q.pipelines.size(), 2u);
   EXPECT_EQ(q.pipelines[0].micro_batch_size, 2);
@@ -190,13 +201,37 @@ TEST(Plan, JsonRoundTripKeepsEveryField) {
   EXPECT_EQ(validate_error(q, 8), "");
 }
 
+TEST(Plan, JsonRoundTripKeepsCompression) {
+  Plan p = sample_plan();
+  p.grad_sync.compression = "dgc";
+  p.grad_sync.density = 0.001;
+  p.grad_sync.fusion = "saf-inter";
+  p.grad_sync.error_feedback = false;
+  p.grad_sync.warmup_steps = 7;
+  p.grad_sync.scope = "slow-links";
+  p.slow_links = {{0, 2}, {1, 2}};
+  Plan q = Plan::from_json(p.to_json(), "x");
+  EXPECT_EQ(q.grad_sync.compression, "dgc");
+  EXPECT_DOUBLE_EQ(q.grad_sync.density, 0.001);
+  EXPECT_EQ(q.grad_sync.fusion, "saf-inter");
+  EXPECT_FALSE(q.grad_sync.error_feedback);
+  EXPECT_EQ(q.grad_sync.warmup_steps, 7);
+  EXPECT_EQ(q.grad_sync.scope, "slow-links");
+  EXPECT_EQ(q.slow_links, p.slow_links);
+  EXPECT_EQ(q.to_json(), p.to_json());
+  // SAFusion's method names are read as Alloy's.
+  auto j = p.to_json();
+  j["grad_sync"]["compression"] = "gaussian";
+  EXPECT_EQ(Plan::from_json(j, "x").grad_sync.compression, "gaussiank");
+}
+
 TEST(Plan, FromJsonDefaultsOptionalFields) {
   Plan p = Plan::from_json(nlohmann::json::parse(R"({"global_batch": 4,
       "pipelines": [{"micro_batch_size": 2, "num_micro_batches": 2, "stages": [{"ranks": [0], "layers": [0, 4]}]}]})"),
                            "x");
   EXPECT_EQ(p.schedule, "1f1b");
-  EXPECT_DOUBLE_EQ(p.bucket_mb, 25.0);
-  EXPECT_EQ(p.compression, "none");
+  EXPECT_DOUBLE_EQ(p.grad_sync.bucket_mb, 25.0);
+  EXPECT_EQ(p.grad_sync.compression, "none");
   EXPECT_TRUE(p.predicted.is_null());
   EXPECT_EQ(validate_error(p, 4), "");
 }

@@ -236,7 +236,7 @@ TEST(CostModel, DataParallelOverASlowLinkExposesSync) {
   ClusterSpec c = two_hosts(8e6 / 1e9, 10);
   Plan plan;
   plan.global_batch = 4;
-  plan.bucket_mb = 1;  // 1 MiB buckets
+  plan.grad_sync.bucket_mb = 1;  // 1 MiB buckets
   plan.pipelines.push_back({2, 1, {stage(0, 0, 2, "a")}});
   plan.pipelines.push_back({1, 2, {stage(1, 0, 2, "b")}});
   PlanCost pc = simulate_plan(plan, c, p);
@@ -273,7 +273,7 @@ TEST(CostModel, OnlyTheLastBucketIsExposedOnAFastLink) {
   c.devices = {device("a", "h0", "t"), device("b", "h0", "t")};  // same host: 100 Gbps
   Plan plan;
   plan.global_batch = 2;
-  plan.bucket_mb = 1;
+  plan.grad_sync.bucket_mb = 1;
   plan.pipelines.push_back({1, 1, {stage(0, 0, 2, "a")}});
   plan.pipelines.push_back({1, 1, {stage(1, 0, 2, "b")}});
   PlanCost pc = simulate_plan(plan, c, p);
@@ -290,7 +290,7 @@ TEST(CostModel, OnlyTheLastBucketIsExposedOnAFastLink) {
   EXPECT_NEAR(pc.sync_done_s, 4.5 + g.time_s / 3, 1e-12);
 
   // One bucket for everything: it waits for the embedding and is exposed whole.
-  plan.bucket_mb = 25;
+  plan.grad_sync.bucket_mb = 25;
   PlanCost one = simulate_plan(plan, c, p);
   EXPECT_EQ(one.sync_groups[0].buckets, 1);
   EXPECT_NEAR(one.sync_groups[0].ready_s, 4.5, 1e-12);
@@ -489,11 +489,11 @@ TEST(Search, SmallerBucketsWhenTheyHideSync) {
   r.plan.pipelines.push_back({1, 1, {stage(1, 0, 2, "b")}});
   r.cost = simulate_plan(r.plan, c, p);
   r.search_step_s = r.cost.step_s;
-  ASSERT_EQ(r.plan.bucket_mb, 25.0);
+  ASSERT_EQ(r.plan.grad_sync.bucket_mb, 25.0);
   const double before = r.cost.step_s;
   EXPECT_NEAR(before, 4.5 + 0.6, 1e-3);
   tune_buckets(r, c, p);
-  EXPECT_LT(r.plan.bucket_mb, 25.0);
+  EXPECT_LT(r.plan.grad_sync.bucket_mb, 25.0);
   EXPECT_NEAR(r.cost.step_s, 4.5 + 0.2, 1e-3);  // the embedding's 2e6 bytes after the backward
   ASSERT_FALSE(r.notes.empty());
   EXPECT_NE(r.notes.back().find("gradient buckets of"), std::string::npos);
@@ -505,10 +505,10 @@ TEST(Search, SmallerBucketsWhenTheyHideSync) {
   // On one host (100 Gbit/s) the sync is too short to matter: the cap stays.
   c.devices[1].host = "h0";
   SearchResult same = r;
-  same.plan.bucket_mb = 25;
+  same.plan.grad_sync.bucket_mb = 25;
   same.cost = simulate_plan(same.plan, c, p);
   tune_buckets(same, c, p);
-  EXPECT_EQ(same.plan.bucket_mb, 25.0);
+  EXPECT_EQ(same.plan.grad_sync.bucket_mb, 25.0);
 }
 
 TEST(Search, HeuristicModeBeatsTheBaselinesToo) {

@@ -103,6 +103,19 @@ const std::vector<Field>& schema() {
       ALLOY_INT(train, log_interval, "steps between log lines when not on a terminal"),
       ALLOY_INT(train, threads, "intra-op threads; 0 = all cores"),
       ALLOY_STR(train, device, "cpu | cuda | cuda:N"),
+      ALLOY_FLOAT(grad_sync, bucket_mb, "gradient buckets (and fixed fusion buffers), MiB of fp32 gradient"),
+      ALLOY_STR(grad_sync, compression, "none (exact) | fp16 | bf16 | topk | randomk | dgc | gaussiank | redsync | sidco | powersgd"),
+      ALLOY_FLOAT(grad_sync, density, "sparsifiers: fraction of each tensor's elements sent, in (0, 1]"),
+      ALLOY_STR(grad_sync, fusion, "tensor | bucket | omgs | cupcake | saf | saf-inter | saf-adaptive"),
+      ALLOY_BOOL(grad_sync, error_feedback, "add what was not sent to the next step's gradient (SAFusion: --memory residual)"),
+      ALLOY_INT(grad_sync, warmup_steps, "density warm-up steps: from 0.25 down to density, exponentially (DGC)"),
+      ALLOY_INT(grad_sync, powersgd_rank, "powersgd: rank of the low-rank factors"),
+      ALLOY_STR(grad_sync, scope, "all | slow-links: compress only between ranks joined by a slow link, exact elsewhere"),
+      ALLOY_FLOAT(grad_sync, slow_link_gbps, "scope slow-links: links below this are slow; 0 = below 1/4 of the fastest link"),
+      ALLOY_FLOAT(grad_sync, dgc_momentum, "dgc: momentum correction factor (local velocity); 0 = plain accumulation"),
+      ALLOY_STR(grad_sync, sidco_fit, "sidco: exponential | gamma | gpd"),
+      ALLOY_INT(grad_sync, sidco_stages, "sidco: fitting stages (peaks over thresholds)"),
+      ALLOY_BOOL(grad_sync, allow_lossy, "--plan auto may choose lossy compression (dgc) across slow links by itself"),
       ALLOY_STR(output, dir, "run directory (metrics.jsonl, checkpoints/)"),
       ALLOY_BOOL(output, tensorboard, "also write TensorBoard event files"),
   };
@@ -182,15 +195,17 @@ void set_key(Config& c, const std::string& key, const std::string& text, const s
   const Field* f = find_field(key);
   if (!f) throw InputError(where, unknown_key_message(key));
   f->set(c, check_scalar(*f, text, where));
+  if (key == "grad_sync.compression") c.grad_sync.compression = GradSyncConfig::canonical_method(c.grad_sync.compression);
+  c.explicit_keys.insert(key);
 }
 
 void load_node(Config& c, const YAML::Node& root, const std::string& where) {
   if (!root || root.IsNull()) return;
-  if (!root.IsMap()) throw InputError(where, "top level must be a mapping of sections (model, data, train, output)");
+  if (!root.IsMap()) throw InputError(where, "top level must be a mapping of sections (model, data, train, grad_sync, output)");
   for (const auto& sec : root) {
     std::string section = sec.first.as<std::string>();
-    if (section != "model" && section != "data" && section != "train" && section != "output")
-      throw InputError(where, "unknown section '" + section + "' (expected model, data, train, output)");
+    if (section != "model" && section != "data" && section != "train" && section != "grad_sync" && section != "output")
+      throw InputError(where, "unknown section '" + section + "' (expected model, data, train, grad_sync, output)");
     if (sec.second.IsNull()) continue;
     if (!sec.second.IsMap()) throw InputError(where, "section '" + section + "' must be a mapping");
     for (const auto& kv : sec.second) {
@@ -276,7 +291,55 @@ void Config::validate() const {
   if (t.log_interval < 1) fail("train.log_interval", "must be >= 1");
   if (t.threads < 0) fail("train.threads", "must be >= 0");
   if (t.device != "cpu" && t.device.rfind("cuda", 0) != 0) fail("train.device", "must be cpu, cuda or cuda:N");
+  grad_sync.validate(w, "grad_sync");
   if (output.dir.empty()) fail("output.dir", "must not be empty");
+}
+
+const std::vector<std::string>& GradSyncConfig::compression_methods() {
+  static const std::vector<std::string> m = {"none", "fp16", "bf16", "topk", "randomk", "dgc",
+                                             "gaussiank", "redsync", "sidco", "powersgd"};
+  return m;
+}
+
+const std::vector<std::string>& GradSyncConfig::fusion_strategies() {
+  static const std::vector<std::string> f = {"tensor", "bucket", "omgs", "cupcake", "saf", "saf-inter", "saf-adaptive"};
+  return f;
+}
+
+std::string GradSyncConfig::canonical_method(const std::string& name) {
+  if (name == "gaussian") return "gaussiank";
+  if (name == "eftopk" || name == "topkef") return "topk";
+  if (name == "exp") return "sidco";
+  return name;
+}
+
+void GradSyncConfig::validate(const std::string& where, const std::string& prefix) const {
+  auto fail = [&](const std::string& key, const std::string& msg) {
+    throw InputError(where, "key '" + prefix + "." + key + "': " + msg);
+  };
+  auto one_of = [&](const std::string& key, const std::string& v, const std::vector<std::string>& allowed) {
+    if (std::find(allowed.begin(), allowed.end(), v) != allowed.end()) return;
+    std::string list;
+    for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
+    std::string best;
+    size_t best_d = 3;
+    for (const auto& a : allowed) {
+      size_t d = edit_distance(v, a);
+      if (d < best_d) best_d = d, best = a;
+    }
+    fail(key, "unknown value '" + v + "'" + (best.empty() ? "" : " (did you mean '" + best + "'?)") + "; allowed: " + list);
+  };
+  if (!(bucket_mb > 0)) fail("bucket_mb", "must be > 0");
+  one_of("compression", compression, compression_methods());
+  if (!(density > 0 && density <= 1)) fail("density", "must be in (0, 1], got " + fmt_double(density));
+  one_of("fusion", fusion, fusion_strategies());
+  if (warmup_steps < 0) fail("warmup_steps", "must be >= 0");
+  if (powersgd_rank < 1) fail("powersgd_rank", "must be >= 1, got " + std::to_string(powersgd_rank));
+  one_of("scope", scope, {"all", "slow-links"});
+  if (!(slow_link_gbps >= 0)) fail("slow_link_gbps", "must be >= 0");
+  if (!(dgc_momentum >= 0 && dgc_momentum < 1)) fail("dgc_momentum", "must be in [0, 1)");
+  one_of("sidco_fit", sidco_fit, {"exponential", "gamma", "gpd"});
+  if (sidco_stages < 1 || sidco_stages > 8) fail("sidco_stages", "must be in 1..8");
 }
 
 nlohmann::json Config::to_json() const {

@@ -1,8 +1,9 @@
 #pragma once
-// The run configuration: YAML sections model/data/train/output, overridable key by key with
+// The run configuration: YAML sections model/data/train/grad_sync/output, overridable key by key with
 // `--set section.key=value`. Every key has a type, a default and a help line in one schema table
 // (config.cpp), so unknown, misspelled and ill-typed keys are caught before anything runs.
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,33 @@ struct TrainConfig {
   int64_t micro_batch_resolved() const { return micro_batch > 0 ? micro_batch : global_batch; }
 };
 
+// Gradient sync: how the gradients of the parameters several ranks hold are summed. The default is
+// exact (dense fp32 SUM all-reduce in buckets); everything else is lossy and opt-in. The same
+// struct is the `grad_sync` section of a config and of a Plan (the plan's is what runs).
+struct GradSyncConfig {
+  double bucket_mb = 25.0;              // dense buckets and fixed fusion buffers, MiB of fp32 gradient
+  std::string compression = "none";     // see compression_methods()
+  double density = 0.01;                // sparsifiers: fraction of elements sent per tensor
+  std::string fusion = "saf-adaptive";  // see fusion_strategies()
+  bool error_feedback = true;           // keep what was not sent and add it to the next step's gradient
+  int64_t warmup_steps = 0;             // density warm-up: exponential from 0.25 down to density
+  int64_t powersgd_rank = 4;
+  std::string scope = "all";            // all | slow-links (compress only between ranks joined by a slow link)
+  double slow_link_gbps = 0;            // a link is slow below this; 0 = below 1/4 of the fastest inter-host link
+  double dgc_momentum = 0.9;            // DGC momentum correction (local velocity); 0 = plain accumulation
+  std::string sidco_fit = "exponential";  // exponential | gamma | gpd
+  int64_t sidco_stages = 2;
+  bool allow_lossy = false;             // --plan auto may choose lossy compression by itself
+
+  bool lossy() const { return compression != "none"; }
+  static const std::vector<std::string>& compression_methods();
+  static const std::vector<std::string>& fusion_strategies();
+  // SAFusion's and GRACE's names for the same methods (gaussian, eftopk, topkef, exp).
+  static std::string canonical_method(const std::string& name);
+  // Throws InputError(WHERE, "key 'PREFIX.field': ...") naming the allowed values.
+  void validate(const std::string& where, const std::string& prefix) const;
+};
+
 struct OutputConfig {
   std::string dir = "runs/default";
   bool tensorboard = true;
@@ -70,8 +98,12 @@ struct Config {
   ModelConfig model;
   DataConfig data;
   TrainConfig train;
+  GradSyncConfig grad_sync;
   OutputConfig output;
   std::string source;  // the file it came from, for messages
+  std::set<std::string> explicit_keys;  // "section.key" set by the file or an override
+
+  bool is_set(const std::string& key) const { return explicit_keys.count(key) > 0; }
 
   // Loads FILE (YAML; JSON is YAML too) and applies overrides "section.key=value" in order.
   static Config load(const std::string& file, const std::vector<std::string>& overrides = {});

@@ -37,8 +37,7 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
   auto fail = [&](const std::string& field, const std::string& msg) { throw InputError(where, field + ": " + msg); };
   if (pipelines.empty()) fail("pipelines", "the plan has no pipelines");
   if (schedule != "1f1b" && schedule != "gpipe") fail("schedule", "must be 1f1b or gpipe, got '" + schedule + "'");
-  if (!(bucket_mb > 0)) fail("grad_sync.bucket_mb", "must be > 0");
-  if (compression != "none") fail("grad_sync.compression", "only 'none' is available, got '" + compression + "'");
+  grad_sync.validate(where, "grad_sync");
   int64_t total = 0;
   std::string sum_text;
   std::map<int, std::string> seen;
@@ -82,6 +81,10 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
     if (!seen.count(r))
       fail("pipelines", "ranks must be 0.." + std::to_string(world - 1) + " with none missing; rank " + std::to_string(r) +
                             " is missing");
+  for (const auto& [a, b] : slow_links)
+    if (a < 0 || b < 0 || a >= world || b >= world || a == b)
+      fail("grad_sync.slow_links", "[" + std::to_string(a) + ", " + std::to_string(b) + "] must name two different ranks of 0.." +
+                                       std::to_string(world - 1));
 }
 
 nlohmann::json Plan::to_json() const {
@@ -101,7 +104,24 @@ nlohmann::json Plan::to_json() const {
     }
     j["pipelines"].push_back(pj);
   }
-  j["grad_sync"] = {{"bucket_mb", bucket_mb}, {"compression", compression}};
+  const GradSyncConfig& g = grad_sync;
+  j["grad_sync"] = {{"bucket_mb", g.bucket_mb}, {"compression", g.compression}};
+  if (g.lossy()) {
+    j["grad_sync"].update({{"density", g.density},
+                           {"fusion", g.fusion},
+                           {"error_feedback", g.error_feedback},
+                           {"warmup_steps", g.warmup_steps},
+                           {"powersgd_rank", g.powersgd_rank},
+                           {"scope", g.scope},
+                           {"dgc_momentum", g.dgc_momentum},
+                           {"sidco_fit", g.sidco_fit},
+                           {"sidco_stages", g.sidco_stages}});
+  }
+  if (!slow_links.empty()) {
+    nlohmann::json sl = nlohmann::json::array();
+    for (const auto& [a, b] : slow_links) sl.push_back({a, b});
+    j["grad_sync"]["slow_links"] = sl;
+  }
   if (!predicted.is_null()) j["predicted"] = predicted;
   return j;
 }
@@ -141,8 +161,37 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
     }
     field = "grad_sync";
     if (j.contains("grad_sync")) {
-      p.bucket_mb = j["grad_sync"].value("bucket_mb", 25.0);
-      p.compression = j["grad_sync"].value("compression", std::string("none"));
+      const auto& g = j["grad_sync"];
+      GradSyncConfig& o = p.grad_sync;
+      field = "grad_sync.bucket_mb";
+      o.bucket_mb = g.value("bucket_mb", o.bucket_mb);
+      field = "grad_sync.compression";
+      o.compression = GradSyncConfig::canonical_method(g.value("compression", o.compression));
+      field = "grad_sync.density";
+      o.density = g.value("density", o.density);
+      field = "grad_sync.fusion";
+      o.fusion = g.value("fusion", o.fusion);
+      field = "grad_sync.error_feedback";
+      o.error_feedback = g.value("error_feedback", o.error_feedback);
+      field = "grad_sync.warmup_steps";
+      o.warmup_steps = g.value("warmup_steps", o.warmup_steps);
+      field = "grad_sync.powersgd_rank";
+      o.powersgd_rank = g.value("powersgd_rank", o.powersgd_rank);
+      field = "grad_sync.scope";
+      o.scope = g.value("scope", o.scope);
+      field = "grad_sync.dgc_momentum";
+      o.dgc_momentum = g.value("dgc_momentum", o.dgc_momentum);
+      field = "grad_sync.sidco_fit";
+      o.sidco_fit = g.value("sidco_fit", o.sidco_fit);
+      field = "grad_sync.sidco_stages";
+      o.sidco_stages = g.value("sidco_stages", o.sidco_stages);
+      field = "grad_sync.slow_links";
+      if (g.contains("slow_links"))
+        for (const auto& e : g.at("slow_links")) {
+          auto v = e.get<std::vector<int>>();
+          if (v.size() != 2) throw InputError(where, "grad_sync.slow_links: each entry must be [rank_a, rank_b]");
+          p.slow_links.emplace_back(std::min(v[0], v[1]), std::max(v[0], v[1]));
+        }
     }
     if (j.contains("predicted")) p.predicted = j["predicted"];
   } catch (const nlohmann::json::exception& e) {

@@ -9,6 +9,7 @@
 //  - every pipeline's stages cover blocks [0, model.layers) contiguously, in order, none empty
 //  - every rank 0..world-1 appears in exactly one stage of one pipeline
 //  - a stage has one rank (tensor parallelism inside a stage is not supported yet)
+//  - grad_sync's fields are valid (GradSyncConfig::validate); slow_links name ranks of the plan
 // Layer indices count transformer blocks; the embedding lives with the stage holding block 0 and
 // the head (final norm, logits, loss) with the stage holding the last block, as in Megatron.
 #include <cstdint>
@@ -38,8 +39,11 @@ struct Plan {
   int64_t global_batch = 0;
   std::string schedule = "1f1b";  // 1f1b | gpipe
   std::vector<PipelinePlan> pipelines;
-  double bucket_mb = 25.0;
-  std::string compression = "none";
+  GradSyncConfig grad_sync;  // bucket size, compression; what the runtime does
+  // Pairs of ranks (a < b) whose direct link is slow: with grad_sync.scope slow-links, the ranks of
+  // a holder set joined by fast links sync exactly among themselves and compress what crosses.
+  // Filled from the cluster when the plan is made or resolved (plan/sync_scope.h).
+  std::vector<std::pair<int, int>> slow_links;
   nlohmann::json predicted;  // filled by the planner; informational
 
   int world_size() const;

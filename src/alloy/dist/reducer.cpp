@@ -24,6 +24,13 @@ struct Reducer::Bucket {
 Reducer::Reducer(std::vector<ParamGroup> groups, double bucket_mb) {
   const int64_t cap = static_cast<int64_t>(bucket_mb * 1024 * 1024);
   for (auto& pg : groups) {
+    if (pg.compressed) {
+      compressed_.push_back(pg.compressed);
+      CompressedSync* cs = pg.compressed.get();
+      for (size_t s = 0; s < pg.params.size(); ++s)
+        pg.params[s]->tensor.register_hook([cs, s](const at::Tensor& g) { cs->on_grad_ready(s, g); });
+      continue;
+    }
     if (!pg.group || pg.params.empty()) continue;
     std::unique_ptr<Bucket> cur;
     int64_t cur_bytes = 0;
@@ -60,8 +67,14 @@ Reducer::Reducer(std::vector<ParamGroup> groups, double bucket_mb) {
 
 Reducer::~Reducer() = default;
 
+void Reducer::begin_step(int64_t step, std::chrono::steady_clock::time_point origin) {
+  step_ = step;
+  origin_ = origin;
+}
+
 void Reducer::arm() {
   armed_ = true;
+  for (auto& c : compressed_) c->arm(step_, origin_);
   for (auto& b : buckets_) {
     b->pending = b->params.size();
     b->ready.assign(b->params.size(), false);
@@ -97,6 +110,7 @@ void Reducer::launch(Bucket& b) {
 
 void Reducer::reduce_all_now() {
   at::NoGradGuard ng;
+  for (auto& c : compressed_) c->arm(step_, origin_);  // finish() takes their gradients from .grad
   for (auto& b : buckets_) {
     for (size_t s = 0; s < b->params.size(); ++s) {
       const at::Tensor& g = b->params[s]->tensor.grad();
@@ -136,7 +150,23 @@ ReducerStats Reducer::finish() {
       if (p.grad().defined()) p.mutable_grad().copy_(slice);
       else p.mutable_grad() = slice.to(p.device(), /*non_blocking=*/false, /*copy=*/true);
     }
-    st.bytes += b->flat.numel() * static_cast<int64_t>(b->flat.element_size());
+    const int64_t bytes = b->flat.numel() * static_cast<int64_t>(b->flat.element_size());
+    const int64_t n = b->group->size();
+    st.bytes += bytes;
+    st.bytes_sent += 2 * (n - 1) * bytes / n;
+  }
+  for (auto& c : compressed_) {
+    CompressedSyncStats cs = c->finish();
+    auto& t = st.compressed;
+    t.bytes_sent += cs.bytes_sent;
+    t.elements += cs.elements;
+    t.selected += cs.selected;
+    t.encode_s += cs.encode_s;
+    t.exchange_s += cs.exchange_s;
+    t.decode_s += cs.decode_s;
+    t.residual_sq += cs.residual_sq;
+    t.buffers += cs.buffers;
+    t.spans.insert(t.spans.end(), cs.spans.begin(), cs.spans.end());
   }
   st.buckets = static_cast<int64_t>(buckets_.size());
   st.wait_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

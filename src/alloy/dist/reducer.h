@@ -8,12 +8,18 @@
 //
 // Exactness: each micro-batch's loss is already divided by the tokens of the whole global batch,
 // so the SUM over holders is the one-device gradient. No averaging anywhere.
+//
+// Compression (grad_sync.compression, opt-in): a set whose group is marked compressed syncs
+// through a CompressedSync (fuse -> compress -> exchange -> decompress on a worker thread of the
+// set, see compressed_sync.h) instead of dense buckets; the other sets stay exact. The dense path
+// is the same code with or without compression elsewhere, so `none` is bit for bit what it was.
 #include <ATen/ATen.h>
 
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "alloy/dist/compressed_sync.h"
 #include "alloy/model/transformer.h"
 
 namespace c10d {
@@ -27,7 +33,10 @@ class Group;
 struct ReducerStats {
   double wait_s = 0;      // time finish() spent waiting for communication that backward did not hide
   int64_t buckets = 0;
-  int64_t bytes = 0;
+  int64_t bytes = 0;      // dense gradient bytes reduced (the buckets' size)
+  int64_t bytes_sent = 0; // what this rank put on the wire for them (ring: 2(n-1)/n of each bucket)
+  // Compressed sets (zero without compression):
+  CompressedSyncStats compressed;  // summed over this rank's compressed sets; spans of all of them
 };
 
 class Reducer {
@@ -35,16 +44,20 @@ class Reducer {
   struct ParamGroup {
     std::shared_ptr<Group> group;          // null when only this rank holds the parameters
     std::vector<model::Param*> params;     // in backward order
+    std::shared_ptr<CompressedSync> compressed;  // set: this group's gradients go compressed
   };
   Reducer(std::vector<ParamGroup> groups, double bucket_mb);
   ~Reducer();
 
+  // Call at the start of each optimizer step (STEP 0-based; ORIGIN the trace clock).
+  void begin_step(int64_t step, std::chrono::steady_clock::time_point origin);
   // Call before the backward of the last micro-batch: from then on, gradients that become ready
   // are reduced as their buckets fill.
   void arm();
   // Waits for all buckets and leaves the reduced gradients in the parameters' .grad.
   ReducerStats finish();
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+  const std::vector<std::shared_ptr<CompressedSync>>& compressed() const { return compressed_; }
 
   // For tests and benchmarks: start every bucket now (no hooks), as if all gradients were ready.
   void reduce_all_now();
@@ -55,7 +68,10 @@ class Reducer {
   void launch(Bucket& b);
 
   std::vector<std::unique_ptr<Bucket>> buckets_;
+  std::vector<std::shared_ptr<CompressedSync>> compressed_;
   bool armed_ = false;
+  int64_t step_ = 0;
+  std::chrono::steady_clock::time_point origin_ = std::chrono::steady_clock::now();
 };
 
 }  // namespace alloy::dist

@@ -63,6 +63,21 @@ c10::intrusive_ptr<c10d::Work> Group::allreduce_sum(at::Tensor& t) {
   return gloo_->allreduce(v, o);
 }
 
+c10::intrusive_ptr<c10d::Work> Group::allgather(std::vector<at::Tensor>& out, at::Tensor& in) {
+  std::vector<std::vector<at::Tensor>> outs{out};
+  std::vector<at::Tensor> ins{in};
+  auto w = gloo_->allgather(outs, ins);
+  // Gloo writes into the tensors it was given; OUT shares their storage.
+  return w;
+}
+
+c10::intrusive_ptr<c10d::Work> Group::broadcast(at::Tensor& t, int root) {
+  std::vector<at::Tensor> v{t};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  return gloo_->broadcast(v, o);
+}
+
 c10::intrusive_ptr<c10d::Work> Group::send(at::Tensor& t, int dst_global, int tag) {
   std::vector<at::Tensor> v{t};
   return gloo_->send(v, group_rank_of(dst_global), tag);

@@ -38,6 +38,10 @@ class Group {
 
   // Asynchronous SUM all-reduce in place; wait() on the handle.
   c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor& t);
+  // Asynchronous all-gather of equal-sized tensors: OUT[i] receives group rank i's IN.
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<at::Tensor>& out, at::Tensor& in);
+  // Asynchronous broadcast from group rank ROOT, in place.
+  c10::intrusive_ptr<c10d::Work> broadcast(at::Tensor& t, int root);
   c10::intrusive_ptr<c10d::Work> send(at::Tensor& t, int dst_global, int tag);
   c10::intrusive_ptr<c10d::Work> recv(at::Tensor& t, int src_global, int tag);
   void barrier();

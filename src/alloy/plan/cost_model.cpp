@@ -372,7 +372,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
   }
 
   // Gradient sync per holder set, bucket by bucket.
-  const double bucket_bytes = plan.bucket_mb * 1024 * 1024;
+  const double bucket_bytes = plan.grad_sync.bucket_mb * 1024 * 1024;
   std::vector<double> done(phase_end), bucket(static_cast<size_t>(W), 0), longest(static_cast<size_t>(W), 0);
   std::vector<const CostContext::Holder*> holder_of(static_cast<size_t>(W), nullptr);
   std::vector<int64_t> mbs_of(static_cast<size_t>(W), 0);

@@ -708,7 +708,7 @@ Plan to_plan(const Problem& P, const Layout& l) {
   Plan plan;
   plan.global_batch = P.G;
   plan.schedule = P.opt.schedules[static_cast<size_t>(l.sched)];
-  plan.bucket_mb = P.opt.bucket_mb;
+  plan.grad_sync.bucket_mb = P.opt.bucket_mb;
   std::vector<const Replica*> reps;
   for (const auto& r : l.reps) reps.push_back(&r);
   // Pipelines in order of their first device, so equal layouts print the same.
@@ -1632,20 +1632,20 @@ SearchResult finish(Problem& P, const Layout& l, const std::string& strategy, Cl
 }  // namespace
 
 void tune_buckets(SearchResult& result, const ClusterSpec& cluster, const Profile& profile) {
-  const double start = result.plan.bucket_mb, before = result.cost.step_s;
+  const double start = result.plan.grad_sync.bucket_mb, before = result.cost.step_s;
   Plan best = result.plan;
   PlanCost best_cost = result.cost;
   for (double mb : {16.0, 8.0, 4.0, 2.0, 1.0}) {
     if (!(mb < start)) continue;
     Plan p = result.plan;
-    p.bucket_mb = mb;
+    p.grad_sync.bucket_mb = mb;
     PlanCost c = simulate_plan(p, cluster, profile);
     if (c.fits && c.step_s < best_cost.step_s * (1 - 2e-3)) best = p, best_cost = c;  // worth a change of plan
   }
-  if (best.bucket_mb == start) return;
+  if (best.grad_sync.bucket_mb == start) return;
   std::ostringstream o;
   o.precision(4);
-  o << "gradient buckets of " << best.bucket_mb << " MiB instead of " << start << ": predicted " << best_cost.step_s * 1e3
+  o << "gradient buckets of " << best.grad_sync.bucket_mb << " MiB instead of " << start << ": predicted " << best_cost.step_s * 1e3
     << " ms instead of " << before * 1e3 << " ms (late layers' all-reduces start during the backward)";
   result.notes.push_back(o.str());
   result.plan = best;

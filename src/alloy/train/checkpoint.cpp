@@ -70,6 +70,26 @@ void write_checkpoint_shard(const std::string& dir, int rank, int world, const s
   model::write_safetensors(dir + "/" + shard_name("optimizer", rank, world), ob, {{"format", "alloy-optimizer"}});
 }
 
+void write_sync_state(const std::string& dir, int rank, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                      const std::string& key) {
+  if (tensors.empty()) return;
+  std::vector<std::pair<std::string, model::TensorBlob>> blobs;
+  for (const auto& [n, t] : tensors) blobs.emplace_back(n, model::to_blob(t));
+  model::write_safetensors(dir + "/" + shard_name("gradsync", rank, 2), blobs, {{"format", "alloy-gradsync"}, {"key", key}});
+}
+
+std::map<std::string, at::Tensor> read_sync_state(const std::string& ckpt_dir, int rank, const std::string& key) {
+  std::string path = ckpt_dir + "/" + shard_name("gradsync", rank, 2);
+  if (!file_exists(path)) return {};
+  auto f = model::SafetensorsFile::open(path);
+  auto it = f.metadata().find("format");
+  if (it == f.metadata().end() || it->second != "alloy-gradsync")
+    throw InputError(path, "metadata 'format' is not \"alloy-gradsync\"");
+  auto k = f.metadata().find("key");
+  if (k == f.metadata().end() || k->second != key) return {};
+  return model::read_all(f);
+}
+
 std::string publish_checkpoint(const std::string& run_dir, const CheckpointState& st) {
   std::string root = run_dir + "/checkpoints";
   std::string name = step_name(st.step);

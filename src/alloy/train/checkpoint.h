@@ -10,7 +10,11 @@
 //   step_00000020/model-rank00003.safetensors  the parameters rank 3 owns (several processes)
 //   step_00000020/optimizer[-rankN].safetensors  AdamW moments "exp_avg.NAME", "exp_avg_sq.NAME"
 //                                                and the CPU RNG state "rng.cpu"
+//   step_00000020/gradsync-rankN.safetensors   gradient-compression state of rank N (error-feedback
+//                                               residuals, DGC velocities, PowerSGD warm starts) by
+//                                               holder set, with the plan's grad_sync in its metadata
 // Parameters are stored by name, so a checkpoint loads into any other split of the same model.
+#include <map>
 #include <string>
 #include <vector>
 
@@ -44,6 +48,14 @@ void begin_checkpoint(const std::string& run_dir, int64_t step);  // rank 0
 void write_checkpoint_shard(const std::string& staging_dir, int rank, int world_size,
                             const std::vector<const model::Param*>& params, const AdamW* opt);
 std::string publish_checkpoint(const std::string& run_dir, const CheckpointState& st);  // rank 0
+
+// Gradient-compression state of one rank: TENSORS by name ("residual/SET", ...); KEY (what the
+// state belongs to: holder sets and grad_sync settings) goes into the metadata.
+void write_sync_state(const std::string& staging_dir, int rank, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                      const std::string& key);
+// The state rank RANK saved, if the checkpoint has it and it was saved under the same KEY; empty
+// otherwise (a new layout or other settings: compression starts afresh).
+std::map<std::string, at::Tensor> read_sync_state(const std::string& ckpt_dir, int rank, const std::string& key);
 
 // Single-process save (import, tests).
 std::string save_checkpoint(const std::string& run_dir, const CheckpointState& st, const model::Transformer& m,

@@ -17,7 +17,9 @@
 #include "alloy/core/error.h"
 #include "alloy/core/fs.h"
 #include "alloy/core/log.h"
+#include "alloy/dist/compress/comm.h"
 #include "alloy/dist/reducer.h"
+#include "alloy/dist/sync_layout.h"
 #include "alloy/dist/world.h"
 #include "alloy/model/weights.h"
 #include "alloy/pipeline/schedule.h"
@@ -112,11 +114,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
       cfg_.model, model::LayerRange::for_blocks(st.layer_begin, st.layer_end, cfg_.model.layers),
       static_cast<uint64_t>(cfg_.train.seed));
   model_->to(device_);
-  for (size_t p = 0; p < plan_->pipelines.size(); ++p)
-    for (const auto& s : plan_->pipelines[p].stages)
-      for (const auto& n : model::param_names(cfg_.model, model::LayerRange::for_blocks(s.layer_begin, s.layer_end, cfg_.model.layers)))
-        holders_[n].push_back(s.ranks[0]);
-  for (auto& [n, r] : holders_) std::sort(r.begin(), r.end());
+  sync_ = std::make_unique<dist::SyncLayout>(*plan_, cfg_.model);
   opt_ = std::make_unique<AdamW>(model_->parameters(), AdamW::from_config(cfg_.train));
 
   if (!opts_.resume.empty()) {
@@ -152,33 +150,104 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   }
   exec_ = std::make_unique<pipeline::StageExecutor>(*model_, links);
   if (world_) build_groups();
+  if (!opts_.resume.empty() && reducer_ && !reducer_->compressed().empty()) load_sync_state(resolve_checkpoint(opts_.resume));
 }
 
 void Trainer::build_groups() {
-  // One process group per distinct set of ranks holding the same parameters. Every rank walks the
-  // sets in the same (sorted) order and joins those it belongs to, so creation cannot deadlock.
-  std::set<std::vector<int>> sets;
-  for (const auto& [n, r] : holders_)
-    if (r.size() > 1) sets.insert(r);
-  std::map<std::vector<int>, std::shared_ptr<dist::Group>> by_set;
-  for (const auto& s : sets) {
-    if (std::find(s.begin(), s.end(), rank_) == s.end()) continue;
-    by_set[s] = world_->new_group(opts_.generation + "grad-" + join(s, "-"), s);
-    groups_.push_back(by_set[s]);
+  // Process groups per holder set, created in the layout's (sorted) order by every rank that
+  // belongs to them, so creation cannot deadlock: the set's group for exact or flat compressed
+  // sync; for hierarchical sync one group per region and one for the regions' leaders.
+  struct SetGroups {
+    std::shared_ptr<dist::Group> all, region, leaders;
+  };
+  std::map<std::vector<int>, SetGroups> mine;
+  const std::string gen = opts_.generation;
+  auto in = [&](const std::vector<int>& v) { return std::find(v.begin(), v.end(), rank_) != v.end(); };
+  for (const auto& set : sync_->sets()) {
+    if (!in(set.ranks)) continue;
+    SetGroups& g = mine[set.ranks];
+    if (!set.hierarchical) {
+      g.all = world_->new_group(gen + set.name, set.ranks);
+      groups_.push_back(g.all);
+      continue;
+    }
+    for (const auto& region : set.regions)
+      if (region.size() > 1 && in(region)) {
+        g.region = world_->new_group(gen + set.name + "-region-" + std::to_string(region.front()), region);
+        groups_.push_back(g.region);
+      }
+    const auto leaders = set.leaders();
+    if (in(leaders)) {
+      g.leaders = world_->new_group(gen + set.name + "-leaders", leaders);
+      groups_.push_back(g.leaders);
+    }
   }
   // Buckets fill in backward order: parameters of the last layers first.
   std::map<std::vector<int>, dist::Reducer::ParamGroup> pgs;
   auto params = model_->parameters();
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
-    const auto& r = holders_.at((*it)->name);
+    const auto& r = sync_->holders((*it)->name);
     if (r.size() < 2) continue;
     auto& pg = pgs[r];
-    pg.group = by_set.at(r);
+    pg.group = mine.at(r).all;
     pg.params.push_back(*it);
   }
   std::vector<dist::Reducer::ParamGroup> list;
-  for (auto& [s, pg] : pgs) list.push_back(pg);
-  reducer_ = std::make_unique<dist::Reducer>(list, plan_->bucket_mb);
+  for (auto& [ranks, pg] : pgs) {
+    const dist::HolderSet& set = *sync_->set_of(ranks);
+    if (set.compressed) {
+      const SetGroups& g = mine.at(ranks);
+      dist::CompressedSync::Topology topo;
+      if (!set.hierarchical) {
+        topo.flat = dist::compress::group_comm(*g.all);
+      } else {
+        if (g.region) topo.region = dist::compress::group_comm(*g.region);
+        if (g.leaders) topo.leaders = dist::compress::group_comm(*g.leaders);
+        topo.regions = static_cast<int>(set.regions.size());
+      }
+      // The same seed on every member: the set and the run's seed, not the rank.
+      uint64_t seed = static_cast<uint64_t>(cfg_.train.seed) * 1000003u;
+      for (char c : set.name) seed = seed * 131 + static_cast<unsigned char>(c);
+      pg.compressed = std::make_shared<dist::CompressedSync>(pg.params, std::move(topo), plan_->grad_sync, seed, set.name);
+    }
+    list.push_back(pg);
+  }
+  reducer_ = std::make_unique<dist::Reducer>(list, plan_->grad_sync.bucket_mb);
+  if (rank_ == 0 && plan_->grad_sync.lossy() && !opts_.quiet) {
+    int compressed = 0, total = 0;
+    for (const auto& set : sync_->sets()) total += 1, compressed += set.compressed ? 1 : 0;
+    log_info("gradient sync: " + plan_->grad_sync.compression + " (density " + std::to_string(plan_->grad_sync.density) +
+             ", fusion " + plan_->grad_sync.fusion + ", scope " + plan_->grad_sync.scope + ") on " + std::to_string(compressed) +
+             " of " + std::to_string(total) + " holder sets; the others exact");
+  }
+}
+
+void Trainer::load_sync_state(const std::string& dir) {
+  auto saved = read_sync_state(dir, rank_, sync_->state_key(rank_, plan_->grad_sync));
+  if (saved.empty()) {
+    log_warn("rank " + std::to_string(rank_) + ": " + dir +
+             " holds no gradient-compression state for this layout and grad_sync; error feedback starts empty");
+    return;
+  }
+  at::NoGradGuard ng;
+  for (auto& cs : reducer_->compressed()) {
+    auto& st = cs->state();
+    auto take = [&](const std::string& key, at::Tensor& dst) {
+      auto it = saved.find(key);
+      if (it == saved.end()) return;
+      if (!dst.defined()) dst = at::zeros({cs->numel()}, at::kFloat);
+      if (it->second.numel() != dst.numel())
+        throw InputError(dir, "gradient-compression state '" + key + "' has " + std::to_string(it->second.numel()) +
+                                  " elements, the set has " + std::to_string(dst.numel()));
+      dst.copy_(it->second.reshape({-1}));
+    };
+    take("residual/" + cs->name(), st.residual);
+    take("velocity/" + cs->name(), st.velocity);
+    for (const auto& slot : cs->slots()) {
+      auto it = saved.find("q/" + cs->name() + "/" + std::to_string(slot.offset));
+      if (it != saved.end()) st.q[slot.offset] = it->second.clone();
+    }
+  }
 }
 
 std::vector<pipeline::MicroBatch> Trainer::micro_batches(const data::TokenWindows& src, const std::vector<uint64_t>& samples,
@@ -235,8 +304,19 @@ void Trainer::save(int64_t step) {
   barrier();
   std::vector<const model::Param*> owned;
   for (const auto* p : static_cast<const model::Transformer&>(*model_).parameters())
-    if (holders_.at(p->name).front() == rank_) owned.push_back(p);
-  write_checkpoint_shard(checkpoint_staging_dir(cfg_.output.dir, step), rank_, world_ ? world_->size() : 1, owned, opt_.get());
+    if (sync_->holders(p->name).front() == rank_) owned.push_back(p);
+  const std::string staging = checkpoint_staging_dir(cfg_.output.dir, step);
+  write_checkpoint_shard(staging, rank_, world_ ? world_->size() : 1, owned, opt_.get());
+  if (reducer_ && !reducer_->compressed().empty()) {
+    std::vector<std::pair<std::string, at::Tensor>> state;
+    for (const auto& cs : reducer_->compressed()) {
+      const auto& st = cs->state();
+      if (st.residual.defined()) state.emplace_back("residual/" + cs->name(), st.residual);
+      if (st.velocity.defined()) state.emplace_back("velocity/" + cs->name(), st.velocity);
+      for (const auto& [off, q] : st.q) state.emplace_back("q/" + cs->name() + "/" + std::to_string(off), q);
+    }
+    write_sync_state(staging, rank_, state, sync_->state_key(rank_, plan_->grad_sync));
+  }
   barrier();
   if (rank_ == 0) {
     CheckpointState cs{step, static_cast<uint64_t>(step * cfg_.train.global_batch), opt_->steps_taken(), cfg_,
@@ -374,7 +454,7 @@ TrainResult Trainer::run() {
   auto params = model_->parameters();
   std::vector<model::Param*> owned;
   for (auto* p : params)
-    if (holders_.at(p->name).front() == rank_) owned.push_back(p);
+    if (sync_->holders(p->name).front() == rank_) owned.push_back(p);
   Progress progress("train", static_cast<uint64_t>(t.steps), opts_.quiet);
   auto run_start = std::chrono::steady_clock::now();
   double last_val = std::nan("");
@@ -391,13 +471,16 @@ TrainResult Trainer::run() {
 
     // This pipeline's consecutive slice of the global batch, cut into its micro-batches.
     std::vector<uint64_t> samples = sampler_->take(static_cast<uint64_t>(step * gb + offset), static_cast<uint64_t>(mine));
+    if (reducer_) reducer_->begin_step(step, t0);
     double loss_local = exec_->run(actions, micro_batches(*train_, samples, pl.micro_batch_size), batch_tokens, reducer_.get());
     auto sync_t0 = std::chrono::steady_clock::now();
     const double phase_s = std::chrono::duration<double>(sync_t0 - t0).count();
-    double sync_wait = reducer_ ? reducer_->finish().wait_s : 0.0;
-    if (tracing && reducer_)
-      exec_->trace().push_back({"grad sync wait", "sync",
-                                std::chrono::duration<double, std::micro>(sync_t0 - t0).count(), sync_wait * 1e6});
+    const dist::ReducerStats sync = reducer_ ? reducer_->finish() : dist::ReducerStats{};
+    if (tracing && reducer_) {
+      exec_->trace().push_back({"grad sync wait", "sync", std::chrono::duration<double, std::micro>(sync_t0 - t0).count(),
+                                sync.wait_s * 1e6});
+      for (const auto& sp : sync.compressed.spans) exec_->trace().push_back({sp.name, "compression", sp.start_us, sp.dur_us});
+    }
 
     // Global gradient norm: each parameter counted once, by the lowest rank holding it.
     const double norm_sq = global_grad_norm_sq(owned);
@@ -408,14 +491,28 @@ TrainResult Trainer::run() {
       sums[0] = v[0].item<double>();
       sums[1] = v[1].item<double>();
     }
+    // The sync figures travel in a collective of their own, waited for after the optimizer step:
+    // the loss and norm above keep their reduction order, so the exact path stays bit for bit.
+    const auto& cs = sync.compressed;
+    at::Tensor sync_fig = at::tensor({static_cast<double>(sync.bytes_sent + cs.bytes_sent), static_cast<double>(cs.elements),
+                                      static_cast<double>(cs.selected), cs.encode_s + cs.decode_s, cs.residual_sq},
+                                     at::kDouble);
+    c10::intrusive_ptr<c10d::Work> sync_fig_work;
+    if (world_) sync_fig_work = world_->all().allreduce_sum(sync_fig);
     const double grad_norm = std::sqrt(sums[1]);
     clip_to(params, grad_norm, t.grad_clip);
     opt_->step(lr);
     opt_->zero_grad();
+    if (sync_fig_work) dist::wait_work(sync_fig_work, "all-reduce of the step's gradient-sync figures");
 
     const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    StepRecord rec{step + 1, sums[0] / batch_tokens, lr, grad_norm, step_s, batch_tokens / step_s, exec_->compute_s(), sync_wait,
+    StepRecord rec{step + 1, sums[0] / batch_tokens, lr, grad_norm, step_s, batch_tokens / step_s, exec_->compute_s(), sync.wait_s,
                    phase_s};
+    rec.grad_bytes = sync_fig[0].item<double>();
+    rec.grad_elements = sync_fig[1].item<double>();
+    rec.grad_selected = sync_fig[2].item<double>();
+    rec.compress_s = sync_fig[3].item<double>();
+    rec.residual_norm = std::sqrt(sync_fig[4].item<double>());
     result.steps.push_back(rec);
     result.peak_activation_bytes = std::max(result.peak_activation_bytes, exec_->peak_activation_bytes());
     result.peak_in_flight = std::max(result.peak_in_flight, exec_->peak_in_flight());
@@ -451,6 +548,12 @@ TrainResult Trainer::run() {
 
     nlohmann::json j = {{"step", rec.step},         {"loss", rec.loss},     {"lr", rec.lr},
                         {"grad_norm", rec.grad_norm}, {"step_s", rec.step_s}, {"tokens_per_s", rec.tokens_per_s}};
+    if (world_) j["grad_bytes"] = rec.grad_bytes;  // put on the wire by all ranks for gradient sync
+    if (rec.grad_elements > 0) {
+      j["grad_density"] = rec.grad_selected / rec.grad_elements;  // of the compressed sets' elements
+      j["compress_s"] = rec.compress_s;                          // compressing + decompressing, all ranks
+      j["residual_norm"] = rec.residual_norm;                    // what error feedback holds back
+    }
     const bool last = step + 1 == t.steps;
     if (valid_ && ((t.eval_interval > 0 && rec.step % t.eval_interval == 0) || last)) {
       last_val = validation_loss();

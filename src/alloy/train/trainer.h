@@ -24,6 +24,7 @@ namespace alloy::dist {
 class World;
 class Group;
 class Reducer;
+class SyncLayout;
 }  // namespace alloy::dist
 
 namespace alloy::train {
@@ -53,6 +54,9 @@ struct StepRecord {
   double loss, lr, grad_norm, step_s, tokens_per_s;
   double compute_s = 0, sync_wait_s = 0;  // this rank's share
   double phase_s = 0;  // from the step's start to this rank's last schedule action
+  // Gradient sync, summed over ranks: bytes put on the wire, elements synced and sent (density),
+  // seconds spent compressing and decompressing, and the error-feedback residuals' norm.
+  double grad_bytes = 0, grad_elements = 0, grad_selected = 0, compress_s = 0, residual_norm = 0;
 };
 
 struct TrainResult {
@@ -89,6 +93,7 @@ class Trainer {
   void save(int64_t step);
   void load(const std::string& dir, bool with_optimizer);
   void build_groups();
+  void load_sync_state(const std::string& ckpt_dir);
   void publish_rank_stats(const TrainResult& r);
   std::shared_ptr<Plan> replan_now(const TrainResult& r);
 
@@ -103,7 +108,7 @@ class Trainer {
   std::unique_ptr<data::GlobalBatchSampler> sampler_;
   std::unique_ptr<model::Transformer> model_;
   std::unique_ptr<AdamW> opt_;
-  std::map<std::string, std::vector<int>> holders_;  // parameter name -> ranks holding it
+  std::unique_ptr<dist::SyncLayout> sync_;  // parameter -> holders, holder sets (from the plan)
   std::vector<std::shared_ptr<dist::Group>> groups_;
   std::unique_ptr<dist::Reducer> reducer_;
   std::unique_ptr<pipeline::StageExecutor> exec_;

@@ -1,0 +1,251 @@
+#include "alloy/dist/compress/sparsify.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "alloy/core/error.h"
+
+namespace alloy::dist::compress {
+
+namespace {
+
+at::Generator generator(uint64_t seed) { return at::detail::createCPUGenerator(seed); }
+
+int64_t count_at_least(const at::Tensor& absx, double thr) {
+  return at::ge(absx, at::Scalar(static_cast<float>(thr))).sum().item<int64_t>();
+}
+
+// Moves THR until the count lies in [0.8k, 1.2k] or a few passes are spent: grow or shrink it by
+// half until the target is bracketed, then bisect geometrically. Returns the last count.
+int64_t refine(const at::Tensor& absx, double* thr, int64_t k, int* passes) {
+  const double lo = 0.8 * static_cast<double>(k), hi = 1.2 * static_cast<double>(k);
+  if (!(*thr > 0) || !std::isfinite(*thr)) *thr = std::numeric_limits<float>::min();
+  int64_t c = count_at_least(absx, *thr);
+  ++*passes;
+  double too_many = -1, too_few = -1;  // thresholds known to select more than hi / fewer than lo
+  for (int it = 0; it < 8 && (static_cast<double>(c) < lo || static_cast<double>(c) > hi); ++it) {
+    if (static_cast<double>(c) > hi) too_many = *thr;
+    else too_few = *thr;
+    if (too_many > 0 && too_few > 0) *thr = std::sqrt(too_many * too_few);
+    else if (static_cast<double>(c) > hi) *thr *= 1.5;
+    else *thr /= 1.5;
+    if (!(*thr >= std::numeric_limits<float>::min())) break;  // everything non-zero is already in
+    c = count_at_least(absx, *thr);
+    ++*passes;
+  }
+  return c;
+}
+
+// Exactly K entries when EXACT, at most max(K, 1.2K) otherwise, from the candidate indices CAND.
+Selection finish(const at::Tensor& x, const at::Tensor& absx, at::Tensor cand, int64_t k, bool exact) {
+  Selection s;
+  const int64_t c = cand.numel();
+  const int64_t cap = exact ? k : static_cast<int64_t>(std::ceil(1.2 * static_cast<double>(k)));
+  if (c > cap) {
+    auto top = at::topk(absx.index_select(0, cand), k, 0, true, false);
+    cand = cand.index_select(0, std::get<1>(top));
+  }
+  s.selected = cand.numel();
+  s.values = x.index_select(0, cand);
+  s.indices = cand;
+  if (exact && s.selected < k) {
+    s.indices = at::cat({cand, at::zeros({k - s.selected}, cand.options())});
+    s.values = at::cat({s.values, at::zeros({k - s.selected}, x.options())});
+  }
+  return s;
+}
+
+double mean_of(const at::Tensor& t) { return t.numel() ? t.mean().item<double>() : 0.0; }
+
+}  // namespace
+
+int64_t target_count(int64_t n, double density) {
+  if (n <= 0) return 0;
+  const int64_t k = static_cast<int64_t>(std::llround(density * static_cast<double>(n)));
+  return std::clamp<int64_t>(k, 1, n);
+}
+
+SidcoFit parse_sidco_fit(const std::string& name) {
+  if (name == "exponential") return SidcoFit::Exponential;
+  if (name == "gamma") return SidcoFit::Gamma;
+  if (name == "gpd") return SidcoFit::Gpd;
+  throw InputError("grad_sync.sidco_fit", "unknown fit '" + name + "' (exponential, gamma, gpd)");
+}
+
+Selection select_topk(const at::Tensor& x, int64_t k) {
+  Selection s;
+  auto top = at::topk(x.abs(), k, 0, true, false);
+  s.indices = std::get<1>(top);
+  s.values = x.index_select(0, s.indices);
+  s.selected = k;
+  s.passes = 1;
+  return s;
+}
+
+at::Tensor randomk_indices(int64_t n, int64_t k, uint64_t seed) {
+  if (k >= n) return at::arange(n, at::kLong);
+  // Draws with replacement, then drops repeats: O(k log k), not a permutation of all n. Every
+  // member computes the same set from the same seed.
+  at::Tensor draw = at::randint(n, {k}, generator(seed), at::TensorOptions().dtype(at::kLong));
+  return std::get<0>(at::_unique(draw, /*sorted=*/true, /*return_inverse=*/false));
+}
+
+Selection select_randomk(const at::Tensor& x, int64_t k, uint64_t seed) {
+  Selection s;
+  s.indices = randomk_indices(x.numel(), k, seed);
+  s.values = x.index_select(0, s.indices);
+  s.selected = s.indices.numel();
+  return s;
+}
+
+double dgc_threshold(const at::Tensor& absx, int64_t k, uint64_t seed) {
+  const int64_t n = absx.numel();
+  const double density = static_cast<double>(k) / static_cast<double>(n);
+  // Enough samples that about 400 of them lie above the threshold: its relative error is then
+  // about 1/sqrt(400) = 5% in the count. DGC samples 0.1-1%; at density 0.001 that leaves ~10
+  // samples above, too few to hold within 20%.
+  const int64_t s = std::min<int64_t>(n, std::max<int64_t>(static_cast<int64_t>(std::ceil(0.01 * static_cast<double>(n))),
+                                                            static_cast<int64_t>(std::ceil(400.0 / density))));
+  at::Tensor sample = s >= n ? absx : absx.index_select(0, at::randint(n, {s}, generator(seed), at::TensorOptions().dtype(at::kLong)));
+  const int64_t ks = std::clamp<int64_t>(static_cast<int64_t>(std::llround(density * static_cast<double>(s))), 1, s);
+  auto top = at::topk(sample, ks, 0, true, false);
+  return std::get<0>(top).min().item<double>();
+}
+
+double gaussiank_threshold(const at::Tensor& x, int64_t k) {
+  const double n = static_cast<double>(x.numel());
+  const double mu = x.mean().item<double>();
+  const double sigma = x.numel() > 1 ? x.std().item<double>() : 0.0;
+  const double tail = std::min(0.999999, static_cast<double>(k) / n);
+  return std::fabs(mu) + sigma * normal_quantile(1.0 - tail / 2.0);
+}
+
+double redsync_threshold(const at::Tensor& absx, int64_t k, int* passes) {
+  const double mean = absx.mean().item<double>(), mx = absx.max().item<double>();
+  const double lo_ok = 0.8 * static_cast<double>(k), hi_ok = 1.2 * static_cast<double>(k);
+  double l = 0, r = 1, thr = mean;
+  *passes += 2;
+  for (int it = 0; it < 30 && r - l > 1e-7; ++it) {
+    const double ratio = l + (r - l) / 2;
+    thr = mean + ratio * (mx - mean);
+    const double c = static_cast<double>(count_at_least(absx, thr));
+    ++*passes;
+    if (c >= lo_ok && c <= hi_ok) break;
+    if (c < lo_ok) r = ratio;
+    else l = ratio;
+  }
+  return thr;
+}
+
+double sidco_threshold(const at::Tensor& absx, int64_t k, SidcoFit fit, int stages) {
+  const double density = static_cast<double>(k) / static_cast<double>(absx.numel());
+  const double per_stage = std::pow(density, 1.0 / stages);
+  double thr = 0;
+  at::Tensor data = absx;
+  for (int st = 0; st < stages; ++st) {
+    at::Tensor y = st == 0 ? data : data - thr;  // exceedances over the last stage's threshold
+    if (y.numel() < 2) break;
+    const double m = mean_of(y);
+    const double v = y.var().item<double>();
+    double q = 0;
+    if (fit == SidcoFit::Exponential || !(v > 0) || !(m > 0)) {
+      q = -m * std::log(per_stage);
+    } else if (fit == SidcoFit::Gamma) {
+      q = gamma_tail_quantile(m * m / v, v / m, per_stage);
+    } else {  // generalized Pareto by the method of moments (valid for shape < 1/2)
+      const double r = m * m / v;
+      const double xi = 0.5 * (1.0 - r), sigma = 0.5 * m * (r + 1.0);
+      q = std::fabs(xi) < 1e-6 ? -sigma * std::log(per_stage) : sigma / xi * (std::pow(per_stage, -xi) - 1.0);
+    }
+    thr += q;
+    if (st + 1 < stages) data = data.masked_select(at::ge(data, at::Scalar(static_cast<float>(thr))));
+  }
+  return thr;
+}
+
+Selection select_threshold(ThresholdMethod m, const at::Tensor& x, int64_t k, bool exact, uint64_t seed, SidcoFit fit, int stages) {
+  const int64_t n = x.numel();
+  at::Tensor absx = x.abs();
+  if (k >= n) {
+    Selection s;
+    s.indices = at::arange(n, at::kLong);
+    s.values = x.clone();
+    s.selected = n;
+    return s;
+  }
+  int passes = 1;  // |x|
+  double thr = 0;
+  switch (m) {
+    case ThresholdMethod::Dgc: thr = dgc_threshold(absx, k, seed); break;
+    case ThresholdMethod::GaussianK: thr = gaussiank_threshold(x, k), passes += 2; break;
+    case ThresholdMethod::RedSync: thr = redsync_threshold(absx, k, &passes); break;
+    case ThresholdMethod::Sidco: thr = sidco_threshold(absx, k, fit, stages), passes += 2; break;
+  }
+  refine(absx, &thr, k, &passes);
+  at::Tensor cand = at::nonzero(at::ge(absx, at::Scalar(static_cast<float>(thr)))).reshape({-1});
+  Selection s = finish(x, absx, cand, k, exact);
+  s.threshold = thr;
+  s.passes = passes + 1;
+  return s;
+}
+
+double normal_quantile(double p) {
+  if (!(p > 0 && p < 1)) throw Error("normal_quantile: p must be in (0, 1)");
+  // Phi(x) = erfc(-x / sqrt 2) / 2 is monotone: bisection to double precision.
+  double lo = -40, hi = 40;
+  for (int i = 0; i < 200 && hi - lo > 1e-15; ++i) {
+    const double mid = 0.5 * (lo + hi);
+    if (0.5 * std::erfc(-mid / std::sqrt(2.0)) < p) lo = mid;
+    else hi = mid;
+  }
+  return 0.5 * (lo + hi);
+}
+
+double gamma_upper_regularized(double a, double x) {
+  if (!(a > 0)) throw Error("gamma_upper_regularized: shape must be > 0");
+  if (x <= 0) return 1.0;
+  const double lg = std::lgamma(a);
+  if (x < a + 1) {  // series for the lower function P, then Q = 1 - P
+    double term = 1.0 / a, sum = term;
+    for (int n = 1; n < 10000; ++n) {
+      term *= x / (a + n);
+      sum += term;
+      if (std::fabs(term) < std::fabs(sum) * 1e-16) break;
+    }
+    return std::max(0.0, 1.0 - sum * std::exp(-x + a * std::log(x) - lg));
+  }
+  // Continued fraction for Q (modified Lentz).
+  const double tiny = 1e-300;
+  double b = x + 1 - a, c = 1 / tiny, d = 1 / b, h = d;
+  for (int i = 1; i < 10000; ++i) {
+    const double an = -i * (i - a);
+    b += 2;
+    d = an * d + b;
+    if (std::fabs(d) < tiny) d = tiny;
+    c = b + an / c;
+    if (std::fabs(c) < tiny) c = tiny;
+    d = 1 / d;
+    const double del = d * c;
+    h *= del;
+    if (std::fabs(del - 1) < 1e-16) break;
+  }
+  return std::exp(-x + a * std::log(x) - lg) * h;
+}
+
+double gamma_tail_quantile(double shape, double scale, double p) {
+  if (!(p > 0 && p < 1)) throw Error("gamma_tail_quantile: p must be in (0, 1)");
+  double hi = std::max(1.0, shape);
+  while (gamma_upper_regularized(shape, hi) > p && hi < 1e300) hi *= 2;
+  double lo = 0;
+  for (int i = 0; i < 200 && hi - lo > 1e-14 * hi; ++i) {
+    const double mid = 0.5 * (lo + hi);
+    if (gamma_upper_regularized(shape, mid) > p) lo = mid;
+    else hi = mid;
+  }
+  return 0.5 * (lo + hi) * scale;
+}
+
+}  // namespace alloy::dist::compress

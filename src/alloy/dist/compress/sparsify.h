@@ -1,0 +1,61 @@
+#pragma once
+// Which elements of a gradient to send: the selection rules of the sparsifiers, as pure functions
+// of a flat float tensor (the gradient plus its residual), so each can be tested alone.
+//
+//  - topk:      the exact k largest magnitudes (at::topk).
+//  - randomk:   k indices drawn from a seed every member shares, so nobody sends indices.
+//  - dgc:       DGC's sampled threshold: the k/n quantile of |x| over a random sample (at least
+//               400/density elements, at least 1%), then hierarchical top-k when it overshoots.
+//  - gaussiank: a normal fit, threshold |mean| + std * Phi^-1(1 - density/2).
+//  - redsync:   RedSync's search for a threshold between mean(|x|) and max(|x|), by bisection.
+//  - sidco:     SIDCo's fit of a sparsity-inducing distribution to |x| (exponential, gamma or
+//               generalized Pareto) in stages: each stage fits the exceedances over the previous
+//               stage's threshold (peaks over threshold) and keeps density^(1/stages) of them.
+// A threshold estimate is then refined against the real count (at most a few passes, bracketing
+// the target): Alloy's addition, so every estimator selects within [0.8k, 1.2k] on the
+// distributions the tests use (normal, Laplace, real gradients) instead of wherever its model of
+// the distribution lands. With EXACT (aligned fusion) the result has exactly k entries: the
+// largest of the candidates when over, padded with (index 0, value 0) entries when short.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+
+namespace alloy::dist::compress {
+
+// k for a tensor of N elements at DENSITY: at least 1, at most N.
+int64_t target_count(int64_t n, double density);
+
+struct Selection {
+  at::Tensor indices;  // int64, into the input
+  at::Tensor values;   // the input's values there (zeros for padding)
+  int64_t selected = 0;  // real entries (indices.numel() minus padding)
+  double threshold = 0;  // magnitude threshold used (0 for topk/randomk)
+  int passes = 0;        // full passes over the tensor spent estimating and counting
+};
+
+// The methods that select by a magnitude threshold.
+enum class ThresholdMethod { Dgc, GaussianK, RedSync, Sidco };
+enum class SidcoFit { Exponential, Gamma, Gpd };
+SidcoFit parse_sidco_fit(const std::string& name);  // exponential | gamma | gpd
+
+Selection select_topk(const at::Tensor& x, int64_t k);
+Selection select_randomk(const at::Tensor& x, int64_t k, uint64_t seed);
+// randomk's indices alone (sorted, distinct, about K of them): a function of N, K and SEED only.
+at::Tensor randomk_indices(int64_t n, int64_t k, uint64_t seed);
+// SEED drives DGC's sample; the others are deterministic.
+Selection select_threshold(ThresholdMethod m, const at::Tensor& x, int64_t k, bool exact, uint64_t seed,
+                           SidcoFit fit = SidcoFit::Exponential, int stages = 2);
+
+// The first estimate of each method before refinement (for tests and the profiler's notes).
+double dgc_threshold(const at::Tensor& absx, int64_t k, uint64_t seed);
+double gaussiank_threshold(const at::Tensor& x, int64_t k);
+double redsync_threshold(const at::Tensor& absx, int64_t k, int* passes);
+double sidco_threshold(const at::Tensor& absx, int64_t k, SidcoFit fit, int stages);
+
+// Special functions the fits need (exposed for tests).
+double normal_quantile(double p);                          // Phi^-1(p), p in (0, 1)
+double gamma_upper_regularized(double a, double x);        // Q(a, x)
+double gamma_tail_quantile(double shape, double scale, double p);  // x with P(X > x) = p
+
+}  // namespace alloy::dist::compress

@@ -1,0 +1,362 @@
+#include "alloy/dist/compressed_sync.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "alloy/core/error.h"
+
+namespace alloy::dist {
+
+using Clock = std::chrono::steady_clock;
+using compress::BufferLayout;
+using compress::Encoded;
+using compress::StepContext;
+
+namespace {
+
+uint64_t mix(uint64_t a, uint64_t b) {
+  uint64_t x = a ^ (b * 0x9e3779b97f4a7c15ULL);
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  return x;
+}
+
+double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// Elementwise maximum of V over the members of COMM.
+void max_over(compress::Comm& comm, std::vector<double>& v) {
+  at::Tensor t = at::tensor(v, at::kDouble);
+  auto all = comm.allgather(t);
+  at::Tensor m = all[0];
+  for (size_t i = 1; i < all.size(); ++i) m = at::maximum(m, all[i]);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = m[static_cast<int64_t>(i)].item<double>();
+}
+
+}  // namespace
+
+CompressedSync::CompressedSync(std::vector<model::Param*> params, Topology topo, const GradSyncConfig& cfg, uint64_t set_seed,
+                               std::string name)
+    : name_(std::move(name)), params_(std::move(params)), topo_(std::move(topo)), cfg_(cfg), set_seed_(set_seed) {
+  for (auto* p : params_) {
+    if (p->tensor.scalar_type() != at::kFloat)
+      throw InputError("grad_sync.compression", "compression needs float32 parameters; '" + p->name + "' is " +
+                                                    std::string(c10::toString(p->tensor.scalar_type())) + " (model.dtype)");
+    compress::TensorSlot s;
+    s.offset = total_;
+    s.numel = p->tensor.numel();
+    s.shape = p->tensor.sizes().vec();
+    slots_.push_back(s);
+    total_ += s.numel;
+  }
+  if (total_ >= (int64_t(1) << 31))
+    throw Error("gradient sync set " + name_ + " holds " + std::to_string(total_) + " elements; compressed sync indexes them in 32 bits");
+  staging_ = at::zeros({total_}, at::kFloat);
+  out_ = at::zeros({total_}, at::kFloat);
+  compress::FusionInputs in;
+  for (auto& s : slots_) in.numel.push_back(s.numel);
+  in.cap_bytes = static_cast<int64_t>(cfg_.bucket_mb * 1024 * 1024);
+  fusion_ = compress::plan_fusion(cfg_.fusion, in);
+  opts_ = compress::Options::from(cfg_, fusion_.aligned);
+  codec_ = compress::make_codec(opts_);
+  ready_.assign(params_.size(), 0);
+  ready_at_.assign(params_.size(), Clock::time_point{});
+  threads_ = at::get_num_threads();
+  worker_ = std::thread([this] { worker_main(); });
+}
+
+CompressedSync::~CompressedSync() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+double CompressedSync::since_origin_us(Clock::time_point t) const {
+  return std::chrono::duration<double, std::micro>(t - origin_).count();
+}
+
+void CompressedSync::arm(int64_t step, Clock::time_point origin) {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::fill(ready_.begin(), ready_.end(), 0);
+  step_ = step;
+  origin_ = origin;
+  armed_at_ = Clock::now();
+  stats_ = CompressedSyncStats{};
+  error_ = nullptr;
+  armed_ = true;
+  phase_ = Phase::Armed;
+  cv_.notify_all();
+}
+
+void CompressedSync::on_grad_ready(size_t slot, const at::Tensor& incoming) {
+  if (!armed_) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (ready_[slot]) return;
+  }
+  at::NoGradGuard ng;
+  const model::Param* p = params_[slot];
+  at::Tensor dst = staging_.narrow(0, slots_[slot].offset, slots_[slot].numel);
+  const at::Tensor& prev = p->tensor.grad();
+  if (!incoming.is_cpu()) dst.copy_(prev.defined() ? (prev + incoming).reshape({-1}) : incoming.reshape({-1}));
+  else if (prev.defined()) at::add_out(dst, prev.reshape({-1}), incoming.reshape({-1}));
+  else dst.copy_(incoming.reshape({-1}));
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ready_[slot] = 1;
+    ready_at_[slot] = Clock::now();
+  }
+  cv_.notify_all();
+}
+
+void CompressedSync::wait_ready(size_t i) {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return ready_[i] != 0 || stop_; });
+  if (stop_) throw Error("gradient sync " + name_ + " stopped");
+}
+
+void CompressedSync::worker_main() {
+  at::set_num_threads(threads_);  // OpenMP thread counts are per thread: match the training thread
+  at::NoGradGuard ng;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || phase_ == Phase::Armed; });
+      if (stop_) return;
+      phase_ = Phase::Running;
+    }
+    std::exception_ptr err;
+    try {
+      run_step();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      error_ = err;
+      phase_ = Phase::Done;
+    }
+    cv_.notify_all();
+  }
+}
+
+std::vector<Encoded> CompressedSync::encode_pieces(size_t lo, size_t hi, bool per_tensor, const StepContext& ctx, BufferLayout& L,
+                                                   bool wait) {
+  std::vector<Encoded> parts;
+  auto encode = [&](int64_t begin, int64_t numel, std::vector<compress::TensorSlot> slots, const std::string& what) {
+    auto t0 = Clock::now();
+    parts.push_back(codec_->encode(staging_, begin, numel, slots, state_, ctx));
+    auto t1 = Clock::now();
+    stats_.encode_s += seconds(t0, t1);
+    stats_.selected += parts.back().selected;
+    stats_.spans.push_back({"compress " + what, since_origin_us(t0), std::chrono::duration<double, std::micro>(t1 - t0).count()});
+  };
+  if (per_tensor) {
+    for (size_t i = lo; i < hi; ++i) {
+      if (wait) wait_ready(i);
+      L.pieces.emplace_back(slots_[i].offset, slots_[i].numel);
+      encode(slots_[i].offset, slots_[i].numel, {slots_[i]}, params_[i]->name);
+    }
+  } else {
+    if (wait)
+      for (size_t i = lo; i < hi; ++i) wait_ready(i);
+    L.pieces.emplace_back(L.begin, L.numel);
+    encode(L.begin, L.numel, L.slots, "buffer");
+  }
+  return parts;
+}
+
+void CompressedSync::broadcast_wire(at::Tensor& wire) {
+  // The region's leader (group rank 0: the lowest rank) sends the wire's size and type, then its
+  // bytes; the others do not know either beforehand (sparse sizes vary, non-leaders encode nothing).
+  compress::Comm& c = *topo_.region;
+  const bool root = c.rank() == 0;
+  at::Tensor header = at::zeros({2}, at::kLong);
+  if (root) {
+    wire = wire.contiguous();
+    header[0] = wire.numel() * static_cast<int64_t>(wire.element_size());
+    header[1] = static_cast<int64_t>(wire.scalar_type());
+  }
+  c.broadcast(header, 0);
+  const auto dtype = static_cast<at::ScalarType>(header[1].item<int64_t>());
+  at::Tensor bytes = root ? wire.view(at::kByte) : at::empty({header[0].item<int64_t>()}, at::kByte);
+  c.broadcast(bytes, 0);
+  if (!root) wire = bytes.view(dtype);
+}
+
+void CompressedSync::run_step() {
+  // Measuring strategies re-cut their buffers from the previous step's times: after the first
+  // step (which warms up) and one more; the adaptive one again at step 5 and every 10 steps.
+  const bool due = steps_run_ == 2 || (compress::fusion_retunes(cfg_.fusion) && (steps_run_ == 5 || (steps_run_ > 0 && steps_run_ % 10 == 0)));
+  if (compress::fusion_measures(cfg_.fusion) && due) retune();
+  StepContext ctx;
+  ctx.step = step_;
+  ctx.seed = mix(set_seed_, static_cast<uint64_t>(step_));
+  ctx.contributors = topo_.hierarchical() ? topo_.regions : topo_.flat->size();
+  const bool per_tensor = fusion_.compress_ahead || codec_->per_tensor_only();
+  const size_t n = slots_.size();
+  std::vector<std::pair<double, double>> exchanges;
+  compress::Comm* counted[3] = {topo_.flat.get(), topo_.region.get(), topo_.leaders.get()};
+  int64_t bytes_before = 0;
+  for (auto* c : counted)
+    if (c) bytes_before += c->bytes_sent();
+  for (size_t b = 0; b < fusion_.starts.size(); ++b) {
+    const size_t lo = fusion_.starts[b], hi = fusion_.buffer_of_end(b, n);
+    BufferLayout L;
+    L.begin = slots_[lo].offset;
+    L.numel = slots_[hi - 1].offset + slots_[hi - 1].numel - L.begin;
+    L.slots.assign(slots_.begin() + static_cast<long>(lo), slots_.begin() + static_cast<long>(hi));
+    stats_.elements += L.numel;
+    const std::string tag = std::to_string(b);
+    at::Tensor wire;
+    std::vector<Encoded> parts;
+    Clock::time_point tx;
+    if (topo_.hierarchical()) {
+      for (size_t i = lo; i < hi; ++i) wait_ready(i);
+      if (topo_.region) {
+        auto t0 = Clock::now();
+        at::Tensor dense = staging_.narrow(0, L.begin, L.numel);
+        topo_.region->allreduce_sum(dense);
+        stats_.spans.push_back({"region all-reduce " + tag, since_origin_us(t0), seconds(t0, Clock::now()) * 1e6});
+      }
+      if (topo_.leaders) {
+        parts = encode_pieces(lo, hi, per_tensor, ctx, L, false);
+        tx = Clock::now();
+        wire = codec_->exchange(parts, L, *topo_.leaders, ctx);
+      } else {
+        // The layout's pieces must match the leader's for decoding.
+        if (per_tensor)
+          for (size_t i = lo; i < hi; ++i) L.pieces.emplace_back(slots_[i].offset, slots_[i].numel);
+        else
+          L.pieces.emplace_back(L.begin, L.numel);
+        tx = Clock::now();
+      }
+      if (topo_.region) broadcast_wire(wire);
+    } else {
+      parts = encode_pieces(lo, hi, per_tensor, ctx, L, true);
+      tx = Clock::now();
+      wire = codec_->exchange(parts, L, *topo_.flat, ctx);
+    }
+    auto td = Clock::now();
+    stats_.exchange_s += seconds(tx, td);
+    exchanges.emplace_back(static_cast<double>(L.numel), seconds(tx, td));
+    stats_.spans.push_back({"exchange " + tag, since_origin_us(tx), seconds(tx, td) * 1e6});
+    codec_->decode(wire, L, out_, ctx);
+    if (!parts.empty()) codec_->after_decode(parts, out_, state_, ctx);
+    auto te = Clock::now();
+    stats_.decode_s += seconds(td, te);
+    stats_.spans.push_back({"decompress " + tag, since_origin_us(td), seconds(td, te) * 1e6});
+  }
+  int64_t bytes_after = 0;
+  for (auto* c : counted)
+    if (c) bytes_after += c->bytes_sent();
+  stats_.bytes_sent = bytes_after - bytes_before;
+  stats_.buffers = static_cast<int64_t>(fusion_.starts.size());
+  if (state_.residual.defined()) stats_.residual_sq = at::dot(state_.residual, state_.residual).item<double>();
+  // What the measuring fusion strategies learn from this step.
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ready_s_.assign(n, 0);
+    for (size_t i = 0; i < n; ++i) ready_s_[i] = std::max(0.0, seconds(armed_at_, ready_at_[i]));
+  }
+  const double encoded = std::max<double>(1, static_cast<double>(stats_.elements));
+  encode_s_per_elem_ = stats_.encode_s / encoded;
+  decode_s_per_elem_ = stats_.decode_s / encoded;
+  exchanges_ = exchanges;
+  ++steps_run_;
+}
+
+void CompressedSync::retune() {
+  // alpha + beta * elements, least squares over this step's exchanges (alpha >= 0.1 ms).
+  double alpha = 1e-3, beta = 0;
+  if (!exchanges_.empty()) {
+    double sx = 0, sy = 0, sxx = 0, sxy = 0;
+    const double m = static_cast<double>(exchanges_.size());
+    for (auto [x, y] : exchanges_) sx += x, sy += y, sxx += x * x, sxy += x * y;
+    const double den = m * sxx - sx * sx;
+    if (exchanges_.size() >= 2 && den > 0) {
+      beta = std::max(0.0, (m * sxy - sx * sy) / den);
+      alpha = (sy - beta * sx) / m;
+    }
+    if (!(beta > 0)) beta = std::max(0.0, (sy / m - alpha) / std::max(1.0, sx / m));
+    alpha = std::max(1e-4, alpha);
+  }
+  std::vector<double> v = ready_s_;
+  v.resize(slots_.size(), 0);
+  v.push_back(encode_s_per_elem_);
+  v.push_back(decode_s_per_elem_);
+  v.push_back(alpha);
+  v.push_back(beta);
+  // Every member must cut the same buffers: share the measurements (the maximum over members).
+  if (!topo_.hierarchical()) {
+    max_over(*topo_.flat, v);
+  } else {
+    if (topo_.region) max_over(*topo_.region, v);
+    if (topo_.leaders) max_over(*topo_.leaders, v);
+    if (topo_.region) {
+      at::Tensor t = at::tensor(v, at::kDouble);
+      topo_.region->broadcast(t, 0);
+      for (size_t i = 0; i < v.size(); ++i) v[i] = t[static_cast<int64_t>(i)].item<double>();
+    }
+  }
+  const size_t n = slots_.size();
+  compress::FusionInputs in;
+  for (auto& s : slots_) in.numel.push_back(s.numel);
+  in.ready_s.assign(v.begin(), v.begin() + static_cast<long>(n));
+  in.encode_s_per_elem = v[n];
+  in.decode_s_per_elem = v[n + 1];
+  in.alpha_s = v[n + 2];
+  in.beta_s_per_byte = v[n + 3];
+  in.wire_bytes_per_elem = 1;  // beta is per gradient element of a buffer
+  in.cap_bytes = static_cast<int64_t>(cfg_.bucket_mb * 1024 * 1024);
+  fusion_ = compress::plan_fusion(cfg_.fusion, in);
+}
+
+CompressedSyncStats CompressedSync::finish() {
+  if (!armed_) return {};
+  at::NoGradGuard ng;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    // A parameter that took no part in this step's graph: whatever .grad holds (or zero), so every
+    // member still contributes and the exchanges stay matched.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (ready_[i]) continue;
+      at::Tensor dst = staging_.narrow(0, slots_[i].offset, slots_[i].numel);
+      const at::Tensor& g = params_[i]->tensor.grad();
+      if (g.defined()) dst.copy_(g.reshape({-1}));
+      else dst.zero_();
+      ready_[i] = 1;
+      ready_at_[i] = Clock::now();
+    }
+  }
+  cv_.notify_all();
+  std::exception_ptr err;
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return phase_ == Phase::Done; });
+    phase_ = Phase::Idle;
+    armed_ = false;
+    err = error_;
+  }
+  if (err) std::rethrow_exception(err);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& p = params_[i]->tensor;
+    at::Tensor src = out_.narrow(0, slots_[i].offset, slots_[i].numel).view(p.sizes());
+    if (p.grad().defined()) p.mutable_grad().copy_(src);
+    else p.mutable_grad() = src.to(p.device(), /*non_blocking=*/false, /*copy=*/true);
+  }
+  return stats_;
+}
+
+CompressedSyncStats CompressedSync::sync_now(int64_t step) {
+  arm(step, Clock::now());
+  return finish();  // finish() takes every gradient from .grad
+}
+
+}  // namespace alloy::dist

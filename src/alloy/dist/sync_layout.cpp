@@ -1,0 +1,104 @@
+#include "alloy/dist/sync_layout.h"
+
+#include <algorithm>
+#include <set>
+
+#include "alloy/core/error.h"
+#include "alloy/model/transformer.h"
+
+namespace alloy::dist {
+
+namespace {
+std::string join(const std::vector<int>& v, const char* sep) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + std::to_string(v[i]);
+  return s;
+}
+}  // namespace
+
+std::vector<std::vector<int>> split_regions(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow) {
+  std::set<std::pair<int, int>> slow_set(slow.begin(), slow.end());
+  std::vector<int> comp(ranks.size(), -1);
+  int next = 0;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (comp[i] >= 0) continue;
+    std::vector<size_t> stack{i};
+    comp[i] = next;
+    while (!stack.empty()) {
+      size_t a = stack.back();
+      stack.pop_back();
+      for (size_t b = 0; b < ranks.size(); ++b) {
+        if (comp[b] >= 0) continue;
+        auto key = std::make_pair(std::min(ranks[a], ranks[b]), std::max(ranks[a], ranks[b]));
+        if (slow_set.count(key)) continue;
+        comp[b] = next;
+        stack.push_back(b);
+      }
+    }
+    ++next;
+  }
+  std::vector<std::vector<int>> out(static_cast<size_t>(next));
+  for (size_t i = 0; i < ranks.size(); ++i) out[static_cast<size_t>(comp[i])].push_back(ranks[i]);
+  for (auto& r : out) std::sort(r.begin(), r.end());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+const std::vector<int>* HolderSet::region_of(int rank) const {
+  for (const auto& r : regions)
+    if (std::find(r.begin(), r.end(), rank) != r.end()) return &r;
+  return nullptr;
+}
+
+std::vector<int> HolderSet::leaders() const {
+  std::vector<int> out;
+  for (const auto& r : regions) out.push_back(r.front());
+  return out;
+}
+
+SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model) {
+  for (const auto& pl : plan.pipelines)
+    for (const auto& s : pl.stages)
+      for (const auto& n : model::param_names(model, model::LayerRange::for_blocks(s.layer_begin, s.layer_end, model.layers)))
+        holders_[n].push_back(s.ranks[0]);
+  std::set<std::vector<int>> distinct;
+  for (auto& [n, r] : holders_) {
+    std::sort(r.begin(), r.end());
+    if (r.size() > 1) distinct.insert(r);
+  }
+  const GradSyncConfig& g = plan.grad_sync;
+  for (const auto& ranks : distinct) {
+    HolderSet h;
+    h.ranks = ranks;
+    h.name = "grad-" + join(ranks, "-");
+    const bool slow_only = g.scope == "slow-links";
+    h.regions = slow_only ? split_regions(ranks, plan.slow_links) : std::vector<std::vector<int>>{ranks};
+    h.compressed = g.lossy() && (!slow_only || h.regions.size() > 1);
+    h.hierarchical = h.compressed && slow_only;
+    sets_.push_back(h);
+  }
+}
+
+const std::vector<int>& SyncLayout::holders(const std::string& param) const {
+  auto it = holders_.find(param);
+  if (it == holders_.end()) throw Error("no rank holds parameter '" + param + "'");
+  return it->second;
+}
+
+const HolderSet* SyncLayout::set_of(const std::vector<int>& ranks) const {
+  for (const auto& s : sets_)
+    if (s.ranks == ranks) return &s;
+  return nullptr;
+}
+
+std::string SyncLayout::state_key(int rank, const GradSyncConfig& g) const {
+  std::string key = g.compression + "/" + std::to_string(g.density) + "/" + g.scope + "/" + (g.error_feedback ? "ef" : "noef");
+  for (const auto& s : sets_)
+    if (s.compressed && std::find(s.ranks.begin(), s.ranks.end(), rank) != s.ranks.end()) {
+      key += "|" + s.name;
+      for (const auto& r : s.regions) key += ":" + join(r, ".");
+    }
+  return key;
+}
+
+}  // namespace alloy::dist

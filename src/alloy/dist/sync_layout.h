@@ -1,0 +1,52 @@
+#pragma once
+// Who sums which gradients with whom, derived from the Plan alone, so every rank computes the same
+// thing without talking: for every parameter the ranks that hold it, and for every distinct set of
+// holders whether its gradients go exact or compressed, and through which regions.
+//
+// A holder set (two or more ranks holding the same parameters) is compressed when
+// grad_sync.compression is lossy and either grad_sync.scope is `all`, or the set spans more than
+// one region: its ranks split into regions by the plan's slow_links (ranks joined, directly or
+// through each other, by links that are not slow). With scope slow-links such a set syncs
+// hierarchically (exact inside each region, compressed between regions); a set inside one region
+// stays exact.
+#include <map>
+#include <string>
+#include <vector>
+
+#include "alloy/core/config.h"
+#include "alloy/core/plan.h"
+
+namespace alloy::dist {
+
+struct HolderSet {
+  std::vector<int> ranks;                 // sorted
+  std::vector<std::vector<int>> regions;  // sorted by first rank; each sorted
+  bool compressed = false;
+  bool hierarchical = false;              // compressed between regions only (scope slow-links)
+  std::string name;                       // "grad-0-2": also the stem of its process groups
+  const std::vector<int>* region_of(int rank) const;
+  std::vector<int> leaders() const;       // the lowest rank of every region
+};
+
+class SyncLayout {
+ public:
+  SyncLayout(const Plan& plan, const ModelConfig& model);
+  // The ranks holding PARAM, sorted; throws Error for an unknown name.
+  const std::vector<int>& holders(const std::string& param) const;
+  const std::map<std::string, std::vector<int>>& all_holders() const { return holders_; }
+  // Sets of two or more holders, sorted by their ranks: the order every rank creates groups in.
+  const std::vector<HolderSet>& sets() const { return sets_; }
+  const HolderSet* set_of(const std::vector<int>& ranks) const;
+  // What a rank's compression state belongs to: the compressed sets and the settings.
+  std::string state_key(int rank, const GradSyncConfig& g) const;
+
+ private:
+  std::map<std::string, std::vector<int>> holders_;
+  std::vector<HolderSet> sets_;
+};
+
+// Ranks split by slow links: connected components of the graph whose edges are the pairs of RANKS
+// not listed in SLOW (pairs a < b).
+std::vector<std::vector<int>> split_regions(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow);
+
+}  // namespace alloy::dist

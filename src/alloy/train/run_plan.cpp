@@ -1,0 +1,235 @@
+#include "alloy/train/run_plan.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "alloy/core/error.h"
+#include "alloy/core/fs.h"
+#include "alloy/core/log.h"
+#include "alloy/dist/world.h"
+#include "alloy/plan/calibrate.h"
+#include "alloy/plan/planner.h"
+#include "alloy/plan/profiler.h"
+#include "alloy/plan/sync_scope.h"
+
+namespace alloy::train {
+
+namespace {
+
+std::string cluster_path(const PlanSources& src) {
+  if (!src.cluster.empty()) return src.cluster;
+  const char* env = std::getenv("ALLOY_CLUSTER");
+  return env ? env : "";
+}
+
+// --plan auto: profile the ranks (or reuse a profile), then rank 0 searches and hands the plan to
+// the others through the store, so every rank runs the same plan even if the search's time
+// budget would cut differently on different machines.
+AutoPlan auto_plan(const Config& cfg, const PlanSources& src, dist::World* world) {
+  const std::string path = cluster_path(src);
+  if (path.empty()) throw InputError("--plan auto", "needs the cluster: --cluster FILE (or run under `alloy launch --emulate FILE`)");
+  int ptafm_stages = 0;
+  plan::ClusterSpec spec = plan::load_cluster(path, &ptafm_stages);
+  const int rank = world ? world->rank() : 0;
+  std::string reuse = !src.profile.empty() ? src.profile : cfg.output.dir + "/profile.json";
+  plan::Profile prof;
+  bool have = false;
+  if (file_exists(reuse)) {
+    prof = plan::Profile::load(reuse);
+    have = model_differences(prof.model, cfg.model).empty();
+    if (!have && !src.profile.empty()) throw InputError(src.profile, "was measured for another model");
+    if (have && rank == 0) log_info("reusing the profile " + reuse);
+  }
+  if (!have) {
+    if (rank == 0) log_info("profiling " + std::to_string(spec.devices.size()) + " devices of " + path);
+    plan::ProfileOptions po;
+    po.device = rank_device(cfg);
+    prof = plan::run_profile(cfg.model, spec, world, po);
+    if (rank == 0) {
+      ensure_writable_dir(cfg.output.dir);
+      prof.save(cfg.output.dir + "/profile.json");
+      std::printf("%s", plan::describe_profile(prof).c_str());
+    }
+  }
+  std::string plan_json;
+  plan::SearchOptions so;
+  so.global_batch = cfg.train.global_batch;
+  so.ptafm_stages = ptafm_stages;
+  so.bucket_mb = cfg.grad_sync.bucket_mb;
+  if (rank == 0) {
+    try {
+      auto report = plan::make_plan(spec, prof, so, true);
+      std::printf("%s", report.text().c_str());
+      std::fflush(stdout);
+      Plan p = report.chosen.plan;
+      p.predicted = report.chosen.cost.to_json();
+      plan_json = p.to_json().dump();
+    } catch (const std::exception&) {
+      if (world) world->store().set("alloy/autoplan", std::vector<uint8_t>{'!'});
+      throw;
+    }
+    if (world) world->store().set("alloy/autoplan", std::vector<uint8_t>(plan_json.begin(), plan_json.end()));
+  } else {
+    world->store().wait({"alloy/autoplan"});
+    auto b = world->store().get("alloy/autoplan");
+    plan_json.assign(b.begin(), b.end());
+    if (plan_json == "!") throw Error("rank 0 found no plan that fits (see its error)");
+  }
+  return {Plan::from_json(nlohmann::json::parse(plan_json), "the automatic plan"), spec, prof, so};
+}
+
+Plan equal_data_parallel(const Config& cfg, int n) {
+  const int64_t gb = cfg.train.global_batch;
+  if (gb % n != 0)
+    throw InputError("train.global_batch", std::to_string(gb) + " does not split evenly over " + std::to_string(n) +
+                                               " ranks; give a --plan or SynerFuse flags for an uneven split");
+  int64_t per = gb / n, mbs = std::min<int64_t>(per, cfg.train.micro_batch_resolved());
+  if (per % mbs != 0) mbs = per;
+  return Plan::data_parallel(cfg.model.layers, std::vector<std::pair<int64_t, int64_t>>(static_cast<size_t>(n), {mbs, per / mbs}));
+}
+
+// Rank 0's side of train.replan_step: calibrate the profile with the compute each rank measured
+// in steps FROM..TO under the running plan, search again, record it in OUTPUT/replan.json, and
+// return the plan to switch to, if any. After a switch the calibrated profile and the new plan
+// become the running ones, so a later call corrects what the first calibration got wrong (the
+// profile's shape across micro-batch sizes, e.g.).
+struct Replanning {
+  AutoPlan ap;
+  nlohmann::json events = nlohmann::json::array();
+};
+
+std::shared_ptr<Plan> replan_from_measured(Replanning& st, const Config& cfg, int64_t from, int64_t to,
+                                           const std::map<int, double>& measured, const std::map<int, double>& phase) {
+  AutoPlan& ap = st.ap;
+  plan::Calibration cal = plan::calibrate(ap.plan, ap.spec, ap.profile, measured);
+  plan::Replan rp = plan::replan(ap.plan, ap.spec, cal, ap.options, 0.05, &phase);
+  log_info("re-planning with the compute measured in steps " + std::to_string(from) + "-" + std::to_string(to) + ":\n" + cal.text +
+           rp.text);
+  nlohmann::json m = nlohmann::json::object(), f = nlohmann::json::object();
+  nlohmann::json ph = nlohmann::json::object();
+  for (const auto& [r, v] : measured) m[std::to_string(r)] = v;
+  for (const auto& [r, v] : phase) ph[std::to_string(r)] = v;
+  for (const auto& [t, v] : cal.factor) f[t] = v;
+  nlohmann::json e = {{"step", to},
+                      {"measured_compute_s", m},
+                      {"measured_phase_s", ph},
+                      {"factors", f},
+                      {"running_plan_predicted_s", ap.plan.predicted.value("step_s", 0.0)},
+                      {"running_plan_calibrated_s", rp.current.step_s},
+                      {"best_calibrated_s", rp.best.step_s},
+                      {"switched", rp.change}};
+  if (rp.split)
+    e["rebalance"] = {{"pipeline_factors", rp.split->factor},
+                      {"running_split_s", rp.split->current_s},
+                      {"best_split_s", rp.split->best_s},
+                      {"switched", rp.split->change}};
+  if (rp.change) e["plan"] = rp.plan.to_json();
+  st.events.push_back(e);
+  // The speeds this run measured, for `alloy plan --profile` (a later job on the same pool, or
+  // predicting other plans with them).
+  cal.profile.save(cfg.output.dir + "/profile-calibrated.json");
+  nlohmann::json doc = {{"format", "alloy-replan"}, {"version", 1}, {"replans", st.events}};
+  write_file_atomic(cfg.output.dir + "/replan.json", doc.dump(2) + "\n");
+  if (!rp.change) return nullptr;
+  Plan next = rp.plan;
+  next.grad_sync = ap.plan.grad_sync;  // the search plans layouts; the sync settings stay the user's
+  next.slow_links = plan::slow_rank_pairs(next, ap.spec, next.grad_sync);
+  ap.plan = next;
+  ap.profile = cal.profile;
+  return std::make_shared<Plan>(next);
+}
+
+}  // namespace
+
+bool synerfuse_given(const SynerFuseArgs& a) {
+  return !a.hetero_pipeline_stages.empty() || !a.micro_batch_size_per_dp.empty() || !a.num_micro_batches_per_dp.empty() ||
+         a.pipeline_model_parallel_size > 1;
+}
+
+ResolvedPlan resolve_plan(const Config& cfg, const PlanSources& src, int world_size, dist::World* world) {
+  ResolvedPlan out;
+  bool from_file = false;
+  std::string where = "plan";
+  if (src.plan_file == "auto") {
+    out.autoplan = std::make_shared<AutoPlan>(auto_plan(cfg, src, world));
+    out.plan = std::make_shared<Plan>(out.autoplan->plan);
+  } else if (!src.plan_file.empty()) {
+    out.plan = std::make_shared<Plan>(Plan::load(src.plan_file));
+    from_file = true;
+    where = src.plan_file;
+  } else if (!src.hetero_config.empty()) {
+    out.plan = std::make_shared<Plan>(plan_from_hetero_config_file(src.hetero_config, cfg.model.layers, cfg.train.global_batch,
+                                                                   cfg.train.micro_batch_resolved()));
+  } else if (synerfuse_given(src.synerfuse)) {
+    SynerFuseArgs sf = src.synerfuse;
+    sf.num_layers = cfg.model.layers;
+    sf.global_batch_size = cfg.train.global_batch;
+    if (sf.micro_batch_size <= 0) sf.micro_batch_size = default_micro_batch(cfg, sf, world_size);
+    sf.world_size = world_size;
+    out.plan = std::make_shared<Plan>(plan_from_synerfuse(sf));
+  } else if (world_size > 1) {
+    out.plan = std::make_shared<Plan>(equal_data_parallel(cfg, world_size));
+  }
+  if (!out.plan) {
+    if (cfg.grad_sync.lossy() && world_size <= 1)
+      log_warn("grad_sync.compression " + cfg.grad_sync.compression + " has nothing to do: one rank holds every parameter");
+    return out;
+  }
+  out.plan->validate(cfg.model, where);
+  plan::apply_grad_sync(*out.plan, cfg, from_file);
+  if (out.plan->grad_sync.lossy() && out.plan->grad_sync.scope == "slow-links") {
+    const std::string path = cluster_path(src);
+    if (!path.empty()) {
+      plan::ClusterSpec spec = out.autoplan ? out.autoplan->spec : plan::load_cluster(path);
+      out.plan->slow_links = plan::slow_rank_pairs(*out.plan, spec, out.plan->grad_sync);
+    } else if (out.plan->slow_links.empty()) {
+      throw InputError("grad_sync.scope", "slow-links needs to know which links are slow: --cluster FILE (or `alloy launch "
+                                          "--emulate FILE`), or slow_links in the plan's grad_sync");
+    }
+  }
+  if (out.autoplan) out.autoplan->plan = *out.plan;
+  return out;
+}
+
+TrainResult train_with_replanning(const Config& cfg, TrainOptions o, const ResolvedPlan& rp) {
+  o.plan = rp.plan;
+  // Up to kMaxReplans switches, each replan_step steps after the previous one; the first
+  // calibration that finds nothing better ends it.
+  constexpr int kMaxReplans = 2;
+  auto replanning = std::make_shared<Replanning>();
+  int64_t measured_from = 2;
+  if (rp.autoplan && o.world && cfg.train.replan_step > 0) {
+    replanning->ap = *rp.autoplan;
+    o.replan_at = cfg.train.replan_step;
+    o.replan = [replanning, &cfg, &o, &measured_from](const std::map<int, double>& measured, const std::map<int, double>& phase) {
+      return replan_from_measured(*replanning, cfg, measured_from, o.replan_at, measured, phase);
+    };
+  }
+  // A re-plan ends a run early at a checkpoint; the next one resumes from it under the new plan,
+  // with its own process groups.
+  TrainResult all;
+  for (int generation = 1;; ++generation) {
+    TrainResult r;
+    {
+      Trainer trainer(cfg, o);
+      r = trainer.run();
+    }
+    all.steps.insert(all.steps.end(), r.steps.begin(), r.steps.end());
+    all.val_loss.insert(all.val_loss.end(), r.val_loss.begin(), r.val_loss.end());
+    all.checkpoint = r.checkpoint;
+    all.peak_activation_bytes = std::max(all.peak_activation_bytes, r.peak_activation_bytes);
+    all.peak_in_flight = std::max(all.peak_in_flight, r.peak_in_flight);
+    if (!r.next_plan) break;
+    o.plan = r.next_plan;
+    o.resume = r.checkpoint;
+    o.init_weights.clear();
+    measured_from = o.replan_at + 2;  // a new layout's first step warms up too
+    o.replan_at = generation < kMaxReplans ? o.replan_at + cfg.train.replan_step : 0;
+    o.generation = "plan" + std::to_string(generation + 1) + "/";
+  }
+  return all;
+}
+
+}  // namespace alloy::train
