@@ -212,7 +212,7 @@ void CompressedSync::run_step() {
     L.begin = slots_[lo].offset;
     L.numel = slots_[hi - 1].offset + slots_[hi - 1].numel - L.begin;
     L.slots.assign(slots_.begin() + static_cast<long>(lo), slots_.begin() + static_cast<long>(hi));
-    stats_.elements += L.numel;
+    if (!topo_.hierarchical() || topo_.leaders) stats_.elements += L.numel;  // encoded here
     const std::string tag = std::to_string(b);
     at::Tensor wire;
     std::vector<Encoded> parts;
@@ -265,7 +265,9 @@ void CompressedSync::run_step() {
     ready_s_.assign(n, 0);
     for (size_t i = 0; i < n; ++i) ready_s_[i] = std::max(0.0, seconds(armed_at_, ready_at_[i]));
   }
-  const double encoded = std::max<double>(1, static_cast<double>(stats_.elements));
+  double synced = 0;
+  for (const auto& s : slots_) synced += static_cast<double>(s.numel);
+  const double encoded = std::max(1.0, synced);
   encode_s_per_elem_ = stats_.encode_s / encoded;
   decode_s_per_elem_ = stats_.decode_s / encoded;
   exchanges_ = exchanges;

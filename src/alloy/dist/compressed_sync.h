@@ -46,8 +46,8 @@ struct SyncSpan {
 
 struct CompressedSyncStats {
   int64_t bytes_sent = 0;  // this rank's wire bytes in this step's exchanges
-  int64_t elements = 0;    // gradient elements synced
-  int64_t selected = 0;    // elements whose values were sent (achieved density = selected / elements)
+  int64_t elements = 0;    // gradient elements this rank encoded (a region's leader encodes for it)
+  int64_t selected = 0;    // of those, elements whose values were sent (density = selected / elements)
   double encode_s = 0, exchange_s = 0, decode_s = 0;
   double residual_sq = 0;  // squared norm of what this rank still holds back (error feedback)
   int64_t buffers = 0;
