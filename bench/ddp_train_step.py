@@ -42,6 +42,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--powersgd-rank", type=int, default=0,
+                    help="register PyTorch's PowerSGD communication hook with this rank (0: plain all-reduce)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo")
@@ -51,6 +53,14 @@ def main():
     cfg = reference.parse_config(hf)
     model = Model(cfg, reference.init_params(cfg, seed=0))
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
+    if a.powersgd_rank > 0:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+        # Error feedback and warm start as in the paper and Alloy's powersgd; compression from the
+        # second step on (PyTorch needs a step of plain all-reduce first; the benchmark's warm-up
+        # steps cover it).
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=a.powersgd_rank,
+                                            start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     g = torch.Generator().manual_seed(1 + rank)
     batches = torch.randint(0, a.vocab, (a.warmup + a.steps, a.batch, a.seq_len + 1), generator=g)
@@ -68,7 +78,7 @@ def main():
     t = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the job is as fast as its slowest rank
     if rank == 0:
-        print(json.dumps({"impl": "pytorch-ddp", "step_s_median": t.item(), "steps": a.steps,
+        print(json.dumps({"impl": "pytorch-ddp", "powersgd_rank": a.powersgd_rank, "step_s_median": t.item(), "steps": a.steps,
                           "world": dist.get_world_size(), "batch_per_rank": a.batch}))
     dist.destroy_process_group()
 

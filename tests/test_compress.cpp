@@ -193,7 +193,8 @@ TEST(ErrorFeedback, SentPlusResidualEqualsInputPlusOldResidualExactly) {
     for (int step = 0; step < 3; ++step) {
       at::Tensor grad = normal(n, 20 + static_cast<uint64_t>(step));
       at::Tensor expected = st.residual.clone();
-      if (st.velocity.defined()) expected.add_(st.velocity.clone().mul_(o.dgc_momentum).add_(grad));
+      // DGC's input is its velocity g + momentum * v (computed as the codec does, one fused op).
+      if (st.velocity.defined()) expected.add_(at::add(grad, st.velocity, o.dgc_momentum));
       else expected.add_(grad);
       StepContext ctx;
       ctx.step = step;

@@ -64,6 +64,9 @@ CompressedSync::CompressedSync(std::vector<model::Param*> params, Topology topo,
   codec_ = compress::make_codec(opts_);
   ready_.assign(params_.size(), 0);
   ready_at_.assign(params_.size(), Clock::time_point{});
+  encode_in_hook_ = !topo_.hierarchical() && codec_->encodes_in_hook();
+  per_tensor_ = fusion_.compress_ahead || codec_->per_tensor_only();
+  cut_buffers();
   threads_ = at::get_num_threads();
   worker_ = std::thread([this] { worker_main(); });
 }
@@ -88,10 +91,77 @@ void CompressedSync::arm(int64_t step, Clock::time_point origin) {
   origin_ = origin;
   armed_at_ = Clock::now();
   stats_ = CompressedSyncStats{};
+  hook_stats_ = CompressedSyncStats{};
   error_ = nullptr;
+  cut_buffers();
   armed_ = true;
   phase_ = Phase::Armed;
   cv_.notify_all();
+}
+
+void CompressedSync::cut_buffers() {
+  const size_t n = slots_.size(), nb = fusion_.starts.size();
+  per_tensor_ = fusion_.compress_ahead || codec_->per_tensor_only();
+  buffer_of_.assign(n, 0);
+  pending_.assign(nb, 0);
+  for (size_t b = 0; b < nb; ++b)
+    for (size_t i = fusion_.starts[b]; i < fusion_.buffer_of_end(b, n); ++i) buffer_of_[i] = b, ++pending_[b];
+  buf_ready_.assign(nb, 0);
+  encoded_.assign(n, Encoded{});
+  encoded_whole_.assign(nb, Encoded{});
+}
+
+BufferLayout CompressedSync::layout_of(size_t b) const {
+  const size_t lo = fusion_.starts[b], hi = fusion_.buffer_of_end(b, slots_.size());
+  BufferLayout L;
+  L.begin = slots_[lo].offset;
+  L.numel = slots_[hi - 1].offset + slots_[hi - 1].numel - L.begin;
+  L.slots.assign(slots_.begin() + static_cast<long>(lo), slots_.begin() + static_cast<long>(hi));
+  if (per_tensor_)
+    for (size_t i = lo; i < hi; ++i) L.pieces.emplace_back(slots_[i].offset, slots_[i].numel);
+  else
+    L.pieces.emplace_back(L.begin, L.numel);
+  return L;
+}
+
+StepContext CompressedSync::context() const {
+  StepContext ctx;
+  ctx.step = step_;
+  ctx.seed = mix(set_seed_, static_cast<uint64_t>(step_));
+  ctx.contributors = topo_.hierarchical() ? topo_.regions : topo_.flat->size();
+  return ctx;
+}
+
+void CompressedSync::encode_ready(size_t slot) {
+  const size_t b = buffer_of_[slot];
+  const StepContext ctx = context();
+  auto encode = [&](int64_t begin, int64_t numel, const std::vector<compress::TensorSlot>& sl, const std::string& what) {
+    auto t0 = Clock::now();
+    Encoded e = codec_->encode(staging_, begin, numel, sl, state_, ctx);
+    auto t1 = Clock::now();
+    hook_stats_.encode_s += seconds(t0, t1);
+    hook_stats_.selected += e.selected;
+    hook_stats_.spans.push_back({"compress " + what, since_origin_us(t0), seconds(t0, t1) * 1e6});
+    return e;
+  };
+  if (per_tensor_) {
+    Encoded e = encode(slots_[slot].offset, slots_[slot].numel, {slots_[slot]}, params_[slot]->name);
+    std::lock_guard<std::mutex> lk(mu_);
+    encoded_[slot] = std::move(e);
+    if (--pending_[b] == 0) buf_ready_[b] = 1;
+  } else {
+    bool complete;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      complete = --pending_[b] == 0;
+    }
+    if (!complete) return;
+    const BufferLayout L = layout_of(b);
+    Encoded e = encode(L.begin, L.numel, L.slots, "buffer " + std::to_string(b));
+    std::lock_guard<std::mutex> lk(mu_);
+    encoded_whole_[b] = std::move(e);
+    buf_ready_[b] = 1;
+  }
 }
 
 void CompressedSync::on_grad_ready(size_t slot, const at::Tensor& incoming) {
@@ -99,6 +169,7 @@ void CompressedSync::on_grad_ready(size_t slot, const at::Tensor& incoming) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (ready_[slot]) return;
+    ready_at_[slot] = Clock::now();
   }
   at::NoGradGuard ng;
   const model::Param* p = params_[slot];
@@ -107,12 +178,18 @@ void CompressedSync::on_grad_ready(size_t slot, const at::Tensor& incoming) {
   if (!incoming.is_cpu()) dst.copy_(prev.defined() ? (prev + incoming).reshape({-1}) : incoming.reshape({-1}));
   else if (prev.defined()) at::add_out(dst, prev.reshape({-1}), incoming.reshape({-1}));
   else dst.copy_(incoming.reshape({-1}));
+  if (encode_in_hook_) encode_ready(slot);
   {
     std::lock_guard<std::mutex> lk(mu_);
     ready_[slot] = 1;
-    ready_at_[slot] = Clock::now();
   }
   cv_.notify_all();
+}
+
+void CompressedSync::wait_buffer(size_t b) {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return buf_ready_[b] != 0 || stop_; });
+  if (stop_) throw Error("gradient sync " + name_ + " stopped");
 }
 
 void CompressedSync::wait_ready(size_t i) {
@@ -147,16 +224,17 @@ void CompressedSync::worker_main() {
 }
 
 std::vector<Encoded> CompressedSync::encode_pieces(size_t lo, size_t hi, bool per_tensor, const StepContext& ctx, BufferLayout& L,
-                                                   bool wait) {
+                                                   bool wait, CompressedSyncStats& st) {
   std::vector<Encoded> parts;
   auto encode = [&](int64_t begin, int64_t numel, std::vector<compress::TensorSlot> slots, const std::string& what) {
     auto t0 = Clock::now();
     parts.push_back(codec_->encode(staging_, begin, numel, slots, state_, ctx));
     auto t1 = Clock::now();
-    stats_.encode_s += seconds(t0, t1);
-    stats_.selected += parts.back().selected;
-    stats_.spans.push_back({"compress " + what, since_origin_us(t0), std::chrono::duration<double, std::micro>(t1 - t0).count()});
+    st.encode_s += seconds(t0, t1);
+    st.selected += parts.back().selected;
+    st.spans.push_back({"compress " + what, since_origin_us(t0), std::chrono::duration<double, std::micro>(t1 - t0).count()});
   };
+  L.pieces.clear();
   if (per_tensor) {
     for (size_t i = lo; i < hi; ++i) {
       if (wait) wait_ready(i);
@@ -191,15 +269,7 @@ void CompressedSync::broadcast_wire(at::Tensor& wire) {
 }
 
 void CompressedSync::run_step() {
-  // Measuring strategies re-cut their buffers from the previous step's times: after the first
-  // step (which warms up) and one more; the adaptive one again at step 5 and every 10 steps.
-  const bool due = steps_run_ == 2 || (compress::fusion_retunes(cfg_.fusion) && (steps_run_ == 5 || (steps_run_ > 0 && steps_run_ % 10 == 0)));
-  if (compress::fusion_measures(cfg_.fusion) && due) retune();
-  StepContext ctx;
-  ctx.step = step_;
-  ctx.seed = mix(set_seed_, static_cast<uint64_t>(step_));
-  ctx.contributors = topo_.hierarchical() ? topo_.regions : topo_.flat->size();
-  const bool per_tensor = fusion_.compress_ahead || codec_->per_tensor_only();
+  const StepContext ctx = context();
   const size_t n = slots_.size();
   std::vector<std::pair<double, double>> exchanges;
   compress::Comm* counted[3] = {topo_.flat.get(), topo_.region.get(), topo_.leaders.get()};
@@ -208,10 +278,7 @@ void CompressedSync::run_step() {
     if (c) bytes_before += c->bytes_sent();
   for (size_t b = 0; b < fusion_.starts.size(); ++b) {
     const size_t lo = fusion_.starts[b], hi = fusion_.buffer_of_end(b, n);
-    BufferLayout L;
-    L.begin = slots_[lo].offset;
-    L.numel = slots_[hi - 1].offset + slots_[hi - 1].numel - L.begin;
-    L.slots.assign(slots_.begin() + static_cast<long>(lo), slots_.begin() + static_cast<long>(hi));
+    BufferLayout L = layout_of(b);
     if (!topo_.hierarchical() || topo_.leaders) stats_.elements += L.numel;  // encoded here
     const std::string tag = std::to_string(b);
     at::Tensor wire;
@@ -226,20 +293,24 @@ void CompressedSync::run_step() {
         stats_.spans.push_back({"region all-reduce " + tag, since_origin_us(t0), seconds(t0, Clock::now()) * 1e6});
       }
       if (topo_.leaders) {
-        parts = encode_pieces(lo, hi, per_tensor, ctx, L, false);
+        parts = encode_pieces(lo, hi, per_tensor_, ctx, L, false, stats_);
         tx = Clock::now();
         wire = codec_->exchange(parts, L, *topo_.leaders, ctx);
       } else {
-        // The layout's pieces must match the leader's for decoding.
-        if (per_tensor)
-          for (size_t i = lo; i < hi; ++i) L.pieces.emplace_back(slots_[i].offset, slots_[i].numel);
-        else
-          L.pieces.emplace_back(L.begin, L.numel);
         tx = Clock::now();
       }
       if (topo_.region) broadcast_wire(wire);
+    } else if (encode_in_hook_) {
+      wait_buffer(b);
+      std::lock_guard<std::mutex> lk(mu_);  // the hooks are done with this buffer; take its encodings
+      if (per_tensor_)
+        for (size_t i = lo; i < hi; ++i) parts.push_back(std::move(encoded_[i]));
+      else
+        parts.push_back(std::move(encoded_whole_[b]));
     } else {
-      parts = encode_pieces(lo, hi, per_tensor, ctx, L, true);
+      parts = encode_pieces(lo, hi, per_tensor_, ctx, L, true, stats_);
+    }
+    if (!topo_.hierarchical()) {
       tx = Clock::now();
       wire = codec_->exchange(parts, L, *topo_.flat, ctx);
     }
@@ -259,7 +330,8 @@ void CompressedSync::run_step() {
   stats_.bytes_sent = bytes_after - bytes_before;
   stats_.buffers = static_cast<int64_t>(fusion_.starts.size());
   if (state_.residual.defined()) stats_.residual_sq = at::dot(state_.residual, state_.residual).item<double>();
-  // What the measuring fusion strategies learn from this step.
+  // What the measuring fusion strategies learn from this step (the hooks are all done: every
+  // buffer was waited for).
   {
     std::lock_guard<std::mutex> lk(mu_);
     ready_s_.assign(n, 0);
@@ -267,11 +339,14 @@ void CompressedSync::run_step() {
   }
   double synced = 0;
   for (const auto& s : slots_) synced += static_cast<double>(s.numel);
-  const double encoded = std::max(1.0, synced);
-  encode_s_per_elem_ = stats_.encode_s / encoded;
-  decode_s_per_elem_ = stats_.decode_s / encoded;
+  encode_s_per_elem_ = (stats_.encode_s + hook_stats_.encode_s) / std::max(1.0, synced);
+  decode_s_per_elem_ = stats_.decode_s / std::max(1.0, synced);
   exchanges_ = exchanges;
   ++steps_run_;
+  // Measuring strategies re-cut their buffers for the next step from this one's times: after the
+  // second step (the first warms up); the adaptive one again after step 5 and every 10 steps.
+  const bool due = steps_run_ == 2 || (compress::fusion_retunes(cfg_.fusion) && (steps_run_ == 5 || steps_run_ % 10 == 0));
+  if (compress::fusion_measures(cfg_.fusion) && due) retune();
 }
 
 void CompressedSync::retune() {
@@ -317,12 +392,13 @@ void CompressedSync::retune() {
   in.beta_s_per_byte = v[n + 3];
   in.wire_bytes_per_elem = 1;  // beta is per gradient element of a buffer
   in.cap_bytes = static_cast<int64_t>(cfg_.bucket_mb * 1024 * 1024);
-  fusion_ = compress::plan_fusion(cfg_.fusion, in);
+  fusion_ = compress::plan_fusion(cfg_.fusion, in);  // cut_buffers() at the next arm() applies it
 }
 
 CompressedSyncStats CompressedSync::finish() {
   if (!armed_) return {};
   at::NoGradGuard ng;
+  std::vector<size_t> late;
   {
     std::lock_guard<std::mutex> lk(mu_);
     // A parameter that took no part in this step's graph: whatever .grad holds (or zero), so every
@@ -333,9 +409,14 @@ CompressedSyncStats CompressedSync::finish() {
       const at::Tensor& g = params_[i]->tensor.grad();
       if (g.defined()) dst.copy_(g.reshape({-1}));
       else dst.zero_();
-      ready_[i] = 1;
       ready_at_[i] = Clock::now();
+      late.push_back(i);
     }
+  }
+  for (size_t i : late) {
+    if (encode_in_hook_) encode_ready(i);
+    std::lock_guard<std::mutex> lk(mu_);
+    ready_[i] = 1;
   }
   cv_.notify_all();
   std::exception_ptr err;
@@ -353,7 +434,11 @@ CompressedSyncStats CompressedSync::finish() {
     if (p.grad().defined()) p.mutable_grad().copy_(src);
     else p.mutable_grad() = src.to(p.device(), /*non_blocking=*/false, /*copy=*/true);
   }
-  return stats_;
+  CompressedSyncStats st = stats_;
+  st.encode_s += hook_stats_.encode_s;
+  st.selected += hook_stats_.selected;
+  st.spans.insert(st.spans.end(), hook_stats_.spans.begin(), hook_stats_.spans.end());
+  return st;
 }
 
 CompressedSyncStats CompressedSync::sync_now(int64_t step) {

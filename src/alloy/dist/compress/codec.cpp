@@ -209,6 +209,7 @@ class PowerSgdCodec : public Codec {
   }
   const std::string& name() const override { return name_; }
   bool per_tensor_only() const override { return true; }
+  bool encodes_in_hook() const override { return false; }
 
   static int rank_for(const std::vector<int64_t>& shape, int64_t r) {
     if (shape.size() != 2) return 0;
@@ -362,12 +363,14 @@ at::Tensor accumulate(const at::Tensor& g, int64_t begin, int64_t numel, CodecSt
   at::Tensor res = st.residual.narrow(0, begin, numel);
   if (st.velocity.defined()) {
     at::Tensor v = st.velocity.narrow(0, begin, numel);
-    v.mul_(o.dgc_momentum).add_(grad);
+    at::add_out(v, grad, v, o.dgc_momentum);  // v = g + momentum * v, one pass
     res.add_(v);
   } else {
     res.add_(grad);
   }
-  return res.clone();  // the residual keeps what is not sent; the caller selects from the copy
+  // The residual itself: the caller reads what to send from it (copying the values out) before
+  // forget_sent() clears them, so nothing is copied whole.
+  return res;
 }
 
 void forget_sent(const at::Tensor& indices, int64_t selected, CodecState& st, const Options& o) {

@@ -101,6 +101,9 @@ class Codec {
   virtual const std::string& name() const = 0;
   // Whether pieces may be single tensors (compress ahead). PowerSGD always encodes per matrix.
   virtual bool per_tensor_only() const { return false; }
+  // Whether encode() may run on the autograd thread, beside a worker exchanging other buffers
+  // (it touches only its own range of the state). PowerSGD's warm-start map says no.
+  virtual bool encodes_in_hook() const { return true; }
   // Encodes [begin, begin + numel) of G (this rank's flat gradient of the set).
   virtual Encoded encode(const at::Tensor& g, int64_t begin, int64_t numel, const std::vector<TensorSlot>& slots, CodecState& st,
                          const StepContext& ctx) = 0;

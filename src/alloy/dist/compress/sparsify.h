@@ -4,8 +4,8 @@
 //
 //  - topk:      the exact k largest magnitudes (at::topk).
 //  - randomk:   k indices drawn from a seed every member shares, so nobody sends indices.
-//  - dgc:       DGC's sampled threshold: the k/n quantile of |x| over a random sample (at least
-//               400/density elements, at least 1%), then hierarchical top-k when it overshoots.
+//  - dgc:       DGC's sampled threshold: the k/n quantile of |x| over a random sample (1%, at least
+//               2000 elements), then hierarchical top-k when it overshoots.
 //  - gaussiank: a normal fit, threshold |mean| + std * Phi^-1(1 - density/2).
 //  - redsync:   RedSync's search for a threshold between mean(|x|) and max(|x|), by bisection.
 //  - sidco:     SIDCo's fit of a sparsity-inducing distribution to |x| (exponential, gamma or
@@ -48,10 +48,11 @@ Selection select_threshold(ThresholdMethod m, const at::Tensor& x, int64_t k, bo
                            SidcoFit fit = SidcoFit::Exponential, int stages = 2);
 
 // The first estimate of each method before refinement (for tests and the profiler's notes).
-double dgc_threshold(const at::Tensor& absx, int64_t k, uint64_t seed);
+// X: a contiguous float tensor; the thresholds apply to |x|.
+double dgc_threshold(const at::Tensor& x, int64_t k, uint64_t seed);
 double gaussiank_threshold(const at::Tensor& x, int64_t k);
-double redsync_threshold(const at::Tensor& absx, int64_t k, int* passes);
-double sidco_threshold(const at::Tensor& absx, int64_t k, SidcoFit fit, int stages);
+double redsync_threshold(const at::Tensor& x, int64_t k, int* passes);
+double sidco_threshold(const at::Tensor& x, int64_t k, SidcoFit fit, int stages);
 
 // Special functions the fits need (exposed for tests).
 double normal_quantile(double p);                          // Phi^-1(p), p in (0, 1)
