@@ -14,8 +14,12 @@ Writes bench/results/hetero.json, hetero.png (throughput) and hetero-predictions
   --demo   the README's main job: profile, plan (diagram), each device alone, train the plan with
            a progress display, and a short report. No baselines.
 
+  --set KEY=VALUE  a config override for every Alloy plan and run (repeatable), e.g.
+           --set grad_sync.compression=dgc --set grad_sync.scope=slow-links: compression across the
+           slow links, which the planner then prices (bench/README: the two-region pool)
+
 usage: /usr/bin/python3 bench/hetero_bench.py [--build build] [--cluster examples/cluster-3dev.yaml]
-           [--config examples/demo-gpt2.yaml] [--steps N] [--rounds N] [--out NAME] [--demo]
+           [--config examples/demo-gpt2.yaml] [--steps N] [--rounds N] [--out NAME] [--demo] [--set K=V ...]
 """
 import argparse
 import json
@@ -60,6 +64,7 @@ class Runner:
         # on the global batch beyond its optimizer step (0.2-0.3% of a 48-sample step here), and a larger batch
         # would make the slow devices' runs minutes longer.
         self.single_batch = min(48, model_of(self.config).get("global_batch", 48))
+        self.sets = [x for kv in (a.set or []) for x in ("--set", kv)]
         os.makedirs(self.work, exist_ok=True)
 
     def run(self, cmd, show=False, check=True):
@@ -83,7 +88,7 @@ class Runner:
     def plan(self, strategy, profile, diagram=None, show=False):
         out = os.path.join(self.work, f"plan-{strategy}.json")
         cmd = [self.alloy, "plan", "--cluster", self.cluster, "--config", self.config, "--profile", profile,
-               "--strategy", strategy, "-o", out]
+               "--strategy", strategy, "-o", out] + self.sets
         if diagram:
             cmd += ["--diagram", diagram]
         if not show:
@@ -95,7 +100,7 @@ class Runner:
         out = os.path.join(self.work, "runs", name)
         shutil.rmtree(out, ignore_errors=True)
         cmd = [self.alloy, "train", "--config", self.config, "--set", f"output.dir={out}",
-               "--set", f"train.steps={steps}", "--set", "train.checkpoint_interval=0"] + list(extra)
+               "--set", f"train.steps={steps}", "--set", "train.checkpoint_interval=0"] + self.sets + list(extra)
         if plan:
             cmd += ["--plan", plan]
         self.launch(cluster or self.cluster, cmd, show=show)
@@ -282,6 +287,8 @@ def main():
     ap.add_argument("--demo", action="store_true")
     ap.add_argument("--rounds", type=int, default=None,
                     help="runs of Alloy's plan and of the devices side by side, alternating (median kept); default 2, 1 with --demo")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="config override for every Alloy plan and run, e.g. grad_sync.compression=dgc (repeatable)")
     ap.add_argument("--out", default=None,
                     help="name of the result files in bench/results (default: hetero for the 3-device pool, "
                          "hetero-<cluster file's stem> for another cluster)")
@@ -305,7 +312,7 @@ def main():
     log("planning (Alloy's plan, with the baselines' predictions for comparison)")
     alloy_plan = R.plan("alloy", prof, diagram=diagram, show=True)
     R.run([R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", prof, "--no-compare",
-           "-o", os.path.join(R.work, "plan-alloy-copy.json"), "--diagram", os.path.join(R.work, "plan.png")])
+           "-o", os.path.join(R.work, "plan-alloy-copy.json"), "--diagram", os.path.join(R.work, "plan.png")] + R.sets)
     log(f"diagram: {diagram} and {os.path.join(R.work, 'plan.png')}")
     alone = R.alone(devices)
     side = R.side_by_side(devices)
@@ -316,9 +323,9 @@ def main():
     shutil.copyfile(os.path.join(main_run["out"], "plan.json"), final_plan)
     if any(e["switched"] for e in (main_run["replan"] or {}).get("replans", [])):
         R.run([R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", prof, "--no-compare",
-               "--evaluate", final_plan, "--diagram", os.path.join(R.work, "plan-final.svg")])
+               "--evaluate", final_plan, "--diagram", os.path.join(R.work, "plan-final.svg")] + R.sets)
         R.run([R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", prof, "--no-compare",
-               "--evaluate", final_plan, "--diagram", os.path.join(R.work, "plan-final.png")])
+               "--evaluate", final_plan, "--diagram", os.path.join(R.work, "plan-final.png")] + R.sets)
         log(f"the plan after re-planning: {os.path.join(R.work, 'plan-final.svg')} and .png")
     for k in range(1, a.rounds):
         # The same plan again (no second calibration), to average out the VM's slow spells.
@@ -348,7 +355,7 @@ def main():
                 # the cost model's error once the profile's own error is taken out.
                 ev = os.path.join(R.work, f"plan-{strategy}-calibrated.json")
                 R.run([R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", calibrated,
-                       "--no-compare", "--evaluate", p, "-o", ev])
+                       "--no-compare", "--evaluate", p, "-o", ev] + R.sets)
                 cs = predicted_of(ev)["step_s"]
                 pred.update(calibrated_predicted_step_s=cs, calibrated_relative_error=(run["step_s"] - cs) / cs)
                 log(f"{strategy} plan with the speeds measured in Alloy's run: predicted {cs * 1e3:.0f} ms/step "
@@ -388,6 +395,7 @@ def main():
                      f"({100 * p['calibrated_relative_error']:+.1f}%)" if "calibrated_predicted_step_s" in p else ""))
     print(f"(all measured in this run, {time.time() - t0:.0f} s, on {platform.node()}, {os.cpu_count()} cores)")
     out = dict(benchmark="hetero", when=time.strftime("%Y-%m-%d %H:%M:%S"), cluster=os.path.relpath(R.cluster, REPO),
+               config_overrides=a.set or [],
                config=os.path.relpath(R.config, REPO), machine=f"{platform.node()} {os.cpu_count()} cores",
                alone_tokens_per_s=alone, side_by_side_tokens_per_s=side, single_device_global_batch=R.single_batch, efficiency=eff_side, efficiency_vs_idle_alone=eff,
                results=results)

@@ -45,3 +45,33 @@ plot {", ".join(plots)}
         print(f"gnuplot failed for {path}: {r.stderr.strip()[:500]}")
         return False
     return True
+
+
+def lines(path, title, xlabel, ylabel, curves):
+    """One line per curve (name -> [(x, y), ...]). Writes PATH (PNG) and the numbers beside it (.dat)."""
+    if not shutil.which("gnuplot"):
+        print(f"gnuplot not found: {path} not drawn (install gnuplot-nox)")
+        return False
+    data = os.path.splitext(path)[0] + ".dat"
+    names = list(curves)
+    with open(data, "w") as f:
+        for n in names:
+            f.write(f'"{n}"\n')
+            for x, y in curves[n]:
+                f.write(f"{x:.6g} {y:.6g}\n")
+            f.write("\n\n")
+    plots = [f"'{data}' index {i} using 1:2 with linespoints title '{n}'" for i, n in enumerate(names)]
+    script = f"""set terminal pngcairo size 1000,560
+set output '{path}'
+set title '{title}'
+set xlabel '{xlabel}'
+set ylabel '{ylabel}'
+set grid
+set key top right
+plot {", ".join(plots)}
+"""
+    r = subprocess.run(["gnuplot"], input=script, text=True, capture_output=True)
+    if r.returncode != 0:
+        print(f"gnuplot failed for {path}: {r.stderr.strip()[:500]}")
+        return False
+    return True

@@ -767,7 +767,7 @@ TEST(Profile, JsonRoundTrip) {
   EXPECT_EQ(q.to_json(), p.to_json());
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-profile");
-  EXPECT_EQ(j["version"], 2);
+  EXPECT_EQ(j["version"], 3);
   // Version 1 (lines without points) still reads.
   {
     nlohmann::json v1 = j;
@@ -776,6 +776,17 @@ TEST(Profile, JsonRoundTrip) {
       for (auto& [key, c] : d.items())
         if (c.is_object()) c.erase("points");
     EXPECT_EQ(Profile::from_json(v1, "p.json").devices.at("cpu-full").block_bwd.n, 0);
+  }
+  // Version 2 (no codec costs) still reads; codec costs round-trip.
+  {
+    nlohmann::json v2 = j;
+    v2["version"] = 2;
+    EXPECT_TRUE(Profile::from_json(v2, "p.json").devices.at("cpu-full").codecs.empty());
+    Profile c = p;
+    c.devices.at("cpu-full").codecs["dgc"] = {3e-9, 1e-9};
+    Profile d = Profile::from_json(c.to_json(), "p.json");
+    EXPECT_EQ(d.devices.at("cpu-full").codecs.at("dgc").encode_s_per_elem, 3e-9);
+    EXPECT_EQ(d.to_json(), c.to_json());
   }
   // Free-form provenance is accepted.
   j["meta"] = {{"measured_on", "2024-01-01"}};
@@ -839,7 +850,11 @@ TEST(Profile, ValidationErrorsNameFileAndField) {
   };
   EXPECT_HAS(with([](auto& j) { j["format"] = "alloy-plan"; }), "p.json: format: \"alloy-plan\", not \"alloy-profile\"");
   EXPECT_HAS(with([](auto& j) { j.erase("format"); }), "p.json: format: is missing");
-  EXPECT_HAS(with([](auto& j) { j["version"] = 3; }), "p.json: version: 3; this Alloy reads versions 1 and 2");
+  EXPECT_HAS(with([](auto& j) { j["version"] = 4; }), "p.json: version: 4; this Alloy reads versions 1 to 3");
+  EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["codecs"] = {{"dcg", {{"encode_s_per_elem", 1e-9}, {"decode_s_per_elem", 1e-9}}}}; }),
+             "p.json: devices.cpu-full.codecs.dcg: is not a compression method");
+  EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["codecs"] = {{"dgc", {{"encode_s_per_elem", -1}, {"decode_s_per_elem", 0}}}}; }),
+             "p.json: devices.cpu-full.codecs.dgc: costs must be >= 0");
   EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["block_bwd"]["points"][1][0] = 1; }),
              "p.json: devices.cpu-full.block_bwd.points[1]: micro-batch sizes must increase, got 1 after 1");
   EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["block_bwd"]["points"][2] = {4, -1}; }),

@@ -50,6 +50,24 @@ TEST(Fusion, ModelChargesAlphaPerBufferAndWaitsForReadiness) {
   EXPECT_DOUBLE_EQ(simulate_fusion(two, in), 0.1 + 1.5 + 0.1 + 1.5);
 }
 
+TEST(Fusion, EncodingInTheHookOverlapsTheExchangesOfEarlierBuffers) {
+  // Two tensors ready at 0 and 1; encoding takes 0.1 s each; exchanges 1.0 s.
+  FusionInputs in = inputs({100, 100}, {0.0, 1.0}, 1.0, 0);
+  in.encode_s_per_elem = 0.001;
+  FusionPlan two;
+  two.starts = {0, 1};
+  two.compress_ahead = true;
+  // On the worker: encode 0 [0, 0.1], exchange [0.1, 1.1], encode 1 [1.1, 1.2], exchange [1.2, 2.2].
+  EXPECT_DOUBLE_EQ(simulate_fusion(two, in), 2.2);
+  // In the hook: tensor 1 is encoded [1.0, 1.1] while the worker still exchanges buffer 0.
+  in.encode_in_hook = true;
+  EXPECT_DOUBLE_EQ(simulate_fusion(two, in), 2.1);
+  // Hierarchical: each buffer is encoded whole once complete, on the worker.
+  in.encode_in_hook = false;
+  in.encode_whole = true;
+  EXPECT_DOUBLE_EQ(simulate_fusion(two, in), 2.2);
+}
+
 TEST(Fusion, AdaptiveMergesWhenTheLinkIsBusyAndSplitsToOverlap) {
   // Tensors ready 10 ms apart. A costly alpha and a cheap beta: one message is best.
   std::vector<int64_t> n(8, 1000);
@@ -84,6 +102,8 @@ RC_GTEST_PROP(Fusion, EveryPlanIsAPartitionAndAdaptiveNeverLosesToNoFusion, ()) 
   FusionInputs in = inputs(numel, ready, *rc::gen::inRange(1, 1000) * 1e-5, *rc::gen::inRange(0, 1000) * 1e-9);
   in.encode_s_per_elem = *rc::gen::inRange(0, 100) * 1e-9;
   in.cap_bytes = int64_t(*rc::gen::inRange(1, 64)) << 20;
+  in.encode_in_hook = *rc::gen::arbitrary<bool>();
+  in.encode_whole = !in.encode_in_hook && *rc::gen::arbitrary<bool>();
   for (const char* s : {"tensor", "bucket", "omgs", "cupcake", "saf", "saf-inter", "saf-adaptive"}) {
     FusionPlan p = plan_fusion(s, in);
     RC_ASSERT(!p.starts.empty());

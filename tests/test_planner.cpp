@@ -266,6 +266,115 @@ TEST(CostModel, DataParallelOverASlowLinkExposesSync) {
   EXPECT_DOUBLE_EQ(pc.stages[0].bucket_bytes, 6e6);
 }
 
+// The same pool with DGC at density 0.01: each bucket is encoded, all-gathered (index + value per
+// element sent: 2 * 0.01 of the bytes) and decoded, at the profiled codec costs.
+TEST(CostModel, CompressedSyncIsPricedByWireBytesAndCodecCosts) {
+  Profile p = base_profile(2);
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  p.devices["t"].codecs["dgc"] = {1e-8, 2e-9};
+  ClusterSpec c = two_hosts(8e6 / 1e9, 10);
+  Plan plan;
+  plan.global_batch = 4;
+  plan.grad_sync.bucket_mb = 1;
+  plan.pipelines.push_back({2, 1, {stage(0, 0, 2, "a")}});
+  plan.pipelines.push_back({1, 2, {stage(1, 0, 2, "b")}});
+  const double dense = simulate_plan(plan, c, p).step_s;
+  plan.grad_sync.compression = "dgc";
+  plan.grad_sync.density = 0.01;
+  plan.grad_sync.fusion = "saf-adaptive";  // aligned: no sizes exchanged
+  PlanCost pc = simulate_plan(plan, c, p);
+  ASSERT_EQ(pc.sync_groups.size(), 1u);
+  const auto& g = pc.sync_groups[0];
+  EXPECT_TRUE(g.compressed);
+  EXPECT_FALSE(g.hierarchical);
+  EXPECT_DOUBLE_EQ(g.wire_bytes, 0.02 * 6e6);
+  // Buckets of 1 MiB cut the units as the dense path does: head 2e6 alone (over the cap), block 1,
+  // block 0, embedding 2e6. Each: elements * (1e-8 + 2e-9) + latency / 2 + wire / 1 MB/s.
+  double expect = 0;
+  for (double b : {2e6, 1e6, 1e6, 2e6}) expect += b / 4 * 1.2e-8 + 0.5 * 0.020 + 0.02 * b / 1e6;
+  EXPECT_NEAR(g.time_s, expect, 1e-9);
+  // Dense, sync (6 s over 1 MB/s) dominated; compressed, the slower replica's phase (9 s) does.
+  EXPECT_GT(dense, 12);
+  EXPECT_LT(pc.step_s, 9.0 + expect);
+  // Staging, output, residual and velocity buffers.
+  EXPECT_DOUBLE_EQ(pc.stages[0].bucket_bytes, 4 * 6e6);
+  // The flat set encodes on the autograd thread: rank 1's backward ends 6e6/4 * 1e-8 s later.
+  EXPECT_GE(pc.stages[1].sync_exposed_s, 6e6 / 4 * 1e-8 - 1e-12);
+}
+
+// Two regions joined by a slow link: scope slow-links sums exactly inside each region and
+// compresses only between the regions' leaders.
+TEST(CostModel, HierarchicalSyncCompressesOnlyBetweenRegions) {
+  Profile p = base_profile(2);
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  ClusterSpec c;
+  c.devices = {device("a0", "h0", "t"), device("a1", "h1", "t"), device("b0", "h2", "t"), device("b1", "h3", "t")};
+  c.groups = {{"A", {"h0", "h1"}}, {"B", {"h2", "h3"}}};
+  c.rules.push_back({"A", "A", Link{10, 0.1}});
+  c.rules.push_back({"B", "B", Link{10, 0.1}});
+  c.rules.push_back({"A", "B", Link{0.1, 10}});
+  Plan plan;
+  plan.global_batch = 4;
+  for (int r = 0; r < 4; ++r) plan.pipelines.push_back({1, 1, {stage(r, 0, 2, c.devices[static_cast<size_t>(r)].name)}});
+  const PlanCost dense = simulate_plan(plan, c, p);
+  plan.grad_sync.compression = "dgc";
+  plan.grad_sync.scope = "slow-links";
+  PlanCost pc = simulate_plan(plan, c, p);
+  ASSERT_EQ(pc.sync_groups.size(), 1u);
+  EXPECT_TRUE(pc.sync_groups[0].hierarchical);
+  EXPECT_EQ(pc.sync_groups[0].regions, 2);
+  // Dense: 2 * 3/4 of 6 MB over the 12.5 MB/s hops of the ring. Compressed: 6 MB inside each
+  // region at 1.25 GB/s, then 2% of it between the two leaders.
+  EXPECT_GT(dense.sync_groups[0].time_s, 0.72);
+  EXPECT_LT(pc.sync_groups[0].time_s, 0.1);
+  EXPECT_LT(pc.step_s, dense.step_s);
+  // A set inside one region stays exact: a pipeline whose both stages sit in region A.
+  Plan inside;
+  inside.global_batch = 2;
+  inside.grad_sync = plan.grad_sync;
+  inside.pipelines.push_back({1, 1, {stage(0, 0, 1, "a0"), stage(1, 1, 2, "a1")}});
+  inside.pipelines.push_back({1, 1, {stage(2, 0, 1, "b0"), stage(3, 1, 2, "b1")}});
+  for (const auto& g : simulate_plan(inside, c, p).sync_groups) {
+    const bool crosses = g.ranks != std::vector<int>{0, 1} && g.ranks != std::vector<int>{2, 3};
+    EXPECT_EQ(g.compressed, crosses);
+  }
+}
+
+// Sets whose rings cross the same link share it: a link carrying two equal sets gives each half.
+TEST(CostModel, SetsCrossingOneLinkShareItsBandwidth) {
+  Profile p = base_profile(4);
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  ClusterSpec c;
+  c.devices = {device("a0", "h0", "t"), device("a1", "h0", "t"), device("b0", "h1", "t"), device("b1", "h1", "t")};
+  c.rules.push_back({"h0", "h1", Link{8e6 / 1e9, 0}});
+  c.intra_host = Link{1000, 0};
+  CostContext ctx(c, p);
+  CostContext::LinkLoads loads = ctx.empty_loads();
+  ctx.add_load({0, 2}, 4e6, &loads);
+  ctx.add_load({1, 3}, 4e6, &loads);
+  EXPECT_NEAR(ctx.ring({0, 2}).slowest_bytes_per_s, 1e6, 1e-6);
+  EXPECT_NEAR(ctx.ring({0, 2}, &loads, 4e6).slowest_bytes_per_s, 0.5e6, 1e-6);
+  // Unequal: the small set finishes first, so it gets half only for its own bytes.
+  CostContext::LinkLoads uneven = ctx.empty_loads();
+  ctx.add_load({0, 2}, 1e6, &uneven);
+  ctx.add_load({1, 3}, 3e6, &uneven);
+  EXPECT_NEAR(ctx.ring({0, 2}, &uneven, 1e6).slowest_bytes_per_s, 0.5e6, 1e-6);
+  EXPECT_NEAR(ctx.ring({1, 3}, &uneven, 3e6).slowest_bytes_per_s, 1e6 * 3 / 4, 1e-6);
+  // In a plan: two pipelines across the link, each pipeline's blocks held by a device on each
+  // host, so both block sets cross the same host pair at once.
+  Plan plan;
+  plan.global_batch = 2;
+  plan.pipelines.push_back({1, 1, {stage(0, 0, 2, "a0"), stage(2, 2, 4, "b0")}});
+  plan.pipelines.push_back({1, 1, {stage(3, 0, 2, "b1"), stage(1, 2, 4, "a1")}});
+  PlanCost pc = simulate_plan(plan, c, p);
+  // Sets {0, 3} (blocks 0-1 + embedding) and {1, 2} (blocks 2-3 + head), 4 MB each, both across.
+  ASSERT_EQ(pc.sync_groups.size(), 2u);
+  for (const auto& g : pc.sync_groups) {
+    EXPECT_DOUBLE_EQ(g.bytes, 4e6);
+    EXPECT_NEAR(g.slowest_bytes_per_s, 0.5e6, 1e-6);
+  }
+}
+
 TEST(CostModel, OnlyTheLastBucketIsExposedOnAFastLink) {
   Profile p = base_profile(2);
   p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
@@ -656,7 +765,13 @@ TEST(Search, ExactSearchMatchesExhaustiveEnumeration) {
     SearchOptions o;
     o.global_batch = *rc::gen::inRange<int64_t>(8, 17);
     o.max_micro_batch = 4;
-    o.bucket_mb = *rc::gen::element(0.5, 25.0);
+    o.grad_sync.bucket_mb = *rc::gen::element(0.5, 25.0);
+    // Compression changes what sets cost (and, across slow links, which sync hierarchically); the
+    // search must still find exhaustive()'s optimum, in the same numbers simulate_plan computes.
+    o.grad_sync.compression = *rc::gen::element<std::string>("none", "none", "dgc", "powersgd", "fp16");
+    o.grad_sync.scope = *rc::gen::element<std::string>("all", "slow-links");
+    o.grad_sync.density = *rc::gen::element(0.01, 0.1);
+    RC_CLASSIFY(o.grad_sync.lossy(), "compressed");
     std::string err_s, err_e;
     SearchResult s, e;
     try {

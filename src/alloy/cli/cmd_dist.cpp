@@ -15,6 +15,7 @@
 #include "alloy/plan/cluster.h"
 #include "alloy/plan/planner.h"
 #include "alloy/plan/profiler.h"
+#include "alloy/plan/sync_scope.h"
 #include "alloy/train/trainer.h"
 #include "alloy/viz/diagram.h"
 
@@ -177,11 +178,17 @@ void add_dist_commands(CLI::App& app, Action& action) {
         so.global_batch = cfg.train.global_batch;
         so.time_budget_s = pa->time_budget_s;
         so.ptafm_stages = ptafm_stages;
+        so.grad_sync = cfg.grad_sync;
         auto report = plan::make_plan(spec, prof, so, !pa->no_compare);
-        if (!pa->evaluate.empty()) report = plan::evaluate_plan(Plan::load(pa->evaluate), pa->evaluate, cfg.model, spec, prof, report);
+        if (!pa->evaluate.empty()) {
+          Plan given = Plan::load(pa->evaluate);
+          plan::apply_grad_sync(given, cfg, /*plan_from_file=*/true);  // --set grad_sync.* applies to it too
+          report = plan::evaluate_plan(given, pa->evaluate, cfg.model, spec, prof, report);
+        }
         std::printf("%s", report.text().c_str());
         p = report.chosen.plan;
         p.predicted = report.chosen.cost.to_json();
+        if (p.grad_sync.lossy() && p.grad_sync.scope == "slow-links") p.slow_links = plan::slow_rank_pairs(p, spec, p.grad_sync);
         if (!pa->diagram.empty()) {
           // The diagram shows the few figures a reader needs per stage, not the whole breakdown.
           nlohmann::json brief = {{"step_s", p.predicted.value("step_s", 0.0)}, {"per_stage", nlohmann::json::array()}};

@@ -284,12 +284,14 @@ void CompressedSync::run_step() {
     at::Tensor wire;
     std::vector<Encoded> parts;
     Clock::time_point tx;
+    double comm_s = 0;  // every collective of this buffer, for the fusion model
     if (topo_.hierarchical()) {
       for (size_t i = lo; i < hi; ++i) wait_ready(i);
       if (topo_.region) {
         auto t0 = Clock::now();
         at::Tensor dense = staging_.narrow(0, L.begin, L.numel);
         topo_.region->allreduce_sum(dense);
+        comm_s += seconds(t0, Clock::now());
         stats_.spans.push_back({"region all-reduce " + tag, since_origin_us(t0), seconds(t0, Clock::now()) * 1e6});
       }
       if (topo_.leaders) {
@@ -316,7 +318,8 @@ void CompressedSync::run_step() {
     }
     auto td = Clock::now();
     stats_.exchange_s += seconds(tx, td);
-    exchanges.emplace_back(static_cast<double>(L.numel), seconds(tx, td));
+    comm_s += seconds(tx, td);
+    exchanges.emplace_back(static_cast<double>(L.numel), comm_s);
     stats_.spans.push_back({"exchange " + tag, since_origin_us(tx), seconds(tx, td) * 1e6});
     codec_->decode(wire, L, out_, ctx);
     if (!parts.empty()) codec_->after_decode(parts, out_, state_, ctx);
@@ -392,6 +395,8 @@ void CompressedSync::retune() {
   in.beta_s_per_byte = v[n + 3];
   in.wire_bytes_per_elem = 1;  // beta is per gradient element of a buffer
   in.cap_bytes = static_cast<int64_t>(cfg_.bucket_mb * 1024 * 1024);
+  in.encode_in_hook = encode_in_hook_;
+  in.encode_whole = topo_.hierarchical();  // the region's sum exists only once the buffer is complete
   fusion_ = compress::plan_fusion(cfg_.fusion, in);  // cut_buffers() at the next arm() applies it
 }
 

@@ -8,6 +8,7 @@
 
 #include "alloy/core/error.h"
 #include "alloy/pipeline/schedule.h"
+#include "alloy/plan/sync_scope.h"
 
 namespace alloy::plan {
 
@@ -112,6 +113,207 @@ CostContext::CostContext(const ClusterSpec& cluster, const Profile& profile) : c
   std::sort(all.begin(), all.end(), [&](int a, int b) { return ring_less(a, a, b, b); });
   Ring r = ring(all);
   world_allreduce_s_ = allreduce_s(r, 2 * 8.0, 0);
+  set_grad_sync(GradSyncConfig{});
+}
+
+void CostContext::set_grad_sync(const GradSyncConfig& g) {
+  gs_ = g;
+  const size_t H = hosts_.size();
+  slow_.assign(H * H, 0);
+  const double thr = slow_link_threshold_gbps(*cluster_, g);
+  for (size_t a = 0; a < H; ++a)
+    for (size_t b = 0; b < H; ++b)
+      if (a != b && cluster_->link(hosts_[a], hosts_[b]).bandwidth_gbps < thr) slow_[a * H + b] = 1;
+  // PowerSGD's wire per gradient byte over a block: r (rows + cols) per matrix, vectors dense.
+  const ModelConfig& m = profile_->model;
+  const double h = static_cast<double>(m.hidden), f = static_cast<double>(m.ffn_resolved());
+  const double kv = static_cast<double>(m.kv_heads_resolved() * m.head_dim());
+  std::vector<std::pair<double, double>> mats;
+  if (m.arch == "llama") mats = {{h, h}, {kv, h}, {kv, h}, {h, h}, {f, h}, {f, h}, {h, f}};
+  else mats = {{h, 3 * h}, {h, h}, {h, f}, {f, h}};
+  const double r = static_cast<double>(g.powersgd_rank);
+  double sent = 0, total = 0;
+  for (auto [a, b] : mats) {
+    const double rr = std::min({r, a, b});
+    sent += rr * (a + b) < a * b ? rr * (a + b) : a * b;
+    total += a * b;
+  }
+  powersgd_ratio_ = total > 0 ? sent / total : 1.0;
+}
+
+double CostContext::LinkLoads::factor(size_t i, double own) const {
+  if (!(own > 0) || i >= hop.size()) return 1.0;
+  double sum = 0;
+  for (double b : hop[i]) sum += std::min(b, own);
+  return std::max(1.0, sum / own);
+}
+
+CostContext::LinkLoads CostContext::empty_loads() const {
+  LinkLoads l;
+  l.hop.resize(hosts_.size() * hosts_.size());
+  return l;
+}
+
+double CostContext::wire_ratio() const {
+  const std::string& m = gs_.compression;
+  if (m == "none") return 1.0;
+  if (m == "fp16" || m == "bf16") return 0.5;
+  if (m == "powersgd") return powersgd_ratio_;
+  if (m == "randomk") return gs_.density;
+  return 2.0 * gs_.density;  // an int32 index and an fp32 value per element sent
+}
+
+namespace {
+// How a method's exchange moves its payload: all-gather (every member's own), or all-reduce.
+bool gathers(const std::string& m) { return m != "fp16" && m != "randomk" && m != "powersgd"; }
+// Codec costs when the profile predates them (per element, on a ~3 GHz core).
+CodecCost default_codec(const std::string& m) {
+  if (m == "fp16" || m == "bf16") return {2e-9, 1e-9};
+  if (m == "powersgd") return {1.5e-8, 5e-9};
+  if (m == "topk") return {1e-8, 1e-9};
+  return {4e-9, 1e-9};
+}
+}  // namespace
+
+std::vector<std::vector<int>> CostContext::regions_of(const std::vector<int>& d) const {
+  // Devices joined, directly or through each other, by links that are not slow; in D's order.
+  std::vector<int> comp(d.size(), -1);
+  int next = 0;
+  for (size_t i = 0; i < d.size(); ++i) {
+    if (comp[i] >= 0) continue;
+    std::vector<size_t> stack{i};
+    comp[i] = next;
+    while (!stack.empty()) {
+      const size_t a = stack.back();
+      stack.pop_back();
+      for (size_t b = 0; b < d.size(); ++b)
+        if (comp[b] < 0 && !slow_pair(d[a], d[b])) comp[b] = next, stack.push_back(b);
+    }
+    ++next;
+  }
+  std::vector<std::vector<int>> regions(static_cast<size_t>(next));
+  for (size_t i = 0; i < d.size(); ++i) regions[static_cast<size_t>(comp[i])].push_back(d[i]);
+  return regions;
+}
+
+CostContext::SyncShape CostContext::sync_shape(const std::vector<int>& d, const LinkLoads* loads, double set_bytes) const {
+  SyncShape s;
+  const int n = static_cast<int>(d.size());
+  std::vector<std::vector<int>> regions;
+  if (gs_.lossy()) {
+    if (gs_.scope == "slow-links") {
+      regions = regions_of(d);
+      s.compressed = regions.size() > 1;
+      s.hierarchical = s.compressed;
+    } else {
+      s.compressed = n > 1;
+    }
+  }
+  const double f = n > 1 ? 2.0 * (n - 1) / n : 0.0;
+  if (!s.compressed) {
+    s.ring = ring(d, loads, f * set_bytes);
+    return s;
+  }
+  auto codec_of = [&](int dev) {
+    const auto& c = type_profile_[static_cast<size_t>(type_of(dev))]->codecs;
+    auto it = c.find(gs_.compression);
+    return it != c.end() ? it->second : default_codec(gs_.compression);
+  };
+  auto payload_per_hop = [&](int members) {
+    const double wire = wire_ratio() * set_bytes;
+    return gathers(gs_.compression) ? (members - 1) * wire : (members > 1 ? 2.0 * (members - 1) / members * wire : 0.0);
+  };
+  std::vector<int> encoders = d;
+  if (!s.hierarchical) {
+    s.ring = ring(d, loads, payload_per_hop(n));
+  } else {
+    s.num_regions = static_cast<int>(regions.size());
+    std::vector<int> leaders;
+    for (const auto& r : regions) {
+      leaders.push_back(r.front());
+      if (r.size() > 1) {
+        const double m = static_cast<double>(r.size());
+        s.regions.push_back(ring(r, loads, 2.0 * (m - 1) / m * set_bytes));
+      }
+    }
+    s.leaders = ring(leaders, loads, payload_per_hop(s.num_regions));
+    encoders = leaders;
+  }
+  for (int dev : encoders) {
+    const CodecCost c = codec_of(dev);
+    s.encode_s_per_elem = std::max(s.encode_s_per_elem, c.encode_s_per_elem);
+    s.decode_s_per_elem = std::max(s.decode_s_per_elem, c.decode_s_per_elem);
+  }
+  return s;
+}
+
+void CostContext::add_load(const std::vector<int>& d, double set_bytes, LinkLoads* loads) const {
+  const SyncShape s = sync_shape(d, nullptr, set_bytes);
+  auto put = [&](const std::vector<int>& ring_devs, double per_hop) {
+    if (ring_devs.size() < 2 || !(per_hop > 0)) return;
+    for (size_t i = 0; i < ring_devs.size(); ++i)
+      loads->hop[idx(host_of(ring_devs[i]), host_of(ring_devs[(i + 1) % ring_devs.size()]))].push_back(per_hop);
+  };
+  const int n = static_cast<int>(d.size());
+  if (!s.compressed) {
+    put(d, n > 1 ? 2.0 * (n - 1) / n * set_bytes : 0);
+    return;
+  }
+  const double wire = wire_ratio() * set_bytes;
+  auto exchange = [&](int members) {
+    return gathers(gs_.compression) ? (members - 1) * wire : (members > 1 ? 2.0 * (members - 1) / members * wire : 0.0);
+  };
+  if (!s.hierarchical) {
+    put(d, exchange(n));
+    return;
+  }
+  // The same regions sync_shape found: fast rings, then the leaders' ring.
+  const auto regions = regions_of(d);
+  std::vector<int> leaders;
+  for (const auto& r : regions) {
+    leaders.push_back(r.front());
+    const double m = static_cast<double>(r.size());
+    put(r, r.size() > 1 ? 2.0 * (m - 1) / m * set_bytes : 0);
+  }
+  put(leaders, exchange(static_cast<int>(leaders.size())));
+}
+
+double CostContext::sync_buffer_bytes(const SyncShape& s, double set_bytes) const {
+  if (!s.compressed) return set_bytes;  // the reducer's bucket copy
+  // Staging and output buffers, the residual (error feedback) and DGC's velocity.
+  double k = 2;
+  if (gs_.error_feedback) k += 1;
+  if (gs_.error_feedback && gs_.compression == "dgc" && gs_.dgc_momentum > 0) k += 1;
+  return k * set_bytes;
+}
+
+double CostContext::allgather_s(const Ring& r, double per_member) const {
+  if (r.n < 2) return 0;
+  return static_cast<double>(r.n - 1) / r.n * r.latency_sum_s + (r.n - 1) * per_member / r.slowest_bytes_per_s;
+}
+
+double CostContext::bucket_s(const SyncShape& s, double bytes, int64_t* collectives) const {
+  if (!s.compressed) return allreduce_s(s.ring, bytes, bucket_bytes(), collectives);
+  if (collectives) *collectives = 1;
+  const double elems = bytes / dtype_bytes_, wire = wire_ratio() * bytes;
+  const std::string& m = gs_.compression;
+  auto exchange = [&](const Ring& r) {
+    if (gathers(m)) {
+      // Without aligned fusion the members first exchange their sizes: one more round of latency.
+      const bool sizes = !(gs_.fusion == "saf-inter" || gs_.fusion == "saf-adaptive") && m != "bf16";
+      return allgather_s(r, wire) + (sizes && r.n > 1 ? static_cast<double>(r.n - 1) / r.n * r.latency_sum_s : 0.0);
+    }
+    const double t = allreduce_s(r, wire, 0);
+    return m == "powersgd" && r.n > 1 ? t + 2.0 * (r.n - 1) / r.n * r.latency_sum_s : t;  // P, then Q
+  };
+  double t = elems * (s.encode_s_per_elem + s.decode_s_per_elem);
+  if (!s.hierarchical) return t + exchange(s.ring);
+  double region = 0, bcast = 0;
+  for (const auto& r : s.regions) {
+    region = std::max(region, allreduce_s(r, bytes, 0));
+    bcast = std::max(bcast, r.latency_sum_s / r.n + s.num_regions * wire / r.slowest_bytes_per_s);
+  }
+  return t + region + exchange(s.leaders) + bcast;
 }
 
 double CostContext::forward_s(int type, int64_t blocks, bool first, bool last, int64_t m) const {
@@ -166,14 +368,15 @@ double CostContext::memory_bytes(double param_bytes, double bucket_bytes, int64_
          static_cast<double>(in_flight * m) * act_per_sample;
 }
 
-CostContext::Ring CostContext::ring(const std::vector<int>& d) const {
+CostContext::Ring CostContext::ring(const std::vector<int>& d, const LinkLoads* loads, double own) const {
   Ring r;
   r.n = static_cast<int>(d.size());
   r.slowest_bytes_per_s = std::numeric_limits<double>::infinity();
   if (r.n < 2) return r;
   for (size_t i = 0; i < d.size(); ++i) {
     const size_t k = idx(host_of(d[i]), host_of(d[(i + 1) % d.size()]));
-    r.slowest_bytes_per_s = std::min(r.slowest_bytes_per_s, ring_bw_[k]);
+    const double share = loads ? loads->factor(k, own) : 1.0;
+    r.slowest_bytes_per_s = std::min(r.slowest_bytes_per_s, ring_bw_[k] / share);
     r.latency_sum_s += lat_[k];
   }
   return r;
@@ -255,11 +458,15 @@ MicroBatchCost CostContext::unit_ready(int type, int64_t begin, int64_t end, boo
   return c;
 }
 
-void CostContext::buckets(const Ring& r, const std::vector<std::pair<int, double>>& units, double cap, std::vector<Bucket>* out) const {
+void CostContext::buckets(const SyncShape& s, const std::vector<std::pair<int, double>>& units, double cap, std::vector<Bucket>* out) const {
   out->clear();
   auto close = [&](Bucket& b) {
-    b.collectives = cap > 0 ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(b.bytes / cap))) : 1;
-    b.time_s = r.n < 2 ? 0 : allreduce_s(r, b.bytes, cap);
+    if (!s.compressed) {
+      b.collectives = cap > 0 ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(b.bytes / cap))) : 1;
+      b.time_s = s.ring.n < 2 ? 0 : allreduce_s(s.ring, b.bytes, cap);
+    } else {
+      b.time_s = bucket_s(s, b.bytes, &b.collectives);
+    }
     out->push_back(b);
   };
   Bucket cur;
@@ -371,9 +578,12 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     pc.pipelines.push_back(pcost);
   }
 
-  // Gradient sync per holder set, bucket by bucket.
+  // Gradient sync per holder set, bucket by bucket. First every set's load on the links (they
+  // share them), then each set's buckets on its share.
+  ctx.set_grad_sync(plan.grad_sync);
   const double bucket_bytes = plan.grad_sync.bucket_mb * 1024 * 1024;
   std::vector<double> done(phase_end), bucket(static_cast<size_t>(W), 0), longest(static_cast<size_t>(W), 0);
+  std::vector<double> encode_total(static_cast<size_t>(W), 0);
   std::vector<const CostContext::Holder*> holder_of(static_cast<size_t>(W), nullptr);
   std::vector<int64_t> mbs_of(static_cast<size_t>(W), 0);
   for (size_t p = 0; p < holders.size(); ++p)
@@ -381,19 +591,33 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       holder_of[static_cast<size_t>(h.id)] = &h;
       mbs_of[static_cast<size_t>(h.id)] = plan.pipelines[p].micro_batch_size;
     }
-  std::vector<CostContext::Bucket> bks;
-  for (auto& set : ctx.sync_sets(holders)) {
-    SyncGroupCost g;
-    g.ranks = set.ids;
-    std::sort(g.ranks.begin(), g.ranks.end(), [&](int a, int b) {
+  auto sets = ctx.sync_sets(holders);
+  std::vector<std::vector<int>> ring_ranks(sets.size()), ring_devs(sets.size());
+  CostContext::LinkLoads loads = ctx.empty_loads();
+  for (size_t i = 0; i < sets.size(); ++i) {
+    ring_ranks[i] = sets[i].ids;
+    std::sort(ring_ranks[i].begin(), ring_ranks[i].end(), [&](int a, int b) {
       return ctx.ring_less(dev_of[static_cast<size_t>(a)], a, dev_of[static_cast<size_t>(b)], b);
     });
-    std::vector<int> devs;
-    for (int r : g.ranks) devs.push_back(dev_of[static_cast<size_t>(r)]);
-    CostContext::Ring ring = ctx.ring(devs);
+    for (int r : ring_ranks[i]) ring_devs[i].push_back(dev_of[static_cast<size_t>(r)]);
+    ctx.add_load(ring_devs[i], sets[i].bytes, &loads);
+  }
+  std::vector<CostContext::Bucket> bks;
+  for (size_t i = 0; i < sets.size(); ++i) {
+    const auto& set = sets[i];
+    SyncGroupCost g;
+    g.ranks = ring_ranks[i];
+    const CostContext::SyncShape shape = ctx.sync_shape(ring_devs[i], &loads, set.bytes);
     g.bytes = set.bytes;
-    g.slowest_bytes_per_s = ring.slowest_bytes_per_s;
-    ctx.buckets(ring, set.units, bucket_bytes, &bks);
+    g.compressed = shape.compressed;
+    g.hierarchical = shape.hierarchical;
+    g.regions = shape.num_regions;
+    g.slowest_bytes_per_s = shape.hierarchical ? shape.leaders.slowest_bytes_per_s : shape.ring.slowest_bytes_per_s;
+    if (shape.compressed) {
+      g.wire_bytes = ctx.wire_ratio() * set.bytes;
+      g.encode_s = (shape.encode_s_per_elem + shape.decode_s_per_elem) * set.bytes / ctx.dtype_bytes();
+    }
+    ctx.buckets(shape, set.units, bucket_bytes, &bks);
     double end = 0;
     for (size_t k = 0; k < bks.size(); ++k) {
       double ready = 0;
@@ -410,11 +634,15 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     g.done_s = end;
     for (int r : g.ranks) {
       done[static_cast<size_t>(r)] = std::max(done[static_cast<size_t>(r)], end);
-      bucket[static_cast<size_t>(r)] += set.bytes;
+      bucket[static_cast<size_t>(r)] += ctx.sync_buffer_bytes(shape, set.bytes);
       longest[static_cast<size_t>(r)] = std::max(longest[static_cast<size_t>(r)], g.time_s);
+      if (shape.compressed && !shape.hierarchical) encode_total[static_cast<size_t>(r)] += ctx.encode_s(shape, set.bytes);
     }
     pc.sync_groups.push_back(g);
   }
+  // Flat sets encode on the autograd thread: the backward ends that much later.
+  for (int r = 0; r < W; ++r)
+    done[static_cast<size_t>(r)] = std::max(done[static_cast<size_t>(r)], phase_end[static_cast<size_t>(r)] + encode_total[static_cast<size_t>(r)]);
 
   std::vector<int> world(static_cast<size_t>(W));
   for (int r = 0; r < W; ++r) world[static_cast<size_t>(r)] = r;
@@ -498,14 +726,22 @@ nlohmann::json PlanCost::to_json() const {
                               {"memory_capacity_bytes", s.memory_capacity_bytes},
                               {"fits", s.fits}});
   j["sync_groups"] = json::array();
-  for (const auto& g : sync_groups)
-    j["sync_groups"].push_back({{"ranks", g.ranks},
-                                {"bytes", g.bytes},
-                                {"buckets", g.buckets},
-                                {"slowest_bytes_per_s", g.slowest_bytes_per_s},
-                                {"ready_s", g.ready_s},
-                                {"time_s", g.time_s},
-                                {"done_s", g.done_s}});
+  for (const auto& g : sync_groups) {
+    json gj = {{"ranks", g.ranks},
+               {"bytes", g.bytes},
+               {"buckets", g.buckets},
+               {"slowest_bytes_per_s", g.slowest_bytes_per_s},
+               {"ready_s", g.ready_s},
+               {"time_s", g.time_s},
+               {"done_s", g.done_s}};
+    if (g.compressed) {
+      gj["compressed"] = g.hierarchical ? "hierarchical" : "flat";
+      gj["regions"] = g.regions;
+      gj["wire_bytes"] = g.wire_bytes;
+      gj["codec_s"] = g.encode_s;
+    }
+    j["sync_groups"].push_back(gj);
+  }
   return j;
 }
 

@@ -29,6 +29,23 @@
 //     So gradients of early layers, ready only at the end of the backward, are exposed, while those
 //     of late layers hide behind the rest of it. A rank is done at max(end of its last backward,
 //     end of the last bucket of each of its sets); exposed sync = done - end of backward.
+//     Compressed sync (grad_sync.compression lossy): a set whose gradients are compressed (all of
+//     them with scope `all`; those spanning regions joined only by slow links with `slow-links`)
+//     times each bucket of E elements as the runtime runs it (dist/compressed_sync.h):
+//        flat:          E * encode + exchange(wire bytes among all members) + E * decode
+//        hierarchical:  exact all-reduce inside each region + E * encode (leader) +
+//                       exchange among the regions' leaders + broadcast of the wire inside each
+//                       region + E * decode
+//     with encode/decode the slowest involved device type's profiled codec cost, wire bytes per
+//     gradient byte 2 * density for the sparsifiers (index + value), density for random-k (values
+//     only), 1/2 for fp16/bf16, PowerSGD's r * (rows + cols) / (rows * cols) over the block's
+//     matrices; all-gathers cost (n-1) * payload, all-reduces 2(n-1)/n * payload per hop. Flat
+//     sets encode on the autograd thread: a rank's backward ends its sets' encode time later.
+//     Shared links: every set's collectives put bytes on the directed host pairs of their rings;
+//     a hop carrying several sets is shared as a processor-sharing link whose sets start together
+//     (a set of B bytes among sets B_j finishes after sum_j min(B_j, B) / bandwidth), so the
+//     set's ring runs at bandwidth * B / sum_j min(B_j, B) on that hop. Pipeline messages are not
+//     counted in (they cross during the phase, before the gradients are ready).
 //  3. The loss + gradient-norm all-reduce over all ranks: latency-bound, 2(W-1)/W * the ring's
 //     hop latencies (16 bytes). It is a barrier: it ends when the last rank is done.
 //  4. AdamW on each rank's own parameters: params * optimizer_s_per_param of its type.
@@ -76,6 +93,10 @@ struct PipelineCost {
 
 struct SyncGroupCost {
   std::vector<int> ranks;  // in ring order
+  bool compressed = false, hierarchical = false;
+  int regions = 1;
+  double wire_bytes = 0;   // compressed: what one member puts in the exchange
+  double encode_s = 0;     // compressed: encode + decode time of all buckets
   double bytes = 0;
   int64_t buckets = 0;
   double slowest_bytes_per_s = 0;
@@ -139,16 +160,59 @@ class CostContext {
   double state_bytes_per_param_byte() const { return profile_->memory.state_bytes_per_param_byte; }
   double memory_bytes(double param_bytes, double bucket_bytes, int64_t in_flight, int64_t m, double act_per_sample) const;
 
-  // A ring of devices, in the order given (callers sort with ring_less): hop figures.
+  // Gradient sync settings the model follows (compression, scope, bucket size); default exact.
+  void set_grad_sync(const GradSyncConfig& g);
+  const GradSyncConfig& grad_sync() const { return gs_; }
+  double bucket_bytes() const { return gs_.bucket_mb * 1024 * 1024; }
+  // Whether two devices' hosts are joined by a slow link (grad_sync.slow_link_gbps).
+  bool slow_pair(int dev_a, int dev_b) const { return slow_[static_cast<size_t>(host_of(dev_a)) * hosts_.size() + static_cast<size_t>(host_of(dev_b))] != 0; }
+
+  // Bytes the sets of one layout put on each directed host pair, for sharing links among them.
+  struct LinkLoads {
+    std::vector<std::vector<double>> hop;  // host x host: bytes of every set crossing that hop
+    double factor(size_t hop_index, double own) const;  // sum_j min(B_j, own) / own, >= 1
+  };
+
+  // A ring of devices, in the order given (callers sort with ring_less): hop figures. With LOADS,
+  // each hop's bandwidth is what a set putting OWN bytes on it gets among the others.
   struct Ring {
     int n = 0;
     double slowest_bytes_per_s = 0, latency_sum_s = 0;
   };
-  Ring ring(const std::vector<int>& devices_in_order) const;
+  Ring ring(const std::vector<int>& devices_in_order, const LinkLoads* loads = nullptr, double own = 0) const;
+
+  // How one holder set's gradients travel: an exact ring all-reduce, a flat compressed exchange,
+  // or hierarchical (regions exact, their leaders compressed).
+  struct SyncShape {
+    bool compressed = false, hierarchical = false;
+    Ring ring;                    // every member (exact, flat)
+    std::vector<Ring> regions;    // hierarchical: the regions of two or more members
+    Ring leaders;                 // hierarchical: one device per region
+    int num_regions = 1;
+    double encode_s_per_elem = 0, decode_s_per_elem = 0;
+  };
+  // DEVICES in ring order. The set's compression follows grad_sync and, with scope slow-links,
+  // whether its devices split into regions.
+  SyncShape sync_shape(const std::vector<int>& devices_in_order, const LinkLoads* loads = nullptr, double set_bytes = 0) const;
+  // DEVICES split into regions by slow links (in DEVICES' order; a region's first is its leader).
+  std::vector<std::vector<int>> regions_of(const std::vector<int>& devices_in_order) const;
+  // Adds what the set of DEVICES (ring order) syncing SET_BYTES puts on each hop to LOADS.
+  void add_load(const std::vector<int>& devices_in_order, double set_bytes, LinkLoads* loads) const;
+  LinkLoads empty_loads() const;
+  // Bytes one member puts in a compressed exchange per gradient byte.
+  double wire_ratio() const;
+  // The time of one bucket of BYTES (gradient) under SHAPE, and the time to encode it (flat sets
+  // encode on the autograd thread).
+  double bucket_s(const SyncShape& shape, double bytes, int64_t* collectives = nullptr) const;
+  double encode_s(const SyncShape& shape, double bytes) const { return shape.encode_s_per_elem * bytes / dtype_bytes_; }
+  // Memory the set's sync keeps on each member: the reducer's bucket copy (exact), or staging,
+  // output, residual and DGC velocity buffers (compressed).
+  double sync_buffer_bytes(const SyncShape& shape, double set_bytes) const;
   bool ring_less(int dev_a, int key_a, int dev_b, int key_b) const {  // host order, then KEY (rank)
     return host_of(dev_a) != host_of(dev_b) ? host_of(dev_a) < host_of(dev_b) : key_a < key_b;
   }
   double allreduce_s(const Ring& r, double bytes, double bucket_bytes, int64_t* buckets = nullptr) const;
+  double allgather_s(const Ring& r, double bytes_per_member) const;
   double world_allreduce_s() const { return world_allreduce_s_; }
 
   // Parameter units and their holders. A stage of a pipeline, seen by the sync computation.
@@ -180,7 +244,11 @@ class CostContext {
     double bytes = 0, time_s = 0;
     int64_t collectives = 0;
   };
-  void buckets(const Ring& r, const std::vector<std::pair<int, double>>& units, double cap, std::vector<Bucket>* out) const;
+  void buckets(const SyncShape& s, const std::vector<std::pair<int, double>>& units, double cap, std::vector<Bucket>* out) const;
+  // The last gradient of a stage is final this long after its last backward starts: the backward's end.
+  MicroBatchCost backward_end(int type, int64_t begin, int64_t end, bool first, bool last) const {
+    return unit_ready(type, begin, end, first, last, first ? static_cast<int>(layers()) + 1 : block_unit(begin));
+  }
 
  private:
   size_t idx(int a, int b) const { return static_cast<size_t>(a) * hosts_.size() + static_cast<size_t>(b); }
@@ -191,6 +259,9 @@ class CostContext {
   std::vector<double> capacity_;
   std::vector<const DeviceProfile*> type_profile_;
   std::vector<double> bw_, lat_, ring_bw_;  // host x host
+  std::vector<char> slow_;                  // host x host
+  GradSyncConfig gs_;
+  double powersgd_ratio_ = 1;
   double act_message_bytes_ = 0, dtype_bytes_ = 4;
   double wte_ = 0, embed_rest_ = 0, head_rest_ = 0;
   bool tied_ = false;

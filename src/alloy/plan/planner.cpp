@@ -51,10 +51,39 @@ std::string describe_profile(const Profile& p) {
   return o.str();
 }
 
-PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options, bool compare) {
+GradSyncConfig lossy_candidate(const GradSyncConfig& g) {
+  GradSyncConfig c = g;
+  c.compression = "dgc";
+  c.scope = "slow-links";
+  c.fusion = "saf-adaptive";
+  return c;
+}
+
+PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& in_options, bool compare) {
   PlanReport r;
-  r.chosen = search(cluster, profile, options);  // errors here are the user's: nothing fits
-  if (r.chosen.strategy == "alloy") tune_buckets(r.chosen, cluster, profile);
+  SearchOptions options = in_options;
+  auto run = [&](const SearchOptions& o) {
+    SearchResult x = search(cluster, profile, o);  // errors here are the user's: nothing fits
+    if (x.strategy == "alloy") tune_buckets(x, cluster, profile);
+    return x;
+  };
+  r.chosen = run(options);
+  const GradSyncConfig& g = options.grad_sync;
+  if (g.lossy() || g.allow_lossy) {
+    SearchOptions other = options;
+    if (g.lossy()) other.grad_sync.compression = "none";
+    else other.grad_sync = lossy_candidate(g);
+    try {
+      r.other_sync = run(other);
+    } catch (const std::exception&) {
+    }
+    // allow_lossy: lossy compression only where it pays, by more than the model's noise.
+    if (!g.lossy() && r.other_sync && r.other_sync->cost.step_s < r.chosen.cost.step_s * 0.95) {
+      std::swap(r.chosen, *r.other_sync);
+      options = other;
+      r.chosen.notes.push_back("grad_sync.allow_lossy: chose " + options.grad_sync.compression + " across slow links");
+    }
+  }
   if (compare) {
     for (const std::string s : {"alloy", "uniform", "proportional", "ptafm"}) {
       if (s == options.strategy) continue;
@@ -107,6 +136,29 @@ std::string PlanReport::text() const {
     o << line;
   }
   for (const auto& n : chosen.notes) o << "  note: " << n << "\n";
+  auto sync_name = [](const GradSyncConfig& g) {
+    if (!g.lossy()) return std::string("exact sync");
+    std::string s = g.compression;
+    if (g.compression != "fp16" && g.compression != "bf16" && g.compression != "powersgd") s += fmt(" %g", g.density);
+    if (g.compression == "powersgd") s += " rank " + std::to_string(g.powersgd_rank);
+    return s + (g.scope == "slow-links" ? " across slow links" : " everywhere");
+  };
+  if (chosen.plan.grad_sync.lossy() || other_sync) {
+    o << "gradient sync: " << sync_name(chosen.plan.grad_sync) << ", predicted " << ms(c.step_s);
+    if (other_sync)
+      o << "; with " << sync_name(other_sync->plan.grad_sync) << ": " << ms(other_sync->cost.step_s) << " ("
+        << fmt("%.2fx", other_sync->cost.step_s / c.step_s) << ")";
+    o << "\n";
+    for (const auto& g : c.sync_groups)
+      if (g.compressed)
+        o << "  ranks " << [&] {
+          std::string s;
+          for (int x : g.ranks) s += (s.empty() ? "" : ",") + std::to_string(x);
+          return s;
+        }() << ": " << (g.hierarchical ? fmt("hierarchical over %.0f regions", g.regions) : std::string("flat")) << ", "
+          << mib(g.bytes) << " of gradients -> " << mib(g.wire_bytes) << " per member on the wire, sync " << ms(g.time_s)
+          << " (codec " << ms(g.encode_s) << ")\n";
+  }
   if (!baselines.empty() || !failed.empty()) {
     o << "compared with the other strategies on the same profile:\n";
     o << "  strategy       predicted step   vs " << chosen.strategy << "\n";

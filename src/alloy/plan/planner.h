@@ -2,6 +2,7 @@
 // What `alloy plan`, `alloy profile` and `alloy train --plan auto` print: the chosen plan next to
 // the baselines, with the predicted step time broken down and memory against capacity, and after
 // a run the predicted against the measured step time per stage.
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,10 +24,19 @@ struct PlanReport {
   SearchResult chosen;
   std::vector<SearchResult> baselines;  // the other strategies, for comparison
   std::vector<std::string> failed;      // strategies that found nothing that fits, with why
+  // The best plan under the other gradient sync: exact when the chosen plan compresses, and
+  // compressed when lossy compression was allowed but not worth it. Absent otherwise.
+  std::optional<SearchResult> other_sync;
   std::string text() const;             // the plan, its breakdown, memory, and the comparison table
 };
 
-// Runs STRATEGY and, when COMPARE, every other strategy on the same inputs.
+// The gradient sync grad_sync.allow_lossy lets the planner try when the user named none: DGC at
+// the configured density, compressing only across slow links, aligned adaptive fusion.
+GradSyncConfig lossy_candidate(const GradSyncConfig& g);
+
+// Runs STRATEGY and, when COMPARE, every other strategy on the same inputs. Gradient sync follows
+// options.grad_sync; lossy compression is used only when it names a lossy method, or when
+// allow_lossy is set and the lossy_candidate is predicted at least 5% faster than exact sync.
 PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options, bool compare = true);
 
 // A report whose chosen plan is PLAN (read from WHERE; validated against MODEL), predicted on

@@ -15,8 +15,9 @@ namespace {
 using nlohmann::json;
 
 const char* const kFormat = "alloy-profile";
-// Version 2 added each compute cost's measured points; version 1 files (lines alone) still read.
-constexpr int kVersion = 2;
+// Version 2 added each compute cost's measured points; version 3 the gradient codecs' costs
+// ("codecs" per device type). Versions 1 and 2 still read.
+constexpr int kVersion = 3;
 
 // The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
 struct CostField {
@@ -195,6 +196,11 @@ nlohmann::json Profile::to_json() const {
     json dj = json::object();
     for (const auto& f : kCostFields) dj[f.key] = cost_json(d.*(f.member));
     dj["optimizer_s_per_param"] = d.optimizer_s_per_param;
+    if (!d.codecs.empty()) {
+      json cj = json::object();
+      for (const auto& [m, c] : d.codecs) cj[m] = {{"encode_s_per_elem", c.encode_s_per_elem}, {"decode_s_per_elem", c.decode_s_per_elem}};
+      dj["codecs"] = cj;
+    }
     j["devices"][type] = dj;
   }
   j["links"] = json::array();
@@ -217,8 +223,8 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
   if (!j.contains("format")) rd.fail("format", "is missing; expected \"alloy-profile\" (is this a profile?)");
   if (j["format"] != kFormat) rd.fail("format", j["format"].dump() + ", not \"alloy-profile\"");
   if (!j.contains("version")) rd.fail("version", "is missing");
-  if (j["version"] != 1 && j["version"] != kVersion)
-    rd.fail("version", j["version"].dump() + "; this Alloy reads versions 1 and " + std::to_string(kVersion));
+  if (j["version"] != 1 && j["version"] != 2 && j["version"] != kVersion)
+    rd.fail("version", j["version"].dump() + "; this Alloy reads versions 1 to " + std::to_string(kVersion));
 
   Profile p;
   if (!j.contains("model")) rd.fail("model", "is missing");
@@ -228,7 +234,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
 
   const json& devs = rd.object(j, "devices", "devices");
   if (devs.empty()) rd.fail("devices", "the profile has no device types");
-  std::set<std::string> dev_keys{"optimizer_s_per_param"};
+  std::set<std::string> dev_keys{"optimizer_s_per_param", "codecs"};
   for (const auto& f : kCostFields) dev_keys.insert(f.key);
   for (const auto& kv : devs.items()) {
     const std::string f = "devices." + kv.key();
@@ -239,6 +245,22 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
     for (const auto& cf : kCostFields) d.*(cf.member) = rd.cost(kv.value(), cf.key, f + "." + cf.key);
     d.optimizer_s_per_param = rd.number(kv.value(), "optimizer_s_per_param", f + ".optimizer_s_per_param");
     if (d.optimizer_s_per_param < 0) rd.fail(f + ".optimizer_s_per_param", "must be >= 0");
+    if (kv.value().contains("codecs")) {
+      const json& cs = rd.object(kv.value(), "codecs", f + ".codecs");
+      for (const auto& c : cs.items()) {
+        const std::string cf = f + ".codecs." + c.key();
+        const auto& methods = GradSyncConfig::compression_methods();
+        if (std::find(methods.begin(), methods.end(), c.key()) == methods.end() || c.key() == "none")
+          rd.fail(cf, "is not a compression method (" + c.key() + ")");
+        if (!c.value().is_object()) rd.fail(cf, std::string("must be an object, got ") + c.value().type_name());
+        rd.only_keys(c.value(), {"encode_s_per_elem", "decode_s_per_elem"}, cf);
+        CodecCost cc;
+        cc.encode_s_per_elem = rd.number(c.value(), "encode_s_per_elem", cf + ".encode_s_per_elem");
+        cc.decode_s_per_elem = rd.number(c.value(), "decode_s_per_elem", cf + ".decode_s_per_elem");
+        if (cc.encode_s_per_elem < 0 || cc.decode_s_per_elem < 0) rd.fail(cf, "costs must be >= 0");
+        d.codecs[c.key()] = cc;
+      }
+    }
     p.devices[kv.key()] = d;
   }
 
@@ -306,7 +328,8 @@ std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
       return c;
     };
     DeviceProfile d{scale(base.block_fwd), scale(base.block_bwd), scale(base.embed_fwd),
-                    scale(base.embed_bwd), scale(base.head_fwd),  scale(base.head_bwd), base.optimizer_s_per_param * s};
+                    scale(base.embed_bwd), scale(base.head_fwd),  scale(base.head_bwd), base.optimizer_s_per_param * s, {}};
+    for (const auto& [m, c] : base.codecs) d.codecs[m] = {c.encode_s_per_elem * s, c.decode_s_per_elem * s};
     p.devices[type] = d;
     notes.push_back("device type " + type + ": estimated from " + ref + " scaled by speed hints (" + std::to_string(hint(type)) +
                     " vs " + std::to_string(hint(ref)) + ")");

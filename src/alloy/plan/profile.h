@@ -30,11 +30,18 @@ struct MicroBatchCost {
   void set_points(const std::vector<double>& ms, const std::vector<double>& ts);
 };
 
+// Gradient compression on a device: seconds per gradient element to encode (error feedback and
+// selection included) and to decode one member's contribution, at density 0.01.
+struct CodecCost {
+  double encode_s_per_elem = 0, decode_s_per_elem = 0;
+};
+
 struct DeviceProfile {
   MicroBatchCost block_fwd, block_bwd;  // one transformer block
   MicroBatchCost embed_fwd, embed_bwd;  // the embedding (first stage)
   MicroBatchCost head_fwd, head_bwd;    // final norm + logits + loss (last stage)
   double optimizer_s_per_param = 0; // AdamW step + clipping
+  std::map<std::string, CodecCost> codecs;  // by grad_sync.compression method; empty in old profiles
 };
 
 struct LinkProfile {

@@ -12,6 +12,8 @@
 
 #include "alloy/core/error.h"
 #include "alloy/core/log.h"
+#include "alloy/dist/compress/codec.h"
+#include "alloy/dist/compress/comm.h"
 #include "alloy/dist/world.h"
 #include "alloy/model/transformer.h"
 #include "alloy/pipeline/executor.h"
@@ -127,6 +129,55 @@ FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool id
 
 }  // namespace
 
+// Every lossy codec's encode (error feedback and selection included) and decode (one member's
+// share) per gradient element, at density 0.01, on a gradient the size of a block (at least 256k
+// elements): the cost model charges them per bucket. Codecs run where gradients live: the host.
+static std::map<std::string, CodecCost> measure_codecs(int64_t block_elems, double window_s) {
+  namespace cz = dist::compress;
+  std::map<std::string, CodecCost> out;
+  const int64_t n = std::max<int64_t>(block_elems, int64_t(1) << 18);
+  at::Tensor grad = at::randn({n}, at::detail::createCPUGenerator(11), at::kFloat) * 1e-3;
+  for (const auto& method : GradSyncConfig::compression_methods()) {
+    if (method == "none") continue;
+    GradSyncConfig g;
+    g.compression = method;
+    g.density = 0.01;
+    auto opts = cz::Options::from(g, /*aligned=*/true);
+    auto codec = cz::make_codec(opts);
+    // PowerSGD needs a matrix: a block's widest is about [n / 4 / hidden, ...]; a square one of n.
+    const int64_t rows = static_cast<int64_t>(std::sqrt(static_cast<double>(n)));
+    const int64_t m = method == "powersgd" ? rows * rows : n;
+    std::vector<cz::TensorSlot> slots{{0, m, method == "powersgd" ? std::vector<int64_t>{rows, rows} : std::vector<int64_t>{m}}};
+    cz::CodecState st;
+    cz::StepContext ctx;
+    ctx.seed = 5;
+    cz::LocalHub hub(1);
+    auto comm = hub.member(0);
+    at::Tensor out_buf = at::zeros({m});
+    double enc = 0, dec = 0;
+    int reps = 0;
+    auto t_start = Clock::now();
+    while (reps < 2 || (std::chrono::duration<double>(Clock::now() - t_start).count() < window_s / 8 && reps < 20)) {
+      ctx.step = reps;
+      auto t0 = Clock::now();
+      std::vector<cz::Encoded> parts{codec->encode(grad, 0, m, slots, st, ctx)};
+      auto t1 = Clock::now();
+      cz::BufferLayout L{0, m, {{0, m}}, slots};
+      at::Tensor wire = codec->exchange(parts, L, *comm, ctx);
+      auto t2 = Clock::now();
+      codec->decode(wire, L, out_buf, ctx);
+      auto t3 = Clock::now();
+      if (reps > 0) {  // the first call allocates the residual
+        enc += std::chrono::duration<double>(t1 - t0).count();
+        dec += std::chrono::duration<double>(t3 - t2).count();
+      }
+      ++reps;
+    }
+    out[method] = {enc / (reps - 1) / static_cast<double>(m), dec / (reps - 1) / static_cast<double>(m)};
+  }
+  return out;
+}
+
 DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, MemoryProfile* mem) {
   const int64_t L = model.layers;
   model::Transformer embed(model, {0, 1}, 1), block(model, {1, 2}, 1), head(model, {L + 1, L + 2}, 1);
@@ -193,6 +244,7 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
     }
     d.optimizer_s_per_param = spent / static_cast<double>(n) / static_cast<double>(block.num_parameters());
   }
+  if (model.dtype == "float32") d.codecs = measure_codecs(block.num_parameters(), o.window_s);
   if (mem) {
     const double bytes = model.dtype == "float64" ? 8.0 : 4.0;
     const double m = static_cast<double>(o.micro_batch_sizes.back());

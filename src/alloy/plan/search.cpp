@@ -291,6 +291,7 @@ class Evaluator {
     const int N = ctx.num_devices();
     syncp_.assign(static_cast<size_t>(N), {});
     bucket_.assign(static_cast<size_t>(N), 0);
+    encode_.assign(static_cast<size_t>(N), 0);
     stage_.assign(static_cast<size_t>(N), {});
   }
 
@@ -431,30 +432,44 @@ class Evaluator {
       int64_t begin = 0;
       for (size_t s = 0; s < rep.dev.size(); ++s) {
         const size_t d = static_cast<size_t>(rep.dev[s]);
-        syncp_[d].clear(), bucket_[d] = 0;
+        syncp_[d].clear(), bucket_[d] = 0, encode_[d] = 0;
         stage_[d] = {rep.dev[s], begin, begin + rep.blocks[s], s == 0, s + 1 == rep.dev.size()};
         begin += rep.blocks[s];
       }
     }
+    sets_.clear();
     if (N <= 64) {
-      compute_sync_masks(L);
-      return;
+      collect_sets_masks(L);
+    } else {
+      holders_.assign(L.reps.size(), {});
+      for (size_t r = 0; r < L.reps.size(); ++r)
+        for (int d : L.reps[r].dev) holders_[r].push_back(stage_[static_cast<size_t>(d)]);
+      for (auto& set : ctx_.sync_sets(holders_)) sets_.push_back({set.ids, set.units, set.bytes});
     }
-    holders_.assign(L.reps.size(), {});
-    for (size_t r = 0; r < L.reps.size(); ++r)
-      for (int d : L.reps[r].dev) holders_[r].push_back(stage_[static_cast<size_t>(d)]);
-    for (auto& set : ctx_.sync_sets(holders_)) {
-      std::vector<int>& d = set.ids;
-      std::sort(d.begin(), d.end(), [&](int a, int b) { return ctx_.ring_less(a, a, b, b); });
-      add_set(ctx_.ring(d), d.data(), d.size(), set.units, set.bytes);
-    }
+    // Every set's load on the links first (they share them), then each set on its share.
+    for (auto& st : sets_) std::sort(st.devs.begin(), st.devs.end(), [&](int a, int b) { return ctx_.ring_less(a, a, b, b); });
+    loads_ = ctx_.empty_loads();
+    for (const auto& st : sets_) ctx_.add_load(st.devs, st.bytes, &loads_);
+    for (const auto& st : sets_) add_set(ctx_.sync_shape(st.devs, &loads_, st.bytes), st.devs.data(), st.devs.size(), st.units, st.bytes);
+    // Flat compressed sets encode on the autograd thread: each member's backward ends that later.
+    for (const auto& rep : L.reps)
+      for (int d : rep.dev) {
+        const auto du = static_cast<size_t>(d);
+        if (encode_[du] > 0) {
+          const CostContext::Holder& h = stage_[du];
+          syncp_[du].emplace_back(encode_[du], ctx_.backward_end(ctx_.type_of(d), h.begin, h.end, h.first, h.last));
+        }
+      }
   }
 
   // Buckets of one set and their tails; every member gets its (set, bucket) pairs.
-  void add_set(const CostContext::Ring& ring, const int* members, size_t n, const std::vector<std::pair<int, double>>& units, double bytes) {
-    ctx_.buckets(ring, units, bucket_bytes_, &bks_);
+  void add_set(const CostContext::SyncShape& shape, const int* members, size_t n, const std::vector<std::pair<int, double>>& units,
+               double bytes) {
+    ctx_.buckets(shape, units, bucket_bytes_, &bks_);
     tail_.assign(bks_.size() + 1, 0);
     for (size_t k = bks_.size(); k-- > 0;) tail_[k] = tail_[k + 1] + bks_[k].time_s;
+    const double buffers = ctx_.sync_buffer_bytes(shape, bytes);
+    const double enc = shape.compressed && !shape.hierarchical ? ctx_.encode_s(shape, bytes) : 0.0;
     for (size_t i = 0; i < n; ++i) {
       const size_t x = static_cast<size_t>(members[i]);
       const CostContext::Holder& h = stage_[x];
@@ -462,12 +477,13 @@ class Evaluator {
         const MicroBatchCost off = ctx_.unit_ready(ctx_.type_of(members[i]), h.begin, h.end, h.first, h.last, bks_[k].last_unit);
         syncp_[x].emplace_back(tail_[k], off);
       }
-      bucket_[x] += bytes;
+      bucket_[x] += buffers;
+      encode_[x] += enc;
     }
   }
 
   // Same sets, same unit order and sums as CostContext::sync_sets, with device bit masks.
-  void compute_sync_masks(const Layout& L) {
+  void collect_sets_masks(const Layout& L) {
     const int Lb = static_cast<int>(ctx_.layers());
     nsets_ = 0;
     auto add = [&](uint64_t mask, int u) {
@@ -510,16 +526,11 @@ class Evaluator {
     add(first, Lb + 1);
     add(first | last, Lb + 2);
     for (size_t i = 0; i < nsets_; ++i) {
-      auto it = rings_.find(masks_[i]);
-      if (it == rings_.end()) {
-        std::vector<int> d;
-        for (uint64_t m = masks_[i]; m; m &= m - 1) d.push_back(__builtin_ctzll(m));
-        std::sort(d.begin(), d.end(), [&](int a, int b) { return ctx_.ring_less(a, a, b, b); });
-        it = rings_.emplace(masks_[i], ctx_.ring(d)).first;
-      }
-      members_.clear();
-      for (uint64_t m = masks_[i]; m; m &= m - 1) members_.push_back(__builtin_ctzll(m));
-      add_set(it->second, members_.data(), members_.size(), units_[i], bytes_[i]);
+      SetInfo st;
+      for (uint64_t m = masks_[i]; m; m &= m - 1) st.devs.push_back(__builtin_ctzll(m));
+      st.units = units_[i];
+      st.bytes = bytes_[i];
+      sets_.push_back(std::move(st));
     }
   }
 
@@ -653,7 +664,14 @@ class Evaluator {
   double bucket_bytes_;
   std::vector<ConfigTable*> tabs_;
   std::vector<std::vector<std::pair<double, MicroBatchCost>>> syncp_;  // per device: (tail, ready offset) of each (set, bucket)
-  std::vector<double> bucket_;
+  std::vector<double> bucket_, encode_;
+  struct SetInfo {
+    std::vector<int> devs;  // ring order once sorted
+    std::vector<std::pair<int, double>> units;
+    double bytes = 0;
+  };
+  std::vector<SetInfo> sets_;
+  CostContext::LinkLoads loads_;
   std::vector<CostContext::Holder> stage_;  // per device of the layout: its stage (id = device)
   std::vector<std::vector<CostContext::Holder>> holders_;
   std::vector<uint64_t> masks_;
@@ -661,11 +679,9 @@ class Evaluator {
   std::vector<std::vector<std::pair<int, double>>> units_;
   std::vector<CostContext::Bucket> bks_;
   std::vector<double> tail_;
-  std::vector<int> members_;
   size_t nsets_ = 0;
   std::vector<size_t> at_;
   std::vector<int64_t> left_;
-  std::unordered_map<uint64_t, CostContext::Ring> rings_;
   std::vector<double> gtab_;
   std::vector<const double*> gptr_;
 };
@@ -697,7 +713,8 @@ struct Problem {
         N(ctx.num_devices()),
         L(ctx.layers()),
         tables(ctx, o.schedules, cands, o.global_batch),
-        ev(ctx, tables, o.bucket_mb * 1024 * 1024) {
+        ev(ctx, tables, o.grad_sync.bucket_mb * 1024 * 1024) {
+    ctx.set_grad_sync(o.grad_sync);
     const int64_t mref = cands[cands.size() / 2];
     for (int t = 0; t < ctx.num_types(); ++t) speed.push_back(1.0 / ctx.full_model_s_per_sample(t, mref));
   }
@@ -708,7 +725,7 @@ Plan to_plan(const Problem& P, const Layout& l) {
   Plan plan;
   plan.global_batch = P.G;
   plan.schedule = P.opt.schedules[static_cast<size_t>(l.sched)];
-  plan.grad_sync.bucket_mb = P.opt.bucket_mb;
+  plan.grad_sync = P.opt.grad_sync;
   std::vector<const Replica*> reps;
   for (const auto& r : l.reps) reps.push_back(&r);
   // Pipelines in order of their first device, so equal layouts print the same.
@@ -1707,7 +1724,7 @@ void check_options(const SearchOptions& o) {
   if (o.schedules.empty()) throw InputError("planner", "schedules: allow at least one of 1f1b, gpipe");
   for (const auto& s : o.schedules)
     if (s != "1f1b" && s != "gpipe") throw InputError("planner", "schedules: unknown schedule '" + s + "' (valid: 1f1b, gpipe)");
-  if (!(o.bucket_mb > 0)) throw InputError("planner", "bucket_mb must be > 0");
+  o.grad_sync.validate("planner", "grad_sync");
   if (o.strategy != "alloy" && o.strategy != "uniform" && o.strategy != "proportional" && o.strategy != "ptafm")
     throw InputError("planner", "unknown strategy '" + o.strategy + "' (valid: alloy, uniform, proportional, ptafm)");
 }

@@ -14,7 +14,7 @@
 //  - batch: replica r takes b_r >= 1 samples, sum b_r = global_batch, in micro-batches of a size
 //    m_r from SearchOptions' candidate sizes that divides b_r (num_micro_batches = b_r / m_r);
 //  - schedule: one of SearchOptions::schedules, for the whole plan (Plan has one schedule);
-//  - bucket_mb: SearchOptions::bucket_mb, fixed.
+//  - gradient sync: SearchOptions::grad_sync (bucket size, compression, scope), fixed.
 // Feasible: every rank fits its device's memory. Objective: simulate_plan(plan).step_s.
 // Devices with the same type, host and memory are interchangeable under the cost model (the sync
 // ring runs in host order), which the exact search exploits.
@@ -60,7 +60,7 @@ struct SearchOptions {
   std::vector<std::string> schedules = {"1f1b", "gpipe"};
   int64_t max_micro_batch = 8;
   std::vector<int64_t> micro_batch_sizes;  // candidate sizes; empty: powers of two up to max_micro_batch
-  double bucket_mb = 25.0;
+  GradSyncConfig grad_sync;  // bucket size, compression and its scope: fixed, as the cost model prices them
   int ptafm_stages = 0;  // PTAFM's NUM_STAGE; 0: the fewest stages whose plan fits
   // The alloy strategy is exact when the space has at most this many (partition, order, split)
   // configurations per schedule, counted before removing interchangeable devices.

@@ -57,12 +57,13 @@ AutoPlan auto_plan(const Config& cfg, const PlanSources& src, dist::World* world
   plan::SearchOptions so;
   so.global_batch = cfg.train.global_batch;
   so.ptafm_stages = ptafm_stages;
-  so.bucket_mb = cfg.grad_sync.bucket_mb;
+  so.grad_sync = cfg.grad_sync;
   if (rank == 0) {
     try {
       auto report = plan::make_plan(spec, prof, so, true);
       std::printf("%s", report.text().c_str());
       std::fflush(stdout);
+      so.grad_sync = report.chosen.plan.grad_sync;  // re-planning searches under the sync chosen here
       Plan p = report.chosen.plan;
       p.predicted = report.chosen.cost.to_json();
       plan_json = p.to_json().dump();
@@ -77,7 +78,9 @@ AutoPlan auto_plan(const Config& cfg, const PlanSources& src, dist::World* world
     plan_json.assign(b.begin(), b.end());
     if (plan_json == "!") throw Error("rank 0 found no plan that fits (see its error)");
   }
-  return {Plan::from_json(nlohmann::json::parse(plan_json), "the automatic plan"), spec, prof, so};
+  Plan p = Plan::from_json(nlohmann::json::parse(plan_json), "the automatic plan");
+  so.grad_sync = p.grad_sync;
+  return {p, spec, prof, so};
 }
 
 Plan equal_data_parallel(const Config& cfg, int n) {
@@ -178,7 +181,9 @@ ResolvedPlan resolve_plan(const Config& cfg, const PlanSources& src, int world_s
     return out;
   }
   out.plan->validate(cfg.model, where);
-  plan::apply_grad_sync(*out.plan, cfg, from_file);
+  // The planner chose the automatic plan's sync from the config (allow_lossy may have made it
+  // compress): keep it, like a plan file's, but for the keys the config sets explicitly.
+  plan::apply_grad_sync(*out.plan, cfg, from_file || out.autoplan);
   if (out.plan->grad_sync.lossy() && out.plan->grad_sync.scope == "slow-links") {
     const std::string path = cluster_path(src);
     if (!path.empty()) {

@@ -26,18 +26,23 @@ std::vector<size_t> fixed_buffers(const std::vector<int64_t>& numel, int64_t cap
 
 double simulate_fusion(const FusionPlan& plan, const FusionInputs& in) {
   const size_t n = in.numel.size();
-  double t = 0;
+  const bool ahead = plan.compress_ahead && !in.encode_whole;
+  double t = 0;  // the worker's clock
   for (size_t b = 0; b < plan.starts.size(); ++b) {
     const size_t lo = plan.starts[b], hi = plan.buffer_of_end(b, n);
     int64_t elems = 0;
+    double avail = 0;  // when the autograd thread has encoded the buffer (hook encoding)
     for (size_t i = lo; i < hi; ++i) {
       const double ready = in.ready_s.empty() ? 0.0 : in.ready_s[i];
-      if (plan.compress_ahead) t = std::max(t, ready) + in.encode_s_per_elem * static_cast<double>(in.numel[i]);
+      const double enc = in.encode_s_per_elem * static_cast<double>(in.numel[i]);
+      if (in.encode_in_hook) avail = std::max(avail, ready + (ahead ? enc : 0.0));
+      else if (ahead) t = std::max(t, ready) + enc;
       else t = std::max(t, ready);
       elems += in.numel[i];
     }
     const double e = static_cast<double>(elems);
-    if (!plan.compress_ahead) t += in.encode_s_per_elem * e;
+    if (in.encode_in_hook) t = std::max(t, avail + (ahead ? 0.0 : in.encode_s_per_elem * e));
+    else if (!ahead) t += in.encode_s_per_elem * e;
     t += in.alpha_s + in.beta_s_per_byte * in.wire_bytes_per_elem * e + in.decode_s_per_elem * e;
   }
   return t;

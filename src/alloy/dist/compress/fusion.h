@@ -16,11 +16,19 @@
 //   saf-adaptive  saf-inter with buffers adapted to the measured backward, compression and
 //                 exchange times, re-tuned during training (SAF-(Inter+Intra))
 //
-// The model (simulate()) follows the sync worker of one rank: one timeline on which tensors are
-// encoded (no earlier than they are ready) and buffers exchanged (alpha + beta * wire bytes) and
-// decoded, one after the other. Merging a tensor into the open buffer saves an alpha; closing the
-// buffer lets its exchange start before the tensor is ready. The adaptive strategies choose
-// greedily, tensor by tensor, what finishes earlier (MG-WFBP's rule, on this model).
+// The model (simulate_fusion()) follows the sync worker of one rank: buffers are exchanged
+// (alpha + beta * wire bytes, which covers every collective of a buffer: in the hierarchical case
+// the region's all-reduce and broadcast too) and decoded one after the other, each no earlier than
+// it is encoded. Where encoding runs decides when that is:
+//   on the autograd thread (flat sync, FusionInputs::encode_in_hook): a tensor is encoded when it
+//     is ready (its ready time already includes the earlier tensors' encoding), a fused buffer
+//     when its last tensor is;
+//   on the worker (PowerSGD; hierarchical sync, which first sums the region): on the same
+//     timeline as the exchanges, tensor by tensor as they become ready (compress ahead) or the
+//     whole buffer once complete.
+// Merging a tensor into the open buffer saves an alpha; closing the buffer lets its exchange start
+// before the tensor is ready. The adaptive strategies choose greedily, tensor by tensor, what
+// finishes earlier (MG-WFBP's rule, on this model).
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -37,6 +45,8 @@ struct FusionInputs {
   double beta_s_per_byte = 0;     // per wire byte
   double wire_bytes_per_elem = 4; // what one gradient element costs on the wire after compression
   int64_t cap_bytes = 25 << 20;   // fixed buffers: fp32 gradient bytes per buffer
+  bool encode_in_hook = false;    // encoding runs on the autograd thread, not the worker
+  bool encode_whole = false;      // buffers are encoded whole after they are complete (hierarchical)
 };
 
 struct FusionPlan {

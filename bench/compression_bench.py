@@ -1,0 +1,237 @@
+#!/usr/bin/python3
+"""Gradient compression on thin links, every case side by side in one invocation (rounds alternate).
+
+Two emulated pools (`alloy launch --emulate`, root):
+  2host       examples/cluster-2host-100mbit.yaml: two 0.8-core devices joined by 100 Mbit/s;
+              examples/small-gpt2.yaml (6 x 384, 10.8M parameters, 43 MB of fp32 gradient),
+              data parallel, 8 samples per rank
+  two-region  examples/cluster-2region.yaml: four devices in two regions, 1 Gbit/s inside,
+              0.1 Gbit/s between; examples/demo-gpt2.yaml, data parallel with batches by speed,
+              compression between the regions only (grad_sync.scope slow-links)
+For each: dense exact sync; every compressor at density 0.01 and 0.001 (SAF-(Inter+Intra), i.e.
+fusion saf-adaptive); every fusion strategy with DGC at 0.01; PyTorch DDP (python3-torch, same
+model, batch, optimizer and threads) plain and with its PowerSGD hook (ranks 1 and 4; one DDP
+bucket, since with several buckets its PowerSGD hook over Gloo issues collectives in different
+orders on different ranks and aborts). Reports the median step time of every case and the ratios
+the issue asks for.
+
+  --convergence   also train examples/small-gpt2.yaml for 300 steps on the fortunes corpus with
+                  every compressor (2 ranks on loopback) and plot the validation curves
+
+Writes bench/results/compression.json and PNGs (compression-2host.png, compression-two-region.png,
+compression-convergence.png).
+usage: /usr/bin/python3 bench/compression_bench.py [--rounds 2] [--steps 12] [--pools 2host,two-region]
+                                                   [--convergence] [--convergence-steps 300]
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import plot  # noqa: E402
+
+SPARSE = ["topk", "randomk", "dgc", "gaussiank", "redsync", "sidco"]
+FUSIONS = ["tensor", "bucket", "omgs", "cupcake", "saf", "saf-inter", "saf-adaptive"]
+
+
+def log(msg):
+    print(f"[compression] {msg}", flush=True)
+
+
+def model_of(config):
+    m, sec = {}, None
+    for line in open(config):
+        s = line.split("#")[0].rstrip()
+        if not s.strip():
+            continue
+        if not line.startswith(" "):
+            sec = s.split(":")[0].strip()
+            continue
+        k, v = s.strip().split(":", 1)
+        if sec == "model" or (sec == "train" and k.strip() == "global_batch"):
+            v = v.strip()
+            m[k.strip()] = int(v) if v.isdigit() else v
+    return m
+
+
+def dp_plan(path, batches, mbs, layers):
+    plan = {"format": "alloy-plan", "version": 1, "global_batch": sum(batches), "schedule": "1f1b",
+            "pipelines": [{"micro_batch_size": mbs, "num_micro_batches": b // mbs,
+                           "stages": [{"ranks": [r], "layers": [0, layers]}]} for r, b in enumerate(batches)]}
+    with open(path, "w") as f:
+        json.dump(plan, f)
+    return path
+
+
+class Pool:
+    def __init__(self, name, cluster, config, batches, mbs, scope, a):
+        self.name, self.cluster, self.config = name, os.path.join(REPO, cluster), os.path.join(REPO, config)
+        self.batches, self.mbs, self.scope = batches, mbs, scope
+        self.alloy = os.path.abspath(os.path.join(a.build, "alloy"))
+        self.work = os.path.join(os.path.abspath(a.work), name)
+        os.makedirs(self.work, exist_ok=True)
+        self.model = model_of(self.config)
+        self.plan = dp_plan(os.path.join(self.work, "dp.json"), batches, mbs, self.model["layers"])
+        self.steps = a.steps
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+
+    def cases(self):
+        c = [("dense exact", {"compression": "none"})]
+        for d in (0.01, 0.001):
+            for m in SPARSE:
+                c.append((f"{m} {d}", {"compression": m, "density": d}))
+        c += [("fp16", {"compression": "fp16"}), ("bf16", {"compression": "bf16"}),
+              ("powersgd r1", {"compression": "powersgd", "powersgd_rank": 1}),
+              ("powersgd r4", {"compression": "powersgd", "powersgd_rank": 4})]
+        for f in FUSIONS:
+            if f != "saf-adaptive":
+                c.append((f"dgc 0.01 {f}", {"compression": "dgc", "density": 0.01, "fusion": f}))
+        c += [("pytorch ddp", {"ddp": 0}), ("pytorch powersgd r1", {"ddp": 1}), ("pytorch powersgd r4", {"ddp": 4})]
+        return c
+
+    def run(self, label, case, rnd):
+        out = os.path.join(self.work, "runs", f"{label.replace(' ', '_')}-r{rnd}")
+        if "ddp" in case:
+            per = self.batches[0]
+            cmd = ["/usr/bin/python3", os.path.join(HERE, "ddp_train_step.py"), "--layers", str(self.model["layers"]),
+                   "--hidden", str(self.model["hidden"]), "--heads", str(self.model["heads"]),
+                   "--seq-len", str(self.model["seq_len"]), "--vocab", str(self.model["vocab_size"]), "--batch", str(per),
+                   "--steps", str(self.steps - 2), "--warmup", "3", "--threads", "1", "--bucket-mb", "1000",
+                   "--powersgd-rank", str(case["ddp"])]
+            r = self.launch(cmd)
+            line = [l for l in (r.stdout + r.stderr).splitlines() if '"pytorch-ddp"' in l][-1]
+            return dict(step_s=json.loads(line[line.index("{"):])["step_s_median"])
+        sets = [f"output.dir={out}", f"train.steps={self.steps}", "train.eval_interval=0", "train.eval_batches=0",
+                "train.threads=1", "train.checkpoint_interval=0", f"train.global_batch={sum(self.batches)}",
+                f"grad_sync.scope={self.scope}"]
+        for k, v in case.items():
+            sets.append(f"grad_sync.{k}={v}")
+        cmd = [self.alloy, "train", "--config", self.config, "--plan", self.plan]
+        for s in sets:
+            cmd += ["--set", s]
+        self.launch(cmd)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(l) for l in f if l.strip()][2:]
+        res = dict(step_s=statistics.median(r["step_s"] for r in rows),
+                   grad_bytes=statistics.median(r["grad_bytes"] for r in rows))
+        if "grad_density" in rows[-1]:
+            res["density"] = statistics.median(r["grad_density"] for r in rows)
+            res["compress_s"] = statistics.median(r["compress_s"] for r in rows)
+        return res
+
+    def launch(self, cmd):
+        full = [self.alloy, "launch", "--emulate", self.cluster, "--"] + cmd
+        r = subprocess.run(full, capture_output=True, text=True, env=self.env, cwd=REPO)
+        if r.returncode != 0:
+            sys.stderr.write(r.stdout[-3000:] + r.stderr[-4000:])
+            raise SystemExit(f"failed: {' '.join(full)}")
+        return r
+
+
+def bench_pool(pool, rounds):
+    cases = pool.cases()
+    runs = {label: [] for label, _ in cases}
+    for rnd in range(rounds):
+        for label, case in cases:
+            t0 = time.time()
+            r = pool.run(label, case, rnd)
+            runs[label].append(r)
+            log(f"{pool.name} round {rnd + 1}/{rounds}: {label:<22} {r['step_s'] * 1e3:8.1f} ms/step"
+                + (f", {r['grad_bytes'] / 1e6:.2f} MB/step" if "grad_bytes" in r else "")
+                + (f", density {r['density']:.4f}" if "density" in r else "") + f" ({time.time() - t0:.0f} s)")
+    med = {label: dict(step_s=statistics.median(x["step_s"] for x in rs), rounds=[x["step_s"] for x in rs],
+                       **{k: statistics.median(x[k] for x in rs) for k in ("grad_bytes", "density", "compress_s") if k in rs[0]})
+           for label, rs in runs.items()}
+    dense = med["dense exact"]["step_s"]
+    best = med["dgc 0.01"]["step_s"]
+    ratios = {"saf_adaptive_dgc_vs_dense": dense / best}
+    for f in FUSIONS:
+        if f != "saf-adaptive":
+            ratios[f"saf_adaptive_vs_{f}"] = med[f"dgc 0.01 {f}"]["step_s"] / best
+    for r in (1, 4):
+        ratios[f"saf_adaptive_vs_pytorch_powersgd_r{r}"] = med[f"pytorch powersgd r{r}"]["step_s"] / best
+    ratios["dense_vs_pytorch_ddp"] = med["pytorch ddp"]["step_s"] / dense
+    log(f"{pool.name}: SAF-(Inter+Intra) DGC 0.01 is {ratios['saf_adaptive_dgc_vs_dense']:.2f}x dense exact (goal >= 4); "
+        + ", ".join(f"{k.replace('saf_adaptive_vs_', '')} {v:.2f}x" for k, v in ratios.items() if k.startswith("saf_adaptive_vs")))
+    cats = [label for label, _ in cases]
+    plot.bars(os.path.join(REPO, "bench", "results", f"compression-{pool.name}.png"),
+              f"{pool.name}: step time by gradient sync (ms, median of {rounds} rounds)", "ms per step", cats,
+              {"step": [1e3 * med[c]["step_s"] for c in cats]})
+    return dict(cluster=os.path.relpath(pool.cluster, REPO), config=os.path.relpath(pool.config, REPO), batches=pool.batches,
+                scope=pool.scope, steps=pool.steps, rounds=rounds, cases=med, ratios=ratios)
+
+
+def convergence(a):
+    """small-gpt2, 300 steps, 2 ranks on loopback, every compressor at density 0.01: validation curves."""
+    alloy = os.path.abspath(os.path.join(a.build, "alloy"))
+    work = os.path.join(os.path.abspath(a.work), "convergence")
+    os.makedirs(work, exist_ok=True)
+    plan = dp_plan(os.path.join(work, "dp.json"), [8, 8], 8, 6)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    curves, results = {}, {}
+    for method in ["none", "fp16", "bf16"] + SPARSE + ["powersgd"]:
+        out = os.path.join(work, method)
+        cmd = [alloy, "launch", "--nproc", "2", "--threads-per-rank", "1", "--", alloy, "train", "--config",
+               os.path.join(REPO, "examples", "small-gpt2.yaml"), "--plan", plan, "--set", f"output.dir={out}",
+               "--set", f"train.steps={a.convergence_steps}", "--set", "train.eval_interval=25", "--set", "train.eval_batches=8",
+               "--set", f"grad_sync.compression={method}", "--set", "grad_sync.density=0.01"]
+        t0 = time.time()
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+        if r.returncode != 0:
+            sys.stderr.write(r.stderr[-3000:])
+            raise SystemExit(f"convergence run {method} failed")
+        rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if l.strip()]
+        curves[method] = [(x["step"], x["val_loss"]) for x in rows if "val_loss" in x]
+        results[method] = dict(final_val_loss=curves[method][-1][1], curve=curves[method])
+        log(f"convergence {method:<10} validation loss {curves[method][-1][1]:.4f} after {a.convergence_steps} steps "
+            f"({time.time() - t0:.0f} s)")
+    base = results["none"]["final_val_loss"]
+    for m, v in results.items():
+        v["vs_dense"] = v["final_val_loss"] / base - 1
+    log(f"DGC at 0.01: validation loss {results['dgc']['final_val_loss']:.4f} vs dense {base:.4f} "
+        f"({100 * results['dgc']['vs_dense']:+.2f}%, goal within 2%)")
+    plot.lines(os.path.join(REPO, "bench", "results", "compression-convergence.png"),
+               f"small-gpt2, 2 ranks, density 0.01: validation loss", "step", "validation loss", curves)
+    return results
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build", default=os.path.join(REPO, "build"))
+    ap.add_argument("--work", default=os.path.join(REPO, "runs", "compression"))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--pools", default="2host,two-region")
+    ap.add_argument("--convergence", action="store_true")
+    ap.add_argument("--convergence-steps", type=int, default=300)
+    a = ap.parse_args()
+    if not os.path.exists(os.path.join(REPO, "data", "fortunes_train.idx")):
+        log("preparing the fortunes corpus (data/fortunes)")
+        subprocess.run([os.path.join(a.build, "alloy"), "data", "prepare", "--input", "/usr/share/games/fortunes",
+                        "--output", os.path.join(REPO, "data", "fortunes")], check=True, cwd=REPO)
+    t0 = time.time()
+    res = dict(machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+                            date=time.strftime("%Y-%m-%d")), pools={})
+    pools = {"2host": ("examples/cluster-2host-100mbit.yaml", "examples/small-gpt2.yaml", [8, 8], 8, "all"),
+             "two-region": ("examples/cluster-2region.yaml", "examples/demo-gpt2.yaml", [28, 28, 28, 12], 4, "slow-links")}
+    for name in a.pools.split(","):
+        if name:
+            res["pools"][name] = bench_pool(Pool(name, *pools[name], a), a.rounds)
+    if a.convergence:
+        res["convergence"] = convergence(a)
+    res["seconds"] = time.time() - t0
+    path = os.path.join(REPO, "bench", "results", "compression.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    log(f"wrote {path} ({res['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
