@@ -216,6 +216,12 @@ def report_predictions(name, plan_path, run):
     err = (run["step_s"] - ps) / ps if ps else float("nan")
     log(f"{name}: predicted {ps * 1e3:.0f} ms/step, measured {run['step_s'] * 1e3:.0f} ms/step ({100 * err:+.1f}%)")
     extra = {}
+    if events and not events[-1]["switched"]:
+        # The last calibration re-predicted the running plan with the speeds the run measured.
+        cs = events[-1]["running_plan_calibrated_s"]
+        extra.update(last_calibration_predicted_step_s=cs, last_calibration_relative_error=(run["step_s"] - cs) / cs)
+        log(f"{name}: predicted from the last calibration (step {events[-1]['step']}): {cs * 1e3:.0f} ms/step "
+            f"({100 * extra['last_calibration_relative_error']:+.1f}%)")
     if events:
         extra = dict(replans=[dict(step=e["step"], switched=e["switched"], factors=e["factors"],
                                    running_plan_predicted_s=e["running_plan_predicted_s"],
@@ -391,6 +397,8 @@ def main():
             print(f"predicted vs measured step, {r['name']}: {p['predicted_step_s'] * 1e3:.0f} ms vs "
                   f"{p['measured_step_s'] * 1e3:.0f} ms ({100 * p['relative_error']:+.1f}%)"
                   + (" after re-planning" if any(e["switched"] for e in p.get("replans", [])) else "")
+                  + (f"; from the last calibration: {p['last_calibration_predicted_step_s'] * 1e3:.0f} ms "
+                     f"({100 * p['last_calibration_relative_error']:+.1f}%)" if "last_calibration_predicted_step_s" in p else "")
                   + (f"; with the speeds Alloy's run measured: {p['calibrated_predicted_step_s'] * 1e3:.0f} ms "
                      f"({100 * p['calibrated_relative_error']:+.1f}%)" if "calibrated_predicted_step_s" in p else ""))
     print(f"(all measured in this run, {time.time() - t0:.0f} s, on {platform.node()}, {os.cpu_count()} cores)")

@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "alloy/core/error.h"
+#include "alloy/core/log.h"
 
 namespace alloy::dist {
 
@@ -345,6 +347,8 @@ void CompressedSync::run_step() {
   encode_s_per_elem_ = (stats_.encode_s + hook_stats_.encode_s) / std::max(1.0, synced);
   decode_s_per_elem_ = stats_.decode_s / std::max(1.0, synced);
   exchanges_ = exchanges;
+  history_.insert(history_.end(), exchanges.begin(), exchanges.end());
+  if (history_.size() > 256) history_.erase(history_.begin(), history_.begin() + static_cast<long>(history_.size() - 256));
   ++steps_run_;
   // Measuring strategies re-cut their buffers for the next step from this one's times: after the
   // second step (the first warms up); the adaptive one again after step 5 and every 10 steps.
@@ -353,19 +357,21 @@ void CompressedSync::run_step() {
 }
 
 void CompressedSync::retune() {
-  // alpha + beta * elements, least squares over this step's exchanges (alpha >= 0.1 ms).
+  // alpha + beta * elements from every exchange so far (the last 256): a buffer's measured time
+  // also holds any wait for the slowest member, which only ever adds, so the fit follows the lower
+  // envelope: alpha the fastest small exchange, beta the cheapest per element among the larger.
   double alpha = 1e-3, beta = 0;
-  if (!exchanges_.empty()) {
-    double sx = 0, sy = 0, sxx = 0, sxy = 0;
-    const double m = static_cast<double>(exchanges_.size());
-    for (auto [x, y] : exchanges_) sx += x, sy += y, sxx += x * x, sxy += x * y;
-    const double den = m * sxx - sx * sx;
-    if (exchanges_.size() >= 2 && den > 0) {
-      beta = std::max(0.0, (m * sxy - sx * sy) / den);
-      alpha = (sy - beta * sx) / m;
-    }
-    if (!(beta > 0)) beta = std::max(0.0, (sy / m - alpha) / std::max(1.0, sx / m));
-    alpha = std::max(1e-4, alpha);
+  if (!history_.empty()) {
+    std::vector<std::pair<double, double>> h = history_;
+    std::sort(h.begin(), h.end());
+    const size_t third = std::max<size_t>(1, h.size() / 3);
+    alpha = std::numeric_limits<double>::infinity();
+    for (size_t i = 0; i < third; ++i) alpha = std::min(alpha, h[i].second);
+    alpha = std::max(1e-4, std::min(alpha, 0.5 * h.front().second + 1e-4));
+    beta = std::numeric_limits<double>::infinity();
+    for (size_t i = h.size() / 2; i < h.size(); ++i)
+      if (h[i].first > 0) beta = std::min(beta, std::max(0.0, h[i].second - alpha) / h[i].first);
+    if (!std::isfinite(beta)) beta = 0;
   }
   std::vector<double> v = ready_s_;
   v.resize(slots_.size(), 0);
@@ -397,7 +403,25 @@ void CompressedSync::retune() {
   in.cap_bytes = static_cast<int64_t>(cfg_.bucket_mb * 1024 * 1024);
   in.encode_in_hook = encode_in_hook_;
   in.encode_whole = topo_.hierarchical();  // the region's sum exists only once the buffer is complete
-  fusion_ = compress::plan_fusion(cfg_.fusion, in);  // cut_buffers() at the next arm() applies it
+  const size_t before = fusion_.starts.size();
+  // A new cut only when the model expects it 5% faster than the running one: measurements of a few
+  // steps move by more than that, and a cut that follows them flips back and forth.
+  compress::FusionPlan next = compress::plan_fusion(cfg_.fusion, in);
+  if (compress::simulate_fusion(next, in) < 0.95 * compress::simulate_fusion(fusion_, in)) fusion_ = next;  // applied at the next arm()
+  // Every member computed the same buffers; the set's first member says so.
+  compress::Comm* first = topo_.hierarchical() ? topo_.leaders.get() : topo_.flat.get();
+  if (first && first->rank() == 0 && fusion_.starts.size() != before) {
+    std::string sizes;
+    for (size_t b = 0; b < fusion_.starts.size(); ++b) {
+      int64_t e = 0;
+      for (size_t i = fusion_.starts[b]; i < fusion_.buffer_of_end(b, n); ++i) e += slots_[i].numel;
+      sizes += (b ? ", " : "") + std::to_string((e * 4 + 512 * 1024) >> 20);
+    }
+    log_info("gradient sync " + name_ + ": " + cfg_.fusion + " after step " + std::to_string(steps_run_) + ": " +
+             std::to_string(fusion_.starts.size()) + " buffers (MiB: " + sizes + "), was " + std::to_string(before) +
+             "; measured per buffer " + std::to_string(in.alpha_s * 1e3) + " ms + " + std::to_string(in.beta_s_per_byte * 1e9) +
+             " ns per element, encode " + std::to_string(in.encode_s_per_elem * 1e9) + " ns per element");
+  }
 }
 
 CompressedSyncStats CompressedSync::finish() {

@@ -125,7 +125,8 @@ class CompressedSync {
   // Measurements of the last step, for the measuring fusion strategies.
   std::vector<double> ready_s_;
   double encode_s_per_elem_ = 0, decode_s_per_elem_ = 0;
-  std::vector<std::pair<double, double>> exchanges_;  // (elements, seconds) per buffer
+  std::vector<std::pair<double, double>> exchanges_;  // (elements, seconds) per buffer, last step
+  std::vector<std::pair<double, double>> history_;    // the same over the last steps (at most 256)
   int64_t steps_run_ = 0;
 
   std::mutex mu_;
