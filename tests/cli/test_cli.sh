@@ -192,13 +192,15 @@ p = json.load(open("prof-mid.json"))
 big = p["devices"]["cpu-big"]
 slow = {}
 for k, v in big.items():
-    if isinstance(v, dict):
+    if k == "codecs":  # per-element codec costs: {method: {encode_s_per_elem, decode_s_per_elem}}
+        v = {m: {n: 8 * t for n, t in c.items()} for m, c in v.items()}
+    elif isinstance(v, dict):
         v = dict(v, fixed_s=8 * v["fixed_s"], per_sample_s=8 * v["per_sample_s"])
         if "points" in v:
             v["points"] = [[m, 8 * t] for m, t in v["points"]]
-        slow[k] = v
-    else:
-        slow[k] = 8 * v
+    if not isinstance(v, dict):
+        v = 8 * v
+    slow[k] = v
 p["devices"]["cpu-small"] = slow
 json.dump(p, open("prof-wrong.json", "w"))
 PY
