@@ -110,7 +110,7 @@ class Pool:
             return dict(step_s=json.loads(line[line.index("{"):])["step_s_median"])
         sets = [f"output.dir={out}", f"train.steps={self.steps}", "train.eval_interval=0", "train.eval_batches=0",
                 "train.threads=1", "train.checkpoint_interval=0", f"train.global_batch={sum(self.batches)}",
-                f"grad_sync.scope={self.scope}"]
+                f"grad_sync.scope={self.scope}", "grad_sync.dense_steps=1", "grad_sync.warmup_steps=0"]  # step 1 exact, 3+ timed
         for k, v in case.items():
             sets.append(f"grad_sync.{k}={v}")
         cmd = [self.alloy, "train", "--config", self.config, "--plan", self.plan]
@@ -227,9 +227,19 @@ def main():
     if a.convergence:
         res["convergence"] = convergence(a)
     res["seconds"] = time.time() - t0
+    # Parts run separately (--pools, --convergence) keep what an earlier invocation recorded.
     path = os.path.join(REPO, "bench", "results", "compression.json")
-    with open(path, "w") as f:
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        old["pools"].update(res["pools"])
+        if "convergence" in res:
+            old["convergence"] = res["convergence"]
+        old["machine"], old["seconds"] = res["machine"], res["seconds"]
+        res = old
+    with open(path + ".tmp", "w") as f:
         json.dump(res, f, indent=1)
+    os.replace(path + ".tmp", path)
     log(f"wrote {path} ({res['seconds']:.0f} s)")
 
 

@@ -356,6 +356,7 @@ TEST(CompressedSync, FlatEveryFusionExactAtDensityOneAndMembersAgree) {
       g.compression = method;
       g.density = std::string(method) == "topk" ? 1.0 : 0.05;
       g.fusion = fusion;
+      g.dense_steps = 0;
       g.bucket_mb = 0.1;  // several buffers
       auto hubs = std::make_shared<LocalHub>(3);
       SyncRun r = run_sync(3, g, 12, [&](int rank) {
@@ -380,6 +381,7 @@ TEST(CompressedSync, HierarchicalRegionsSumExactlyInsideAndAgree) {
     g.compression = method;
     g.scope = "slow-links";
     g.density = std::string(method) == "topk" ? 1.0 : 0.1;
+    g.dense_steps = 0;
     g.bucket_mb = 0.1;
     auto region_a = std::make_shared<LocalHub>(2), region_b = std::make_shared<LocalHub>(2), leaders = std::make_shared<LocalHub>(2);
     SyncRun r = run_sync(4, g, 6, [&](int rank) {
@@ -397,16 +399,32 @@ TEST(CompressedSync, HierarchicalRegionsSumExactlyInsideAndAgree) {
   }
 }
 
-TEST(CompressedSync, WarmupRaisesDensityFirst) {
+TEST(CompressedSync, WarmupRaisesDensityFirstAfterTheExactSteps) {
   GradSyncConfig g;
   g.compression = "dgc";
   g.density = 0.001;
   g.warmup_steps = 4;
+  g.dense_steps = 10;
   Options o = Options::from(g, false);
-  EXPECT_DOUBLE_EQ(o.density_at(0), 0.25);
-  EXPECT_NEAR(o.density_at(2), std::sqrt(0.25 * 0.001), 1e-12);
-  EXPECT_DOUBLE_EQ(o.density_at(4), 0.001);
+  EXPECT_DOUBLE_EQ(o.density_at(10), 0.25);
+  EXPECT_NEAR(o.density_at(12), std::sqrt(0.25 * 0.001), 1e-12);
+  EXPECT_DOUBLE_EQ(o.density_at(14), 0.001);
   EXPECT_DOUBLE_EQ(o.density_at(100), 0.001);
+}
+
+// The first dense_steps steps sum exactly through the same groups, whatever the method.
+TEST(CompressedSync, DenseStepsSumExactly) {
+  GradSyncConfig g;
+  g.compression = "dgc";
+  g.density = 0.01;
+  g.dense_steps = 5;
+  auto hubs = std::make_shared<LocalHub>(2);
+  SyncRun r = run_sync(2, g, 3, [&](int rank) {
+    CompressedSync::Topology t;
+    t.flat = hubs->member(rank);
+    return t;
+  });
+  for (size_t i = 0; i < kShapes.size(); ++i) EXPECT_TRUE(at::allclose(r.got[1][i], r.exact[i], 1e-6, 1e-7)) << i;
 }
 
 #include "alloy/core/plan.h"

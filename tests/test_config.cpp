@@ -87,6 +87,9 @@ TEST(Config, GradSyncSectionIsCheckedWithAllowedValues) {
   EXPECT_NE(error_of("", {"grad_sync.density=0"}).find("key 'grad_sync.density': must be in (0, 1]"), std::string::npos);
   EXPECT_NE(error_of("", {"grad_sync.density=1.5"}).find("must be in (0, 1]"), std::string::npos);
   EXPECT_NE(error_of("", {"grad_sync.powersgd_rank=0"}).find("key 'grad_sync.powersgd_rank': must be >= 1"), std::string::npos);
+  EXPECT_NE(error_of("", {"grad_sync.compression=dgc", "grad_sync.dense_steps=0"}).find("key 'grad_sync.dense_steps': must be >= 1"),
+            std::string::npos);
+  EXPECT_EQ(error_of("", {"grad_sync.compression=dgc", "grad_sync.density=1", "grad_sync.dense_steps=0"}), "");
   EXPECT_NE(error_of("", {"grad_sync.fusion=saf-intra"}).find("did you mean 'saf-inter'"), std::string::npos);
   EXPECT_NE(error_of("", {"grad_sync.scope=slow"}).find("allowed: all, slow-links"), std::string::npos);
   // SAFusion's names map to Alloy's.

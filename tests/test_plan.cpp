@@ -208,6 +208,7 @@ TEST(Plan, JsonRoundTripKeepsCompression) {
   p.grad_sync.fusion = "saf-inter";
   p.grad_sync.error_feedback = false;
   p.grad_sync.warmup_steps = 7;
+  p.grad_sync.dense_steps = 3;
   p.grad_sync.scope = "slow-links";
   p.slow_links = {{0, 2}, {1, 2}};
   Plan q = Plan::from_json(p.to_json(), "x");
@@ -216,6 +217,7 @@ TEST(Plan, JsonRoundTripKeepsCompression) {
   EXPECT_EQ(q.grad_sync.fusion, "saf-inter");
   EXPECT_FALSE(q.grad_sync.error_feedback);
   EXPECT_EQ(q.grad_sync.warmup_steps, 7);
+  EXPECT_EQ(q.grad_sync.dense_steps, 3);
   EXPECT_EQ(q.grad_sync.scope, "slow-links");
   EXPECT_EQ(q.slow_links, p.slow_links);
   EXPECT_EQ(q.to_json(), p.to_json());

@@ -8,6 +8,7 @@
 #include "alloy/data/prepare.h"
 #include "alloy/model/safetensors.h"
 #include "alloy/train/checkpoint.h"
+#include "alloy/train/optimizer.h"
 #include "alloy/train/trainer.h"
 
 namespace fs = std::filesystem;
@@ -155,4 +156,44 @@ TEST(Train, CheckpointWithoutStateIsRejectedClearly) {
   } catch (const alloy::InputError& e) {
     EXPECT_NE(std::string(e.what()).find("not an Alloy checkpoint"), std::string::npos) << e.what();
   }
+}
+
+// Sparsely synced parameters: after the exact steps AdamW's second moment stays where it was (with
+// a floor for elements those steps never moved) and the update is linear in what arrives.
+TEST(AdamW, ReadsSparseArrivalsLinearlyAfterTheExactSteps) {
+  using alloy::train::AdamW;
+  auto make = [] { return alloy::model::Param{"w", at::zeros({4}, at::kDouble), false}; };
+  alloy::model::Param plain = make(), lin = make(), lin2 = make();
+  AdamW::Options o{0.9, 0.95, 1e-8, 0.0};
+  AdamW a({&plain}, o), b({&lin}, o), c({&lin2}, o);
+  b.read_linearly({"w"}, 2, 0.9);
+  c.read_linearly({"w"}, 2, 0.9);
+  auto step = [](AdamW& opt, alloy::model::Param& p, at::Tensor g) {
+    p.tensor.mutable_grad() = g;
+    opt.step(1e-2);
+    opt.zero_grad();
+  };
+  // The last element gets no gradient in the exact steps.
+  for (auto g : {at::tensor({1.0, -2.0, 0.5, 0.0}, at::kDouble), at::tensor({0.5, -1.0, 1.5, 0.0}, at::kDouble)}) {
+    step(a, plain, g);
+    step(b, lin, g);
+    step(c, lin2, g);
+  }
+  ASSERT_TRUE(at::equal(plain.tensor, lin.tensor)) << "exact steps are plain AdamW";
+  at::Tensor v = b.state()[1].second.clone();
+  EXPECT_EQ(v[3].item<double>(), 0.0);
+
+  const at::Tensor w0 = lin.tensor.clone();
+  const at::Tensor g = at::tensor({30.0, 0.0, -4.0, 2.0}, at::kDouble);  // an accumulated arrival
+  step(b, lin, g);
+  step(c, lin2, 2 * g);
+  step(a, plain, g);
+  at::Tensor floored = v.clamp_min(0.01 * v.mean().item<double>());
+  EXPECT_TRUE(at::equal(b.state()[1].second, floored)) << "v frozen at the floored value";
+  EXPECT_GT(floored[3].item<double>(), 0.0);
+  const double bc2 = 1 - 0.95 * 0.95;
+  at::Tensor expect = w0 - 1e-2 * (1 - 0.9) * g / ((floored / bc2).sqrt() + 1e-8);
+  EXPECT_TRUE(at::allclose(lin.tensor, expect, 1e-12, 0)) << lin.tensor << expect;
+  EXPECT_TRUE(at::allclose(lin2.tensor - w0, 2 * (lin.tensor - w0), 1e-12, 0)) << "linear in the arrival";
+  EXPECT_FALSE(at::allclose(plain.tensor, lin.tensor)) << "plain AdamW normalises the arrival away";
 }

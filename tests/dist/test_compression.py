@@ -5,7 +5,8 @@
  - top-k at density 1.0 with error feedback equals the one-device run within 1e-6 over 20 steps,
    on data-parallel, pipelined and mixed layouts, for several fusion strategies, flat and
    hierarchical (two regions joined by slow links: exact inside, compressed across);
- - every compressor trains (the loss falls) and reports its bytes and density in metrics.jsonl;
+ - every compressor trains (the loss falls) and reports its bytes and density in metrics.jsonl; the
+   first grad_sync.dense_steps steps sync exactly (density 1);
  - a compressed run resumed from a checkpoint continues exactly as the uninterrupted run
    (residuals and momenta are checkpointed);
  - SAFusion's flags map to grad_sync, and a misspelled method is refused with a suggestion.
@@ -141,7 +142,8 @@ def main():
                            ("mixed", "saf"), ("regions", "saf-adaptive")]:
         scope = "slow-links" if layout == "regions" else "all"
         out, _ = R.train(f"topk1-{layout}-{fusion}", layout, sets=["grad_sync.compression=topk", "grad_sync.density=1.0",
-                                                                    f"grad_sync.fusion={fusion}", f"grad_sync.scope={scope}"])
+                                                                    "grad_sync.dense_steps=0", f"grad_sync.fusion={fusion}",
+                                                                    f"grad_sync.scope={scope}"])
         got = metrics(out)
         w = worst_rel(got, base)
         R.check(len(got) == STEPS and w <= 1e-6 and got[-1].get("grad_density") == 1.0,
@@ -150,7 +152,8 @@ def main():
     # Every compressor trains at density 0.05; sparse ones send about that share.
     dense_bytes = metrics(plain)[-1]["grad_bytes"]
     for method in ["fp16", "bf16", "topk", "randomk", "dgc", "gaussiank", "redsync", "sidco", "powersgd"]:
-        out, _ = R.train(f"m-{method}", "dp2", sets=[f"grad_sync.compression={method}", "grad_sync.density=0.05"])
+        out, _ = R.train(f"m-{method}", "dp2", sets=[f"grad_sync.compression={method}", "grad_sync.density=0.05", "grad_sync.warmup_steps=0",
+                                                     "grad_sync.dense_steps=2"])
         m = metrics(out)
         first, last = m[0]["loss"], m[-1]["loss"]
         dens = m[-1]["grad_density"]
@@ -163,15 +166,15 @@ def main():
                     f"(mixed layout dense: {dense_bytes:.0f})")
 
     # Hierarchical DGC over two regions: trains, exact sets unaffected.
-    out, _ = R.train("regions-dgc", "regions", sets=["grad_sync.compression=dgc", "grad_sync.density=0.01",
-                                                     "grad_sync.scope=slow-links"])
+    out, _ = R.train("regions-dgc", "regions", sets=["grad_sync.compression=dgc", "grad_sync.density=0.01", "grad_sync.warmup_steps=0",
+                                                     "grad_sync.scope=slow-links", "grad_sync.dense_steps=2"])
     m = metrics(out)
-    R.check(m[-1]["loss"] < m[0]["loss"] - 0.3 and m[-1]["grad_density"] < 0.02,
+    R.check(m[-1]["loss"] < m[0]["loss"] - 0.3 and m[-1]["grad_density"] < 0.02 and m[0]["grad_density"] == 1.0,
             f"dgc 0.01 across two regions: loss {m[0]['loss']:.3f} -> {m[-1]['loss']:.3f}, density {m[-1]['grad_density']:.4f}")
 
     # Resume: residuals and velocities are in the checkpoint, so restarting the 20-step run from its
     # step-10 checkpoint repeats its last 10 steps exactly.
-    sets = ["grad_sync.compression=dgc", "grad_sync.density=0.05"]
+    sets = ["grad_sync.compression=dgc", "grad_sync.density=0.05", "grad_sync.warmup_steps=0", "grad_sync.dense_steps=2"]
     whole, _ = R.train("resume-whole", "dp2", sets=sets)
     files = sorted(os.listdir(os.path.join(whole, "checkpoints", "step_00000010")))
     R.check(any(f.startswith("gradsync-rank") for f in files), f"checkpoint holds the compression state ({', '.join(files)})")

@@ -108,7 +108,9 @@ const std::vector<Field>& schema() {
       ALLOY_FLOAT(grad_sync, density, "sparsifiers: fraction of each tensor's elements sent, in (0, 1]"),
       ALLOY_STR(grad_sync, fusion, "tensor | bucket | omgs | cupcake | saf | saf-inter | saf-adaptive"),
       ALLOY_BOOL(grad_sync, error_feedback, "add what was not sent to the next step's gradient (SAFusion: --memory residual)"),
-      ALLOY_INT(grad_sync, warmup_steps, "density warm-up steps: from 0.25 down to density, exponentially (DGC)"),
+      ALLOY_INT(grad_sync, warmup_steps, "density warm-up steps after dense_steps: from 0.25 down to density, exponentially (DGC)"),
+      ALLOY_INT(grad_sync, dense_steps, "lossy methods: exact sync for the first steps; sparsifiers then freeze Adam's "
+                                        "second moment (1-bit Adam's recipe, see docs/DESIGN.md)"),
       ALLOY_INT(grad_sync, powersgd_rank, "powersgd: rank of the low-rank factors"),
       ALLOY_STR(grad_sync, scope, "all | slow-links: compress only between ranks joined by a slow link, exact elsewhere"),
       ALLOY_FLOAT(grad_sync, slow_link_gbps, "scope slow-links: links below this are slow; 0 = below 1/4 of the fastest link"),
@@ -334,6 +336,9 @@ void GradSyncConfig::validate(const std::string& where, const std::string& prefi
   if (!(density > 0 && density <= 1)) fail("density", "must be in (0, 1], got " + fmt_double(density));
   one_of("fusion", fusion, fusion_strategies());
   if (warmup_steps < 0) fail("warmup_steps", "must be >= 0");
+  if (dense_steps < 0) fail("dense_steps", "must be >= 0");
+  if (linear_adam() && dense_steps < 1)
+    fail("dense_steps", "must be >= 1 with a sparsifier below density 1: Adam's second moment is measured on exact steps, then frozen");
   if (powersgd_rank < 1) fail("powersgd_rank", "must be >= 1, got " + std::to_string(powersgd_rank));
   one_of("scope", scope, {"all", "slow-links"});
   if (!(slow_link_gbps >= 0)) fail("slow_link_gbps", "must be >= 0");

@@ -71,7 +71,8 @@ struct GradSyncConfig {
   double density = 0.01;                // sparsifiers: fraction of elements sent per tensor
   std::string fusion = "saf-adaptive";  // see fusion_strategies()
   bool error_feedback = true;           // keep what was not sent and add it to the next step's gradient
-  int64_t warmup_steps = 0;             // density warm-up: exponential from 0.25 down to density
+  int64_t warmup_steps = 80;            // density warm-up after dense_steps: exponential from 0.25 down to density
+  int64_t dense_steps = 20;             // lossy methods: exact sync for the first steps (Adam's warm-up)
   int64_t powersgd_rank = 4;
   std::string scope = "all";            // all | slow-links (compress only between ranks joined by a slow link)
   double slow_link_gbps = 0;            // a link is slow below this; 0 = below 1/4 of the fastest inter-host link
@@ -81,6 +82,13 @@ struct GradSyncConfig {
   bool allow_lossy = false;             // --plan auto may choose lossy compression by itself
 
   bool lossy() const { return compression != "none"; }
+  bool sparse() const {
+    return compression == "topk" || compression == "randomk" || compression == "dgc" || compression == "gaussiank" ||
+           compression == "redsync" || compression == "sidco";
+  }
+  // A sparsifier below density 1 sends each element's accumulated gradient now and then; Adam
+  // must then read it linearly (train/optimizer.h: second moment frozen after dense_steps).
+  bool linear_adam() const { return sparse() && density < 1; }
   static const std::vector<std::string>& compression_methods();
   static const std::vector<std::string>& fusion_strategies();
   // SAFusion's and GRACE's names for the same methods (gaussian, eftopk, topkef, exp).

@@ -111,6 +111,7 @@ nlohmann::json Plan::to_json() const {
                            {"fusion", g.fusion},
                            {"error_feedback", g.error_feedback},
                            {"warmup_steps", g.warmup_steps},
+                           {"dense_steps", g.dense_steps},
                            {"powersgd_rank", g.powersgd_rank},
                            {"scope", g.scope},
                            {"dgc_momentum", g.dgc_momentum},
@@ -175,6 +176,8 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
       o.error_feedback = g.value("error_feedback", o.error_feedback);
       field = "grad_sync.warmup_steps";
       o.warmup_steps = g.value("warmup_steps", o.warmup_steps);
+      field = "grad_sync.dense_steps";
+      o.dense_steps = g.value("dense_steps", o.dense_steps);
       field = "grad_sync.powersgd_rank";
       o.powersgd_rank = g.value("powersgd_rank", o.powersgd_rank);
       field = "grad_sync.scope";

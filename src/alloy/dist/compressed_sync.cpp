@@ -95,6 +95,7 @@ void CompressedSync::arm(int64_t step, Clock::time_point origin) {
   stats_ = CompressedSyncStats{};
   hook_stats_ = CompressedSyncStats{};
   error_ = nullptr;
+  dense_step_ = step < cfg_.dense_steps;
   cut_buffers();
   armed_ = true;
   phase_ = Phase::Armed;
@@ -180,7 +181,7 @@ void CompressedSync::on_grad_ready(size_t slot, const at::Tensor& incoming) {
   if (!incoming.is_cpu()) dst.copy_(prev.defined() ? (prev + incoming).reshape({-1}) : incoming.reshape({-1}));
   else if (prev.defined()) at::add_out(dst, prev.reshape({-1}), incoming.reshape({-1}));
   else dst.copy_(incoming.reshape({-1}));
-  if (encode_in_hook_) encode_ready(slot);
+  if (encode_in_hook_ && !dense_step_) encode_ready(slot);
   {
     std::lock_guard<std::mutex> lk(mu_);
     ready_[slot] = 1;
@@ -270,7 +271,44 @@ void CompressedSync::broadcast_wire(at::Tensor& wire) {
   if (!root) wire = bytes.view(dtype);
 }
 
+void CompressedSync::run_dense_step() {
+  // The first grad_sync.dense_steps steps sum exactly (Adam measures its second moment on them):
+  // per buffer, an all-reduce among all holders, or inside each region, then among the leaders,
+  // then the leaders' sum broadcast to their regions.
+  const size_t n = slots_.size();
+  compress::Comm* counted[3] = {topo_.flat.get(), topo_.region.get(), topo_.leaders.get()};
+  int64_t bytes_before = 0;
+  for (auto* c : counted)
+    if (c) bytes_before += c->bytes_sent();
+  for (size_t b = 0; b < fusion_.starts.size(); ++b) {
+    const size_t lo = fusion_.starts[b], hi = fusion_.buffer_of_end(b, n);
+    const BufferLayout L = layout_of(b);
+    for (size_t i = lo; i < hi; ++i) wait_ready(i);
+    auto t0 = Clock::now();
+    at::Tensor dense = staging_.narrow(0, L.begin, L.numel);
+    if (!topo_.hierarchical()) {
+      topo_.flat->allreduce_sum(dense);
+    } else {
+      if (topo_.region) topo_.region->allreduce_sum(dense);
+      if (topo_.leaders) topo_.leaders->allreduce_sum(dense);
+      if (topo_.region) topo_.region->broadcast(dense, 0);
+    }
+    out_.narrow(0, L.begin, L.numel).copy_(dense);
+    stats_.spans.push_back({"exact all-reduce " + std::to_string(b), since_origin_us(t0), seconds(t0, Clock::now()) * 1e6});
+    if (!topo_.hierarchical() || topo_.leaders) stats_.elements += L.numel, stats_.selected += L.numel;
+  }
+  int64_t bytes_after = 0;
+  for (auto* c : counted)
+    if (c) bytes_after += c->bytes_sent();
+  stats_.bytes_sent = bytes_after - bytes_before;
+  stats_.buffers = static_cast<int64_t>(fusion_.starts.size());
+}
+
 void CompressedSync::run_step() {
+  if (dense_step_) {
+    run_dense_step();
+    return;
+  }
   const StepContext ctx = context();
   const size_t n = slots_.size();
   std::vector<std::pair<double, double>> exchanges;
@@ -443,7 +481,7 @@ CompressedSyncStats CompressedSync::finish() {
     }
   }
   for (size_t i : late) {
-    if (encode_in_hook_) encode_ready(i);
+    if (encode_in_hook_ && !dense_step_) encode_ready(i);
     std::lock_guard<std::mutex> lk(mu_);
     ready_[i] = 1;
   }

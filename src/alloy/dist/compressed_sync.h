@@ -14,7 +14,8 @@
 // the worker. One worker per set, walking its buffers in one order on every member, keeps every
 // member's collectives in the same order per group, so sets never wait on each other.
 //
-// Two topologies (grad_sync.scope):
+// The first grad_sync.dense_steps steps sum exactly through the same groups (train/optimizer.h
+// says why sparsifiers need them). Two topologies (grad_sync.scope):
 //  - flat: every holder compresses its own gradient; the codec exchanges among all holders.
 //  - hierarchical (slow-links): the holders joined by fast links (a region) first sum a buffer
 //    exactly (all-reduce), then each region's leader (its lowest rank) compresses the region's
@@ -95,6 +96,7 @@ class CompressedSync {
  private:
   void worker_main();
   void run_step();
+  void run_dense_step();
   void wait_ready(size_t i);
   void wait_buffer(size_t b);
   void retune();
@@ -142,6 +144,7 @@ class CompressedSync {
   CompressedSyncStats stats_;       // the worker's share of this step
   CompressedSyncStats hook_stats_;  // encoding on the autograd thread
   bool encode_in_hook_ = false;
+  bool dense_step_ = false;         // this step syncs exactly (grad_sync.dense_steps)
   bool per_tensor_ = false;
   std::vector<size_t> buffer_of_;   // slot -> buffer under the current fusion plan
   std::vector<int64_t> pending_;    // per buffer: tensors not yet encoded (hook encoding)

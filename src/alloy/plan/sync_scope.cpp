@@ -55,6 +55,7 @@ void apply_grad_sync(Plan& plan, const Config& cfg, bool plan_from_file) {
   take("fusion", &GradSyncConfig::fusion);
   take("error_feedback", &GradSyncConfig::error_feedback);
   take("warmup_steps", &GradSyncConfig::warmup_steps);
+  take("dense_steps", &GradSyncConfig::dense_steps);
   take("powersgd_rank", &GradSyncConfig::powersgd_rank);
   take("scope", &GradSyncConfig::scope);
   take("slow_link_gbps", &GradSyncConfig::slow_link_gbps);

@@ -2,6 +2,7 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "alloy/core/error.h"
@@ -24,11 +25,32 @@ void AdamW::step(double lr) {
     if (!g.defined()) continue;
     at::Tensor& w = s.p->tensor;
     if (s.p->decay && o_.weight_decay != 0.0) w.mul_(1.0 - lr * o_.weight_decay);
+    if (s.linear_after >= 0 && t_ > s.linear_after) {
+      // Once, at the first linear step: a checkpoint after it holds the floored v.
+      if (t_ == s.linear_after + 1) s.v.clamp_min_(0.01 * s.v.mean().item<double>());
+      const double bc2_frozen = 1.0 - std::pow(o_.beta2, static_cast<double>(s.linear_after));
+      at::Tensor denom = s.v.div(bc2_frozen).sqrt_().add_(o_.eps);
+      if (s.momentum > 0) {
+        w.addcdiv_(g, denom, -lr * (1.0 - s.momentum));
+      } else {
+        s.m.mul_(o_.beta1).add_(g, 1.0 - o_.beta1);
+        w.addcdiv_(s.m, denom, -step_size);
+      }
+      continue;
+    }
     s.m.mul_(o_.beta1).add_(g, 1.0 - o_.beta1);
     s.v.mul_(o_.beta2).addcmul_(g, g, 1.0 - o_.beta2);
     at::Tensor denom = s.v.sqrt().div_(bc2_sqrt).add_(o_.eps);
     w.addcdiv_(s.m, denom, -step_size);
   }
+}
+
+void AdamW::read_linearly(const std::vector<std::string>& names, int64_t after, double momentum) {
+  for (auto& s : slots_)
+    if (std::find(names.begin(), names.end(), s.p->name) != names.end()) {
+      s.linear_after = after;
+      s.momentum = momentum;
+    }
 }
 
 void AdamW::zero_grad() {

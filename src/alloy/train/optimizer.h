@@ -22,6 +22,23 @@ class AdamW {
   static Options from_config(const TrainConfig& t) { return {t.beta1, t.beta2, t.eps, t.weight_decay}; }
 
   void step(double lr);  // parameters without a gradient are left untouched
+
+  // Parameters whose gradients arrive through a sparsifier with error feedback (dist/compress):
+  // each element gets its gradient accumulated over T steps now and then, not a little every step,
+  // and Adam's m / sqrt(v) would move it by one step's worth per arrival (at density 0.01 a weight
+  // then moved ~17x less than under exact sync; the validation loss of a 6x384 GPT-2 was 30% worse
+  // after 150 steps). From optimizer step AFTER on (the exact steps before it measure v), v no longer
+  // follows the arriving values and the update is linear in them, so what error feedback delays
+  // still arrives whole (1-bit Adam's recipe). Elements the exact steps never touched (embedding
+  // rows of tokens not seen yet) get a floor of 1% of their tensor's mean v instead of dividing
+  // their first arrival by epsilon. (Scaling the frozen v by the gradient's measured energy since
+  // the freeze was tried and made the loss worse: 2.69 vs 2.55 after 300 steps, bench/README.)
+  // With DGC's momentum correction (MOMENTUM > 0) the arriving value already carries the momentum
+  // (a local velocity, about T steps of g / (1 - MOMENTUM)): m is (1 - MOMENTUM) times it.
+  // Measured (bench/README): without momentum correction the selection follows the noise of the
+  // raw accumulated gradients and training diverged after the switch.
+  void read_linearly(const std::vector<std::string>& names, int64_t after, double momentum);
+
   void zero_grad();      // drops gradients (undefined), so the next backward assigns, not adds
   int64_t steps_taken() const { return t_; }
 
@@ -34,6 +51,8 @@ class AdamW {
   struct Slot {
     model::Param* p;
     at::Tensor m, v;
+    int64_t linear_after = -1;  // -1: plain AdamW throughout
+    double momentum = 0;
   };
   std::vector<Slot> slots_;
   Options o_;

@@ -213,6 +213,20 @@ void Trainer::build_groups() {
     list.push_back(pg);
   }
   reducer_ = std::make_unique<dist::Reducer>(list, plan_->grad_sync.bucket_mb);
+  // Parameters that a sparsifier syncs reach AdamW as accumulated gradients now and then: after
+  // the exact steps AdamW reads them linearly (optimizer.h), DGC's velocity standing for its
+  // first moment.
+  const GradSyncConfig& g = plan_->grad_sync;
+  for (const auto& set : sync_->sets()) any_sparse_set_ |= g.linear_adam() && set.compressed;
+  if (g.linear_adam()) {
+    std::vector<std::string> names;
+    for (const auto& pg : list)
+      if (pg.compressed)
+        for (const auto* p : pg.params) names.push_back(p->name);
+    const bool velocity = g.compression == "dgc" && g.error_feedback && g.dgc_momentum > 0;
+    opt_->read_linearly(names, g.dense_steps, velocity ? g.dgc_momentum : 0.0);
+    sparse_params_.insert(names.begin(), names.end());
+  }
   if (rank_ == 0 && plan_->grad_sync.lossy() && !opts_.quiet) {
     int compressed = 0, total = 0;
     for (const auto& set : sync_->sets()) total += 1, compressed += set.compressed ? 1 : 0;
@@ -482,14 +496,30 @@ TrainResult Trainer::run() {
       for (const auto& sp : sync.compressed.spans) exec_->trace().push_back({sp.name, "compression", sp.start_us, sp.dur_us});
     }
 
-    // Global gradient norm: each parameter counted once, by the lowest rank holding it.
+    // Global gradient norm: each parameter counted once, by the lowest rank holding it. After the
+    // exact steps, sparsely synced parameters hold decoded sums of accumulated gradients whose
+    // norm is many times the gradient's (10-50x at density 0.01): clipping by it would shrink every
+    // update as much. They are reported in the norm but neither clipped nor counted for clipping.
+    // Decided from the plan, the same on every rank (the reduction below must match in size).
+    const bool split_clip = any_sparse_set_ && step >= plan_->grad_sync.dense_steps;
     const double norm_sq = global_grad_norm_sq(owned);
-    double sums[2] = {loss_local, norm_sq};
+    double sums[3] = {loss_local, norm_sq, norm_sq};
+    std::vector<model::Param*> clipped = params, owned_clipped;
+    if (split_clip) {
+      clipped.clear();
+      for (auto* p : params)
+        if (!sparse_params_.count(p->name)) clipped.push_back(p);
+      for (auto* p : owned)
+        if (!sparse_params_.count(p->name)) owned_clipped.push_back(p);
+      sums[2] = global_grad_norm_sq(owned_clipped);
+    }
     if (world_) {
-      at::Tensor v = at::tensor({loss_local, norm_sq}, at::kDouble);
+      // Only with the split: the exact path keeps its two-value reduction (and its bits).
+      at::Tensor v = split_clip ? at::tensor({sums[0], sums[1], sums[2]}, at::kDouble) : at::tensor({loss_local, norm_sq}, at::kDouble);
       dist::wait_work(world_->all().allreduce_sum(v), "all-reduce of the step's loss and gradient norm");
       sums[0] = v[0].item<double>();
       sums[1] = v[1].item<double>();
+      sums[2] = split_clip ? v[2].item<double>() : sums[1];
     }
     // The sync figures travel in a collective of their own, waited for after the optimizer step:
     // the loss and norm above keep their reduction order, so the exact path stays bit for bit.
@@ -500,7 +530,7 @@ TrainResult Trainer::run() {
     c10::intrusive_ptr<c10d::Work> sync_fig_work;
     if (world_) sync_fig_work = world_->all().allreduce_sum(sync_fig);
     const double grad_norm = std::sqrt(sums[1]);
-    clip_to(params, grad_norm, t.grad_clip);
+    clip_to(clipped, std::sqrt(sums[2]), t.grad_clip);
     opt_->step(lr);
     opt_->zero_grad();
     if (sync_fig_work) dist::wait_work(sync_fig_work, "all-reduce of the step's gradient-sync figures");

@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -111,6 +112,8 @@ class Trainer {
   std::unique_ptr<dist::SyncLayout> sync_;  // parameter -> holders, holder sets (from the plan)
   std::vector<std::shared_ptr<dist::Group>> groups_;
   std::unique_ptr<dist::Reducer> reducer_;
+  std::set<std::string> sparse_params_;  // synced by a sparsifier: AdamW reads them linearly
+  bool any_sparse_set_ = false;          // some holder set of the plan is (on any rank)
   std::unique_ptr<pipeline::StageExecutor> exec_;
   int64_t start_step_ = 0;
 };

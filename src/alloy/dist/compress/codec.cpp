@@ -343,6 +343,7 @@ Options Options::from(const GradSyncConfig& g, bool aligned) {
   o.density = g.density;
   o.error_feedback = g.error_feedback;
   o.warmup_steps = g.warmup_steps;
+  o.dense_steps = g.dense_steps;
   o.powersgd_rank = g.powersgd_rank;
   o.dgc_momentum = g.dgc_momentum;
   o.sidco_fit = parse_sidco_fit(g.sidco_fit);
@@ -352,7 +353,9 @@ Options Options::from(const GradSyncConfig& g, bool aligned) {
 }
 
 double Options::density_at(int64_t step) const {
+  step -= dense_steps;  // the warm-up follows the exact steps
   if (warmup_steps <= 0 || step >= warmup_steps || density >= 0.25) return density;
+  if (step < 0) return 0.25;
   const double f = static_cast<double>(step) / static_cast<double>(warmup_steps);
   return std::max(density, 0.25 * std::pow(density / 0.25, f));
 }

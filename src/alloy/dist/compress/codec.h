@@ -46,6 +46,7 @@ struct Options {
   double density = 0.01;
   bool error_feedback = true;
   int64_t warmup_steps = 0;
+  int64_t dense_steps = 0;  // exact steps before any compression (the warm-up starts after them)
   int64_t powersgd_rank = 4;
   double dgc_momentum = 0.9;
   SidcoFit sidco_fit = SidcoFit::Exponential;
@@ -54,7 +55,7 @@ struct Options {
 
   static Options from(const GradSyncConfig& g, bool aligned);
   // Density at optimizer step STEP (0-based): DGC's warm-up, exponentially from 0.25 down to
-  // density over warmup_steps, then density.
+  // density over the warmup_steps after the dense_steps, then density.
   double density_at(int64_t step) const;
 };
 
