@@ -20,7 +20,10 @@ the issue asks for.
 
 Writes bench/results/compression.json and PNGs (compression-2host.png, compression-two-region.png,
 compression-convergence.png).
-usage: /usr/bin/python3 bench/compression_bench.py [--rounds 2] [--steps 12] [--pools 2host,two-region]
+Each run trains --steps steps and times those after the first --skip (step 1 syncs exactly,
+saf-adaptive has tried its cuts by step 12); PyTorch DDP warms up as many steps.
+usage: /usr/bin/python3 bench/compression_bench.py [--rounds 2] [--steps 20] [--skip 12]
+                                                   [--pools 2host,two-region] [--cases SUBSTRING,...]
                                                    [--convergence] [--convergence-steps 300]
 """
 import argparse
@@ -79,7 +82,9 @@ class Pool:
         os.makedirs(self.work, exist_ok=True)
         self.model = model_of(self.config)
         self.plan = dp_plan(os.path.join(self.work, "dp.json"), batches, mbs, self.model["layers"])
-        self.steps = a.steps
+        self.steps, self.skip = a.steps, a.skip
+        self.only = [c for c in a.cases.split(",") if c]
+        self.key = name + ("-only-" + "-".join(o.replace(" ", "_") for o in self.only) if self.only else "")
         self.env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
     def cases(self):
@@ -94,6 +99,8 @@ class Pool:
             if f != "saf-adaptive":
                 c.append((f"dgc 0.01 {f}", {"compression": "dgc", "density": 0.01, "fusion": f}))
         c += [("pytorch ddp", {"ddp": 0}), ("pytorch powersgd r1", {"ddp": 1}), ("pytorch powersgd r4", {"ddp": 4})]
+        if self.only:
+            c = [x for x in c if any(o in x[0] for o in self.only)]
         return c
 
     def run(self, label, case, rnd):
@@ -103,9 +110,12 @@ class Pool:
             cmd = ["/usr/bin/python3", os.path.join(HERE, "ddp_train_step.py"), "--layers", str(self.model["layers"]),
                    "--hidden", str(self.model["hidden"]), "--heads", str(self.model["heads"]),
                    "--seq-len", str(self.model["seq_len"]), "--vocab", str(self.model["vocab_size"]), "--batch", str(per),
-                   "--steps", str(self.steps - 2), "--warmup", "3", "--threads", "1", "--bucket-mb", "1000",
+                   "--steps", str(self.steps - self.skip), "--warmup", str(self.skip), "--threads", "1", "--bucket-mb", "1000",
                    "--powersgd-rank", str(case["ddp"])]
-            r = self.launch(cmd)
+            # A baseline that crashes is recorded as such; the other cases still count.
+            r = self.launch(cmd, may_fail=True)
+            if r.returncode != 0:
+                return dict(step_s=float("nan"), error=(r.stdout + r.stderr).strip().splitlines()[-1][:300])
             line = [l for l in (r.stdout + r.stderr).splitlines() if '"pytorch-ddp"' in l][-1]
             return dict(step_s=json.loads(line[line.index("{"):])["step_s_median"])
         sets = [f"output.dir={out}", f"train.steps={self.steps}", "train.eval_interval=0", "train.eval_batches=0",
@@ -118,7 +128,7 @@ class Pool:
             cmd += ["--set", s]
         self.launch(cmd)
         with open(os.path.join(out, "metrics.jsonl")) as f:
-            rows = [json.loads(l) for l in f if l.strip()][2:]
+            rows = [json.loads(l) for l in f if l.strip()][self.skip:]
         res = dict(step_s=statistics.median(r["step_s"] for r in rows),
                    grad_bytes=statistics.median(r["grad_bytes"] for r in rows))
         if "grad_density" in rows[-1]:
@@ -126,10 +136,12 @@ class Pool:
             res["compress_s"] = statistics.median(r["compress_s"] for r in rows)
         return res
 
-    def launch(self, cmd):
+    def launch(self, cmd, may_fail=False):
         full = [self.alloy, "launch", "--emulate", self.cluster, "--"] + cmd
         r = subprocess.run(full, capture_output=True, text=True, env=self.env, cwd=REPO)
-        if r.returncode != 0:
+        if r.returncode != 0 and may_fail:
+            log(f"{self.name}: failed ({r.returncode}): {' '.join(cmd[:3])} ...: {(r.stdout + r.stderr).strip()[-300:]}")
+        elif r.returncode != 0:
             sys.stderr.write(r.stdout[-3000:] + r.stderr[-4000:])
             raise SystemExit(f"failed: {' '.join(full)}")
         return r
@@ -146,26 +158,37 @@ def bench_pool(pool, rounds):
             log(f"{pool.name} round {rnd + 1}/{rounds}: {label:<22} {r['step_s'] * 1e3:8.1f} ms/step"
                 + (f", {r['grad_bytes'] / 1e6:.2f} MB/step" if "grad_bytes" in r else "")
                 + (f", density {r['density']:.4f}" if "density" in r else "") + f" ({time.time() - t0:.0f} s)")
-    med = {label: dict(step_s=statistics.median(x["step_s"] for x in rs), rounds=[x["step_s"] for x in rs],
+
+    def median(xs):  # of the rounds that ran (a crashed baseline: nan)
+        xs = [x for x in xs if x == x]
+        return statistics.median(xs) if xs else float("nan")
+
+    med = {label: dict(step_s=median(x["step_s"] for x in rs), rounds=[x["step_s"] for x in rs],
+                       **({"errors": [x["error"] for x in rs if "error" in x]} if any("error" in x for x in rs) else {}),
                        **{k: statistics.median(x[k] for x in rs) for k in ("grad_bytes", "density", "compress_s") if k in rs[0]})
            for label, rs in runs.items()}
-    dense = med["dense exact"]["step_s"]
-    best = med["dgc 0.01"]["step_s"]
-    ratios = {"saf_adaptive_dgc_vs_dense": dense / best}
+    # The ratios whose cases ran (--cases may leave some out).
+    t = {label: m["step_s"] for label, m in med.items()}
+    best = t.get("dgc 0.01", float("nan"))
+    ratios = {}
+    if "dense exact" in t:
+        ratios["saf_adaptive_dgc_vs_dense"] = t["dense exact"] / best
     for f in FUSIONS:
-        if f != "saf-adaptive":
-            ratios[f"saf_adaptive_vs_{f}"] = med[f"dgc 0.01 {f}"]["step_s"] / best
+        if f != "saf-adaptive" and f"dgc 0.01 {f}" in t:
+            ratios[f"saf_adaptive_vs_{f}"] = t[f"dgc 0.01 {f}"] / best
     for r in (1, 4):
-        ratios[f"saf_adaptive_vs_pytorch_powersgd_r{r}"] = med[f"pytorch powersgd r{r}"]["step_s"] / best
-    ratios["dense_vs_pytorch_ddp"] = med["pytorch ddp"]["step_s"] / dense
-    log(f"{pool.name}: SAF-(Inter+Intra) DGC 0.01 is {ratios['saf_adaptive_dgc_vs_dense']:.2f}x dense exact (goal >= 4); "
-        + ", ".join(f"{k.replace('saf_adaptive_vs_', '')} {v:.2f}x" for k, v in ratios.items() if k.startswith("saf_adaptive_vs")))
+        if f"pytorch powersgd r{r}" in t:
+            ratios[f"saf_adaptive_vs_pytorch_powersgd_r{r}"] = t[f"pytorch powersgd r{r}"] / best
+    if "pytorch ddp" in t and "dense exact" in t:
+        ratios["dense_vs_pytorch_ddp"] = t["pytorch ddp"] / t["dense exact"]
+    log(f"{pool.name}: SAF-(Inter+Intra) DGC 0.01 vs dense exact {ratios.get('saf_adaptive_dgc_vs_dense', float('nan')):.2f}x "
+        "(goal >= 4); " + ", ".join(f"{k.replace('saf_adaptive_vs_', '')} {v:.2f}x" for k, v in ratios.items() if k.startswith("saf_adaptive_vs")))
     cats = [label for label, _ in cases]
-    plot.bars(os.path.join(REPO, "bench", "results", f"compression-{pool.name}.png"),
+    plot.bars(os.path.join(REPO, "bench", "results", f"compression-{pool.key}.png"),
               f"{pool.name}: step time by gradient sync (ms, median of {rounds} rounds)", "ms per step", cats,
               {"step": [1e3 * med[c]["step_s"] for c in cats]})
     return dict(cluster=os.path.relpath(pool.cluster, REPO), config=os.path.relpath(pool.config, REPO), batches=pool.batches,
-                scope=pool.scope, steps=pool.steps, rounds=rounds, cases=med, ratios=ratios)
+                scope=pool.scope, steps=pool.steps, timed_after=pool.skip, rounds=rounds, cases=med, ratios=ratios)
 
 
 def convergence(a):
@@ -202,12 +225,25 @@ def convergence(a):
     return results
 
 
+def no_nan(x):
+    """NaN (a crashed baseline) as null: strict JSON has no NaN."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: no_nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [no_nan(v) for v in x]
+    return x
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", default=os.path.join(REPO, "build"))
     ap.add_argument("--work", default=os.path.join(REPO, "runs", "compression"))
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--skip", type=int, default=12)
+    ap.add_argument("--cases", default="", help="only the cases whose label contains one of these (comma-separated)")
     ap.add_argument("--pools", default="2host,two-region")
     ap.add_argument("--convergence", action="store_true")
     ap.add_argument("--convergence-steps", type=int, default=300)
@@ -223,7 +259,8 @@ def main():
              "two-region": ("examples/cluster-2region.yaml", "examples/demo-gpt2.yaml", [28, 28, 28, 12], 4, "slow-links")}
     for name in a.pools.split(","):
         if name:
-            res["pools"][name] = bench_pool(Pool(name, *pools[name], a), a.rounds)
+            pool = Pool(name, *pools[name], a)
+            res["pools"][pool.key] = bench_pool(pool, a.rounds)
     if a.convergence:
         res["convergence"] = convergence(a)
     res["seconds"] = time.time() - t0
@@ -238,7 +275,7 @@ def main():
         old["machine"], old["seconds"] = res["machine"], res["seconds"]
         res = old
     with open(path + ".tmp", "w") as f:
-        json.dump(res, f, indent=1)
+        json.dump(no_nan(res), f, indent=1)
     os.replace(path + ".tmp", path)
     log(f"wrote {path} ({res['seconds']:.0f} s)")
 

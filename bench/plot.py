@@ -40,11 +40,7 @@ set key top left autotitle columnhead
 set xtics rotate by -35 ({", ".join(f'"{c}" {i}' for i, c in enumerate(categories))})
 plot {", ".join(plots)}
 """
-    r = subprocess.run(["gnuplot"], input=script, text=True, capture_output=True)
-    if r.returncode != 0:
-        print(f"gnuplot failed for {path}: {r.stderr.strip()[:500]}")
-        return False
-    return True
+    return _gnuplot(path, script)
 
 
 def lines(path, title, xlabel, ylabel, curves):
@@ -70,6 +66,10 @@ set grid
 set key top right
 plot {", ".join(plots)}
 """
+    return _gnuplot(path, script)
+
+
+def _gnuplot(path, script):
     r = subprocess.run(["gnuplot"], input=script, text=True, capture_output=True)
     if r.returncode != 0:
         print(f"gnuplot failed for {path}: {r.stderr.strip()[:500]}")

@@ -24,6 +24,14 @@ using alloy::dist::CompressedSync;
 
 namespace {
 
+// The steady state: no exact steps first, no density warm-up (tests of those set them).
+GradSyncConfig steady() {
+  GradSyncConfig g;
+  g.dense_steps = 0;
+  g.warmup_steps = 0;
+  return g;
+}
+
 at::Generator gen(uint64_t seed) { return at::detail::createCPUGenerator(seed); }
 
 at::Tensor normal(int64_t n, uint64_t seed) { return at::randn({n}, gen(seed), at::kFloat) * 1e-3; }
@@ -182,7 +190,7 @@ TEST(Sparsify, ThresholdEstimatorsSelectWithinTwentyPercentOfK) {
 TEST(ErrorFeedback, SentPlusResidualEqualsInputPlusOldResidualExactly) {
   const int64_t n = 50000;
   for (const char* method : {"fp16", "bf16", "topk", "randomk", "dgc", "gaussiank", "redsync", "sidco"}) {
-    GradSyncConfig g;
+    GradSyncConfig g = steady();
     g.compression = method;
     g.density = 0.01;
     auto codec = make_codec(Options::from(g, false));
@@ -216,7 +224,7 @@ TEST(SparseExchange, GatheredSumsEqualTheDenseReference) {
   const int64_t numel = 40000;
   for (const char* method : {"topk", "dgc", "redsync", "randomk"})
     for (bool aligned : {true, false}) {
-      GradSyncConfig g;
+      GradSyncConfig g = steady();
       g.compression = method;
       g.density = 0.02;
       g.error_feedback = false;
@@ -254,7 +262,7 @@ TEST(SparseExchange, GatheredSumsEqualTheDenseReference) {
 TEST(PowerSgd, ResidualsAddUpToWhatTheApproximationMissed) {
   const int n = 2;
   const int64_t rows = 64, cols = 48;
-  GradSyncConfig g;
+  GradSyncConfig g = steady();
   g.compression = "powersgd";
   g.powersgd_rank = 2;
   std::vector<at::Tensor> grads, residual(n), out(n);
@@ -352,7 +360,7 @@ SyncRun run_sync(int n, const GradSyncConfig& g, int steps, const std::function<
 TEST(CompressedSync, FlatEveryFusionExactAtDensityOneAndMembersAgree) {
   for (const auto& fusion : GradSyncConfig::fusion_strategies()) {
     for (const char* method : {"topk", "dgc"}) {
-      GradSyncConfig g;
+      GradSyncConfig g = steady();
       g.compression = method;
       g.density = std::string(method) == "topk" ? 1.0 : 0.05;
       g.fusion = fusion;
@@ -377,7 +385,7 @@ TEST(CompressedSync, FlatEveryFusionExactAtDensityOneAndMembersAgree) {
 // (0 and 2), the wire broadcast to 1 and 3.
 TEST(CompressedSync, HierarchicalRegionsSumExactlyInsideAndAgree) {
   for (const char* method : {"topk", "dgc", "fp16", "powersgd"}) {
-    GradSyncConfig g;
+    GradSyncConfig g = steady();
     g.compression = method;
     g.scope = "slow-links";
     g.density = std::string(method) == "topk" ? 1.0 : 0.1;
@@ -400,7 +408,7 @@ TEST(CompressedSync, HierarchicalRegionsSumExactlyInsideAndAgree) {
 }
 
 TEST(CompressedSync, WarmupRaisesDensityFirstAfterTheExactSteps) {
-  GradSyncConfig g;
+  GradSyncConfig g = steady();
   g.compression = "dgc";
   g.density = 0.001;
   g.warmup_steps = 4;
@@ -414,7 +422,7 @@ TEST(CompressedSync, WarmupRaisesDensityFirstAfterTheExactSteps) {
 
 // The first dense_steps steps sum exactly through the same groups, whatever the method.
 TEST(CompressedSync, DenseStepsSumExactly) {
-  GradSyncConfig g;
+  GradSyncConfig g = steady();
   g.compression = "dgc";
   g.density = 0.01;
   g.dense_steps = 5;
@@ -473,7 +481,7 @@ TEST(SyncLayout, RegionsFromSlowLinksDecideWhatIsCompressed) {
 // Random sizes, densities, methods and old residuals: error feedback never loses or invents a bit.
 RC_GTEST_PROP(ErrorFeedbackProperty, ExactForEveryLossyMethodAndSize, ()) {
   const int64_t n = *rc::gen::inRange<int64_t>(1, 5000);
-  GradSyncConfig g;
+  GradSyncConfig g = steady();
   g.compression = *rc::gen::element<std::string>("fp16", "bf16", "topk", "randomk", "dgc", "gaussiank", "redsync", "sidco");
   g.density = *rc::gen::element(1.0, 0.5, 0.1, 0.01, 0.001);
   const bool aligned = *rc::gen::arbitrary<bool>();
@@ -498,7 +506,7 @@ RC_GTEST_PROP(ErrorFeedbackProperty, ExactForEveryLossyMethodAndSize, ()) {
 RC_GTEST_PROP(SparseExchangeProperty, DecodedSumsEqualTheDenseReference, ()) {
   const int members = *rc::gen::inRange(2, 5);
   const int64_t n = *rc::gen::inRange<int64_t>(1, 4000);
-  GradSyncConfig g;
+  GradSyncConfig g = steady();
   g.compression = *rc::gen::element<std::string>("topk", "dgc", "gaussiank", "sidco");
   g.density = *rc::gen::element(1.0, 0.2, 0.02);
   g.error_feedback = *rc::gen::arbitrary<bool>();

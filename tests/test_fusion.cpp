@@ -119,3 +119,22 @@ RC_GTEST_PROP(Fusion, EveryPlanIsAPartitionAndAdaptiveNeverLosesToNoFusion, ()) 
   const double a = simulate_fusion(adaptive, in);
   RC_ASSERT(a <= simulate_fusion(each, in) * (1 + 1e-9));
 }
+
+// saf-adaptive's measured choice: untried cuts first, then the fastest by more than the margin.
+TEST(Fusion, MeasuredChoiceTriesEveryCandidateThenKeepsTheFastest) {
+  using Cut = std::vector<size_t>;
+  const Cut model{0, 3, 7}, one{0};
+  std::map<Cut, double> measured;
+  EXPECT_EQ(choose_measured({model, one}, measured, Cut{0, 5}, 0.03), model);
+  measured[model] = 1.20;
+  EXPECT_EQ(choose_measured({model, one}, measured, model, 0.03), one);
+  measured[one] = 1.15;
+  EXPECT_EQ(choose_measured({model, one}, measured, one, 0.03), one) << "the running cut stays when fastest";
+  EXPECT_EQ(choose_measured({model, one}, measured, model, 0.03), one) << "4% faster: switch";
+  measured[one] = 1.18;
+  EXPECT_EQ(choose_measured({model, one}, measured, model, 0.03), model) << "under the margin: stay";
+  EXPECT_EQ(choose_measured({model, one}, measured, one, 0.03), one);
+  // A new proposal of the model is tried before anything measured wins.
+  const Cut again{0, 4};
+  EXPECT_EQ(choose_measured({again, one}, measured, model, 0.03), again);
+}

@@ -15,32 +15,15 @@ usage: test_compression.py ALLOY WORKDIR
 import json
 import os
 import shutil
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from distlib import fresh_workdir_with_corpus, full, plan, sh  # noqa: E402
 
 STEPS = 20
 
 
-def sh(cmd, expect_fail=False, **kw):
-    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if (r.returncode != 0) != expect_fail:
-        sys.stderr.write(f"command {'succeeded' if expect_fail else 'failed'} ({r.returncode}): {' '.join(cmd)}\n"
-                         f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}\n")
-        raise SystemExit(1)
-    return r
 
-
-def plan(gb, pipelines, slow_links=None):
-    p = {"format": "alloy-plan", "version": 1, "global_batch": gb, "schedule": "1f1b",
-         "pipelines": [{"micro_batch_size": m, "num_micro_batches": n,
-                        "stages": [{"ranks": [r], "layers": [b, e]} for r, b, e in st]} for m, n, st in pipelines]}
-    if slow_links:
-        p["grad_sync"] = {"slow_links": slow_links}
-    return p
-
-
-def full(rank):
-    return [(rank, 0, 8)]
 
 
 LAYOUTS = {
@@ -114,13 +97,7 @@ def worst_rel(a, b):
 
 def main():
     alloy, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    with open("/usr/share/games/fortunes/fortunes", "rb") as f:
-        text = f.read(150000)
-    with open(os.path.join(work, "corpus.txt"), "wb") as f:
-        f.write(text)
-    sh([alloy, "data", "prepare", "--input", os.path.join(work, "corpus.txt"), "--output", os.path.join(work, "data/corpus")])
+    fresh_workdir_with_corpus(alloy, work)
     R = Runner(alloy, work)
 
     single = os.path.join(work, "single")

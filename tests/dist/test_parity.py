@@ -11,32 +11,16 @@ CPU run: float32 on the GPU sums in another order, hence a looser tolerance ther
 """
 import json
 import os
-import shutil
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from distlib import fresh_workdir_with_corpus, full, plan, sh  # noqa: E402
 
 RTOL = 1e-5
 STEPS = 20
 
 
-def sh(cmd, **kw):
-    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if r.returncode != 0:
-        sys.stderr.write(f"command failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}\n")
-        raise SystemExit(1)
-    return r
 
-
-def plan(gb, pipelines, schedule="1f1b"):
-    """pipelines: [(mbs, nmb, [(rank, begin, end), ...]), ...]"""
-    return {"format": "alloy-plan", "version": 1, "global_batch": gb, "schedule": schedule,
-            "pipelines": [{"micro_batch_size": m, "num_micro_batches": n,
-                           "stages": [{"ranks": [r], "layers": [b, e]} for r, b, e in st]}
-                          for m, n, st in pipelines]}
-
-
-def full(rank):
-    return [(rank, 0, 8)]
 
 
 # name: (arch, global batch, plan or SynerFuse flags, world size)
@@ -95,13 +79,7 @@ def main():
     args = [a for a in args if a != "--devices"]
     table = DEVICE_LAYOUTS if on_devices else LAYOUTS
     wanted = args or list(table)
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    with open("/usr/share/games/fortunes/fortunes", "rb") as f:
-        text = f.read(150000)
-    with open(os.path.join(work, "corpus.txt"), "wb") as f:
-        f.write(text)
-    sh([alloy, "data", "prepare", "--input", os.path.join(work, "corpus.txt"), "--output", os.path.join(work, "data/corpus")])
+    fresh_workdir_with_corpus(alloy, work)
 
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     baselines = {}

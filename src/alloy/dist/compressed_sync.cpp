@@ -271,15 +271,19 @@ void CompressedSync::broadcast_wire(at::Tensor& wire) {
   if (!root) wire = bytes.view(dtype);
 }
 
+int64_t CompressedSync::wire_bytes() const {
+  int64_t total = 0;
+  for (const auto* c : {topo_.flat.get(), topo_.region.get(), topo_.leaders.get()})
+    if (c) total += c->bytes_sent();
+  return total;
+}
+
 void CompressedSync::run_dense_step() {
   // The first grad_sync.dense_steps steps sum exactly (Adam measures its second moment on them):
   // per buffer, an all-reduce among all holders, or inside each region, then among the leaders,
   // then the leaders' sum broadcast to their regions.
   const size_t n = slots_.size();
-  compress::Comm* counted[3] = {topo_.flat.get(), topo_.region.get(), topo_.leaders.get()};
-  int64_t bytes_before = 0;
-  for (auto* c : counted)
-    if (c) bytes_before += c->bytes_sent();
+  const int64_t bytes_before = wire_bytes();
   for (size_t b = 0; b < fusion_.starts.size(); ++b) {
     const size_t lo = fusion_.starts[b], hi = fusion_.buffer_of_end(b, n);
     const BufferLayout L = layout_of(b);
@@ -297,10 +301,7 @@ void CompressedSync::run_dense_step() {
     stats_.spans.push_back({"exact all-reduce " + std::to_string(b), since_origin_us(t0), seconds(t0, Clock::now()) * 1e6});
     if (!topo_.hierarchical() || topo_.leaders) stats_.elements += L.numel, stats_.selected += L.numel;
   }
-  int64_t bytes_after = 0;
-  for (auto* c : counted)
-    if (c) bytes_after += c->bytes_sent();
-  stats_.bytes_sent = bytes_after - bytes_before;
+  stats_.bytes_sent = wire_bytes() - bytes_before;
   stats_.buffers = static_cast<int64_t>(fusion_.starts.size());
 }
 
@@ -312,10 +313,7 @@ void CompressedSync::run_step() {
   const StepContext ctx = context();
   const size_t n = slots_.size();
   std::vector<std::pair<double, double>> exchanges;
-  compress::Comm* counted[3] = {topo_.flat.get(), topo_.region.get(), topo_.leaders.get()};
-  int64_t bytes_before = 0;
-  for (auto* c : counted)
-    if (c) bytes_before += c->bytes_sent();
+  const int64_t bytes_before = wire_bytes();
   for (size_t b = 0; b < fusion_.starts.size(); ++b) {
     const size_t lo = fusion_.starts[b], hi = fusion_.buffer_of_end(b, n);
     BufferLayout L = layout_of(b);
@@ -367,10 +365,7 @@ void CompressedSync::run_step() {
     stats_.decode_s += seconds(td, te);
     stats_.spans.push_back({"decompress " + tag, since_origin_us(td), seconds(td, te) * 1e6});
   }
-  int64_t bytes_after = 0;
-  for (auto* c : counted)
-    if (c) bytes_after += c->bytes_sent();
-  stats_.bytes_sent = bytes_after - bytes_before;
+  stats_.bytes_sent = wire_bytes() - bytes_before;
   stats_.buffers = static_cast<int64_t>(fusion_.starts.size());
   if (state_.residual.defined()) stats_.residual_sq = at::dot(state_.residual, state_.residual).item<double>();
   // What the measuring fusion strategies learn from this step (the hooks are all done: every
@@ -385,6 +380,7 @@ void CompressedSync::run_step() {
   encode_s_per_elem_ = (stats_.encode_s + hook_stats_.encode_s) / std::max(1.0, synced);
   decode_s_per_elem_ = stats_.decode_s / std::max(1.0, synced);
   exchanges_ = exchanges;
+  if (window_.size() < 64) window_.push_back(seconds(armed_at_, Clock::now()));
   history_.insert(history_.end(), exchanges.begin(), exchanges.end());
   if (history_.size() > 256) history_.erase(history_.begin(), history_.begin() + static_cast<long>(history_.size() - 256));
   ++steps_run_;
@@ -417,6 +413,10 @@ void CompressedSync::retune() {
   v.push_back(decode_s_per_elem_);
   v.push_back(alpha);
   v.push_back(beta);
+  std::vector<double> w = window_;  // the running cut's median step since the last retune
+  std::sort(w.begin(), w.end());
+  v.push_back(w.empty() ? 0.0 : w[w.size() / 2]);
+  window_.clear();
   // Every member must cut the same buffers: share the measurements (the maximum over members).
   if (!topo_.hierarchical()) {
     max_over(*topo_.flat, v);
@@ -441,14 +441,23 @@ void CompressedSync::retune() {
   in.cap_bytes = static_cast<int64_t>(cfg_.bucket_mb * 1024 * 1024);
   in.encode_in_hook = encode_in_hook_;
   in.encode_whole = topo_.hierarchical();  // the region's sum exists only once the buffer is complete
-  const size_t before = fusion_.starts.size();
+  const double running_s = v[n + 4];
+  const std::vector<size_t> before = fusion_.starts;
   // A new cut only when the model expects it 5% faster than the running one: measurements of a few
   // steps move by more than that, and a cut that follows them flips back and forth.
   compress::FusionPlan next = compress::plan_fusion(cfg_.fusion, in);
-  if (compress::simulate_fusion(next, in) < 0.95 * compress::simulate_fusion(fusion_, in)) fusion_ = next;  // applied at the next arm()
+  compress::FusionPlan model = compress::simulate_fusion(next, in) < 0.95 * compress::simulate_fusion(fusion_, in) ? next : fusion_;
+  if (!compress::fusion_retunes(cfg_.fusion)) {
+    fusion_ = model;  // applied at the next arm()
+  } else {
+    // The model's cut and one buffer, both timed (fusion.h: choose_measured); 3% beats noise.
+    if (running_s > 0) measured_[fusion_.starts] = running_s;
+    model.starts = compress::choose_measured({model.starts, {0}}, measured_, fusion_.starts, 0.03);
+    fusion_ = model;
+  }
   // Every member computed the same buffers; the set's first member says so.
   compress::Comm* first = topo_.hierarchical() ? topo_.leaders.get() : topo_.flat.get();
-  if (first && first->rank() == 0 && fusion_.starts.size() != before) {
+  if (first && first->rank() == 0 && fusion_.starts != before) {
     std::string sizes;
     for (size_t b = 0; b < fusion_.starts.size(); ++b) {
       int64_t e = 0;
@@ -456,7 +465,7 @@ void CompressedSync::retune() {
       sizes += (b ? ", " : "") + std::to_string((e * 4 + 512 * 1024) >> 20);
     }
     log_info("gradient sync " + name_ + ": " + cfg_.fusion + " after step " + std::to_string(steps_run_) + ": " +
-             std::to_string(fusion_.starts.size()) + " buffers (MiB: " + sizes + "), was " + std::to_string(before) +
+             std::to_string(fusion_.starts.size()) + " buffers (MiB: " + sizes + "), was " + std::to_string(before.size()) + (running_s > 0 ? " (" + std::to_string(running_s * 1e3) + " ms per step)" : std::string()) +
              "; measured per buffer " + std::to_string(in.alpha_s * 1e3) + " ms + " + std::to_string(in.beta_s_per_byte * 1e9) +
              " ns per element, encode " + std::to_string(in.encode_s_per_elem * 1e9) + " ns per element");
   }

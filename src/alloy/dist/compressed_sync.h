@@ -30,6 +30,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -97,6 +98,7 @@ class CompressedSync {
   void worker_main();
   void run_step();
   void run_dense_step();
+  int64_t wire_bytes() const;  // sent so far through this set's groups
   void wait_ready(size_t i);
   void wait_buffer(size_t b);
   void retune();
@@ -130,6 +132,8 @@ class CompressedSync {
   std::vector<std::pair<double, double>> exchanges_;  // (elements, seconds) per buffer, last step
   std::vector<std::pair<double, double>> history_;    // the same over the last steps (at most 256)
   int64_t steps_run_ = 0;
+  std::vector<double> window_;  // this rank's steps since the last retune: backward start -> last decode
+  std::map<std::vector<size_t>, double> measured_;  // saf-adaptive: per cut tried, its agreed time
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -68,6 +68,21 @@ std::vector<size_t> merge_greedy(FusionPlan base, const FusionInputs& in) {
 
 }  // namespace
 
+std::vector<size_t> choose_measured(const std::vector<std::vector<size_t>>& candidates,
+                                    const std::map<std::vector<size_t>, double>& measured, const std::vector<size_t>& running,
+                                    double margin) {
+  for (const auto& c : candidates)
+    if (!measured.count(c)) return c;
+  auto it = measured.find(running);
+  std::vector<size_t> best = running;
+  double best_s = it == measured.end() ? std::numeric_limits<double>::infinity() : it->second * (1 - margin);
+  for (const auto& c : candidates) {
+    const double t = measured.at(c);
+    if (t < best_s) best_s = t, best = c;
+  }
+  return best;
+}
+
 FusionPlan plan_fusion(const std::string& s, const FusionInputs& in) {
   FusionPlan p;
   p.strategy = s;

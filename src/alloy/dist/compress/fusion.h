@@ -31,6 +31,7 @@
 // finishes earlier (MG-WFBP's rule, on this model).
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,16 @@ bool fusion_retunes(const std::string& strategy);
 FusionPlan plan_fusion(const std::string& strategy, const FusionInputs& in);
 // Finish time of the last exchange under the model above.
 double simulate_fusion(const FusionPlan& plan, const FusionInputs& in);
+// saf-adaptive's second opinion: the model counts an exchange that overlaps the backward as free,
+// but where the exchange shares the backward's core (a CPU device) it takes its CPU from the
+// backward, and one buffer after the backward can be faster than any overlapping cut. So the cuts
+// it may run (the model's best and one buffer) are also timed: each STARTS in CANDIDATES not yet
+// in MEASURED (seconds from backward start to the last decode, agreed among members) is tried
+// first, in order; then the fastest measured one, if it beats RUNNING's time by MARGIN (a
+// fraction). Returns the cut to run next.
+std::vector<size_t> choose_measured(const std::vector<std::vector<size_t>>& candidates,
+                                    const std::map<std::vector<size_t>, double>& measured, const std::vector<size_t>& running,
+                                    double margin);
 // Fixed buffers of at most CAP_BYTES of fp32 gradient (a tensor larger than the cap stands alone).
 std::vector<size_t> fixed_buffers(const std::vector<int64_t>& numel, int64_t cap_bytes);
 

@@ -1,0 +1,40 @@
+"""What the end-to-end tests through real processes share: running a command, a corpus, plans."""
+import os
+import shutil
+import subprocess
+import sys
+
+
+def sh(cmd, expect_fail=False, **kw):
+    """Runs CMD; a failure (or, with EXPECT_FAIL, a success) prints its output's tail and exits 1."""
+    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if (r.returncode != 0) != expect_fail:
+        sys.stderr.write(f"command {'succeeded' if expect_fail else 'failed'} ({r.returncode}): {' '.join(cmd)}\n"
+                         f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}\n")
+        raise SystemExit(1)
+    return r
+
+
+def fresh_workdir_with_corpus(alloy, work):
+    """Empties WORK and prepares the first 150 kB of the fortunes corpus as WORK/data/corpus."""
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    with open("/usr/share/games/fortunes/fortunes", "rb") as f:
+        text = f.read(150000)
+    with open(os.path.join(work, "corpus.txt"), "wb") as f:
+        f.write(text)
+    sh([alloy, "data", "prepare", "--input", os.path.join(work, "corpus.txt"), "--output", os.path.join(work, "data/corpus")])
+
+
+def plan(gb, pipelines, schedule="1f1b", slow_links=None):
+    """pipelines: [(mbs, nmb, [(rank, begin, end), ...]), ...]"""
+    p = {"format": "alloy-plan", "version": 1, "global_batch": gb, "schedule": schedule,
+         "pipelines": [{"micro_batch_size": m, "num_micro_batches": n,
+                        "stages": [{"ranks": [r], "layers": [b, e]} for r, b, e in st]} for m, n, st in pipelines]}
+    if slow_links:
+        p["grad_sync"] = {"slow_links": slow_links}
+    return p
+
+
+def full(rank):
+    return [(rank, 0, 8)]
