@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <set>
 
+#include "alloy/core/components.h"
 #include "alloy/core/error.h"
 #include "alloy/model/transformer.h"
 
@@ -18,29 +19,15 @@ std::string join(const std::vector<int>& v, const char* sep) {
 
 std::vector<std::vector<int>> split_regions(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow) {
   std::set<std::pair<int, int>> slow_set(slow.begin(), slow.end());
-  std::vector<int> comp(ranks.size(), -1);
-  int next = 0;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (comp[i] >= 0) continue;
-    std::vector<size_t> stack{i};
-    comp[i] = next;
-    while (!stack.empty()) {
-      size_t a = stack.back();
-      stack.pop_back();
-      for (size_t b = 0; b < ranks.size(); ++b) {
-        if (comp[b] >= 0) continue;
-        auto key = std::make_pair(std::min(ranks[a], ranks[b]), std::max(ranks[a], ranks[b]));
-        if (slow_set.count(key)) continue;
-        comp[b] = next;
-        stack.push_back(b);
-      }
-    }
-    ++next;
+  std::vector<std::vector<int>> out;
+  for (const auto& c : components(ranks.size(), [&](size_t a, size_t b) {
+         return !slow_set.count({std::min(ranks[a], ranks[b]), std::max(ranks[a], ranks[b])});
+       })) {
+    std::vector<int> r;
+    for (size_t i : c) r.push_back(ranks[i]);
+    std::sort(r.begin(), r.end());
+    out.push_back(std::move(r));
   }
-  std::vector<std::vector<int>> out(static_cast<size_t>(next));
-  for (size_t i = 0; i < ranks.size(); ++i) out[static_cast<size_t>(comp[i])].push_back(ranks[i]);
-  for (auto& r : out) std::sort(r.begin(), r.end());
-  std::sort(out.begin(), out.end());
   return out;
 }
 

@@ -6,6 +6,7 @@
 #include <map>
 #include <sstream>
 
+#include "alloy/core/components.h"
 #include "alloy/core/error.h"
 #include "alloy/pipeline/schedule.h"
 #include "alloy/plan/sync_scope.h"
@@ -177,22 +178,11 @@ CodecCost default_codec(const std::string& m) {
 
 std::vector<std::vector<int>> CostContext::regions_of(const std::vector<int>& d) const {
   // Devices joined, directly or through each other, by links that are not slow; in D's order.
-  std::vector<int> comp(d.size(), -1);
-  int next = 0;
-  for (size_t i = 0; i < d.size(); ++i) {
-    if (comp[i] >= 0) continue;
-    std::vector<size_t> stack{i};
-    comp[i] = next;
-    while (!stack.empty()) {
-      const size_t a = stack.back();
-      stack.pop_back();
-      for (size_t b = 0; b < d.size(); ++b)
-        if (comp[b] < 0 && !slow_pair(d[a], d[b])) comp[b] = next, stack.push_back(b);
-    }
-    ++next;
+  std::vector<std::vector<int>> regions;
+  for (const auto& c : components(d.size(), [&](size_t a, size_t b) { return !slow_pair(d[a], d[b]); })) {
+    regions.emplace_back();
+    for (size_t i : c) regions.back().push_back(d[i]);
   }
-  std::vector<std::vector<int>> regions(static_cast<size_t>(next));
-  for (size_t i = 0; i < d.size(); ++i) regions[static_cast<size_t>(comp[i])].push_back(d[i]);
   return regions;
 }
 
