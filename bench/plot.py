@@ -43,7 +43,7 @@ plot {", ".join(plots)}
     return _gnuplot(path, script)
 
 
-def lines(path, title, xlabel, ylabel, curves):
+def lines(path, title, xlabel, ylabel, curves, yrange=None):
     """One line per curve (name -> [(x, y), ...]). Writes PATH (PNG) and the numbers beside it (.dat)."""
     if not shutil.which("gnuplot"):
         print(f"gnuplot not found: {path} not drawn (install gnuplot-nox)")
@@ -64,6 +64,7 @@ set xlabel '{xlabel}'
 set ylabel '{ylabel}'
 set grid
 set key top right
+{f"set yrange [{yrange[0]}:{yrange[1]}]" if yrange else ""}
 plot {", ".join(plots)}
 """
     return _gnuplot(path, script)
