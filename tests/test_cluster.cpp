@@ -559,7 +559,8 @@ TEST(Ptafm, ImportsTheReferenceInstance) {
 }
 
 TEST(Ptafm, ReadsTheSharedReferenceWhenPresent) {
-  const std::string shared = "/work/shared/reference/ptafm-data-center-config.txt";
+  // ../shared beside the repository, where the project's shared inputs live.
+  const std::string shared = std::string(ALLOY_SOURCE_DIR) + "/../shared/reference/ptafm-data-center-config.txt";
   if (!fs::exists(shared)) GTEST_SKIP() << shared << " is not on this machine";
   std::ifstream in(shared);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

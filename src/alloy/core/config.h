@@ -82,10 +82,10 @@ struct GradSyncConfig {
   bool allow_lossy = false;             // --plan auto may choose lossy compression by itself
 
   bool lossy() const { return compression != "none"; }
-  bool sparse() const {
-    return compression == "topk" || compression == "randomk" || compression == "dgc" || compression == "gaussiank" ||
-           compression == "redsync" || compression == "sidco";
+  static bool sparse_method(const std::string& m) {
+    return m == "topk" || m == "randomk" || m == "dgc" || m == "gaussiank" || m == "redsync" || m == "sidco";
   }
+  bool sparse() const { return sparse_method(compression); }
   // A sparsifier below density 1 sends each element's accumulated gradient now and then; Adam
   // must then read it linearly (train/optimizer.h: second moment frozen after dense_steps).
   bool linear_adam() const { return sparse() && density < 1; }

@@ -1,6 +1,6 @@
 #pragma once
 // Megatron-LM indexed dataset (PREFIX.bin + PREFIX.idx, "MMIDIDX" version 1), read and written
-// without Python or LibTorch. Layout: /work/shared/reference/FORMATS.md. The writer reproduces
+// without Python or LibTorch. Layout: ../shared/reference/FORMATS.md (beside the repository). The writer reproduces
 // Megatron's IndexedDatasetBuilder/_IndexWriter byte for byte so files move freely between the
 // two; the reader validates everything before handing out a single token, because a corrupt
 // index otherwise surfaces as garbage batches hours into a run.

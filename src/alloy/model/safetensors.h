@@ -1,7 +1,7 @@
 #pragma once
 // safetensors read/write on raw bytes, without LibTorch: checkpoints and HuggingFace weights are
 // validated and sliced here, and only turned into tensors by the caller. Layout: u64 LE header
-// length N, N bytes of JSON, then the data; see /work/shared/reference/FORMATS.md.
+// length N, N bytes of JSON, then the data; see ../shared/reference/FORMATS.md (beside the repository).
 #include <cstddef>
 #include <cstdint>
 #include <map>

@@ -469,6 +469,12 @@ TrainResult Trainer::run() {
   std::vector<model::Param*> owned;
   for (auto* p : params)
     if (sync_->holders(p->name).front() == rank_) owned.push_back(p);
+  // What clipping covers once sparse steps begin (see the gradient norm below).
+  std::vector<model::Param*> dense_params, owned_dense;
+  for (auto* p : params)
+    if (!sparse_params_.count(p->name)) dense_params.push_back(p);
+  for (auto* p : owned)
+    if (!sparse_params_.count(p->name)) owned_dense.push_back(p);
   Progress progress("train", static_cast<uint64_t>(t.steps), opts_.quiet);
   auto run_start = std::chrono::steady_clock::now();
   double last_val = std::nan("");
@@ -503,16 +509,8 @@ TrainResult Trainer::run() {
     // Decided from the plan, the same on every rank (the reduction below must match in size).
     const bool split_clip = any_sparse_set_ && step >= plan_->grad_sync.dense_steps;
     const double norm_sq = global_grad_norm_sq(owned);
-    double sums[3] = {loss_local, norm_sq, norm_sq};
-    std::vector<model::Param*> clipped = params, owned_clipped;
-    if (split_clip) {
-      clipped.clear();
-      for (auto* p : params)
-        if (!sparse_params_.count(p->name)) clipped.push_back(p);
-      for (auto* p : owned)
-        if (!sparse_params_.count(p->name)) owned_clipped.push_back(p);
-      sums[2] = global_grad_norm_sq(owned_clipped);
-    }
+    double sums[3] = {loss_local, norm_sq, split_clip ? global_grad_norm_sq(owned_dense) : norm_sq};
+    const std::vector<model::Param*>& clipped = split_clip ? dense_params : params;
     if (world_) {
       // Only with the split: the exact path keeps its two-value reduction (and its bits).
       at::Tensor v = split_clip ? at::tensor({sums[0], sums[1], sums[2]}, at::kDouble) : at::tensor({loss_local, norm_sq}, at::kDouble);

@@ -387,9 +387,7 @@ void forget_sent(const at::Tensor& indices, int64_t selected, CodecState& st, co
 std::unique_ptr<Codec> make_codec(const Options& o) {
   if (o.method == "fp16" || o.method == "bf16") return std::make_unique<CastCodec>(o);
   if (o.method == "powersgd") return std::make_unique<PowerSgdCodec>(o);
-  if (o.method == "topk" || o.method == "randomk" || o.method == "dgc" || o.method == "gaussiank" || o.method == "redsync" ||
-      o.method == "sidco")
-    return std::make_unique<SparseCodec>(o);
+  if (GradSyncConfig::sparse_method(o.method)) return std::make_unique<SparseCodec>(o);
   throw InputError("grad_sync.compression", "no codec for '" + o.method + "'");
 }
 
