@@ -3,9 +3,10 @@
 // alloy search's time and predicted step time, and the baselines' predicted step times side by
 // side (same cost model), so the ratio is measured in one run.
 //
-//   g++ -std=c++17 -O2 -Isrc bench/bench_planner.cpp src/alloy/plan/{search,cost_model,cluster}.cpp
-//       src/alloy/pipeline/schedule.cpp src/alloy/core/{plan,config,fs}.cpp -lyaml-cpp -o /tmp/bench_planner
-// Optional argument: the search's time budget in seconds (default 1).
+// Built with the project (build/bench/bench_planner).
+// Optional argument: the search's time budget in seconds (default 1). At 1 s on a loaded 2-core
+// machine the heuristic may stop early and its figures vary from run to run; quote a larger
+// budget (e.g. 60) for repeatable step times.
 #include <vector>
 #include <chrono>
 #include <cstdio>
