@@ -16,7 +16,10 @@ orders on different ranks and aborts). Reports the median step time of every cas
 the issue asks for.
 
   --convergence   also train examples/small-gpt2.yaml for 300 steps on the fortunes corpus with
-                  every compressor (2 ranks on loopback) and plot the validation curves
+                  every compressor (2 ranks on loopback) and plot the validation curves; "METHOD+mc"
+                  is a sparsifier with DGC's momentum correction (grad_sync.momentum_correction=on).
+                  With --cases, only the labels named exactly train (and dense exact); with
+                  --reuse-runs finished runs stand. Convergence alone: --pools "" --convergence
 
 Writes bench/results/compression.json and PNGs (compression-2host.png, compression-two-region.png,
 compression-convergence.png).
@@ -199,15 +202,23 @@ def convergence(a):
     plan = dp_plan(os.path.join(work, "dp.json"), [8, 8], 8, 6)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     curves, results = {}, {}
-    for method in ["none", "fp16", "bf16"] + SPARSE + ["powersgd"]:
+    # "+mc": the sparsifier with DGC's momentum correction (grad_sync.momentum_correction=on).
+    labels = ["none", "fp16", "bf16"] + SPARSE + ["powersgd"] + [f"{m}+mc" for m in SPARSE if m != "dgc"]
+    only = [c for c in a.cases.split(",") if c]
+    for method in labels:
         out = os.path.join(work, method)
+        metrics = os.path.join(out, "metrics.jsonl")
+        done = a.reuse_runs and os.path.exists(metrics) and sum(1 for l in open(metrics) if l.strip()) >= a.convergence_steps
+        if only and method != "none" and not any(c == method for c in only) and not done:
+            continue  # --cases: the exact labels to train (dense exact always, as the reference)
+        name, mc = (method[:-3], True) if method.endswith("+mc") else (method, False)
         cmd = [alloy, "launch", "--nproc", "2", "--threads-per-rank", "1", "--", alloy, "train", "--config",
                os.path.join(REPO, "examples", "small-gpt2.yaml"), "--plan", plan, "--set", f"output.dir={out}",
                "--set", f"train.steps={a.convergence_steps}", "--set", "train.eval_interval=25", "--set", "train.eval_batches=8",
-               "--set", f"grad_sync.compression={method}", "--set", "grad_sync.density=0.01"]
+               "--set", f"grad_sync.compression={name}", "--set", "grad_sync.density=0.01"]
+        if mc:
+            cmd += ["--set", "grad_sync.momentum_correction=on"]
         t0 = time.time()
-        metrics = os.path.join(out, "metrics.jsonl")
-        done = a.reuse_runs and os.path.exists(metrics) and sum(1 for l in open(metrics) if l.strip()) >= a.convergence_steps
         if not done:  # --reuse-runs: a finished run of the same settings stands (a crashed invocation)
             r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
             if r.returncode != 0:

@@ -185,6 +185,37 @@ TEST(Sparsify, ThresholdEstimatorsSelectWithinTwentyPercentOfK) {
         }
 }
 
+// Momentum correction is DGC's by default; `on` gives every sparsifier its local velocity, which
+// then appears on the first encode; `off` takes it from DGC too.
+TEST(MomentumCorrection, LocalVelocityFollowsTheMode) {
+  const int64_t n = 4000;
+  for (const char* method : {"topk", "randomk", "dgc", "gaussiank", "redsync", "sidco", "fp16"})
+    for (const char* mode : {"auto", "on", "off"}) {
+      GradSyncConfig g = steady();
+      g.compression = method;
+      g.density = 0.01;
+      g.momentum_correction = mode;
+      const bool sparse = std::string(method) != "fp16";
+      const bool expect = sparse && (std::string(mode) == "on" || (std::string(mode) == "auto" && std::string(method) == "dgc"));
+      EXPECT_EQ(g.local_velocity(), expect) << method << " " << mode;
+      auto codec = make_codec(Options::from(g, false));
+      CodecState st;
+      StepContext ctx;
+      ctx.seed = 5;
+      at::Tensor grad = normal(n, 3);
+      Encoded e = codec->encode(grad, 0, n, {TensorSlot{0, n, {n}}}, st, ctx);
+      ASSERT_EQ(st.velocity.defined(), expect) << method << " " << mode;
+      if (!expect) continue;
+      // First step: velocity == gradient, minus what was sent (factor masking).
+      at::Tensor idx = e.indices.narrow(0, 0, e.selected);
+      at::Tensor v = grad.clone().index_fill_(0, idx, 0.0);
+      EXPECT_TRUE(at::equal(st.velocity, v)) << method;
+      // Without error feedback there is nothing for a velocity to accumulate into.
+      g.error_feedback = false;
+      EXPECT_FALSE(g.local_velocity()) << method;
+    }
+}
+
 // sent + new residual == gradient + old residual, exactly, for every lossy method but PowerSGD
 // (whose residual is this member's share of the approximation error, checked below).
 TEST(ErrorFeedback, SentPlusResidualEqualsInputPlusOldResidualExactly) {
@@ -484,12 +515,13 @@ RC_GTEST_PROP(ErrorFeedbackProperty, ExactForEveryLossyMethodAndSize, ()) {
   GradSyncConfig g = steady();
   g.compression = *rc::gen::element<std::string>("fp16", "bf16", "topk", "randomk", "dgc", "gaussiank", "redsync", "sidco");
   g.density = *rc::gen::element(1.0, 0.5, 0.1, 0.01, 0.001);
+  g.momentum_correction = *rc::gen::element<std::string>("auto", "on", "off");
   const bool aligned = *rc::gen::arbitrary<bool>();
   const Options o = Options::from(g, aligned);
   auto codec = make_codec(o);
   CodecState st;
   st.residual = laplace(n, *rc::gen::inRange<uint64_t>(0, 1000));
-  if (g.compression == "dgc") st.velocity = normal(n, 7);
+  if (g.local_velocity()) st.velocity = normal(n, 7);
   at::Tensor grad = normal(n, *rc::gen::inRange<uint64_t>(1000, 2000));
   at::Tensor expected = st.residual.clone();
   if (st.velocity.defined()) expected.add_(at::add(grad, st.velocity, o.dgc_momentum));

@@ -114,7 +114,8 @@ const std::vector<Field>& schema() {
       ALLOY_INT(grad_sync, powersgd_rank, "powersgd: rank of the low-rank factors"),
       ALLOY_STR(grad_sync, scope, "all | slow-links: compress only between ranks joined by a slow link, exact elsewhere"),
       ALLOY_FLOAT(grad_sync, slow_link_gbps, "scope slow-links: links below this are slow; 0 = below 1/4 of the fastest link"),
-      ALLOY_FLOAT(grad_sync, dgc_momentum, "dgc: momentum correction factor (local velocity); 0 = plain accumulation"),
+      ALLOY_FLOAT(grad_sync, dgc_momentum, "momentum correction's factor (local velocity); 0 = plain accumulation"),
+      ALLOY_STR(grad_sync, momentum_correction, "auto (dgc only) | on (every sparsifier: a local velocity, as DGC's) | off"),
       ALLOY_STR(grad_sync, sidco_fit, "sidco: exponential | gamma | gpd"),
       ALLOY_INT(grad_sync, sidco_stages, "sidco: fitting stages (peaks over thresholds)"),
       ALLOY_BOOL(grad_sync, allow_lossy, "--plan auto may choose lossy compression (dgc) across slow links by itself"),
@@ -343,6 +344,7 @@ void GradSyncConfig::validate(const std::string& where, const std::string& prefi
   one_of("scope", scope, {"all", "slow-links"});
   if (!(slow_link_gbps >= 0)) fail("slow_link_gbps", "must be >= 0");
   if (!(dgc_momentum >= 0 && dgc_momentum < 1)) fail("dgc_momentum", "must be in [0, 1)");
+  one_of("momentum_correction", momentum_correction, {"auto", "on", "off"});
   one_of("sidco_fit", sidco_fit, {"exponential", "gamma", "gpd"});
   if (sidco_stages < 1 || sidco_stages > 8) fail("sidco_stages", "must be in 1..8");
 }

@@ -76,7 +76,8 @@ struct GradSyncConfig {
   int64_t powersgd_rank = 4;
   std::string scope = "all";            // all | slow-links (compress only between ranks joined by a slow link)
   double slow_link_gbps = 0;            // a link is slow below this; 0 = below 1/4 of the fastest inter-host link
-  double dgc_momentum = 0.9;            // DGC momentum correction (local velocity); 0 = plain accumulation
+  double dgc_momentum = 0.9;            // momentum correction's factor (local velocity); 0 = plain accumulation
+  std::string momentum_correction = "auto";  // auto (dgc only) | on (every sparsifier) | off
   std::string sidco_fit = "exponential";  // exponential | gamma | gpd
   int64_t sidco_stages = 2;
   bool allow_lossy = false;             // --plan auto may choose lossy compression by itself
@@ -89,6 +90,13 @@ struct GradSyncConfig {
   // A sparsifier below density 1 sends each element's accumulated gradient now and then; Adam
   // must then read it linearly (train/optimizer.h: second moment frozen after dense_steps).
   bool linear_adam() const { return sparse() && density < 1; }
+  // Momentum correction (DGC): a local velocity accumulates into the residual and both are cleared
+  // where values were sent. MODE auto gives it to dgc only, on to every sparsifier.
+  static bool local_velocity(const std::string& method, bool error_feedback, double momentum, const std::string& mode) {
+    if (!sparse_method(method) || !error_feedback || !(momentum > 0) || mode == "off") return false;
+    return mode == "on" || method == "dgc";
+  }
+  bool local_velocity() const { return local_velocity(compression, error_feedback, dgc_momentum, momentum_correction); }
   static const std::vector<std::string>& compression_methods();
   static const std::vector<std::string>& fusion_strategies();
   // SAFusion's and GRACE's names for the same methods (gaussian, eftopk, topkef, exp).

@@ -115,6 +115,7 @@ nlohmann::json Plan::to_json() const {
                            {"powersgd_rank", g.powersgd_rank},
                            {"scope", g.scope},
                            {"dgc_momentum", g.dgc_momentum},
+                           {"momentum_correction", g.momentum_correction},
                            {"sidco_fit", g.sidco_fit},
                            {"sidco_stages", g.sidco_stages}});
   }
@@ -184,6 +185,8 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
       o.scope = g.value("scope", o.scope);
       field = "grad_sync.dgc_momentum";
       o.dgc_momentum = g.value("dgc_momentum", o.dgc_momentum);
+      field = "grad_sync.momentum_correction";
+      o.momentum_correction = g.value("momentum_correction", o.momentum_correction);
       field = "grad_sync.sidco_fit";
       o.sidco_fit = g.value("sidco_fit", o.sidco_fit);
       field = "grad_sync.sidco_stages";

@@ -273,7 +273,7 @@ double CostContext::sync_buffer_bytes(const SyncShape& s, double set_bytes) cons
   // Staging and output buffers, the residual (error feedback) and DGC's velocity.
   double k = 2;
   if (gs_.error_feedback) k += 1;
-  if (gs_.error_feedback && gs_.compression == "dgc" && gs_.dgc_momentum > 0) k += 1;
+  if (gs_.local_velocity()) k += 1;
   return k * set_bytes;
 }
 

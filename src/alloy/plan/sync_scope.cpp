@@ -60,6 +60,7 @@ void apply_grad_sync(Plan& plan, const Config& cfg, bool plan_from_file) {
   take("scope", &GradSyncConfig::scope);
   take("slow_link_gbps", &GradSyncConfig::slow_link_gbps);
   take("dgc_momentum", &GradSyncConfig::dgc_momentum);
+  take("momentum_correction", &GradSyncConfig::momentum_correction);
   take("sidco_fit", &GradSyncConfig::sidco_fit);
   take("sidco_stages", &GradSyncConfig::sidco_stages);
   take("allow_lossy", &GradSyncConfig::allow_lossy);

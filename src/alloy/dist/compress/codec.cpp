@@ -23,7 +23,8 @@ uint64_t mix(uint64_t a, uint64_t b) {
 
 void ensure_state(CodecState& st, const at::Tensor& g, const Options& o) {
   if (o.error_feedback && !st.residual.defined()) st.residual = at::zeros_like(g);
-  if (o.method == "dgc" && o.dgc_momentum > 0 && o.error_feedback && !st.velocity.defined()) st.velocity = at::zeros_like(g);
+  if (GradSyncConfig::local_velocity(o.method, o.error_feedback, o.dgc_momentum, o.momentum_correction) && !st.velocity.defined())
+    st.velocity = at::zeros_like(g);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -346,6 +347,7 @@ Options Options::from(const GradSyncConfig& g, bool aligned) {
   o.dense_steps = g.dense_steps;
   o.powersgd_rank = g.powersgd_rank;
   o.dgc_momentum = g.dgc_momentum;
+  o.momentum_correction = g.momentum_correction;
   o.sidco_fit = parse_sidco_fit(g.sidco_fit);
   o.sidco_stages = static_cast<int>(g.sidco_stages);
   o.aligned = aligned;

@@ -21,7 +21,8 @@
 // before to this step's gradient and keeps what it does not send now, so that
 //   sent + new residual == gradient + old residual            (exactly, for cast and sparse).
 // DGC adds momentum correction: a local velocity v = momentum * v + g accumulates into the
-// residual, and both are cleared where values were sent (factor masking).
+// residual, and both are cleared where values were sent (factor masking); momentum_correction on
+// gives every sparsifier the same.
 //
 // Wire: exchange() returns one tensor from which decode() writes the sum into the output, without
 // any encoder state, so a region's leader can exchange for the region and broadcast the wire to
@@ -49,6 +50,7 @@ struct Options {
   int64_t dense_steps = 0;  // exact steps before any compression (the warm-up starts after them)
   int64_t powersgd_rank = 4;
   double dgc_momentum = 0.9;
+  std::string momentum_correction = "auto";  // GradSyncConfig::local_velocity
   SidcoFit sidco_fit = SidcoFit::Exponential;
   int sidco_stages = 2;
   bool aligned = false;  // every member sends exactly k values per piece: no sizes exchanged
