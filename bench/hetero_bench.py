@@ -16,10 +16,13 @@ Writes bench/results/hetero.json, hetero.png (throughput) and hetero-predictions
 
   --set KEY=VALUE  a config override for every Alloy plan and run (repeatable), e.g.
            --set grad_sync.compression=dgc --set grad_sync.scope=slow-links: compression across the
-           slow links, which the planner then prices (bench/README: the two-region pool)
+           slow links, which the planner then prices (bench/README: the two-region pool). A lossy
+           run syncs its first grad_sync.dense_steps exactly: time it past them with --timed-after
+           (e.g. --steps 40 --timed-after 22 --set grad_sync.warmup_steps=0)
 
 usage: /usr/bin/python3 bench/hetero_bench.py [--build build] [--cluster examples/cluster-3dev.yaml]
-           [--config examples/demo-gpt2.yaml] [--steps N] [--rounds N] [--out NAME] [--demo] [--set K=V ...]
+           [--config examples/demo-gpt2.yaml] [--steps N] [--timed-after N] [--rounds N] [--out NAME] [--demo]
+           [--set K=V ...]
 """
 import argparse
 import json
@@ -42,15 +45,16 @@ def log(msg):
     print(f"[hetero] {msg}", flush=True)
 
 
-def read_metrics(out):
-    """A run's metrics.jsonl rows, and the rows after the first two (warm-up) when there are enough.
-    After a re-plan (a row marked "replanned"), only the steps of the final plan after its first."""
+def read_metrics(out, timed_after=2):
+    """A run's metrics.jsonl rows, and the rows after the first TIMED_AFTER (warm-up; the exact steps
+    of a lossy run) when there are enough. After a re-plan (a row marked "replanned"), only the steps
+    of the final plan after its first (and after TIMED_AFTER)."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(l) for l in f if l.strip()]
     switch = [i for i, r in enumerate(rows) if r.get("replanned")]
-    if switch and len(rows) - switch[-1] > 3:
-        return rows, rows[switch[-1] + 2:]
-    return rows, (rows[2:] if len(rows) > 4 else rows)
+    if switch and len(rows) - max(switch[-1] + 2, timed_after) > 1:
+        return rows, rows[max(switch[-1] + 2, timed_after):]
+    return rows, (rows[timed_after:] if len(rows) > timed_after + 2 else rows)
 
 
 class Runner:
@@ -60,6 +64,7 @@ class Runner:
         self.config = os.path.abspath(a.config)
         self.work = os.path.abspath(a.work)
         self.steps = a.steps
+        self.timed_after = a.timed_after
         # Runs of one device on its own train batches of at most 48: a device's tokens/s does not depend
         # on the global batch beyond its optimizer step (0.2-0.3% of a 48-sample step here), and a larger batch
         # would make the slow devices' runs minutes longer.
@@ -104,11 +109,13 @@ class Runner:
         if plan:
             cmd += ["--plan", plan]
         self.launch(cluster or self.cluster, cmd, show=show)
-        rows, warm = read_metrics(out)
+        rows, warm = read_metrics(out, self.timed_after)
+        if any(r.get("loss") is None for r in warm):
+            raise SystemExit(f"{name}: the loss became NaN (see {out}/metrics.jsonl); its step times would not count")
         ranks = json.load(open(os.path.join(out, "ranks.json"))) if os.path.exists(os.path.join(out, "ranks.json")) else []
         step = statistics.median(r["step_s"] for r in warm if "val_loss" not in r) if warm else float("nan")
         replan = os.path.join(out, "replan.json")
-        return dict(rows=rows, ranks=ranks, step_s=step, tokens_per_s=statistics.median(r["tokens_per_s"] for r in warm),
+        return dict(rows=rows, ranks=ranks, step_s=step, timed_after=self.timed_after, tokens_per_s=statistics.median(r["tokens_per_s"] for r in warm),
                     out=out, replan=json.load(open(replan)) if os.path.exists(replan) else None)
 
     def train_auto(self, name, profile, steps, show=False):
@@ -242,11 +249,17 @@ def report_predictions(name, plan_path, run):
                     ("; rebalanced" if b["switched"] else ""))
     stages = []
     by_rank = {r["rank"]: r for r in run["ranks"]}
+    skip = run.get("timed_after", 2)
     for s in pred.get("per_stage", []):
         m = by_rank.get(s["rank"], {})
+        compute, wait = m.get("compute_s_median"), m.get("sync_wait_s_median")
+        steps = m.get("steps_step_compute_syncwait_s") or []
+        if len(steps) > skip + 2:  # the timed steps only (a lossy run's exact steps left out)
+            compute = statistics.median(x[1] for x in steps[skip:])
+            wait = statistics.median(x[2] for x in steps[skip:])
         stages.append(dict(rank=s["rank"], device=s["device"], predicted_compute_s=s["forward_s"] + s["backward_s"],
-                           measured_compute_s=m.get("compute_s_median"), predicted_sync_exposed_s=s["sync_exposed_s"],
-                           measured_sync_wait_s=m.get("sync_wait_s_median")))
+                           measured_compute_s=compute, predicted_sync_exposed_s=s["sync_exposed_s"],
+                           measured_sync_wait_s=wait))
     return dict(predicted_step_s=ps, measured_step_s=run["step_s"], relative_error=err, stages=stages, **extra)
 
 
@@ -290,6 +303,8 @@ def main():
     ap.add_argument("--config", default=os.path.join(REPO, "examples", "demo-gpt2.yaml"))
     ap.add_argument("--work", default=os.path.join(REPO, "runs", "hetero"))
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--timed-after", type=int, default=2,
+                    help="time the steps after this one (a lossy run: past grad_sync.dense_steps, whose steps sync exactly)")
     ap.add_argument("--demo", action="store_true")
     ap.add_argument("--rounds", type=int, default=None,
                     help="runs of Alloy's plan and of the devices side by side, alternating (median kept); default 2, 1 with --demo")
