@@ -28,6 +28,7 @@ std::vector<std::vector<int>> split_regions(const std::vector<int>& ranks, const
     std::sort(r.begin(), r.end());
     out.push_back(std::move(r));
   }
+  std::sort(out.begin(), out.end());  // by lowest rank, whatever order RANKS came in (as before components())
   return out;
 }
 
