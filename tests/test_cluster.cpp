@@ -768,7 +768,7 @@ TEST(Profile, JsonRoundTrip) {
   EXPECT_EQ(q.to_json(), p.to_json());
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-profile");
-  EXPECT_EQ(j["version"], 3);
+  EXPECT_EQ(j["version"], 4);
   // Version 1 (lines without points) still reads.
   {
     nlohmann::json v1 = j;
@@ -788,6 +788,16 @@ TEST(Profile, JsonRoundTrip) {
     Profile d = Profile::from_json(c.to_json(), "p.json");
     EXPECT_EQ(d.devices.at("cpu-full").codecs.at("dgc").encode_s_per_elem, 3e-9);
     EXPECT_EQ(d.to_json(), c.to_json());
+  }
+  // Version 3 (no step noise) reads as steady; the noise round-trips.
+  {
+    nlohmann::json v3 = j;
+    v3["version"] = 3;
+    for (auto& [type, d] : v3["devices"].items()) d.erase("step_noise");
+    EXPECT_EQ(Profile::from_json(v3, "p.json").devices.at("cpu-full").step_noise, 0);
+    Profile c = p;
+    c.devices.at("cpu-full").step_noise = 0.05;
+    EXPECT_EQ(Profile::from_json(c.to_json(), "p.json").devices.at("cpu-full").step_noise, 0.05);
   }
   // Free-form provenance is accepted.
   j["meta"] = {{"measured_on", "2024-01-01"}};
@@ -851,7 +861,9 @@ TEST(Profile, ValidationErrorsNameFileAndField) {
   };
   EXPECT_HAS(with([](auto& j) { j["format"] = "alloy-plan"; }), "p.json: format: \"alloy-plan\", not \"alloy-profile\"");
   EXPECT_HAS(with([](auto& j) { j.erase("format"); }), "p.json: format: is missing");
-  EXPECT_HAS(with([](auto& j) { j["version"] = 4; }), "p.json: version: 4; this Alloy reads versions 1 to 3");
+  EXPECT_HAS(with([](auto& j) { j["version"] = 5; }), "p.json: version: 5; this Alloy reads versions 1 to 4");
+  EXPECT_HAS(with([](auto& j) { j["version"] = "4"; }), "p.json: version: \"4\"; this Alloy reads versions 1 to 4");
+  EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["step_noise"] = -0.1; }), "p.json: devices.cpu-full.step_noise: must be in [0, 1)");
   EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["codecs"] = {{"dcg", {{"encode_s_per_elem", 1e-9}, {"decode_s_per_elem", 1e-9}}}}; }),
              "p.json: devices.cpu-full.codecs.dcg: is not a compression method");
   EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["codecs"] = {{"dgc", {{"encode_s_per_elem", -1}, {"decode_s_per_elem", 0}}}}; }),

@@ -349,6 +349,28 @@ double CostContext::act_bytes_per_sample(int64_t blocks, bool first, bool last) 
   return b;
 }
 
+double expected_max(std::vector<std::pair<double, double>> mean_sd) {
+  if (mean_sd.empty()) return 0;
+  std::sort(mean_sd.begin(), mean_sd.end());
+  double mu = mean_sd[0].first, var = mean_sd[0].second * mean_sd[0].second;
+  constexpr double kInvSqrt2Pi = 0.3989422804014327;
+  for (size_t i = 1; i < mean_sd.size(); ++i) {
+    const double m2 = mean_sd[i].first, v2 = mean_sd[i].second * mean_sd[i].second;
+    const double a = std::sqrt(var + v2);
+    if (!(a > 1e-12 * std::max({1.0, std::fabs(mu), std::fabs(m2)}))) {  // both steady: the larger
+      if (m2 >= mu) mu = m2, var = v2;
+      continue;
+    }
+    const double alpha = (mu - m2) / a;
+    const double cdf = 0.5 * std::erfc(-alpha / std::sqrt(2.0)), cdf_not = 1 - cdf, pdf = kInvSqrt2Pi * std::exp(-0.5 * alpha * alpha);
+    const double e1 = mu * cdf + m2 * cdf_not + a * pdf;
+    const double e2 = (mu * mu + var) * cdf + (m2 * m2 + v2) * cdf_not + (mu + m2) * a * pdf;
+    mu = e1;
+    var = std::max(0.0, e2 - e1 * e1);
+  }
+  return mu;
+}
+
 double CostContext::optimizer_s(int type, double param_bytes) const {
   return param_bytes / dtype_bytes_ * type_profile_[static_cast<size_t>(type)]->optimizer_s_per_param;
 }
@@ -573,6 +595,9 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
   ctx.set_grad_sync(plan.grad_sync);
   const double bucket_bytes = plan.grad_sync.bucket_mb * 1024 * 1024;
   std::vector<double> done(phase_end), bucket(static_cast<size_t>(W), 0), longest(static_cast<size_t>(W), 0);
+  // own[r]: when rank r would be done if every other holder were early: the term it adds to the
+  // max that makes the step (the search's per-replica decomposition, cost 5 for stragglers).
+  std::vector<double> own(phase_end), tail;
   std::vector<double> encode_total(static_cast<size_t>(W), 0);
   std::vector<const CostContext::Holder*> holder_of(static_cast<size_t>(W), nullptr);
   std::vector<int64_t> mbs_of(static_cast<size_t>(W), 0);
@@ -608,13 +633,17 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       g.encode_s = (shape.encode_s_per_elem + shape.decode_s_per_elem) * set.bytes / ctx.dtype_bytes();
     }
     ctx.buckets(shape, set.units, bucket_bytes, &bks);
+    tail.assign(bks.size() + 1, 0);
+    for (size_t k = bks.size(); k-- > 0;) tail[k] = tail[k + 1] + bks[k].time_s;
     double end = 0;
     for (size_t k = 0; k < bks.size(); ++k) {
       double ready = 0;
       for (int r : g.ranks) {
         const CostContext::Holder& h = *holder_of[static_cast<size_t>(r)];
         const MicroBatchCost off = ctx.unit_ready(ctx.type_of(dev_of[static_cast<size_t>(r)]), h.begin, h.end, h.first, h.last, bks[k].last_unit);
-        ready = std::max(ready, last_bwd_start[static_cast<size_t>(r)] + off.at(static_cast<double>(mbs_of[static_cast<size_t>(r)])));
+        const double mine = last_bwd_start[static_cast<size_t>(r)] + off.at(static_cast<double>(mbs_of[static_cast<size_t>(r)]));
+        ready = std::max(ready, mine);
+        own[static_cast<size_t>(r)] = std::max(own[static_cast<size_t>(r)], mine + tail[k]);
       }
       if (k == 0) g.ready_s = ready;
       end = std::max(ready, end) + bks[k].time_s;
@@ -631,8 +660,10 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     pc.sync_groups.push_back(g);
   }
   // Flat sets encode on the autograd thread: the backward ends that much later.
-  for (int r = 0; r < W; ++r)
+  for (int r = 0; r < W; ++r) {
     done[static_cast<size_t>(r)] = std::max(done[static_cast<size_t>(r)], phase_end[static_cast<size_t>(r)] + encode_total[static_cast<size_t>(r)]);
+    own[static_cast<size_t>(r)] = std::max(own[static_cast<size_t>(r)], phase_end[static_cast<size_t>(r)] + encode_total[static_cast<size_t>(r)]);
+  }
 
   std::vector<int> world(static_cast<size_t>(W));
   for (int r = 0; r < W; ++r) world[static_cast<size_t>(r)] = r;
@@ -671,9 +702,19 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
   }
   for (const auto& p : pc.pipelines) pc.phase_s = std::max(pc.phase_s, p.phase_s);
   for (size_t p = 0; p < pc.pipelines.size(); ++p)
-    for (const auto& st : plan.pipelines[p].stages)
+    for (const auto& st : plan.pipelines[p].stages) {
       pc.pipelines[p].done_s = std::max(pc.pipelines[p].done_s, done[static_cast<size_t>(st.ranks[0])]);
-  pc.step_s = pc.sync_done_s + pc.world_allreduce_s + pc.optimizer_s;
+      pc.pipelines[p].own_done_s = std::max(pc.pipelines[p].own_done_s, own[static_cast<size_t>(st.ranks[0])]);
+    }
+  std::vector<std::pair<double, double>> draws;
+  for (size_t p = 0; p < pc.pipelines.size(); ++p) {
+    double noise = 0;
+    for (const auto& st : plan.pipelines[p].stages) noise = std::max(noise, ctx.step_noise(ctx.type_of(dev_of[static_cast<size_t>(st.ranks[0])])));
+    pc.pipelines[p].noise_s = CostContext::done_sd(noise, pc.pipelines[p].own_done_s);
+    draws.push_back({pc.pipelines[p].own_done_s, pc.pipelines[p].noise_s});
+  }
+  pc.straggler_s = std::max(0.0, expected_max(draws) - pc.sync_done_s);
+  pc.step_s = ((pc.sync_done_s + pc.straggler_s) + pc.world_allreduce_s) + pc.optimizer_s;
   pc.fits = overflow.empty();
   for (size_t i = 0; i < overflow.size(); ++i) pc.explanation += (i ? "; " : "") + overflow[i];
   return pc;
@@ -684,6 +725,7 @@ nlohmann::json PlanCost::to_json() const {
   json j = {{"step_s", step_s},
             {"phase_s", phase_s},
             {"sync_done_s", sync_done_s},
+            {"straggler_s", straggler_s},
             {"world_allreduce_s", world_allreduce_s},
             {"optimizer_s", optimizer_s},
             {"fits", fits}};
@@ -693,7 +735,9 @@ nlohmann::json PlanCost::to_json() const {
     j["pipelines"].push_back({{"micro_batch_size", p.micro_batch_size},
                               {"num_micro_batches", p.num_micro_batches},
                               {"phase_s", p.phase_s},
-                              {"done_s", p.done_s}});
+                              {"done_s", p.done_s},
+                              {"own_done_s", p.own_done_s},
+                              {"noise_s", p.noise_s}});
   j["per_stage"] = json::array();
   for (const auto& s : stages)
     j["per_stage"].push_back({{"pipeline", s.pipeline},

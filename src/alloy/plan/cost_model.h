@@ -49,12 +49,25 @@
 //  3. The loss + gradient-norm all-reduce over all ranks: latency-bound, 2(W-1)/W * the ring's
 //     hop latencies (16 bytes). It is a barrier: it ends when the last rank is done.
 //  4. AdamW on each rank's own parameters: params * optimizer_s_per_param of its type.
-//  Step time = max over ranks = (last rank done) + world all-reduce + slowest optimizer step.
+//  5. Stragglers: the step waits for the slowest of the replicas' draws, not for the largest
+//     mean. Replica p would be done at D_p if every other one were early (its ranks' own ends:
+//     phase end, and for each bucket of their sets, their own ready time + the buckets from
+//     there on; the step is max_p D_p), give or take noise_p * sqrt(D_p * 1 s), noise_p the
+//     largest step_noise among its stages' device types;
+//     the replicas' done times are taken as independent normals and the step waits for their
+//     expected maximum (Clark's moment matching, folded in ascending mean). Equal replicas gain
+//     noise * sqrt(D) * E[max of R standard normals] (0.56 for 2, 1.03 for 4, 1.42 for 8); one
+//     replica far behind the others, or a single one, gains almost nothing. The search ranks
+//     layouts without this wait (search_detail.h, Evaluator::evaluate) and predicts it for the
+//     plan it returns.
+//  Step time = (replicas' expected latest done) + world all-reduce + slowest optimizer step.
 //
 // Memory per rank: held parameter bytes * state_bytes_per_param_byte (weights, gradients, AdamW
 // moments) + the reducer's bucket copy of every gradient it syncs + activations kept for backward:
 // peak micro-batches in flight (1F1B: min(S - s, M); GPipe: M) * m * activation bytes per sample
 // of the held layers. Capacity is memory_gb * 1e9 bytes; memory_gb 0 means unknown: unlimited.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -89,6 +102,10 @@ struct PipelineCost {
   int64_t micro_batch_size = 0, num_micro_batches = 0;
   double phase_s = 0;  // the schedule's makespan
   double done_s = 0;   // its last rank done with gradient sync
+  // When it would be done if every other pipeline were early: the gradient sync makes all of
+  // them done together (done_s), but it is this one's own lateness that moves the step. The
+  // step's barrier waits for the latest own_done_s; a draw of noise_s around it (5 above).
+  double own_done_s = 0, noise_s = 0;
 };
 
 struct SyncGroupCost {
@@ -108,7 +125,8 @@ struct SyncGroupCost {
 struct PlanCost {
   double step_s = 0;
   double phase_s = 0;           // slowest pipeline's schedule
-  double sync_done_s = 0;       // every rank has its gradients
+  double sync_done_s = 0;       // every rank has its gradients (the largest mean)
+  double straggler_s = 0;       // what waiting for the slowest draw adds to sync_done_s (5 above)
   double world_allreduce_s = 0;
   double optimizer_s = 0;       // slowest rank's optimizer step
   std::vector<StageCost> stages;  // pipelines in order, their stages in order
@@ -118,6 +136,10 @@ struct PlanCost {
   std::string explanation;  // what does not fit and by how much; empty when everything fits
   nlohmann::json to_json() const;
 };
+
+// E[max_i X_i] for independent normal X_i given as (mean, standard deviation): exact for two,
+// Clark's (1961) moment matching folded in ascending order of mean beyond that.
+double expected_max(std::vector<std::pair<double, double>> mean_sd);
 
 // Throws InputError when a stage's device is missing or not in the cluster, a device type has no
 // profile, a link has no usable bandwidth, or the plan does not validate against profile.model.
@@ -157,6 +179,9 @@ class CostContext {
   double act_bytes_per_sample(int64_t blocks, bool first, bool last) const;
   double dtype_bytes() const { return dtype_bytes_; }
   double optimizer_s(int type, double param_bytes) const;
+  double step_noise(int type) const { return type_profile_[static_cast<size_t>(type)]->step_noise; }
+  // Standard deviation of a replica done DONE_S after the step's start on devices of NOISE.
+  static double done_sd(double noise, double done_s) { return noise * std::sqrt(std::max(0.0, done_s)); }
   double state_bytes_per_param_byte() const { return profile_->memory.state_bytes_per_param_byte; }
   double memory_bytes(double param_bytes, double bucket_bytes, int64_t in_flight, int64_t m, double act_per_sample) const;
 

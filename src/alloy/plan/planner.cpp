@@ -125,7 +125,9 @@ std::string PlanReport::text() const {
     o << "plan (" << chosen.strategy << "):\n";
   o << chosen.plan.describe();
   o << "predicted step time " << ms(c.step_s) << ": pipeline phase " << ms(c.phase_s) << ", gradients synced at "
-    << ms(c.sync_done_s) << ", optimizer " << ms(c.optimizer_s) << "\n";
+    << ms(c.sync_done_s);
+  if (c.straggler_s > 0) o << " + " << ms(c.straggler_s) << " waiting for the slowest replica's draw";
+  o << ", optimizer " << ms(c.optimizer_s) << "\n";
   o << "  rank  device            blocks    fwd+bwd      p2p   bubble  sync(exposed)  memory / capacity\n";
   for (const auto& s : c.stages) {
     char line[256];

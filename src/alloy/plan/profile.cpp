@@ -16,8 +16,8 @@ using nlohmann::json;
 
 const char* const kFormat = "alloy-profile";
 // Version 2 added each compute cost's measured points; version 3 the gradient codecs' costs
-// ("codecs" per device type). Versions 1 and 2 still read.
-constexpr int kVersion = 3;
+// ("codecs" per device type); version 4 each type's step_noise. Versions 1 to 3 still read.
+constexpr int kVersion = 4;
 
 // The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
 struct CostField {
@@ -196,6 +196,7 @@ nlohmann::json Profile::to_json() const {
     json dj = json::object();
     for (const auto& f : kCostFields) dj[f.key] = cost_json(d.*(f.member));
     dj["optimizer_s_per_param"] = d.optimizer_s_per_param;
+    dj["step_noise"] = d.step_noise;
     if (!d.codecs.empty()) {
       json cj = json::object();
       for (const auto& [m, c] : d.codecs) cj[m] = {{"encode_s_per_elem", c.encode_s_per_elem}, {"decode_s_per_elem", c.decode_s_per_elem}};
@@ -223,7 +224,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
   if (!j.contains("format")) rd.fail("format", "is missing; expected \"alloy-profile\" (is this a profile?)");
   if (j["format"] != kFormat) rd.fail("format", j["format"].dump() + ", not \"alloy-profile\"");
   if (!j.contains("version")) rd.fail("version", "is missing");
-  if (j["version"] != 1 && j["version"] != 2 && j["version"] != kVersion)
+  if (!j["version"].is_number_integer() || j["version"].get<int>() < 1 || j["version"].get<int>() > kVersion)
     rd.fail("version", j["version"].dump() + "; this Alloy reads versions 1 to " + std::to_string(kVersion));
 
   Profile p;
@@ -234,7 +235,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
 
   const json& devs = rd.object(j, "devices", "devices");
   if (devs.empty()) rd.fail("devices", "the profile has no device types");
-  std::set<std::string> dev_keys{"optimizer_s_per_param", "codecs"};
+  std::set<std::string> dev_keys{"optimizer_s_per_param", "step_noise", "codecs"};
   for (const auto& f : kCostFields) dev_keys.insert(f.key);
   for (const auto& kv : devs.items()) {
     const std::string f = "devices." + kv.key();
@@ -245,6 +246,11 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
     for (const auto& cf : kCostFields) d.*(cf.member) = rd.cost(kv.value(), cf.key, f + "." + cf.key);
     d.optimizer_s_per_param = rd.number(kv.value(), "optimizer_s_per_param", f + ".optimizer_s_per_param");
     if (d.optimizer_s_per_param < 0) rd.fail(f + ".optimizer_s_per_param", "must be >= 0");
+    if (kv.value().contains("step_noise")) {
+      d.step_noise = rd.number(kv.value(), "step_noise", f + ".step_noise");
+      // A spread of a whole step's size per second would be a stall, not noise.
+      if (!(d.step_noise >= 0 && d.step_noise < 1)) rd.fail(f + ".step_noise", "must be in [0, 1) (relative spread of one second of compute)");
+    }
     if (kv.value().contains("codecs")) {
       const json& cs = rd.object(kv.value(), "codecs", f + ".codecs");
       for (const auto& c : cs.items()) {
@@ -308,6 +314,23 @@ Profile Profile::load(const std::string& path) {
 
 void Profile::save(const std::string& path) const { write_file_atomic(path, to_json().dump(2) + "\n"); }
 
+double pooled_step_noise(const std::vector<std::vector<std::pair<double, double>>>& figures) {
+  double ss = 0, dof = 0;
+  for (const auto& rounds : figures) {
+    if (rounds.size() < 2) continue;
+    double mean = 0;
+    for (const auto& [t, window] : rounds) mean += t;
+    mean /= static_cast<double>(rounds.size());
+    if (!(mean > 0)) continue;
+    for (const auto& [t, window] : rounds) {
+      const double z = (t / mean - 1) * std::sqrt(window);
+      ss += z * z;
+    }
+    dof += static_cast<double>(rounds.size() - 1);
+  }
+  return dof > 0 ? std::min(0.5, std::sqrt(ss / dof)) : 0.0;
+}
+
 std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
   std::vector<std::string> notes;
   if (p.devices.empty()) throw Error("profile has no measured device type to extrapolate from");
@@ -328,7 +351,7 @@ std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
       return c;
     };
     DeviceProfile d{scale(base.block_fwd), scale(base.block_bwd), scale(base.embed_fwd),
-                    scale(base.embed_bwd), scale(base.head_fwd),  scale(base.head_bwd), base.optimizer_s_per_param * s, {}};
+                    scale(base.embed_bwd), scale(base.head_fwd),  scale(base.head_bwd), base.optimizer_s_per_param * s, base.step_noise, {}};
     for (const auto& [m, c] : base.codecs) d.codecs[m] = {c.encode_s_per_elem * s, c.decode_s_per_elem * s};
     p.devices[type] = d;
     notes.push_back("device type " + type + ": estimated from " + ref + " scaled by speed hints (" + std::to_string(hint(type)) +

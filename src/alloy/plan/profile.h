@@ -8,6 +8,7 @@
 #include <array>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -41,6 +42,12 @@ struct DeviceProfile {
   MicroBatchCost embed_fwd, embed_bwd;  // the embedding (first stage)
   MicroBatchCost head_fwd, head_bwd;    // final norm + logits + loss (last stage)
   double optimizer_s_per_param = 0; // AdamW step + clipping
+  // How much a stretch of T seconds of compute varies from one time to the next on this device
+  // (a shared or throttled machine): its standard deviation is step_noise * sqrt(T * 1 s), the
+  // scaling of independent short disturbances. Ranks that meet at a barrier each step wait for
+  // the slowest draw, so a synchronous step takes the expected maximum, not the largest mean.
+  // 0: steady (old profiles, or a device that measured none).
+  double step_noise = 0;
   std::map<std::string, CodecCost> codecs;  // by grad_sync.compression method; empty in old profiles
 };
 
@@ -70,6 +77,14 @@ struct Profile {
   static Profile load(const std::string& path);
   void save(const std::string& path) const;  // atomic
 };
+
+// DeviceProfile::step_noise from repeated timings. FIGURES: per figure (one slice at one
+// micro-batch size), its rounds as (seconds per call, seconds timed). The rounds time the same work
+// in windows spread over the whole measurement; a round's relative deviation from its figure's
+// mean, times sqrt(its window), has the spread of one second of compute when disturbances are
+// independent (a window of T seconds varies as 1/sqrt(T)). Pooled over the figures (rounds - 1
+// degrees of freedom each); 0 without two rounds of anything; at most 0.5.
+double pooled_step_noise(const std::vector<std::vector<std::pair<double, double>>>& figures);
 
 // Fills device types nobody measured from a measured one, scaled by the spec's speed (or flops)
 // hints, and links nobody measured from the spec. Returns notes on what was estimated.

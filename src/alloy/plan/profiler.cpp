@@ -7,6 +7,7 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <map>
 
@@ -78,7 +79,18 @@ MicroBatchCost measured(const std::vector<double>& x, const std::vector<double>&
 struct FwdBwd {
   double fwd, bwd;
   int64_t act_bytes;
+  double seconds = 0;  // compute timed (the window)
 };
+
+std::vector<std::vector<std::pair<double, double>>> noise_figures(const std::vector<const std::vector<std::vector<FwdBwd>>*>& slices) {
+  std::vector<std::vector<std::pair<double, double>>> out;
+  for (const auto* slice : slices)
+    for (const auto& rounds : *slice) {
+      out.emplace_back();
+      for (const auto& t : rounds) out.back().push_back({t.fwd + t.bwd, t.seconds});
+    }
+  return out;
+}
 
 // Times forward and backward of SLICE on a batch of M samples. The calls repeat back to back for
 // at least WINDOW seconds and the times are averages over that window: a CPU quota (cgroup CFS)
@@ -124,7 +136,7 @@ FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool id
     ++n;
     if (n >= 2 && std::chrono::duration<double>(Clock::now() - start).count() >= window_s) break;
   }
-  return {f / static_cast<double>(n), b / static_cast<double>(n), act};
+  return {f / static_cast<double>(n), b / static_cast<double>(n), act, f + b};
 }
 
 }  // namespace
@@ -227,6 +239,7 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
   d.embed_fwd = measured(xs, ef), d.embed_bwd = measured(xs, eb);
   d.block_fwd = measured(xs, bf), d.block_bwd = measured(xs, bb);
   d.head_fwd = measured(xs, hf), d.head_bwd = measured(xs, hb);
+  d.step_noise = pooled_step_noise(noise_figures({&te, &tb, &th}));
 
   // The optimizer step (AdamW + clipping's norm) per parameter, on one block's parameters.
   {

@@ -81,7 +81,7 @@ SearchResult finish(Problem& P, const Layout& l, const std::string& strategy, Cl
   SearchResult res;
   {
     Layout copy = l;
-    res.search_step_s = P.ev.evaluate(copy, Batch::Fixed);
+    res.search_step_s = P.ev.evaluate(copy, Batch::Fixed, /*stragglers=*/true);
   }
   res.strategy = strategy;
   res.plan = to_plan(P, l);

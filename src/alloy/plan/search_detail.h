@@ -203,8 +203,12 @@ class Evaluator {
   bool force_dp = false;  // the exact search needs the exact batch split at any size
 
   // Step time of L (inf when nothing fits); with Optimize/FixedSamples it writes the chosen
-  // samples and micro-batch sizes into L.
-  double evaluate(Layout& L, Batch mode);
+  // samples and micro-batch sizes into L. The search compares layouts without the stragglers'
+  // wait (cost_model.h, 5): that objective is deterministic in the layout, so the exact search
+  // finds its optimum whatever order ties come in (the wait depends on how close the other
+  // replicas come to the latest, which the min-max split leaves open). STRAGGLERS adds the wait:
+  // the figure simulate_plan predicts, for the chosen plan.
+  double evaluate(Layout& L, Batch mode, bool stragglers = false);
 
   // For the exact search: sync and memory of L's replicas without the batch split.
   void prepare(Layout& L);
@@ -265,6 +269,11 @@ class Evaluator {
   // lowers the maximum. Not exact when g is not monotone in b (micro-batch sizes must divide b),
   // which is why small instances use the DP.
   double greedy_allocate(Layout& L);
+  // What waiting for the slowest replica's draw adds to LATEST, the latest replica's mean done
+  // (cost_model.h, 5); uses done_ when evaluate filled it for every replica.
+  double straggler_s(Layout& L, double latest);
+  std::vector<double> done_, noise_;
+  std::vector<std::pair<double, double>> draws_;
 
   const CostContext& ctx_;
   Tables& tables_;

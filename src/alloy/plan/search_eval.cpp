@@ -108,7 +108,7 @@ Evaluator::Evaluator(const CostContext& ctx, Tables& tables, double bucket_bytes
   stage_.assign(static_cast<size_t>(N), {});
 }
 
-double Evaluator::evaluate(Layout& L, Batch mode) {
+double Evaluator::evaluate(Layout& L, Batch mode, bool stragglers) {
   ++evaluated;
   const size_t R = L.reps.size();
   tabs_.resize(R);
@@ -120,6 +120,7 @@ double Evaluator::evaluate(Layout& L, Batch mode) {
     for (double o : tabs_[r]->opt) maxopt = std::max(maxopt, o);
   const int64_t G = tables_.global_batch();
   double best;
+  done_.assign(R, 0);
   if (mode == Batch::Fixed || mode == Batch::FixedSamples) {
     best = 0;
     for (size_t r = 0; r < R; ++r) {
@@ -128,6 +129,7 @@ double Evaluator::evaluate(Layout& L, Batch mode) {
       const double v = g(r, rep, rep.samples, &m);
       if (!(v < kInf)) return kInf;
       rep.mbs = m;
+      done_[r] = v;
       best = std::max(best, v);
     }
   } else if (force_dp || static_cast<double>(R) * static_cast<double>(G) * static_cast<double>(G) <= 1e6) {
@@ -146,14 +148,37 @@ double Evaluator::evaluate(Layout& L, Batch mode) {
     for (size_t r = 0; r < R; ++r) {
       int64_t m = 0;
       L.reps[r].samples = choice[r];
-      g(r, L.reps[r], choice[r], &m);
+      done_[r] = g(r, L.reps[r], choice[r], &m);
       L.reps[r].mbs = m;
     }
   } else {
     best = greedy_allocate(L);
     if (!(best < kInf)) return kInf;
+    done_.clear();  // straggler_s times the replicas again if it needs them
   }
-  return (best + ctx_.world_allreduce_s()) + maxopt;
+  return ((best + (stragglers ? straggler_s(L, best) : 0.0)) + ctx_.world_allreduce_s()) + maxopt;
+}
+
+double Evaluator::straggler_s(Layout& L, double latest) {
+  const size_t R = L.reps.size();
+  if (R < 2) return 0;
+  noise_.assign(R, 0);
+  bool any = false;
+  for (size_t r = 0; r < R; ++r) {
+    for (int type : tabs_[r]->types) noise_[r] = std::max(noise_[r], ctx_.step_noise(type));
+    any = any || noise_[r] > 0;
+  }
+  if (!any) return 0;
+  if (done_.size() != R) {
+    done_.assign(R, 0);
+    for (size_t r = 0; r < R; ++r) {
+      int64_t m = L.reps[r].mbs;
+      done_[r] = g(r, L.reps[r], L.reps[r].samples, &m);
+    }
+  }
+  draws_.clear();
+  for (size_t r = 0; r < R; ++r) draws_.push_back({done_[r], CostContext::done_sd(noise_[r], done_[r])});
+  return std::max(0.0, expected_max(draws_) - latest);
 }
 
 void Evaluator::prepare(Layout& L) {
