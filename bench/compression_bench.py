@@ -23,9 +23,11 @@ the issue asks for.
 
 Writes bench/results/compression.json and PNGs (compression-2host.png, compression-two-region.png,
 compression-convergence.png).
-Each run trains --steps steps and times those after the first --skip (step 1 syncs exactly,
-saf-adaptive has tried its cuts by step 12); PyTorch DDP warms up as many steps.
-usage: /usr/bin/python3 bench/compression_bench.py [--rounds 2] [--steps 20] [--skip 12]
+Each run trains --steps steps and times those after the first --skip (--dense-steps exact steps
+first, then the target density at once; saf-adaptive tries its cuts over the first 10 compressed
+steps, so by default steps 21-28 are timed); PyTorch DDP warms up as many steps. A run whose loss
+overflows is reported as diverged: its timing does not count.
+usage: /usr/bin/python3 bench/compression_bench.py [--rounds 2] [--steps 28] [--skip 20] [--dense-steps 10]
                                                    [--pools 2host,two-region] [--cases SUBSTRING,...]
                                                    [--convergence] [--convergence-steps 300]
 """
@@ -85,7 +87,7 @@ class Pool:
         os.makedirs(self.work, exist_ok=True)
         self.model = model_of(self.config)
         self.plan = dp_plan(os.path.join(self.work, "dp.json"), batches, mbs, self.model["layers"])
-        self.steps, self.skip = a.steps, a.skip
+        self.steps, self.skip, self.dense_steps = a.steps, a.skip, a.dense_steps
         self.only = [c for c in a.cases.split(",") if c]
         self.key = name + ("-only-" + "-".join(o.replace(" ", "_") for o in self.only) if self.only else "")
         self.env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
@@ -123,7 +125,9 @@ class Pool:
             return dict(step_s=json.loads(line[line.index("{"):])["step_s_median"])
         sets = [f"output.dir={out}", f"train.steps={self.steps}", "train.eval_interval=0", "train.eval_batches=0",
                 "train.threads=1", "train.checkpoint_interval=0", f"train.global_batch={sum(self.batches)}",
-                f"grad_sync.scope={self.scope}", "grad_sync.dense_steps=1", "grad_sync.warmup_steps=0"]  # step 1 exact, 3+ timed
+                # Ten exact steps first (with one, most sparsifiers diverged to NaN by step 6-11 and
+                # their timings meant nothing), then the target density at once; steps past --skip timed.
+                f"grad_sync.scope={self.scope}", f"grad_sync.dense_steps={self.dense_steps}", "grad_sync.warmup_steps=0"]
         for k, v in case.items():
             sets.append(f"grad_sync.{k}={v}")
         cmd = [self.alloy, "train", "--config", self.config, "--plan", self.plan]
@@ -134,6 +138,10 @@ class Pool:
             rows = [json.loads(l) for l in f if l.strip()][self.skip:]
         res = dict(step_s=statistics.median(r["step_s"] for r in rows),
                    grad_bytes=statistics.median(r["grad_bytes"] for r in rows))
+        # A run whose loss overflowed times NaN arithmetic and empty selections, not the method.
+        bad = [r["step"] for r in rows if r.get("loss") is None or not abs(r["loss"]) < 1e4]
+        if bad:
+            res["diverged_at"] = bad[0]
         if "grad_density" in rows[-1]:
             res["density"] = statistics.median(r["grad_density"] for r in rows)
             res["compress_s"] = statistics.median(r["compress_s"] for r in rows)
@@ -160,7 +168,8 @@ def bench_pool(pool, rounds):
             runs[label].append(r)
             log(f"{pool.name} round {rnd + 1}/{rounds}: {label:<22} {r['step_s'] * 1e3:8.1f} ms/step"
                 + (f", {r['grad_bytes'] / 1e6:.2f} MB/step" if "grad_bytes" in r else "")
-                + (f", density {r['density']:.4f}" if "density" in r else "") + f" ({time.time() - t0:.0f} s)")
+                + (f", density {r['density']:.4f}" if "density" in r else "")
+                + (f", DIVERGED at step {r['diverged_at']} (timing void)" if "diverged_at" in r else "") + f" ({time.time() - t0:.0f} s)")
 
     def median(xs):  # of the rounds that ran (a crashed baseline: nan)
         xs = [x for x in xs if x == x]
@@ -168,6 +177,7 @@ def bench_pool(pool, rounds):
 
     med = {label: dict(step_s=median(x["step_s"] for x in rs), rounds=[x["step_s"] for x in rs],
                        **({"errors": [x["error"] for x in rs if "error" in x]} if any("error" in x for x in rs) else {}),
+                       **({"diverged_at": [x.get("diverged_at") for x in rs]} if any("diverged_at" in x for x in rs) else {}),
                        **{k: statistics.median(x[k] for x in rs) for k in ("grad_bytes", "density", "compress_s") if k in rs[0]})
            for label, rs in runs.items()}
     # The ratios whose cases ran (--cases may leave some out).
@@ -187,11 +197,16 @@ def bench_pool(pool, rounds):
     log(f"{pool.name}: SAF-(Inter+Intra) DGC 0.01 vs dense exact {ratios.get('saf_adaptive_dgc_vs_dense', float('nan')):.2f}x "
         "(goal >= 4); " + ", ".join(f"{k.replace('saf_adaptive_vs_', '')} {v:.2f}x" for k, v in ratios.items() if k.startswith("saf_adaptive_vs")))
     cats = [label for label, _ in cases]
+    diverged = [c for c in cats if "diverged_at" in med[c]]
+    if diverged:
+        log(f"{pool.name}: diverged (timings void): {', '.join(diverged)}")
     plot.bars(os.path.join(REPO, "bench", "results", f"compression-{pool.key}.png"),
-              f"{pool.name}: step time by gradient sync (ms, median of {rounds} rounds)", "ms per step", cats,
+              f"{pool.name}: step time by gradient sync (ms, median of {rounds} rounds)", "ms per step",
+              [c + (" (diverged)" if c in diverged else "") for c in cats],
               {"step": [1e3 * med[c]["step_s"] for c in cats]})
     return dict(cluster=os.path.relpath(pool.cluster, REPO), config=os.path.relpath(pool.config, REPO), batches=pool.batches,
-                scope=pool.scope, steps=pool.steps, timed_after=pool.skip, rounds=rounds, cases=med, ratios=ratios)
+                scope=pool.scope, steps=pool.steps, timed_after=pool.skip, dense_steps=pool.dense_steps, rounds=rounds,
+                cases=med, ratios=ratios)
 
 
 def convergence(a):
@@ -258,8 +273,9 @@ def main():
     ap.add_argument("--build", default=os.path.join(REPO, "build"))
     ap.add_argument("--work", default=os.path.join(REPO, "runs", "compression"))
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--skip", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--skip", type=int, default=20, help="steps not timed (the exact ones and saf-adaptive's trials)")
+    ap.add_argument("--dense-steps", type=int, default=10, help="exact steps before compressing (grad_sync.dense_steps)")
     ap.add_argument("--cases", default="", help="only the cases whose label contains one of these (comma-separated)")
     ap.add_argument("--pools", default="2host,two-region")
     ap.add_argument("--convergence", action="store_true")
