@@ -559,8 +559,7 @@ TEST(Ptafm, ImportsTheReferenceInstance) {
 }
 
 TEST(Ptafm, ReadsTheSharedReferenceWhenPresent) {
-  // ../shared beside the repository, where the project's shared inputs live.
-  const std::string shared = std::string(ALLOY_SOURCE_DIR) + "/../shared/reference/ptafm-data-center-config.txt";
+  const std::string shared = std::string(ALLOY_SHARED_DIR) + "/reference/ptafm-data-center-config.txt";
   if (!fs::exists(shared)) GTEST_SKIP() << shared << " is not on this machine";
   std::ifstream in(shared);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
