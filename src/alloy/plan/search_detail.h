@@ -270,10 +270,9 @@ class Evaluator {
   // which is why small instances use the DP.
   double greedy_allocate(Layout& L);
   // What waiting for the slowest replica's draw adds to LATEST, the latest replica's mean done
-  // (cost_model.h, 5); uses done_ when evaluate filled it for every replica.
+  // (cost_model.h, 5), at L's batch split.
   double straggler_s(Layout& L, double latest);
-  std::vector<double> done_, noise_;
-  std::vector<std::pair<double, double>> draws_;
+  std::vector<double> noise_;
 
   const CostContext& ctx_;
   Tables& tables_;

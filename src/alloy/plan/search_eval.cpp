@@ -120,7 +120,6 @@ double Evaluator::evaluate(Layout& L, Batch mode, bool stragglers) {
     for (double o : tabs_[r]->opt) maxopt = std::max(maxopt, o);
   const int64_t G = tables_.global_batch();
   double best;
-  done_.assign(R, 0);
   if (mode == Batch::Fixed || mode == Batch::FixedSamples) {
     best = 0;
     for (size_t r = 0; r < R; ++r) {
@@ -129,7 +128,6 @@ double Evaluator::evaluate(Layout& L, Batch mode, bool stragglers) {
       const double v = g(r, rep, rep.samples, &m);
       if (!(v < kInf)) return kInf;
       rep.mbs = m;
-      done_[r] = v;
       best = std::max(best, v);
     }
   } else if (force_dp || static_cast<double>(R) * static_cast<double>(G) * static_cast<double>(G) <= 1e6) {
@@ -148,13 +146,12 @@ double Evaluator::evaluate(Layout& L, Batch mode, bool stragglers) {
     for (size_t r = 0; r < R; ++r) {
       int64_t m = 0;
       L.reps[r].samples = choice[r];
-      done_[r] = g(r, L.reps[r], choice[r], &m);
+      g(r, L.reps[r], choice[r], &m);
       L.reps[r].mbs = m;
     }
   } else {
     best = greedy_allocate(L);
     if (!(best < kInf)) return kInf;
-    done_.clear();  // straggler_s times the replicas again if it needs them
   }
   return ((best + (stragglers ? straggler_s(L, best) : 0.0)) + ctx_.world_allreduce_s()) + maxopt;
 }
@@ -169,16 +166,15 @@ double Evaluator::straggler_s(Layout& L, double latest) {
     any = any || noise_[r] > 0;
   }
   if (!any) return 0;
-  if (done_.size() != R) {
-    done_.assign(R, 0);
-    for (size_t r = 0; r < R; ++r) {
-      int64_t m = L.reps[r].mbs;
-      done_[r] = g(r, L.reps[r], L.reps[r].samples, &m);
-    }
+  // Once per search (for the plan it returns): each replica's term at its chosen split, from the
+  // timing tables the search filled.
+  std::vector<std::pair<double, double>> draws;
+  for (size_t r = 0; r < R; ++r) {
+    int64_t m = L.reps[r].mbs;
+    const double done = g(r, L.reps[r], L.reps[r].samples, &m);
+    draws.push_back({done, CostContext::done_sd(noise_[r], done)});
   }
-  draws_.clear();
-  for (size_t r = 0; r < R; ++r) draws_.push_back({done_[r], CostContext::done_sd(noise_[r], done_[r])});
-  return std::max(0.0, expected_max(draws_) - latest);
+  return std::max(0.0, expected_max(draws) - latest);
 }
 
 void Evaluator::prepare(Layout& L) {
