@@ -40,6 +40,20 @@ LAYOUTS = {
                                   "--micro-batch-size-per-dp", "1", "6", "1", "2",
                                   "--num-micro-batches-per-dp", "1", "4", "1", "4"], 2),
 }
+# ZeRO (sharded optimizer state, and gradients at stage 2), even and uneven shards: (layout above,
+# flags). The pipeline cases shard each stage's replicas and GPT-2's tied embedding, which the
+# first and last stages hold together.
+ZERO = {
+    "zero1-dp2-even": ("dp2-6x2-2x6", ["--zero-stage", "1"]),
+    "zero2-dp2-3:1": ("dp2-6x2-2x6", ["--zero-stage", "2", "--shard-ratio", "3", "1"]),
+    "zero1-dp3-3:2:1": ("dp3-4x3-3x2-1x6", ["--zero-stage", "1", "--shard-ratio", "3", "2", "1"]),
+    "zero2-dp3-even": ("dp3-4x3-3x2-1x6", ["--zero-stage", "2"]),
+    "zero2-mixed-pp-uneven": ("mixed-5+3_and_8", ["--zero-stage", "2", "--shard-ratio", "3", "1", "2"]),
+    "distopt-synerfuse-pp": ("synerfuse-pp", ["--use-distributed-optimizer"]),
+}
+for _name, (_base, _flags) in ZERO.items():
+    _arch, _gb, _layout, _world = LAYOUTS[_base]
+    LAYOUTS[_name] = (_arch, _gb, _layout, _world, _flags)
 
 
 # name: (layout above, or None for one rank training alone; device of each rank). Compared with
@@ -72,6 +86,59 @@ def losses(run_dir):
     return [(r["step"], r["loss"], r.get("val_loss")) for r in rows]
 
 
+def shares_followed(out, flags):
+    """Data parallel with ZeRO: each rank keeps AdamW's two moments for its share of the model."""
+    ratio = [float(x) for x in flags[flags.index("--shard-ratio") + 1:] if not x.startswith("--")]
+    with open(os.path.join(out, "ranks.json")) as f:
+        ranks = sorted(json.load(f), key=lambda r: r["rank"])
+    ok = True
+    for r, share in zip(ranks, ratio):
+        got = r["optimizer_state_bytes"] / (2 * r["param_bytes"])
+        want = share / sum(ratio)
+        good = abs(got - want) <= 0.05 * want
+        ok = ok and good
+        print(f"     rank {r['rank']}: optimizer state {got:.4f} of a replica's, share asked {want:.4f}"
+              f"{'' if good else '  <- off by more than 5%'}")
+    return ok
+
+
+def reshard(alloy, work, env, baselines):
+    """10 steps under ZeRO-2 with 3:1:2 shards in a 2-stage pipeline beside a full replica, then a
+    resume under another layout (three full replicas, ZeRO-1, even shards) for steps 11-20: the
+    losses follow the uninterrupted one-device run."""
+    arch, gb = "gpt2", 24
+    if (arch, gb) not in baselines:
+        out = os.path.join(work, f"single-{arch}-{gb}")
+        sh([alloy, "train", "--config", config(work, arch, gb, out)], env=env)
+        baselines[(arch, gb)] = losses(out)
+    base = baselines[(arch, gb)]
+    runs = []
+    for name, layout, flags, resume in (
+            ("reshard-a", "mixed-5+3_and_8", ["--zero-stage", "2", "--shard-ratio", "3", "1", "2",
+                                             "--set", "train.checkpoint_interval=10"], None),
+            ("reshard-b", "dp3-4x3-3x2-1x6", ["--zero-stage", "1"], "reshard-a/checkpoints/step_00000010")):
+        out = os.path.join(work, name)
+        _, _, layout_plan, world = LAYOUTS[layout][:4]
+        plan_path = os.path.join(work, name + ".json")
+        with open(plan_path, "w") as f:
+            json.dump(layout_plan, f)
+        cmd = [alloy, "launch", "--nproc", str(world), "--threads-per-rank", "1", "--", alloy, "train", "--config",
+               config(work, arch, gb, out), "--timeout", "120", "--plan", plan_path] + flags
+        if resume:
+            cmd += ["--resume-from", os.path.join(work, resume)]
+        sh(cmd, env=env)
+        runs.append(losses(out))
+    a = [r for r in runs[0] if r[0] <= 10]
+    b = runs[1]
+    got = a + b
+    ok = [r[0] for r in got] == list(range(1, STEPS + 1))
+    worst = max(abs(l - bl) / abs(bl) for (_, l, _), (_, bl, _) in zip(got, base))
+    ok = ok and worst <= RTOL
+    print(f"{'ok  ' if ok else 'FAIL'} reshard            steps 1-10 ZeRO-2 3:1:2 pipeline+replica, 11-20 ZeRO-1 on 3 "
+          f"replicas: worst relative loss difference {worst:.2e}", flush=True)
+    return ok
+
+
 def main():
     alloy, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
     args = sys.argv[3:]
@@ -84,16 +151,17 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     baselines = {}
     failures = 0
-    for name in wanted:
-        devices, rtol = [], RTOL
+    for name in [w for w in wanted if w != "reshard"]:
+        devices, rtol, extra_flags = [], RTOL, []
         if on_devices:
             base_name, devices = DEVICE_LAYOUTS[name]
-            arch, gb, layout, world = LAYOUTS[base_name or "dp2-equal"]
+            arch, gb, layout, world = LAYOUTS[base_name or "dp2-equal"][:4]
             if base_name is None:
                 layout, world = plan(gb, [(gb // 2, 2, full(0))]), 1
             rtol = RTOL_GPU
         else:
-            arch, gb, layout, world = LAYOUTS[name]
+            arch, gb, layout, world, *more = LAYOUTS[name]
+            extra_flags = more[0] if more else []
         if (arch, gb) not in baselines:
             out = os.path.join(work, f"single-{arch}-{gb}")
             sh([alloy, "train", "--config", config(work, arch, gb, out)], env=env)
@@ -107,7 +175,8 @@ def main():
                 json.dump(layout, f)
             extra = ["--plan", plan_path]
         else:
-            extra = layout
+            extra = list(layout)
+        extra += extra_flags
         placement = ["--devices", ",".join(devices)] if devices else []
         sh([alloy, "launch", "--nproc", str(world), "--threads-per-rank", "1"] + placement + ["--",
             alloy, "train", "--config", cfg, "--timeout", "120"] + extra, env=env)
@@ -129,9 +198,15 @@ def main():
                 else:
                     worst = max(worst, abs(v - bv) / abs(bv))
         ok = ok and worst <= rtol
+        if "--shard-ratio" in extra_flags and name.startswith("zero") and "-dp" in name:
+            ok = shares_followed(out, extra_flags) and ok
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name:<18} world {world}: {len(got)} steps, worst relative loss difference {worst:.2e}"
               f" (first {got[0][1]:.4f}, last {got[-1][1]:.4f})", flush=True)
+    if not on_devices and (not args or "reshard" in args):
+        ok = reshard(alloy, work, env, baselines)
+        failures += not ok
+        wanted = wanted + ["reshard"] if "reshard" not in wanted else wanted
     print(f"{len(wanted) - failures} passed, {failures} failed")
     return 1 if failures else 0
 

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <thread>
 #include <cstdio>
+#include <sstream>
 
 #include "alloy/cli/commands.h"
 #include "alloy/core/config.h"
@@ -34,7 +35,33 @@ struct TrainArgs {
   double density = 0;
   int64_t threshold = 0;
   bool mgwfbp = false;
+  // Sharding (ZeRO), DeepSpeed's and Megatron's names.
+  int64_t zero_stage = -1;
+  std::vector<double> shard_ratio;
+  bool distributed_optimizer = false;
 };
+
+// The sharding flags as --set train.* overrides (after the user's --set, as flags given later win).
+std::vector<std::string> sharding_overrides(const TrainArgs& a) {
+  std::vector<std::string> out;
+  if (a.zero_stage >= 0 && a.distributed_optimizer && a.zero_stage != 1)
+    throw InputError("--use-distributed-optimizer", "is ZeRO-1 and contradicts --zero-stage " + std::to_string(a.zero_stage));
+  if (a.zero_stage > 3 || (a.zero_stage < 0 && a.zero_stage != -1))
+    throw InputError("--zero-stage", "must be 0, 1 or 2 (3 is not built yet), got " + std::to_string(a.zero_stage));
+  if (a.zero_stage >= 0) out.push_back("train.zero_stage=" + std::to_string(a.zero_stage));
+  if (a.distributed_optimizer) out.push_back("train.zero_stage=1");
+  if (!a.shard_ratio.empty()) {
+    std::string r;
+    for (double v : a.shard_ratio) {
+      if (!(v > 0)) throw InputError("--shard-ratio", "shares must be positive, got " + std::to_string(v));
+      std::ostringstream ss;
+      ss << v;
+      r += (r.empty() ? "" : ",") + ss.str();
+    }
+    out.push_back("train.shard_ratio=" + r);
+  }
+  return out;
+}
 
 // SAFusion's command line in Alloy's keys, appended after the user's --set (so they win, as flags
 // given later do).
@@ -122,6 +149,17 @@ void add_train_commands(CLI::App& app, Action& action) {
       ->group(g_gs);
   cmd->add_flag("--mgwfbp", a->mgwfbp, "Merge gradients by the link model (MG-WFBP): grad_sync.fusion=omgs")->group(g_gs);
 
+  auto* g_sh = "Sharded data parallelism (ZeRO; or --set train.zero_stage / train.shard_ratio)";
+  cmd->add_option("--zero-stage", a->zero_stage,
+                  "0: full replicas; 1: optimizer state sharded among the ranks holding the same layers; 2: gradients too")
+      ->group(g_sh);
+  cmd->add_option("--shard-ratio", a->shard_ratio,
+                  "r0 r1 ...: each shard's share within its group, in rank order (one per group member, or one per rank); "
+                  "default even")
+      ->group(g_sh);
+  cmd->add_flag("--use-distributed-optimizer", a->distributed_optimizer, "Megatron/SynerFuse: the same as --zero-stage 1")
+      ->group(g_sh);
+
   auto* g_rv = "Rendezvous (default: torchrun or SLURM variables, else one process)";
   cmd->add_option("--rank", a->rv.rank, "This process's rank")->group(g_rv);
   cmd->add_option("--world-size", a->rv.world_size, "Number of ranks")->group(g_rv);
@@ -136,6 +174,7 @@ void add_train_commands(CLI::App& app, Action& action) {
     action = [a]() {
       std::vector<std::string> sets = a->sets;
       for (auto& o : safusion_overrides(*a)) sets.push_back(o);
+      for (auto& o : sharding_overrides(*a)) sets.push_back(o);
       Config cfg = Config::load(a->config, sets);
       dist::Rendezvous rv = dist::resolve_rendezvous(a->rv);
       const SynerFuseArgs& sf = a->src.synerfuse;

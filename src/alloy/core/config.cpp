@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <sstream>
 
@@ -103,6 +104,10 @@ const std::vector<Field>& schema() {
       ALLOY_INT(train, log_interval, "steps between log lines when not on a terminal"),
       ALLOY_INT(train, threads, "intra-op threads; 0 = all cores"),
       ALLOY_STR(train, device, "cpu | cuda | cuda:N"),
+      ALLOY_INT(train, zero_stage, "sharded data parallelism (ZeRO) of every group of ranks holding the same layers: 0 = full "
+                                   "replicas, 1 = optimizer state sharded, 2 = gradients too (DeepSpeed's levels)"),
+      ALLOY_STR(train, shard_ratio, "shares of each group's shards, in rank order (\"3,1\"; one per group member or one per "
+                                    "rank); empty = even"),
       ALLOY_FLOAT(grad_sync, bucket_mb, "gradient buckets (and fixed fusion buffers), MiB of fp32 gradient"),
       ALLOY_STR(grad_sync, compression, "none (exact) | fp16 | bf16 | topk | randomk | dgc | gaussiank | redsync | sidco | powersgd"),
       ALLOY_FLOAT(grad_sync, density, "sparsifiers: fraction of each tensor's elements sent, in (0, 1]"),
@@ -294,8 +299,37 @@ void Config::validate() const {
   if (t.log_interval < 1) fail("train.log_interval", "must be >= 1");
   if (t.threads < 0) fail("train.threads", "must be >= 0");
   if (t.device != "cpu" && t.device.rfind("cuda", 0) != 0) fail("train.device", "must be cpu, cuda or cuda:N");
+  if (t.zero_stage == 3)
+    fail("train.zero_stage", "3 (parameters sharded, FSDP) is not built yet; 1 (optimizer state) and 2 (gradients too) are");
+  if (t.zero_stage < 0 || t.zero_stage > 3) fail("train.zero_stage", "must be 0, 1 or 2, got " + std::to_string(t.zero_stage));
+  (void)t.shard_shares();
   grad_sync.validate(w, "grad_sync");
+  if (t.zero_stage > 0 && grad_sync.lossy())
+    fail("train.zero_stage", "sharding with grad_sync.compression " + grad_sync.compression +
+                                 " is not built yet: use compression none, or zero_stage 0");
   if (output.dir.empty()) fail("output.dir", "must not be empty");
+}
+
+std::vector<double> TrainConfig::shard_shares() const {
+  std::string t = shard_ratio;
+  for (char& c : t)
+    if (c == ',' || c == ':') c = ' ';
+  std::istringstream in(t);
+  std::vector<double> out;
+  std::string tok;
+  while (in >> tok) {
+    size_t used = 0;
+    double v = 0;
+    try {
+      v = std::stod(tok, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != tok.size() || !(v > 0) || !std::isfinite(v))
+      throw InputError("train.shard_ratio", "'" + tok + "' is not a positive number (shares like 3,1 or 3:1)");
+    out.push_back(v);
+  }
+  return out;
 }
 
 const std::vector<std::string>& GradSyncConfig::compression_methods() {

@@ -3,6 +3,7 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <algorithm>
 #include <chrono>
 
 #include "alloy/core/error.h"
@@ -17,7 +18,9 @@ struct Reducer::Bucket {
   std::vector<bool> ready;
   size_t pending = 0;
   at::Tensor flat;
-  c10::intrusive_ptr<c10d::Work> work;
+  int64_t begin = 0;             // the bucket's first element in the group's flat order
+  std::vector<int64_t> reduce_to;  // ZeRO-2 owners' bounds (empty: all-reduce)
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
   bool launched = false;
 };
 
@@ -33,7 +36,7 @@ Reducer::Reducer(std::vector<ParamGroup> groups, double bucket_mb) {
     }
     if (!pg.group || pg.params.empty()) continue;
     std::unique_ptr<Bucket> cur;
-    int64_t cur_bytes = 0;
+    int64_t cur_bytes = 0, group_offset = 0;
     auto close = [&]() {
       if (!cur) return;
       int64_t n = 0;
@@ -41,6 +44,9 @@ Reducer::Reducer(std::vector<ParamGroup> groups, double bucket_mb) {
         cur->offsets.push_back(n);
         n += p->tensor.numel();
       }
+      cur->begin = group_offset;
+      cur->reduce_to = pg.reduce_to;
+      group_offset += n;
       // Gloo reduces host memory: the bucket lives on the CPU whatever the parameters' device,
       // and CUDA gradients are copied in and out of it.
       cur->flat = at::zeros({n}, cur->params[0]->tensor.options().device(at::kCPU).requires_grad(false));
@@ -79,7 +85,7 @@ void Reducer::arm() {
     b->pending = b->params.size();
     b->ready.assign(b->params.size(), false);
     b->launched = false;
-    b->work.reset();
+    b->works.clear();
   }
 }
 
@@ -105,7 +111,21 @@ void Reducer::on_grad_ready(size_t bi, size_t slot, const at::Tensor& incoming) 
 
 void Reducer::launch(Bucket& b) {
   b.launched = true;
-  b.work = b.group->allreduce_sum(b.flat);
+  b.works.clear();
+  if (b.reduce_to.empty()) {
+    b.works.push_back(b.group->allreduce_sum(b.flat));
+    return;
+  }
+  // A reduce-scatter in one reduce per owner whose range the bucket touches, in member order on
+  // every rank (the collectives must match).
+  const int64_t end = b.begin + b.flat.numel();
+  for (int i = 0; i + 1 < static_cast<int>(b.reduce_to.size()); ++i) {
+    const int64_t lo = std::max(b.begin, b.reduce_to[static_cast<size_t>(i)]);
+    const int64_t hi = std::min(end, b.reduce_to[static_cast<size_t>(i) + 1]);
+    if (lo >= hi) continue;
+    at::Tensor part = b.flat.narrow(0, lo - b.begin, hi - lo);
+    b.works.push_back(b.group->reduce_sum(part, i));
+  }
 }
 
 void Reducer::reduce_all_now() {
@@ -143,7 +163,9 @@ ReducerStats Reducer::finish() {
     }
   }
   for (auto& b : buckets_) {
-    wait_work(b->work, "gradient all-reduce in group " + b->group->name());
+    for (auto& w : b->works)
+      wait_work(w, std::string(b->reduce_to.empty() ? "gradient all-reduce" : "gradient reduce-scatter") + " in group " +
+                       b->group->name());
     for (size_t s = 0; s < b->params.size(); ++s) {
       at::Tensor& p = b->params[s]->tensor;
       at::Tensor slice = b->flat.narrow(0, b->offsets[s], p.numel()).view(p.sizes());
@@ -153,7 +175,8 @@ ReducerStats Reducer::finish() {
     const int64_t bytes = b->flat.numel() * static_cast<int64_t>(b->flat.element_size());
     const int64_t n = b->group->size();
     st.bytes += bytes;
-    st.bytes_sent += 2 * (n - 1) * bytes / n;
+    // A ring all-reduce sends 2(n-1)/n of the bucket; its reduce-scatter half, (n-1)/n.
+    st.bytes_sent += (b->reduce_to.empty() ? 2 : 1) * (n - 1) * bytes / n;
   }
   for (auto& c : compressed_) {
     CompressedSyncStats cs = c->finish();

@@ -45,6 +45,10 @@ class Reducer {
     std::shared_ptr<Group> group;          // null when only this rank holds the parameters
     std::vector<model::Param*> params;     // in backward order
     std::shared_ptr<CompressedSync> compressed;  // set: this group's gradients go compressed
+    // ZeRO-2 (dist/sharding.h): the owners' bounds in the group's flat order (PARAMS concatenated);
+    // each bucket is reduced onto the owners of its elements instead of all-reduced, and a
+    // parameter's .grad holds the sum only in this rank's range (elsewhere: unspecified).
+    std::vector<int64_t> reduce_to;
   };
   Reducer(std::vector<ParamGroup> groups, double bucket_mb);
   ~Reducer();

@@ -71,6 +71,14 @@ c10::intrusive_ptr<c10d::Work> Group::allgather(std::vector<at::Tensor>& out, at
   return w;
 }
 
+c10::intrusive_ptr<c10d::Work> Group::reduce_sum(at::Tensor& t, int root) {
+  std::vector<at::Tensor> v{t};
+  c10d::ReduceOptions o;
+  o.reduceOp = c10d::ReduceOp::SUM;
+  o.rootRank = root;
+  return gloo_->reduce(v, o);
+}
+
 c10::intrusive_ptr<c10d::Work> Group::broadcast(at::Tensor& t, int root) {
   std::vector<at::Tensor> v{t};
   c10d::BroadcastOptions o;

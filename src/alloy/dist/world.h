@@ -40,6 +40,8 @@ class Group {
   c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor& t);
   // Asynchronous all-gather of equal-sized tensors: OUT[i] receives group rank i's IN.
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<at::Tensor>& out, at::Tensor& in);
+  // Asynchronous SUM reduce in place onto group rank ROOT (the others' T is left unspecified).
+  c10::intrusive_ptr<c10d::Work> reduce_sum(at::Tensor& t, int root);
   // Asynchronous broadcast from group rank ROOT, in place.
   c10::intrusive_ptr<c10d::Work> broadcast(at::Tensor& t, int root);
   c10::intrusive_ptr<c10d::Work> send(at::Tensor& t, int dst_global, int tag);

@@ -25,6 +25,15 @@ struct Param {
   bool decay;        // AdamW weight decay applies (matrices, not biases or norms)
 };
 
+// Elements [begin, begin + numel) of a parameter's flattened tensor; numel < 0: all of it. What a
+// rank updates of a parameter whose optimizer state is sharded (dist/sharding.h).
+struct ParamSlice {
+  Param* p = nullptr;
+  int64_t begin = 0, numel = -1;
+  // T's elements of this slice: T itself without numel, else a flat view of the range.
+  at::Tensor of(const at::Tensor& t) const { return numel < 0 ? t : t.reshape({-1}).narrow(0, begin, numel); }
+};
+
 class Layer {
  public:
   virtual ~Layer() = default;

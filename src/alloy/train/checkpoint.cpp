@@ -64,7 +64,9 @@ void write_checkpoint_shard(const std::string& dir, int rank, int world, const s
   std::vector<std::pair<std::string, model::TensorBlob>> ob;
   for (const auto& [n, t] : opt->state()) {
     std::string pname = n.substr(n.find('.') + 1);  // "exp_avg.NAME" -> NAME
-    if (mine.count(pname)) ob.emplace_back(n, model::to_blob(t));
+    // A slice ("exp_avg.NAME@BEGIN") is this rank's alone (ZeRO): always saved; a whole tensor by
+    // the parameter's first holder.
+    if (pname.find('@') != std::string::npos || mine.count(pname)) ob.emplace_back(n, model::to_blob(t));
   }
   ob.emplace_back("rng.cpu", model::to_blob(at::detail::getDefaultCPUGenerator().get_state()));
   model::write_safetensors(dir + "/" + shard_name("optimizer", rank, world), ob, {{"format", "alloy-optimizer"}});

@@ -9,7 +9,9 @@
 //   step_00000020/model.safetensors            weights under HuggingFace names (one process), or
 //   step_00000020/model-rank00003.safetensors  the parameters rank 3 owns (several processes)
 //   step_00000020/optimizer[-rankN].safetensors  AdamW moments "exp_avg.NAME", "exp_avg_sq.NAME"
-//                                                and the CPU RNG state "rng.cpu"
+//                                                (a ZeRO shard's: "exp_avg.NAME@BEGIN", elements
+//                                                from BEGIN of the flattened tensor) and the CPU RNG
+//                                                state "rng.cpu"
 //   step_00000020/gradsync-rankN.safetensors   gradient-compression state of rank N (error-feedback
 //                                               residuals, DGC velocities, PowerSGD warm starts) by
 //                                               holder set, with the plan's grad_sync in its metadata

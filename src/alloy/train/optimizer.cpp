@@ -10,7 +10,26 @@
 namespace alloy::train {
 
 AdamW::AdamW(std::vector<model::Param*> params, Options opts) : o_(opts) {
-  for (auto* p : params) slots_.push_back({p, at::zeros_like(p->tensor), at::zeros_like(p->tensor)});
+  for (auto* p : params) slots_.push_back({p, at::zeros_like(p->tensor), at::zeros_like(p->tensor), {p}});
+}
+
+AdamW::AdamW(std::vector<model::ParamSlice> slices, Options opts) : o_(opts) {
+  for (auto& sl : slices) {
+    if (sl.numel < 0) {  // not sharded: the whole tensor, saved under its name
+      slots_.push_back({sl.p, at::zeros_like(sl.p->tensor), at::zeros_like(sl.p->tensor), {sl.p}});
+      continue;
+    }
+    if (sl.begin < 0 || sl.begin + sl.numel > sl.p->tensor.numel())
+      throw Error("AdamW: slice [" + std::to_string(sl.begin) + ", +" + std::to_string(sl.numel) + ") is outside '" + sl.p->name + "'");
+    at::Tensor z = at::zeros({sl.numel}, sl.p->tensor.options().requires_grad(false));
+    slots_.push_back({sl.p, z, z.clone(), sl});
+  }
+}
+
+int64_t AdamW::state_bytes() const {
+  int64_t b = 0;
+  for (const auto& s : slots_) b += (s.m.numel() + s.v.numel()) * static_cast<int64_t>(s.m.element_size());
+  return b;
 }
 
 void AdamW::step(double lr) {
@@ -21,9 +40,9 @@ void AdamW::step(double lr) {
   const double step_size = lr / bc1;
   const double bc2_sqrt = std::sqrt(bc2);
   for (auto& s : slots_) {
-    const at::Tensor& g = s.p->tensor.grad();
-    if (!g.defined()) continue;
-    at::Tensor& w = s.p->tensor;
+    if (!s.p->tensor.grad().defined()) continue;
+    const at::Tensor g = s.slice.of(s.p->tensor.grad());
+    at::Tensor w = s.slice.of(s.p->tensor);  // a view: updated in place
     if (s.p->decay && o_.weight_decay != 0.0) w.mul_(1.0 - lr * o_.weight_decay);
     if (s.linear_after >= 0 && t_ > s.linear_after) {
       // Once, at the first linear step: a checkpoint after it holds the floored v.
@@ -61,23 +80,59 @@ void AdamW::zero_grad() {
 std::vector<std::pair<std::string, at::Tensor>> AdamW::state() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& s : slots_) {
-    out.emplace_back("exp_avg." + s.p->name, s.m);
-    out.emplace_back("exp_avg_sq." + s.p->name, s.v);
+    // A shard's slice keeps its offset even when it spans the tensor: whole tensors are saved by
+    // their first holder, slices by their owner.
+    const std::string at = s.slice.numel < 0 ? "" : "@" + std::to_string(s.slice.begin);
+    out.emplace_back("exp_avg." + s.p->name + at, s.m);
+    out.emplace_back("exp_avg_sq." + s.p->name + at, s.v);
   }
   return out;
 }
+
+namespace {
+// The whole tensor of state KEY for P: saved whole, or assembled from the slices "KEY@BEGIN" that
+// another (sharded) run saved. Throws InputError when missing, misshapen or not fully covered.
+at::Tensor whole_state(const std::map<std::string, at::Tensor>& tensors, const std::string& key, const model::Param& p,
+                       const std::string& where) {
+  auto it = tensors.find(key);
+  if (it != tensors.end()) {
+    if (it->second.sizes() != p.tensor.sizes())
+      throw InputError(where, "optimizer state '" + key + "' has shape " + std::string(c10::str(it->second.sizes())) +
+                                  ", the model needs " + std::string(c10::str(p.tensor.sizes())));
+    return it->second;
+  }
+  const std::string prefix = key + "@";
+  const int64_t n = p.tensor.numel();
+  at::Tensor out = at::zeros({n}, p.tensor.options().device(at::kCPU).requires_grad(false));
+  int64_t covered = 0;
+  for (auto s = tensors.lower_bound(prefix); s != tensors.end() && s->first.compare(0, prefix.size(), prefix) == 0; ++s) {
+    int64_t begin = -1;
+    try {
+      begin = std::stoll(s->first.substr(prefix.size()));
+    } catch (const std::exception&) {
+    }
+    const int64_t len = s->second.numel();
+    if (begin < 0 || begin + len > n)
+      throw InputError(where, "optimizer state '" + s->first + "' (" + std::to_string(len) + " elements) lies outside '" + p.name +
+                                  "' (" + std::to_string(n) + ")");
+    out.narrow(0, begin, len).copy_(s->second.reshape({-1}));
+    covered += len;
+  }
+  if (covered == 0) throw InputError(where, "optimizer state '" + key + "' is missing");
+  if (covered != n)
+    throw InputError(where, "optimizer state '" + key + "' is incomplete: its slices cover " + std::to_string(covered) + " of " +
+                                std::to_string(n) + " elements");
+  return out.view(p.tensor.sizes());
+}
+}  // namespace
 
 void AdamW::load_state(const std::map<std::string, at::Tensor>& tensors, int64_t steps_taken, const std::string& where) {
   at::NoGradGuard ng;
   for (auto& s : slots_) {
     for (auto [key, dst] : {std::pair<std::string, at::Tensor*>{"exp_avg." + s.p->name, &s.m},
                             std::pair<std::string, at::Tensor*>{"exp_avg_sq." + s.p->name, &s.v}}) {
-      auto it = tensors.find(key);
-      if (it == tensors.end()) throw InputError(where, "optimizer state '" + key + "' is missing");
-      if (it->second.sizes() != dst->sizes())
-        throw InputError(where, "optimizer state '" + key + "' has shape " + std::string(c10::str(it->second.sizes())) +
-                                    ", the model needs " + std::string(c10::str(dst->sizes())));
-      dst->copy_(it->second);
+      at::Tensor whole = whole_state(tensors, key, *s.p, where);
+      dst->copy_(s.slice.of(whole));
     }
   }
   t_ = steps_taken;
@@ -90,6 +145,18 @@ double global_grad_norm_sq(const std::vector<model::Param*>& params) {
     const at::Tensor& g = p->tensor.grad();
     if (!g.defined()) continue;
     double n = g.norm().item<double>();
+    total += n * n;
+  }
+  return total;
+}
+
+double global_grad_norm_sq(const std::vector<model::ParamSlice>& slices) {
+  at::NoGradGuard ng;
+  double total = 0.0;
+  for (const auto& sl : slices) {
+    const at::Tensor& g = sl.p->tensor.grad();
+    if (!g.defined()) continue;
+    double n = sl.of(g).norm().item<double>();
     total += n * n;
   }
   return total;

@@ -19,6 +19,9 @@ class AdamW {
     double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
   };
   AdamW(std::vector<model::Param*> params, Options opts);
+  // Over slices (ZeRO, dist/sharding.h): the moments cover each slice only and step() updates it
+  // alone; a slice without numel (< 0) is an unsharded parameter, as in the constructor above.
+  AdamW(std::vector<model::ParamSlice> slices, Options opts);
   static Options from_config(const TrainConfig& t) { return {t.beta1, t.beta2, t.eps, t.weight_decay}; }
 
   void step(double lr);  // parameters without a gradient are left untouched
@@ -42,15 +45,20 @@ class AdamW {
   void zero_grad();      // drops gradients (undefined), so the next backward assigns, not adds
   int64_t steps_taken() const { return t_; }
 
-  // Named state for checkpoints: "exp_avg.NAME", "exp_avg_sq.NAME".
+  // Named state for checkpoints: "exp_avg.NAME", "exp_avg_sq.NAME" (unsharded), or for a shard's
+  // slice "exp_avg.NAME@BEGIN" (its elements from BEGIN of the flattened tensor, maybe all).
   std::vector<std::pair<std::string, at::Tensor>> state() const;
-  // Loads what state() wrote; every parameter must be present with its shape. WHERE names the file.
+  // Bytes of the moments this optimizer keeps.
+  int64_t state_bytes() const;
+  // Loads what state() wrote, whole or in slices (from any other split: each slot takes its range of
+  // the whole tensor, or assembles it from the slices that cover it). WHERE names the file.
   void load_state(const std::map<std::string, at::Tensor>& tensors, int64_t steps_taken, const std::string& where);
 
  private:
   struct Slot {
     model::Param* p;
     at::Tensor m, v;
+    model::ParamSlice slice;  // what of p this slot updates
     int64_t linear_after = -1;  // -1: plain AdamW throughout
     double momentum = 0;
   };
@@ -63,6 +71,7 @@ class AdamW {
 // norm before clipping. Same rule as torch.nn.utils.clip_grad_norm_.
 double clip_grad_norm(const std::vector<model::Param*>& params, double max_norm);
 double global_grad_norm_sq(const std::vector<model::Param*>& params);
+double global_grad_norm_sq(const std::vector<model::ParamSlice>& slices);  // of the slices' elements
 // The clipping step alone, for callers that computed NORM themselves (across ranks): scales the
 // gradients by max_norm / norm when NORM exceeds MAX_NORM > 0.
 void clip_to(const std::vector<model::Param*>& params, double norm, double max_norm);

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <set>
 #include <sstream>
 
@@ -19,6 +20,7 @@
 #include "alloy/core/log.h"
 #include "alloy/dist/compress/comm.h"
 #include "alloy/dist/reducer.h"
+#include "alloy/dist/sharding.h"
 #include "alloy/dist/sync_layout.h"
 #include "alloy/dist/world.h"
 #include "alloy/model/weights.h"
@@ -57,6 +59,15 @@ std::string rank_device(const Config& cfg) {
 }
 
 namespace {
+// VmHWM of /proc/self/status (bytes); 0 where there is none.
+int64_t peak_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  return 0;
+}
+
 std::string join(const std::vector<int>& v, const char* sep) {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + std::to_string(v[i]);
@@ -115,7 +126,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
       static_cast<uint64_t>(cfg_.train.seed));
   model_->to(device_);
   sync_ = std::make_unique<dist::SyncLayout>(*plan_, cfg_.model);
-  opt_ = std::make_unique<AdamW>(model_->parameters(), AdamW::from_config(cfg_.train));
+  plan_shards();
 
   if (!opts_.resume.empty()) {
     std::string dir = resolve_checkpoint(opts_.resume);
@@ -151,6 +162,56 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   exec_ = std::make_unique<pipeline::StageExecutor>(*model_, links);
   if (world_) build_groups();
   if (!opts_.resume.empty() && reducer_ && !reducer_->compressed().empty()) load_sync_state(resolve_checkpoint(opts_.resume));
+}
+
+void Trainer::plan_shards() {
+  // Each parameter counted once for the gradient norm: by the lowest rank holding it, or (sharded)
+  // by the owner of each range. AdamW gets the same slices for sharded sets, whole tensors elsewhere.
+  const int zero = world_ ? static_cast<int>(cfg_.train.zero_stage) : 0;
+  if (zero > 0 && plan_->grad_sync.lossy())
+    throw InputError("train.zero_stage", "sharding with the plan's grad_sync.compression " + plan_->grad_sync.compression +
+                                             " is not built yet: use compression none, or zero_stage 0");
+  std::map<std::vector<int>, std::vector<model::Param*>> sets;
+  auto params = model_->parameters();
+  if (zero > 0)
+    for (auto it = params.rbegin(); it != params.rend(); ++it) {  // backward order, as the Reducer's buckets
+      const auto& r = sync_->holders((*it)->name);
+      if (r.size() >= 2) sets[r].push_back(*it);
+    }
+  const auto shares = cfg_.train.shard_shares();
+  std::map<const model::Param*, std::vector<model::ParamSlice>> mine;
+  for (auto& [ranks, ps] : sets) {
+    ShardSpec spec{ranks, ps, {}};
+    int64_t n = 0;
+    for (auto* p : ps) n += p->tensor.numel();
+    spec.bounds = dist::shard_bounds(n, dist::set_shares(ranks, shares, plan_->world_size(), "train.shard_ratio"));
+    const size_t me = static_cast<size_t>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
+    const int64_t lo = spec.bounds[me], hi = spec.bounds[me + 1];
+    int64_t off = 0;
+    for (auto* p : ps) {
+      const int64_t a = std::max(lo, off), b = std::min(hi, off + p->tensor.numel());
+      mine[p];  // sharded, whether or not this rank owns any of it
+      if (a < b) mine[p].push_back({p, a - off, b - a});
+      off += p->tensor.numel();
+    }
+    shard_specs_.push_back(std::move(spec));
+  }
+  std::vector<model::ParamSlice> update;
+  for (auto* p : params) {
+    auto it = mine.find(p);
+    if (it == mine.end()) {
+      update.push_back({p});
+      if (sync_->holders(p->name).front() == rank_) counted_.push_back({p});
+    } else {
+      update.insert(update.end(), it->second.begin(), it->second.end());
+      counted_.insert(counted_.end(), it->second.begin(), it->second.end());
+    }
+  }
+  opt_ = std::make_unique<AdamW>(update, AdamW::from_config(cfg_.train));
+  if (rank_ == 0 && zero > 0 && !opts_.quiet)
+    log_info("ZeRO-" + std::to_string(zero) + ": optimizer state" + (zero >= 2 ? " and gradients" : "") + " sharded in " +
+             std::to_string(shard_specs_.size()) + " group(s) of this rank" +
+             (cfg_.train.shard_ratio.empty() ? " (even shares)" : " (shares " + cfg_.train.shard_ratio + ")"));
 }
 
 void Trainer::build_groups() {
@@ -211,6 +272,16 @@ void Trainer::build_groups() {
       pg.compressed = std::make_shared<dist::CompressedSync>(pg.params, std::move(topo), plan_->grad_sync, seed, set.name);
     }
     list.push_back(pg);
+  }
+  if (!shard_specs_.empty()) {
+    std::vector<dist::Sharding::Set> ssets;
+    for (const auto& spec : shard_specs_) {
+      ssets.push_back({mine.at(spec.ranks).all, spec.params, spec.bounds});
+      if (cfg_.train.zero_stage >= 2)
+        for (auto& pg : list)
+          if (pg.group == ssets.back().group) pg.reduce_to = spec.bounds;
+    }
+    sharding_ = std::make_unique<dist::Sharding>(static_cast<int>(cfg_.train.zero_stage), std::move(ssets));
   }
   reducer_ = std::make_unique<dist::Reducer>(list, plan_->grad_sync.bucket_mb);
   // Parameters that a sparsifier syncs reach AdamW as accumulated gradients now and then: after
@@ -362,6 +433,9 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
     return v[v.size() / 2];
   };
   const auto& st = plan_->pipelines[static_cast<size_t>(pos_.pipeline)].stages[static_cast<size_t>(pos_.stage)];
+  int64_t param_bytes = 0;
+  for (const auto* p : static_cast<const model::Transformer&>(*model_).parameters())
+    param_bytes += p->tensor.numel() * static_cast<int64_t>(p->tensor.element_size());
   nlohmann::json me = {{"rank", rank_},
                        {"device", device_.str()},
                        {"pipeline", pos_.pipeline},
@@ -372,6 +446,12 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
                        {"sync_wait_s_median", median(sync_s)},
                        {"phase_s_median", median(phase_s)},
                        {"peak_activation_bytes", r.peak_activation_bytes},
+                       // Model state as allocated (ZeRO shrinks the optimizer's share) and the
+                       // process's peak resident memory.
+                       {"param_bytes", param_bytes},
+                       {"grad_bytes", r.peak_grad_bytes},
+                       {"optimizer_state_bytes", opt_->state_bytes()},
+                       {"peak_rss_bytes", peak_rss_bytes()},
                        {"peak_in_flight_micro_batches", r.peak_in_flight}};
   // Every step's figures too: the medians hide drift (a rank slow in the first steps only), and
   // re-planning decides from the first steps.
@@ -471,15 +551,13 @@ TrainResult Trainer::run() {
 
   TrainResult result;
   auto params = model_->parameters();
-  std::vector<model::Param*> owned;
-  for (auto* p : params)
-    if (sync_->holders(p->name).front() == rank_) owned.push_back(p);
   // What clipping covers once sparse steps begin (see the gradient norm below).
-  std::vector<model::Param*> dense_params, owned_dense;
+  std::vector<model::Param*> dense_params;
+  std::vector<model::ParamSlice> counted_dense;
   for (auto* p : params)
     if (!sparse_params_.count(p->name)) dense_params.push_back(p);
-  for (auto* p : owned)
-    if (!sparse_params_.count(p->name)) owned_dense.push_back(p);
+  for (const auto& sl : counted_)
+    if (!sparse_params_.count(sl.p->name)) counted_dense.push_back(sl);
   Progress progress("train", static_cast<uint64_t>(t.steps), opts_.quiet);
   auto run_start = std::chrono::steady_clock::now();
   double last_val = std::nan("");
@@ -501,20 +579,24 @@ TrainResult Trainer::run() {
     auto sync_t0 = std::chrono::steady_clock::now();
     const double phase_s = std::chrono::duration<double>(sync_t0 - t0).count();
     const dist::ReducerStats sync = reducer_ ? reducer_->finish() : dist::ReducerStats{};
+    int64_t grad_bytes_held = 0;
+    for (auto* p : params)
+      if (p->tensor.grad().defined()) grad_bytes_held += p->tensor.grad().numel() * static_cast<int64_t>(p->tensor.grad().element_size());
     if (tracing && reducer_) {
       exec_->trace().push_back({"grad sync wait", "sync", std::chrono::duration<double, std::micro>(sync_t0 - t0).count(),
                                 sync.wait_s * 1e6});
       for (const auto& sp : sync.compressed.spans) exec_->trace().push_back({sp.name, "compression", sp.start_us, sp.dur_us});
     }
 
-    // Global gradient norm: each parameter counted once, by the lowest rank holding it. After the
+    // Global gradient norm: each element counted once (counted_: by the lowest rank holding it,
+    // or by its shard's owner). After the
     // exact steps, sparsely synced parameters hold decoded sums of accumulated gradients whose
     // norm is many times the gradient's (10-50x at density 0.01): clipping by it would shrink every
     // update as much. They are reported in the norm but neither clipped nor counted for clipping.
     // Decided from the plan, the same on every rank (the reduction below must match in size).
     const bool split_clip = any_sparse_set_ && step >= plan_->grad_sync.dense_steps;
-    const double norm_sq = global_grad_norm_sq(owned);
-    double sums[3] = {loss_local, norm_sq, split_clip ? global_grad_norm_sq(owned_dense) : norm_sq};
+    const double norm_sq = global_grad_norm_sq(counted_);
+    double sums[3] = {loss_local, norm_sq, split_clip ? global_grad_norm_sq(counted_dense) : norm_sq};
     const std::vector<model::Param*>& clipped = split_clip ? dense_params : params;
     if (world_) {
       // Only with the split: the exact path keeps its two-value reduction (and its bits).
@@ -535,7 +617,10 @@ TrainResult Trainer::run() {
     const double grad_norm = std::sqrt(sums[1]);
     clip_to(clipped, std::sqrt(sums[2]), t.grad_clip);
     opt_->step(lr);
-    opt_->zero_grad();
+    if (sharding_) sharding_->gather_params();  // ZeRO: each owner's updated range to every holder
+    // Every parameter's, not only those AdamW updates here (under ZeRO a rank may own none of one).
+    for (auto* p : params)
+      if (p->tensor.grad().defined()) p->tensor.mutable_grad().reset();
     if (sync_fig_work) dist::wait_work(sync_fig_work, "all-reduce of the step's gradient-sync figures");
 
     const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -549,6 +634,7 @@ TrainResult Trainer::run() {
     result.steps.push_back(rec);
     result.peak_activation_bytes = std::max(result.peak_activation_bytes, exec_->peak_activation_bytes());
     result.peak_in_flight = std::max(result.peak_in_flight, exec_->peak_in_flight());
+    result.peak_grad_bytes = std::max(result.peak_grad_bytes, grad_bytes_held);
     if (tracing) {
       std::string path = opts_.trace;
       nlohmann::json events = nlohmann::json::array();

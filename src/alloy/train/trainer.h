@@ -25,6 +25,7 @@ namespace alloy::dist {
 class World;
 class Group;
 class Reducer;
+class Sharding;
 class SyncLayout;
 }  // namespace alloy::dist
 
@@ -66,6 +67,7 @@ struct TrainResult {
   std::string checkpoint;                             // last checkpoint written
   int64_t peak_activation_bytes = 0;                  // this rank, over the run
   int64_t peak_in_flight = 0;
+  int64_t peak_grad_bytes = 0;                        // this rank's gradients after the sync, largest step
   std::shared_ptr<Plan> next_plan;                    // set when run() stopped early to switch plans
 };
 
@@ -94,6 +96,7 @@ class Trainer {
   void save(int64_t step);
   void load(const std::string& dir, bool with_optimizer);
   void build_groups();
+  void plan_shards();
   void load_sync_state(const std::string& ckpt_dir);
   void publish_rank_stats(const TrainResult& r);
   std::shared_ptr<Plan> replan_now(const TrainResult& r);
@@ -112,6 +115,16 @@ class Trainer {
   std::unique_ptr<dist::SyncLayout> sync_;  // parameter -> holders, holder sets (from the plan)
   std::vector<std::shared_ptr<dist::Group>> groups_;
   std::unique_ptr<dist::Reducer> reducer_;
+  // ZeRO (train.zero_stage > 0): every exactly synced holder set of this rank, its parameters in
+  // backward order and its members' bounds; this rank's AdamW covers only its own ranges.
+  struct ShardSpec {
+    std::vector<int> ranks;
+    std::vector<model::Param*> params;
+    std::vector<int64_t> bounds;
+  };
+  std::vector<ShardSpec> shard_specs_;
+  std::unique_ptr<dist::Sharding> sharding_;
+  std::vector<model::ParamSlice> counted_;  // each element of the model once over all ranks: the norm
   std::set<std::string> sparse_params_;  // synced by a sparsifier: AdamW reads them linearly
   bool any_sparse_set_ = false;          // some holder set of the plan is (on any rank)
   std::unique_ptr<pipeline::StageExecutor> exec_;

@@ -1,0 +1,115 @@
+#include "alloy/dist/sharding.h"
+
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+#include <cmath>
+
+#include "alloy/core/error.h"
+#include "alloy/dist/world.h"
+
+namespace alloy::dist {
+
+std::vector<int64_t> shard_bounds(int64_t n, const std::vector<double>& shares) {
+  if (shares.empty()) throw Error("shard_bounds: no shares");
+  double total = 0;
+  for (double s : shares) {
+    if (!(s > 0) || !std::isfinite(s)) throw Error("shard_bounds: shares must be positive");
+    total += s;
+  }
+  std::vector<int64_t> b{0};
+  double cum = 0;
+  for (size_t i = 0; i + 1 < shares.size(); ++i) {
+    cum += shares[i];
+    b.push_back(std::clamp<int64_t>(std::llround(static_cast<double>(n) * cum / total), b.back(), n));
+  }
+  b.push_back(n);
+  return b;
+}
+
+std::vector<double> set_shares(const std::vector<int>& ranks, const std::vector<double>& ratio, int world_size,
+                               const std::string& field) {
+  if (ratio.empty()) return std::vector<double>(ranks.size(), 1.0);
+  if (ratio.size() == ranks.size()) return ratio;
+  if (static_cast<int>(ratio.size()) == world_size) {
+    std::vector<double> s;
+    for (int r : ranks) s.push_back(ratio[static_cast<size_t>(r)]);
+    return s;
+  }
+  std::string rs;
+  for (size_t i = 0; i < ranks.size(); ++i) rs += (i ? "," : "") + std::to_string(ranks[i]);
+  throw InputError(field, "has " + std::to_string(ratio.size()) + " shares, but the ranks " + rs + " that hold the same layers are " +
+                              std::to_string(ranks.size()) + " (give one share per member of each group, or one per rank: " +
+                              std::to_string(world_size) + ")");
+}
+
+Sharding::Sharding(int stage, std::vector<Set> sets) : stage_(stage), sets_(std::move(sets)) {
+  for (const auto& s : sets_) {
+    int64_t n = 0;
+    for (auto* p : s.params) n += p->tensor.numel();
+    if (s.bounds.size() != static_cast<size_t>(s.group->size()) + 1 || s.bounds.back() != n)
+      throw Error("Sharding: the bounds of group " + s.group->name() + " do not cover its " + std::to_string(n) + " elements");
+    flat_.push_back(at::empty({n}, s.params.front()->tensor.options().device(at::kCPU).requires_grad(false)));
+  }
+}
+
+const Sharding::Set* Sharding::set_of(const model::Param* p) const {
+  for (const auto& s : sets_)
+    if (std::find(s.params.begin(), s.params.end(), p) != s.params.end()) return &s;
+  return nullptr;
+}
+
+bool Sharding::sharded(const model::Param* p) const { return set_of(p) != nullptr; }
+
+std::vector<model::ParamSlice> Sharding::owned_slices() const {
+  std::vector<model::ParamSlice> out;
+  for (const auto& s : sets_) {
+    const int me = s.group->rank();
+    const int64_t lo = s.bounds[static_cast<size_t>(me)], hi = s.bounds[static_cast<size_t>(me) + 1];
+    int64_t off = 0;
+    for (auto* p : s.params) {
+      const int64_t n = p->tensor.numel();
+      const int64_t a = std::max(lo, off), b = std::min(hi, off + n);
+      if (a < b) out.push_back({p, a - off, b - a});
+      off += n;
+    }
+  }
+  return out;
+}
+
+void Sharding::gather_params() {
+  at::NoGradGuard ng;
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, std::string>> works;
+  for (size_t k = 0; k < sets_.size(); ++k) {
+    auto& s = sets_[k];
+    at::Tensor& flat = flat_[k];
+    const int me = s.group->rank();
+    const int64_t lo = s.bounds[static_cast<size_t>(me)], hi = s.bounds[static_cast<size_t>(me) + 1];
+    int64_t off = 0;
+    for (auto* p : s.params) {  // this rank's updated range into the staging buffer
+      const int64_t n = p->tensor.numel();
+      const int64_t a = std::max(lo, off), b = std::min(hi, off + n);
+      if (a < b) flat.narrow(0, a, b - a).copy_(p->tensor.reshape({-1}).narrow(0, a - off, b - a));
+      off += n;
+    }
+    for (int i = 0; i < s.group->size(); ++i) {
+      const int64_t len = s.bounds[static_cast<size_t>(i) + 1] - s.bounds[static_cast<size_t>(i)];
+      if (len == 0) continue;
+      at::Tensor part = flat.narrow(0, s.bounds[static_cast<size_t>(i)], len);
+      works.emplace_back(s.group->broadcast(part, i), "parameter all-gather of group " + s.group->name() + " (shard of member " +
+                                                          std::to_string(s.group->ranks()[static_cast<size_t>(i)]) + ")");
+    }
+  }
+  for (auto& [w, what] : works) wait_work(w, what);
+  for (size_t k = 0; k < sets_.size(); ++k) {
+    int64_t off = 0;
+    for (auto* p : sets_[k].params) {
+      const int64_t n = p->tensor.numel();
+      p->tensor.reshape({-1}).copy_(flat_[k].narrow(0, off, n));
+      off += n;
+    }
+  }
+}
+
+}  // namespace alloy::dist

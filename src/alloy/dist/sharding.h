@@ -1,0 +1,62 @@
+#pragma once
+// Sharded data parallelism (ZeRO) per holder set, with uneven shards.
+//
+// A holder set's parameters, concatenated in backward order (the order the Reducer fills its
+// buckets in), form the set's flat buffer. Each member owns one contiguous range of it, sized by
+// its share (train.shard_ratio: by memory or speed, not 1/N), and keeps AdamW's moments for that
+// range only:
+//   stage 1 (ZeRO-1, Megatron's distributed optimizer): gradients are all-reduced as without
+//           sharding; each member updates its range; the updated ranges are all-gathered.
+//   stage 2 (ZeRO-2): each bucket's gradient is reduced onto the owners of its elements instead of
+//           all-reduced (a reduce-scatter: Gloo has none, so one reduce per owner the bucket
+//           touches); then as stage 1.
+// Exactness: AdamW is element-wise, so updating a range equals updating the whole tensor there;
+// the gradient norm for clipping is summed over the owned ranges (each element counted once), as
+// the one-device norm up to summation order.
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "alloy/model/transformer.h"
+
+namespace alloy::dist {
+
+class Group;
+
+// Boundaries of N elements split by SHARES (positive, any scale): SHARES.size() + 1 ascending
+// offsets from 0 to N; member i owns [b[i], b[i+1]).
+std::vector<int64_t> shard_bounds(int64_t n, const std::vector<double>& shares);
+
+// The shares of the members RANKS (sorted global ranks) of one holder set: RATIO empty (even), as
+// many entries as the set has members (in rank order), or one per rank of the world (each
+// member's entry). Anything else throws InputError naming FIELD.
+std::vector<double> set_shares(const std::vector<int>& ranks, const std::vector<double>& ratio, int world_size,
+                               const std::string& field);
+
+class Sharding {
+ public:
+  struct Set {
+    std::shared_ptr<Group> group;
+    std::vector<model::Param*> params;  // backward order: the set's flat order
+    std::vector<int64_t> bounds;        // group rank i owns [bounds[i], bounds[i + 1])
+  };
+  Sharding(int stage, std::vector<Set> sets);
+
+  int stage() const { return stage_; }
+  bool sharded(const model::Param* p) const;
+  // The slices of the sharded parameters whose update (and AdamW state) this rank owns.
+  std::vector<model::ParamSlice> owned_slices() const;
+  // The flat bounds a set's gradients are reduced to (stage 2), by the set's parameters.
+  const Set* set_of(const model::Param* p) const;
+  // After the optimizer step: every member's updated range to every member.
+  void gather_params();
+
+ private:
+  int stage_;
+  std::vector<Set> sets_;
+  std::vector<at::Tensor> flat_;  // per set: staging for the gather (host memory, for Gloo)
+};
+
+}  // namespace alloy::dist
