@@ -9,6 +9,7 @@ median step time.
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -42,6 +43,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--fsdp", action="store_true", help="wrap the model in FullyShardedDataParallel instead of DDP")
     ap.add_argument("--powersgd-rank", type=int, default=0,
                     help="register PyTorch's PowerSGD communication hook with this rank (0: plain all-reduce)")
     a = ap.parse_args()
@@ -52,7 +54,11 @@ def main():
                                   max_pos=a.seq_len, ffn=a.ffn or 4 * a.hidden)
     cfg = reference.parse_config(hf)
     model = Model(cfg, reference.init_params(cfg, seed=0))
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
+    if a.fsdp:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        ddp = FullyShardedDataParallel(model)
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
     if a.powersgd_rank > 0:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
         # Error feedback and warm start as in the paper and Alloy's powersgd; compression from the
@@ -78,8 +84,12 @@ def main():
     t = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the job is as fast as its slowest rank
     if rank == 0:
-        print(json.dumps({"impl": "pytorch-ddp", "powersgd_rank": a.powersgd_rank, "step_s_median": t.item(), "steps": a.steps,
-                          "world": dist.get_world_size(), "batch_per_rank": a.batch}))
+        print(json.dumps({"impl": "pytorch-fsdp" if a.fsdp else "pytorch-ddp", "powersgd_rank": a.powersgd_rank,
+                          "step_s_median": t.item(), "steps": a.steps, "world": dist.get_world_size(), "batch_per_rank": a.batch,
+                          "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    else:
+        print(json.dumps({"rank": rank, "step_s_median": t.item(),
+                          "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
     dist.destroy_process_group()
 
 

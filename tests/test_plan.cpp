@@ -227,6 +227,42 @@ TEST(Plan, JsonRoundTripKeepsCompression) {
   EXPECT_EQ(Plan::from_json(j, "x").grad_sync.compression, "gaussiank");
 }
 
+// ZeRO per holder set: version 2 when present, version 1 stays readable and is written without it.
+TEST(Plan, ShardingEntriesRoundTripAndAreValidatedByField) {
+  Plan p = sample_plan();
+  EXPECT_EQ(p.to_json()["version"], 1);
+  p.sharding = {alloy::ShardingPlan{{0, 2}, 2, {3, 1}}, alloy::ShardingPlan{{1, 2}, 1, {}}};
+  const auto j = p.to_json();
+  EXPECT_EQ(j["version"], 2);
+  Plan q = Plan::from_json(j, "x");
+  ASSERT_EQ(q.sharding.size(), 2u);
+  EXPECT_EQ(q.sharding[0].ranks, (std::vector<int>{0, 2}));
+  EXPECT_EQ(q.sharding[0].stage, 2);
+  EXPECT_EQ(q.sharding[0].shares, (std::vector<double>{3, 1}));
+  EXPECT_TRUE(q.sharding[1].shares.empty());
+  EXPECT_EQ(q.sharding_of({1, 2}), &q.sharding[1]);
+  EXPECT_EQ(q.sharding_of({0, 1}), nullptr);
+  EXPECT_EQ(validate_error(q, 8), "");
+  EXPECT_NE(q.describe().find("sharding: ranks 0,2 ZeRO-2, shares 3:1"), std::string::npos) << q.describe();
+
+  auto bad = [&](auto edit, const std::string& needle) {
+    Plan b = q;
+    edit(b);
+    const std::string e = validate_error(b, 8);
+    EXPECT_NE(e.find(needle), std::string::npos) << "'" << e << "' lacks '" << needle << "'";
+  };
+  bad([](Plan& b) { b.sharding[0].stage = 3; }, "sharding[0].stage: 3 (parameters sharded, FSDP) is not built yet");
+  bad([](Plan& b) { b.sharding[0].stage = 7; }, "sharding[0].stage");
+  bad([](Plan& b) { b.sharding[1].shares = {1, 1, 1}; }, "sharding[1].shares: has 3 entries for 2 ranks");
+  bad([](Plan& b) { b.sharding[0].ranks = {2, 0}; }, "sharding[0].ranks: must be ascending");
+  bad([](Plan& b) { b.sharding[0].ranks = {0, 5}; }, "sharding[0].ranks: rank 5 is not in the plan");
+  bad([](Plan& b) { b.sharding[1].ranks = {0, 2}; }, "sharding[1].ranks: the same ranks as sharding[0]");
+  bad([](Plan& b) { b.sharding[0].shares = {3, 0}; }, "sharding[0].shares: must be positive");
+  auto v3 = j;
+  v3["version"] = 3;
+  EXPECT_THROW(Plan::from_json(v3, "x"), InputError);
+}
+
 TEST(Plan, FromJsonDefaultsOptionalFields) {
   Plan p = Plan::from_json(nlohmann::json::parse(R"({"global_batch": 4,
       "pipelines": [{"micro_batch_size": 2, "num_micro_batches": 2, "stages": [{"ranks": [0], "layers": [0, 4]}]}]})"),
@@ -248,7 +284,7 @@ TEST(Plan, FromJsonNamesTheBadField) {
     return "";
   };
   EXPECT_HAS(error_of(R"({"format": "other", "global_batch": 1, "pipelines": []})"), "field 'format' is \"other\"");
-  EXPECT_HAS(error_of(R"({"version": 2, "global_batch": 1, "pipelines": []})"), "this Alloy reads version 1");
+  EXPECT_HAS(error_of(R"({"version": 3, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 and 2");
   EXPECT_HAS(error_of(R"({"pipelines": []})"), "plan.json: field 'global_batch' is missing or ill-typed");
   EXPECT_HAS(
       error_of(

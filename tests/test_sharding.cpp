@@ -71,9 +71,10 @@ TEST(ShardConfig, StagesAndRatiosAreValidatedByKey) {
   } catch (const alloy::InputError& e) {
     EXPECT_NE(std::string(e.what()).find("train.zero_stage"), std::string::npos) << e.what();
   }
-  c.train.zero_stage = 1;
-  c.grad_sync.compression = "dgc";
+  c.train.zero_stage = -1;
   EXPECT_THROW(c.validate(), alloy::InputError);
+  c.train.zero_stage = 2;
+  c.validate();
 }
 
 namespace {

@@ -155,6 +155,12 @@ expect_ok "launch --devices cpu,cpu" "$alloy" launch --nproc 2 --devices cpu,cpu
   && ok "ranks.json names each rank's device" || bad "ranks.json devices: $(head -c 300 devrun/ranks.json 2>&1)"
 expect_fail "launch --devices count" "--devices" "3 devices for 2 ranks" -- "$alloy" launch --nproc 2 --devices cpu,cpu,cpu -- "$alloy" train --config tiny.yaml
 expect_fail "unknown device" "ALLOY_DEVICE" "unknown device 'gpu0'" -- "$alloy" launch --nproc 1 --devices gpu0 -- "$alloy" train --config tiny.yaml
+# ZeRO's flags: a stage that is not built and shares that do not fit the group are named.
+expect_fail "zero stage 3" "train.zero_stage" "FSDP" "not built yet" -- "$alloy" train --config tiny.yaml --zero-stage 3
+expect_fail "shard ratio for another group size" "--shard-ratio" "ranks 0,1" "3 shares" -- \
+  "$alloy" launch --nproc 2 -- "$alloy" train --config tiny.yaml --set output.dir=zerobad --zero-stage 1 --shard-ratio 3 1 1
+expect_fail "distributed optimizer vs zero stage" "--use-distributed-optimizer" -- \
+  "$alloy" train --config tiny.yaml --zero-stage 2 --use-distributed-optimizer
 # --evaluate predicts a given plan on the same inputs: the planner's own plan gets the step time
 # the planner gave it; a hand-made change of it gets its own, shown beside the searched plans.
 expect_ok "plan --evaluate" "$alloy" plan --cluster pool.yaml --config tiny.yaml --profile prof-together.json \

@@ -54,6 +54,11 @@ ZERO = {
 for _name, (_base, _flags) in ZERO.items():
     _arch, _gb, _layout, _world = LAYOUTS[_base]
     LAYOUTS[_name] = (_arch, _gb, _layout, _world, _flags)
+# Per group, from the plan file: blocks 0-4 (ranks 0 and 2) ZeRO-2 at 3:1, the tied embedding
+# (all three) ZeRO-1 even, blocks 5-7 (ranks 1 and 2) unsharded.
+_per_group = dict(LAYOUTS["mixed-5+3_and_8"][2], version=2,
+                  sharding=[{"ranks": [0, 2], "stage": 2, "shares": [3, 1]}, {"ranks": [0, 1, 2], "stage": 1}])
+LAYOUTS["zero-plan-per-group"] = ("gpt2", 24, _per_group, 3)
 
 
 # name: (layout above, or None for one rank training alone; device of each rank). Compared with

@@ -304,9 +304,6 @@ void Config::validate() const {
   if (t.zero_stage < 0 || t.zero_stage > 3) fail("train.zero_stage", "must be 0, 1 or 2, got " + std::to_string(t.zero_stage));
   (void)t.shard_shares();
   grad_sync.validate(w, "grad_sync");
-  if (t.zero_stage > 0 && grad_sync.lossy())
-    fail("train.zero_stage", "sharding with grad_sync.compression " + grad_sync.compression +
-                                 " is not built yet: use compression none, or zero_stage 0");
   if (output.dir.empty()) fail("output.dir", "must not be empty");
 }
 

@@ -81,6 +81,23 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
     if (!seen.count(r))
       fail("pipelines", "ranks must be 0.." + std::to_string(world - 1) + " with none missing; rank " + std::to_string(r) +
                             " is missing");
+  for (size_t i = 0; i < sharding.size(); ++i) {
+    const auto& e = sharding[i];
+    const std::string sf = "sharding[" + std::to_string(i) + "]";
+    if (e.ranks.size() < 2) fail(sf + ".ranks", "sharding needs two or more ranks holding the same layers");
+    for (size_t k = 0; k < e.ranks.size(); ++k) {
+      if (e.ranks[k] < 0 || e.ranks[k] >= world) fail(sf + ".ranks", "rank " + std::to_string(e.ranks[k]) + " is not in the plan");
+      if (k && e.ranks[k] <= e.ranks[k - 1]) fail(sf + ".ranks", "must be ascending and distinct");
+    }
+    if (e.stage == 3) fail(sf + ".stage", "3 (parameters sharded, FSDP) is not built yet; 0, 1 and 2 are");
+    if (e.stage < 0 || e.stage > 3) fail(sf + ".stage", "must be 0, 1 or 2, got " + std::to_string(e.stage));
+    if (!e.shares.empty() && e.shares.size() != e.ranks.size())
+      fail(sf + ".shares", "has " + std::to_string(e.shares.size()) + " entries for " + std::to_string(e.ranks.size()) + " ranks");
+    for (double v : e.shares)
+      if (!(v > 0)) fail(sf + ".shares", "must be positive");
+    for (size_t k = 0; k < i; ++k)
+      if (sharding[k].ranks == e.ranks) fail(sf + ".ranks", "the same ranks as sharding[" + std::to_string(k) + "]");
+  }
   for (const auto& [a, b] : slow_links)
     if (a < 0 || b < 0 || a >= world || b >= world || a == b)
       fail("grad_sync.slow_links", "[" + std::to_string(a) + ", " + std::to_string(b) + "] must name two different ranks of 0.." +
@@ -90,7 +107,7 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
 nlohmann::json Plan::to_json() const {
   nlohmann::json j;
   j["format"] = "alloy-plan";
-  j["version"] = 1;
+  j["version"] = sharding.empty() ? 1 : 2;  // readers of version 1 know no sharding
   j["global_batch"] = global_batch;
   j["schedule"] = schedule;
   j["pipelines"] = nlohmann::json::array();
@@ -124,6 +141,14 @@ nlohmann::json Plan::to_json() const {
     for (const auto& [a, b] : slow_links) sl.push_back({a, b});
     j["grad_sync"]["slow_links"] = sl;
   }
+  if (!sharding.empty()) {
+    j["sharding"] = nlohmann::json::array();
+    for (const auto& e : sharding) {
+      nlohmann::json ej = {{"ranks", e.ranks}, {"stage", e.stage}};
+      if (!e.shares.empty()) ej["shares"] = e.shares;
+      j["sharding"].push_back(ej);
+    }
+  }
   if (!predicted.is_null()) j["predicted"] = predicted;
   return j;
 }
@@ -134,8 +159,8 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
   try {
     if (j.contains("format") && j["format"] != "alloy-plan")
       throw InputError(where, "field 'format' is " + j["format"].dump() + ", not \"alloy-plan\"");
-    if (j.contains("version") && j["version"] != 1)
-      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads version 1");
+    if (j.contains("version") && j["version"] != 1 && j["version"] != 2)
+      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 and 2");
     field = "global_batch";
     p.global_batch = j.at("global_batch").get<int64_t>();
     field = "schedule";
@@ -199,11 +224,27 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
           p.slow_links.emplace_back(std::min(v[0], v[1]), std::max(v[0], v[1]));
         }
     }
+    if (j.contains("sharding"))
+      for (size_t i = 0; i < j["sharding"].size(); ++i) {
+        field = "sharding[" + std::to_string(i) + "]";
+        const auto& e = j["sharding"][i];
+        ShardingPlan sp;
+        sp.ranks = e.at("ranks").get<std::vector<int>>();
+        sp.stage = e.at("stage").get<int64_t>();
+        if (e.contains("shares")) sp.shares = e.at("shares").get<std::vector<double>>();
+        p.sharding.push_back(sp);
+      }
     if (j.contains("predicted")) p.predicted = j["predicted"];
   } catch (const nlohmann::json::exception& e) {
     throw InputError(where, "field '" + field + "' is missing or ill-typed (" + e.what() + ")");
   }
   return p;
+}
+
+const ShardingPlan* Plan::sharding_of(const std::vector<int>& ranks) const {
+  for (const auto& e : sharding)
+    if (e.ranks == ranks) return &e;
+  return nullptr;
 }
 
 Plan Plan::load(const std::string& path) {
@@ -225,6 +266,16 @@ std::string Plan::describe() const {
       const auto& st = pl.stages[s];
       out << (s ? " ->" : "") << " rank " << st.ranks[0] << " blocks [" << st.layer_begin << "," << st.layer_end << ")";
       if (!st.device.empty()) out << " (" << st.device << ")";
+    }
+    out << "\n";
+  }
+  for (const auto& e : sharding) {
+    out << "  sharding: ranks";
+    for (size_t k = 0; k < e.ranks.size(); ++k) out << (k ? "," : " ") << e.ranks[k];
+    out << " ZeRO-" << e.stage;
+    if (!e.shares.empty()) {
+      out << ", shares";
+      for (size_t k = 0; k < e.shares.size(); ++k) out << (k ? ":" : " ") << e.shares[k];
     }
     out << "\n";
   }

@@ -35,6 +35,16 @@ struct PipelinePlan {
   int64_t samples() const { return micro_batch_size * num_micro_batches; }
 };
 
+// Sharded data parallelism (ZeRO, dist/sharding.h) of one holder set: the ranks holding the same
+// parameters, sorted; stage 0 (full replicas), 1 (optimizer state) or 2 (gradients too); each
+// member's share of the set's flat buffer, in rank order (empty: even). Sets without an entry take
+// train.zero_stage / train.shard_ratio.
+struct ShardingPlan {
+  std::vector<int> ranks;
+  int64_t stage = 0;
+  std::vector<double> shares;
+};
+
 struct Plan {
   int64_t global_batch = 0;
   std::string schedule = "1f1b";  // 1f1b | gpipe
@@ -44,6 +54,8 @@ struct Plan {
   // a holder set joined by fast links sync exactly among themselves and compress what crosses.
   // Filled from the cluster when the plan is made or resolved (plan/sync_scope.h).
   std::vector<std::pair<int, int>> slow_links;
+  std::vector<ShardingPlan> sharding;  // per holder set; written as plan version 2
+  const ShardingPlan* sharding_of(const std::vector<int>& ranks) const;
   nlohmann::json predicted;  // filled by the planner; informational
 
   int world_size() const;

@@ -44,7 +44,7 @@ std::vector<double> set_shares(const std::vector<int>& ranks, const std::vector<
                               std::to_string(world_size) + ")");
 }
 
-Sharding::Sharding(int stage, std::vector<Set> sets) : stage_(stage), sets_(std::move(sets)) {
+Sharding::Sharding(std::vector<Set> sets) : sets_(std::move(sets)) {
   for (const auto& s : sets_) {
     int64_t n = 0;
     for (auto* p : s.params) n += p->tensor.numel();
@@ -76,6 +76,15 @@ std::vector<model::ParamSlice> Sharding::owned_slices() const {
     }
   }
   return out;
+}
+
+int64_t Sharding::gather_bytes_sent() const {
+  int64_t b = 0;
+  for (size_t k = 0; k < sets_.size(); ++k) {
+    const int64_t n = sets_[k].group->size();
+    b += (n - 1) * flat_[k].numel() * static_cast<int64_t>(flat_[k].element_size()) / n;
+  }
+  return b;
 }
 
 void Sharding::gather_params() {

@@ -42,19 +42,20 @@ class Sharding {
     std::vector<model::Param*> params;  // backward order: the set's flat order
     std::vector<int64_t> bounds;        // group rank i owns [bounds[i], bounds[i + 1])
   };
-  Sharding(int stage, std::vector<Set> sets);
+  explicit Sharding(std::vector<Set> sets);
 
-  int stage() const { return stage_; }
   bool sharded(const model::Param* p) const;
   // The slices of the sharded parameters whose update (and AdamW state) this rank owns.
   std::vector<model::ParamSlice> owned_slices() const;
-  // The flat bounds a set's gradients are reduced to (stage 2), by the set's parameters.
+  // The sharded set holding P (null: not sharded).
   const Set* set_of(const model::Param* p) const;
   // After the optimizer step: every member's updated range to every member.
   void gather_params();
+  // What gather_params() puts on the wire from this rank, counted as a ring all-gather would:
+  // (n - 1) / n of each set's parameter bytes.
+  int64_t gather_bytes_sent() const;
 
  private:
-  int stage_;
   std::vector<Set> sets_;
   std::vector<at::Tensor> flat_;  // per set: staging for the gather (host memory, for Gloo)
 };

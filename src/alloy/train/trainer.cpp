@@ -165,26 +165,42 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
 }
 
 void Trainer::plan_shards() {
-  // Each parameter counted once for the gradient norm: by the lowest rank holding it, or (sharded)
-  // by the owner of each range. AdamW gets the same slices for sharded sets, whole tensors elsewhere.
-  const int zero = world_ ? static_cast<int>(cfg_.train.zero_stage) : 0;
-  if (zero > 0 && plan_->grad_sync.lossy())
-    throw InputError("train.zero_stage", "sharding with the plan's grad_sync.compression " + plan_->grad_sync.compression +
-                                             " is not built yet: use compression none, or zero_stage 0");
+  // Which holder sets are sharded, at which stage and with which shares: the plan's `sharding`
+  // entry for the set, else train.zero_stage / train.shard_ratio. Each parameter is counted once
+  // for the gradient norm: by the lowest rank holding it, or (sharded) by each range's owner.
+  // AdamW gets the same slices for sharded sets, whole tensors elsewhere.
   std::map<std::vector<int>, std::vector<model::Param*>> sets;
   auto params = model_->parameters();
-  if (zero > 0)
-    for (auto it = params.rbegin(); it != params.rend(); ++it) {  // backward order, as the Reducer's buckets
-      const auto& r = sync_->holders((*it)->name);
-      if (r.size() >= 2) sets[r].push_back(*it);
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {  // backward order, as the Reducer's buckets
+    const auto& r = sync_->holders((*it)->name);
+    if (r.size() >= 2) sets[r].push_back(*it);
+  }
+  for (size_t i = 0; i < plan_->sharding.size(); ++i) {
+    const auto& e = plan_->sharding[i];
+    if (!sync_->set_of(e.ranks)) {
+      std::string known;
+      for (const auto& hs : sync_->sets()) known += (known.empty() ? "" : "; ") + join(hs.ranks, ",");
+      throw InputError("plan", "sharding[" + std::to_string(i) + "].ranks " + join(e.ranks, ",") +
+                                   " do not hold the same layers (the groups that do: " + (known.empty() ? "none" : known) + ")");
     }
-  const auto shares = cfg_.train.shard_shares();
+  }
+  const auto ratio = cfg_.train.shard_shares();
   std::map<const model::Param*, std::vector<model::ParamSlice>> mine;
   for (auto& [ranks, ps] : sets) {
-    ShardSpec spec{ranks, ps, {}};
+    const ShardingPlan* entry = plan_->sharding_of(ranks);
+    const int64_t stage = world_ ? (entry ? entry->stage : cfg_.train.zero_stage) : 0;
+    if (stage == 0) continue;
+    if (sync_->set_of(ranks)->compressed)
+      throw InputError(entry ? "plan" : "train.zero_stage", "sharding the group of ranks " + join(ranks, ",") +
+                                                              ", which grad_sync compresses (" + plan_->grad_sync.compression +
+                                                              "), is not built yet: shard it or compress it");
+    ShardSpec spec{ranks, stage, ps, {}};
     int64_t n = 0;
     for (auto* p : ps) n += p->tensor.numel();
-    spec.bounds = dist::shard_bounds(n, dist::set_shares(ranks, shares, plan_->world_size(), "train.shard_ratio"));
+    spec.bounds = dist::shard_bounds(
+        n, entry && !entry->shares.empty()
+               ? entry->shares
+               : dist::set_shares(ranks, ratio, plan_->world_size(), "train.shard_ratio (--shard-ratio)"));
     const size_t me = static_cast<size_t>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
     const int64_t lo = spec.bounds[me], hi = spec.bounds[me + 1];
     int64_t off = 0;
@@ -194,6 +210,10 @@ void Trainer::plan_shards() {
       if (a < b) mine[p].push_back({p, a - off, b - a});
       off += p->tensor.numel();
     }
+    if (rank_ == ranks.front() && !opts_.quiet)
+      log_info("ZeRO-" + std::to_string(stage) + " among ranks " + join(ranks, ",") + ": optimizer state" +
+               (stage >= 2 ? " and gradients" : "") + " sharded, " + std::to_string(hi - lo) + " of " + std::to_string(n) +
+               " elements here");
     shard_specs_.push_back(std::move(spec));
   }
   std::vector<model::ParamSlice> update;
@@ -208,10 +228,6 @@ void Trainer::plan_shards() {
     }
   }
   opt_ = std::make_unique<AdamW>(update, AdamW::from_config(cfg_.train));
-  if (rank_ == 0 && zero > 0 && !opts_.quiet)
-    log_info("ZeRO-" + std::to_string(zero) + ": optimizer state" + (zero >= 2 ? " and gradients" : "") + " sharded in " +
-             std::to_string(shard_specs_.size()) + " group(s) of this rank" +
-             (cfg_.train.shard_ratio.empty() ? " (even shares)" : " (shares " + cfg_.train.shard_ratio + ")"));
 }
 
 void Trainer::build_groups() {
@@ -277,11 +293,11 @@ void Trainer::build_groups() {
     std::vector<dist::Sharding::Set> ssets;
     for (const auto& spec : shard_specs_) {
       ssets.push_back({mine.at(spec.ranks).all, spec.params, spec.bounds});
-      if (cfg_.train.zero_stage >= 2)
+      if (spec.stage >= 2)
         for (auto& pg : list)
           if (pg.group == ssets.back().group) pg.reduce_to = spec.bounds;
     }
-    sharding_ = std::make_unique<dist::Sharding>(static_cast<int>(cfg_.train.zero_stage), std::move(ssets));
+    sharding_ = std::make_unique<dist::Sharding>(std::move(ssets));
   }
   reducer_ = std::make_unique<dist::Reducer>(list, plan_->grad_sync.bucket_mb);
   // Parameters that a sparsifier syncs reach AdamW as accumulated gradients now and then: after
@@ -609,7 +625,8 @@ TrainResult Trainer::run() {
     // The sync figures travel in a collective of their own, waited for after the optimizer step:
     // the loss and norm above keep their reduction order, so the exact path stays bit for bit.
     const auto& cs = sync.compressed;
-    at::Tensor sync_fig = at::tensor({static_cast<double>(sync.bytes_sent + cs.bytes_sent), static_cast<double>(cs.elements),
+    const int64_t gather_bytes = sharding_ ? sharding_->gather_bytes_sent() : 0;  // ZeRO's parameter all-gather
+    at::Tensor sync_fig = at::tensor({static_cast<double>(sync.bytes_sent + cs.bytes_sent + gather_bytes), static_cast<double>(cs.elements),
                                       static_cast<double>(cs.selected), cs.encode_s + cs.decode_s, cs.residual_sq},
                                      at::kDouble);
     c10::intrusive_ptr<c10d::Work> sync_fig_work;

@@ -119,6 +119,7 @@ class Trainer {
   // backward order and its members' bounds; this rank's AdamW covers only its own ranges.
   struct ShardSpec {
     std::vector<int> ranks;
+    int64_t stage = 0;
     std::vector<model::Param*> params;
     std::vector<int64_t> bounds;
   };
