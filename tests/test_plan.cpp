@@ -258,6 +258,12 @@ TEST(Plan, ShardingEntriesRoundTripAndAreValidatedByField) {
   bad([](Plan& b) { b.sharding[0].ranks = {0, 5}; }, "sharding[0].ranks: rank 5 is not in the plan");
   bad([](Plan& b) { b.sharding[1].ranks = {0, 2}; }, "sharding[1].ranks: the same ranks as sharding[0]");
   bad([](Plan& b) { b.sharding[0].shares = {3, 0}; }, "sharding[0].shares: must be positive");
+  // A recomputing stage alone also makes version 2, and round-trips.
+  Plan r = sample_plan();
+  r.pipelines[0].stages[1].recompute = true;
+  EXPECT_EQ(r.to_json()["version"], 2);
+  EXPECT_TRUE(Plan::from_json(r.to_json(), "x").pipelines[0].stages[1].recompute);
+  EXPECT_NE(r.describe().find("recompute"), std::string::npos);
   auto v3 = j;
   v3["version"] = 3;
   EXPECT_THROW(Plan::from_json(v3, "x"), InputError);

@@ -59,6 +59,12 @@ for _name, (_base, _flags) in ZERO.items():
 _per_group = dict(LAYOUTS["mixed-5+3_and_8"][2], version=2,
                   sharding=[{"ranks": [0, 2], "stage": 2, "shares": [3, 1]}, {"ranks": [0, 1, 2], "stage": 1}])
 LAYOUTS["zero-plan-per-group"] = ("gpt2", 24, _per_group, 3)
+# Recomputation: every stage (--recompute), and one stage of a plan beside ZeRO-2.
+LAYOUTS["recompute-pp2"] = LAYOUTS["pp2-6+2-1f1b"][:4] + (["--recompute"],)
+_rec = json.loads(json.dumps(LAYOUTS["mixed-5+3_and_8"][2]))
+_rec["version"] = 2
+_rec["pipelines"][0]["stages"][0]["recompute"] = True
+LAYOUTS["recompute-stage-zero2"] = ("gpt2", 24, _rec, 3, ["--zero-stage", "2"])
 
 
 # name: (layout above, or None for one rank training alone; device of each rank). Compared with
@@ -105,6 +111,17 @@ def shares_followed(out, flags):
         print(f"     rank {r['rank']}: optimizer state {got:.4f} of a replica's, share asked {want:.4f}"
               f"{'' if good else '  <- off by more than 5%'}")
     return ok
+
+
+def activations_shrank(plain, recomputed):
+    """Recomputation keeps each block's input only: every rank's peak activation memory falls."""
+    def peaks(d):
+        with open(os.path.join(d, "ranks.json")) as f:
+            return [r["peak_activation_bytes"] for r in sorted(json.load(f), key=lambda r: r["rank"])]
+    a, b = peaks(plain), peaks(recomputed)
+    print("     peak activation MiB per rank, plain -> recomputed: "
+          + ", ".join(f"{x / 2**20:.2f} -> {y / 2**20:.2f}" for x, y in zip(a, b)))
+    return all(y < x for x, y in zip(a, b))
 
 
 def reshard(alloy, work, env, baselines):
@@ -205,6 +222,8 @@ def main():
         ok = ok and worst <= rtol
         if "--shard-ratio" in extra_flags and name.startswith("zero") and "-dp" in name:
             ok = shares_followed(out, extra_flags) and ok
+        if name == "recompute-pp2" and os.path.exists(os.path.join(work, "pp2-6+2-1f1b", "ranks.json")):
+            ok = activations_shrank(os.path.join(work, "pp2-6+2-1f1b"), out) and ok
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name:<18} world {world}: {len(got)} steps, worst relative loss difference {worst:.2e}"
               f" (first {got[0][1]:.4f}, last {got[-1][1]:.4f})", flush=True)

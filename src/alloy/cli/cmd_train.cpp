@@ -39,6 +39,7 @@ struct TrainArgs {
   int64_t zero_stage = -1;
   std::vector<double> shard_ratio;
   bool distributed_optimizer = false;
+  bool recompute = false;
 };
 
 // The sharding flags as --set train.* overrides (after the user's --set, as flags given later win).
@@ -50,6 +51,7 @@ std::vector<std::string> sharding_overrides(const TrainArgs& a) {
     throw InputError("--zero-stage", "must be 0, 1 or 2 (3 is not built yet), got " + std::to_string(a.zero_stage));
   if (a.zero_stage >= 0) out.push_back("train.zero_stage=" + std::to_string(a.zero_stage));
   if (a.distributed_optimizer) out.push_back("train.zero_stage=1");
+  if (a.recompute) out.push_back("train.recompute=true");
   if (!a.shard_ratio.empty()) {
     std::string r;
     for (double v : a.shard_ratio) {
@@ -149,7 +151,7 @@ void add_train_commands(CLI::App& app, Action& action) {
       ->group(g_gs);
   cmd->add_flag("--mgwfbp", a->mgwfbp, "Merge gradients by the link model (MG-WFBP): grad_sync.fusion=omgs")->group(g_gs);
 
-  auto* g_sh = "Sharded data parallelism (ZeRO; or --set train.zero_stage / train.shard_ratio)";
+  auto* g_sh = "Memory: sharded data parallelism (ZeRO) and recomputation (or --set train.zero_stage / shard_ratio / recompute)";
   cmd->add_option("--zero-stage", a->zero_stage,
                   "0: full replicas; 1: optimizer state sharded among the ranks holding the same layers; 2: gradients too")
       ->group(g_sh);
@@ -158,6 +160,9 @@ void add_train_commands(CLI::App& app, Action& action) {
                   "default even")
       ->group(g_sh);
   cmd->add_flag("--use-distributed-optimizer", a->distributed_optimizer, "Megatron/SynerFuse: the same as --zero-stage 1")
+      ->group(g_sh);
+  cmd->add_flag("--recompute", a->recompute,
+                "Recompute every block's activations in the backward instead of keeping them (train.recompute)")
       ->group(g_sh);
 
   auto* g_rv = "Rendezvous (default: torchrun or SLURM variables, else one process)";

@@ -106,6 +106,8 @@ const std::vector<Field>& schema() {
       ALLOY_STR(train, device, "cpu | cuda | cuda:N"),
       ALLOY_INT(train, zero_stage, "sharded data parallelism (ZeRO) of every group of ranks holding the same layers: 0 = full "
                                    "replicas, 1 = optimizer state sharded, 2 = gradients too (DeepSpeed's levels)"),
+      ALLOY_BOOL(train, recompute, "recompute every block's activations in the backward instead of keeping them "
+                                   "(a plan's stage may ask for it alone: \"recompute\": true)"),
       ALLOY_STR(train, shard_ratio, "shares of each group's shards, in rank order (\"3,1\"; one per group member or one per "
                                     "rank); empty = even"),
       ALLOY_FLOAT(grad_sync, bucket_mb, "gradient buckets (and fixed fusion buffers), MiB of fp32 gradient"),

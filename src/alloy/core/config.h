@@ -60,6 +60,7 @@ struct TrainConfig {
   std::string device = "cpu";  // cpu | cuda | cuda:N
   int64_t zero_stage = 0;       // sharded data parallelism per holder set (dist/sharding.h): 0 | 1 | 2
   std::string shard_ratio;      // shares of each holder set's shards ("3,1"); empty = even
+  bool recompute = false;       // every stage recomputes its blocks' activations in the backward
 
   int64_t micro_batch_resolved() const { return micro_batch > 0 ? micro_batch : global_batch; }
   // shard_ratio's numbers ("3,1", "3 1" or "3:1"); throws InputError naming train.shard_ratio.

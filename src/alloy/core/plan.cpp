@@ -107,7 +107,10 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
 nlohmann::json Plan::to_json() const {
   nlohmann::json j;
   j["format"] = "alloy-plan";
-  j["version"] = sharding.empty() ? 1 : 2;  // readers of version 1 know no sharding
+  bool v2 = !sharding.empty();  // readers of version 1 know no sharding and no recomputation
+  for (const auto& p : pipelines)
+    for (const auto& st : p.stages) v2 = v2 || st.recompute;
+  j["version"] = v2 ? 2 : 1;
   j["global_batch"] = global_batch;
   j["schedule"] = schedule;
   j["pipelines"] = nlohmann::json::array();
@@ -117,6 +120,7 @@ nlohmann::json Plan::to_json() const {
     for (const auto& s : p.stages) {
       nlohmann::json sj = {{"ranks", s.ranks}, {"layers", {s.layer_begin, s.layer_end}}};
       if (!s.device.empty()) sj["device"] = s.device;
+      if (s.recompute) sj["recompute"] = true;
       pj["stages"].push_back(sj);
     }
     j["pipelines"].push_back(pj);
@@ -182,6 +186,7 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
         st.layer_begin = layers[0];
         st.layer_end = layers[1];
         st.device = sts[s].value("device", std::string());
+        st.recompute = sts[s].value("recompute", false);
         pl.stages.push_back(st);
       }
       p.pipelines.push_back(pl);
@@ -266,6 +271,7 @@ std::string Plan::describe() const {
       const auto& st = pl.stages[s];
       out << (s ? " ->" : "") << " rank " << st.ranks[0] << " blocks [" << st.layer_begin << "," << st.layer_end << ")";
       if (!st.device.empty()) out << " (" << st.device << ")";
+      if (st.recompute) out << " recompute";
     }
     out << "\n";
   }

@@ -26,6 +26,7 @@ struct StagePlan {
   std::vector<int> ranks;
   int64_t layer_begin = 0, layer_end = 0;  // blocks [begin, end)
   std::string device;                      // optional: device name from the cluster spec
+  bool recompute = false;                  // blocks recompute activations in the backward (version 2)
 };
 
 struct PipelinePlan {

@@ -6,6 +6,8 @@
 #include <limits>
 #include <stdexcept>
 
+#include "alloy/model/recompute.h"
+
 namespace alloy::model {
 
 at::ScalarType dtype_of(const ModelConfig& m) { return m.dtype == "float64" ? at::kDouble : at::kFloat; }
@@ -103,6 +105,7 @@ class Gpt2Embedding : public Layer {
 
 class Gpt2Block : public Layer {
  public:
+  bool is_block() const override { return true; }
   Gpt2Block(const ModelConfig& c, int64_t i, Init& init, Shared* sh) : c_(c), sh_(sh) {
     std::string p = "h." + std::to_string(i) + ".";
     int64_t H = c.hidden, F = c.ffn_resolved();
@@ -185,6 +188,7 @@ class LlamaEmbedding : public Layer {
 
 class LlamaBlock : public Layer {
  public:
+  bool is_block() const override { return true; }
   LlamaBlock(const ModelConfig& c, int64_t i, Init& init, Shared* sh) : c_(c), sh_(sh) {
     std::string p = "model.layers." + std::to_string(i) + ".";
     int64_t H = c.hidden, hd = c.head_dim(), nh = c.heads, nkv = c.kv_heads_resolved(), F = c.ffn_resolved();
@@ -284,7 +288,7 @@ Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed
 
 at::Tensor Transformer::forward(const at::Tensor& x) {
   at::Tensor h = x;
-  for (auto& l : layers_) h = l->forward(h);
+  for (auto& l : layers_) h = recompute_ && l->is_block() ? forward_recomputed(*l, h) : l->forward(h);
   return h;
 }
 

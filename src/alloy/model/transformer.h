@@ -40,6 +40,7 @@ class Layer {
   // Input: token ids [B, T] (embedding) or hidden states [B, T, H]; output: hidden states or
   // logits [B, T, V] (head).
   virtual at::Tensor forward(const at::Tensor& x) = 0;
+  virtual bool is_block() const { return false; }  // a transformer block (recomputable), not embedding or head
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
 
@@ -69,6 +70,9 @@ class Transformer {
   }
 
   at::Tensor forward(const at::Tensor& x);
+  // Blocks recompute their activations in the backward instead of keeping them (model/recompute.h).
+  void set_recompute(bool on) { recompute_ = on; }
+  bool recompute() const { return recompute_; }
   // Sum (not mean) of the token cross-entropies: callers divide by the tokens of the global batch
   // so micro-batches and replicas of any size add up to the one-device loss.
   static at::Tensor loss_sum(const at::Tensor& logits, const at::Tensor& targets);
@@ -95,6 +99,7 @@ class Transformer {
   at::ScalarType dtype_;
   std::vector<std::unique_ptr<Layer>> layers_;
   std::shared_ptr<SharedHolder> shared_;  // causal mask and RoPE tables, cached per length
+  bool recompute_ = false;
 };
 
 at::ScalarType dtype_of(const ModelConfig& m);

@@ -125,6 +125,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
       cfg_.model, model::LayerRange::for_blocks(st.layer_begin, st.layer_end, cfg_.model.layers),
       static_cast<uint64_t>(cfg_.train.seed));
   model_->to(device_);
+  model_->set_recompute(cfg_.train.recompute || st.recompute);
   sync_ = std::make_unique<dist::SyncLayout>(*plan_, cfg_.model);
   plan_shards();
 
@@ -605,10 +606,9 @@ TrainResult Trainer::run() {
     }
 
     // Global gradient norm: each element counted once (counted_: by the lowest rank holding it,
-    // or by its shard's owner). After the
-    // exact steps, sparsely synced parameters hold decoded sums of accumulated gradients whose
-    // norm is many times the gradient's (10-50x at density 0.01): clipping by it would shrink every
-    // update as much. They are reported in the norm but neither clipped nor counted for clipping.
+    // or by its shard's owner). After the exact steps, sparsely synced parameters hold decoded
+    // sums of accumulated gradients whose norm is many times the gradient's (10-50x at density
+    // 0.01): clipping by it would shrink every update as much. They are reported in the norm but neither clipped nor counted for clipping.
     // Decided from the plan, the same on every rank (the reduction below must match in size).
     const bool split_clip = any_sparse_set_ && step >= plan_->grad_sync.dense_steps;
     const double norm_sq = global_grad_norm_sq(counted_);

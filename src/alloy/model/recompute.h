@@ -1,0 +1,18 @@
+#pragma once
+// Activation recomputation of whole blocks (train.recompute, --recompute, a plan stage's
+// `recompute`): the block's forward runs without keeping its intermediate tensors, only its input;
+// the backward runs the forward again from that input with autograd on and back-propagates through
+// it (the reentrant scheme of torch.utils.checkpoint). The recomputed forward is the same
+// arithmetic on the same input, so gradients are those of the plain forward; what it costs is one
+// more forward per block per micro-batch, what it saves is every block's activations but its input.
+#include <ATen/ATen.h>
+
+namespace alloy::model {
+
+class Layer;
+
+// LAYER's forward of X, recomputed in the backward instead of stored. Without grad mode (or when
+// nothing requires a gradient) it is the plain forward.
+at::Tensor forward_recomputed(Layer& layer, const at::Tensor& x);
+
+}  // namespace alloy::model
