@@ -305,8 +305,10 @@ RC_GTEST_PROP(ExpectedMax, AgreesWithSampling, ()) {
   const double mean = sum / N, se = std::sqrt(std::max(0.0, sum2 / N - mean * mean) / N);
   const double e = expected_max(x);
   RC_ASSERT(e >= std::max_element(x.begin(), x.end())->first - 1e-12);  // never below the largest mean
-  // Clark's moment matching is exact for two and off by a few percent of a spread beyond.
-  RC_ASSERT(std::fabs(e - mean) <= (n == 2 ? 0.0 : 0.05) * smax + 5 * se + 1e-12);
+  // Clark's moment matching is exact for two and off by a few percent of a spread beyond. A tail
+  // rarer than 1 in N never shows in the samples (x = {(0, 0.02), (0.11, 0)}: every sample is 0.11,
+  // se 0, while the exact value is 0.11 + 1e-10): hence a floor far below any timing that matters.
+  RC_ASSERT(std::fabs(e - mean) <= (n == 2 ? 0.0 : 0.05) * smax + 5 * se + 1e-6 * (1 + smax));
 }
 
 TEST(Profiler, StepNoisePoolsTheRoundsScaledToOneSecond) {
