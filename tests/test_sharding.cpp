@@ -41,6 +41,21 @@ RC_GTEST_PROP(ShardBounds, CoverEveryElementOnceInProportion, ()) {
   }
 }
 
+TEST(ShardBounds, SlicesInCoverTheRangeAcrossParameters) {
+  Param a{"a", at::zeros({5}), false}, b{"b", at::zeros({4}), false}, c{"c", at::zeros({3}), false};
+  const auto s = alloy::dist::slices_in({&a, &b, &c}, 3, 10);  // a[3,5) b[0,4) c[0,1)
+  ASSERT_EQ(s.size(), 3u);
+  EXPECT_EQ(s[0].p, &a);
+  EXPECT_EQ(s[0].begin, 3);
+  EXPECT_EQ(s[0].numel, 2);
+  EXPECT_EQ(s[1].p, &b);
+  EXPECT_EQ(s[1].begin, 0);
+  EXPECT_EQ(s[1].numel, 4);
+  EXPECT_EQ(s[2].p, &c);
+  EXPECT_EQ(s[2].numel, 1);
+  EXPECT_TRUE(alloy::dist::slices_in({&a, &b, &c}, 5, 5).empty());
+}
+
 TEST(ShardBounds, SharesOfAGroupComeFromTheRatioByMemberOrByRank) {
   EXPECT_EQ(set_shares({0, 2}, {}, 3, "f"), (std::vector<double>{1, 1}));
   EXPECT_EQ(set_shares({0, 2}, {3, 1}, 3, "f"), (std::vector<double>{3, 1}));
@@ -90,14 +105,9 @@ std::vector<Param> clone(const std::vector<Param>& ps) {
 }
 // The three parameters as one flat buffer of 38 elements, cut at BOUNDS: the slices of shard I.
 std::vector<ParamSlice> shard(std::vector<Param>& ps, const std::vector<int64_t>& bounds, size_t i) {
-  std::vector<ParamSlice> out;
-  int64_t off = 0;
-  for (auto& p : ps) {
-    const int64_t a = std::max(bounds[i], off), b = std::min(bounds[i + 1], off + p.tensor.numel());
-    if (a < b) out.push_back({&p, a - off, b - a});
-    off += p.tensor.numel();
-  }
-  return out;
+  std::vector<Param*> ptrs;
+  for (auto& p : ps) ptrs.push_back(&p);
+  return alloy::dist::slices_in(ptrs, bounds[i], bounds[i + 1]);
 }
 void set_grads(std::vector<Param>& ps, int step) {
   for (size_t k = 0; k < ps.size(); ++k)

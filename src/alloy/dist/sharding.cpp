@@ -28,6 +28,18 @@ std::vector<int64_t> shard_bounds(int64_t n, const std::vector<double>& shares) 
   return b;
 }
 
+std::vector<model::ParamSlice> slices_in(const std::vector<model::Param*>& params, int64_t lo, int64_t hi) {
+  std::vector<model::ParamSlice> out;
+  int64_t off = 0;
+  for (auto* p : params) {
+    const int64_t n = p->tensor.numel();
+    const int64_t a = std::max(lo, off), b = std::min(hi, off + n);
+    if (a < b) out.push_back({p, a - off, b - a});
+    off += n;
+  }
+  return out;
+}
+
 std::vector<double> set_shares(const std::vector<int>& ranks, const std::vector<double>& ratio, int world_size,
                                const std::string& field) {
   if (ratio.empty()) return std::vector<double>(ranks.size(), 1.0);
@@ -54,30 +66,6 @@ Sharding::Sharding(std::vector<Set> sets) : sets_(std::move(sets)) {
   }
 }
 
-const Sharding::Set* Sharding::set_of(const model::Param* p) const {
-  for (const auto& s : sets_)
-    if (std::find(s.params.begin(), s.params.end(), p) != s.params.end()) return &s;
-  return nullptr;
-}
-
-bool Sharding::sharded(const model::Param* p) const { return set_of(p) != nullptr; }
-
-std::vector<model::ParamSlice> Sharding::owned_slices() const {
-  std::vector<model::ParamSlice> out;
-  for (const auto& s : sets_) {
-    const int me = s.group->rank();
-    const int64_t lo = s.bounds[static_cast<size_t>(me)], hi = s.bounds[static_cast<size_t>(me) + 1];
-    int64_t off = 0;
-    for (auto* p : s.params) {
-      const int64_t n = p->tensor.numel();
-      const int64_t a = std::max(lo, off), b = std::min(hi, off + n);
-      if (a < b) out.push_back({p, a - off, b - a});
-      off += n;
-    }
-  }
-  return out;
-}
-
 int64_t Sharding::gather_bytes_sent() const {
   int64_t b = 0;
   for (size_t k = 0; k < sets_.size(); ++k) {
@@ -94,13 +82,10 @@ void Sharding::gather_params() {
     auto& s = sets_[k];
     at::Tensor& flat = flat_[k];
     const int me = s.group->rank();
-    const int64_t lo = s.bounds[static_cast<size_t>(me)], hi = s.bounds[static_cast<size_t>(me) + 1];
-    int64_t off = 0;
-    for (auto* p : s.params) {  // this rank's updated range into the staging buffer
-      const int64_t n = p->tensor.numel();
-      const int64_t a = std::max(lo, off), b = std::min(hi, off + n);
-      if (a < b) flat.narrow(0, a, b - a).copy_(p->tensor.reshape({-1}).narrow(0, a - off, b - a));
-      off += n;
+    int64_t at = s.bounds[static_cast<size_t>(me)];  // this rank's updated range into the staging buffer
+    for (const auto& sl : slices_in(s.params, at, s.bounds[static_cast<size_t>(me) + 1])) {
+      flat.narrow(0, at, sl.numel).copy_(sl.of(sl.p->tensor));
+      at += sl.numel;
     }
     for (int i = 0; i < s.group->size(); ++i) {
       const int64_t len = s.bounds[static_cast<size_t>(i) + 1] - s.bounds[static_cast<size_t>(i)];

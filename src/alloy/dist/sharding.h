@@ -29,6 +29,10 @@ class Group;
 // offsets from 0 to N; member i owns [b[i], b[i+1]).
 std::vector<int64_t> shard_bounds(int64_t n, const std::vector<double>& shares);
 
+// The parts of PARAMS (concatenated in order) that fall in the flat range [LO, HI), in order: they
+// cover the range contiguously.
+std::vector<model::ParamSlice> slices_in(const std::vector<model::Param*>& params, int64_t lo, int64_t hi);
+
 // The shares of the members RANKS (sorted global ranks) of one holder set: RATIO empty (even), as
 // many entries as the set has members (in rank order), or one per rank of the world (each
 // member's entry). Anything else throws InputError naming FIELD.
@@ -44,11 +48,6 @@ class Sharding {
   };
   explicit Sharding(std::vector<Set> sets);
 
-  bool sharded(const model::Param* p) const;
-  // The slices of the sharded parameters whose update (and AdamW state) this rank owns.
-  std::vector<model::ParamSlice> owned_slices() const;
-  // The sharded set holding P (null: not sharded).
-  const Set* set_of(const model::Param* p) const;
   // After the optimizer step: every member's updated range to every member.
   void gather_params();
   // What gather_params() puts on the wire from this rank, counted as a ring all-gather would:

@@ -170,11 +170,10 @@ void Trainer::plan_shards() {
   // entry for the set, else train.zero_stage / train.shard_ratio. Each parameter is counted once
   // for the gradient norm: by the lowest rank holding it, or (sharded) by each range's owner.
   // AdamW gets the same slices for sharded sets, whole tensors elsewhere.
-  std::map<std::vector<int>, std::vector<model::Param*>> sets;
   auto params = model_->parameters();
-  for (auto it = params.rbegin(); it != params.rend(); ++it) {  // backward order, as the Reducer's buckets
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {  // backward order: the Reducer's buckets fill in it
     const auto& r = sync_->holders((*it)->name);
-    if (r.size() >= 2) sets[r].push_back(*it);
+    if (r.size() >= 2) set_params_[r].push_back(*it);
   }
   for (size_t i = 0; i < plan_->sharding.size(); ++i) {
     const auto& e = plan_->sharding[i];
@@ -187,7 +186,7 @@ void Trainer::plan_shards() {
   }
   const auto ratio = cfg_.train.shard_shares();
   std::map<const model::Param*, std::vector<model::ParamSlice>> mine;
-  for (auto& [ranks, ps] : sets) {
+  for (auto& [ranks, ps] : set_params_) {
     const ShardingPlan* entry = plan_->sharding_of(ranks);
     const int64_t stage = world_ ? (entry ? entry->stage : cfg_.train.zero_stage) : 0;
     if (stage == 0) continue;
@@ -204,13 +203,8 @@ void Trainer::plan_shards() {
                : dist::set_shares(ranks, ratio, plan_->world_size(), "train.shard_ratio (--shard-ratio)"));
     const size_t me = static_cast<size_t>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
     const int64_t lo = spec.bounds[me], hi = spec.bounds[me + 1];
-    int64_t off = 0;
-    for (auto* p : ps) {
-      const int64_t a = std::max(lo, off), b = std::min(hi, off + p->tensor.numel());
-      mine[p];  // sharded, whether or not this rank owns any of it
-      if (a < b) mine[p].push_back({p, a - off, b - a});
-      off += p->tensor.numel();
-    }
+    for (auto* p : ps) mine[p];  // sharded, whether or not this rank owns any of it
+    for (const auto& sl : dist::slices_in(ps, lo, hi)) mine[sl.p].push_back(sl);
     if (rank_ == ranks.front() && !opts_.quiet)
       log_info("ZeRO-" + std::to_string(stage) + " among ranks " + join(ranks, ",") + ": optimizer state" +
                (stage >= 2 ? " and gradients" : "") + " sharded, " + std::to_string(hi - lo) + " of " + std::to_string(n) +
@@ -262,14 +256,7 @@ void Trainer::build_groups() {
   }
   // Buckets fill in backward order: parameters of the last layers first.
   std::map<std::vector<int>, dist::Reducer::ParamGroup> pgs;
-  auto params = model_->parameters();
-  for (auto it = params.rbegin(); it != params.rend(); ++it) {
-    const auto& r = sync_->holders((*it)->name);
-    if (r.size() < 2) continue;
-    auto& pg = pgs[r];
-    pg.group = mine.at(r).all;
-    pg.params.push_back(*it);
-  }
+  for (const auto& [r, ps] : set_params_) pgs[r] = {mine.at(r).all, ps, nullptr, {}};
   std::vector<dist::Reducer::ParamGroup> list;
   for (auto& [ranks, pg] : pgs) {
     const dist::HolderSet& set = *sync_->set_of(ranks);

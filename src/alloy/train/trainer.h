@@ -124,6 +124,8 @@ class Trainer {
     std::vector<int64_t> bounds;
   };
   std::vector<ShardSpec> shard_specs_;
+  // This rank's parameters by the set of ranks holding them (two or more), in backward order.
+  std::map<std::vector<int>, std::vector<model::Param*>> set_params_;
   std::unique_ptr<dist::Sharding> sharding_;
   std::vector<model::ParamSlice> counted_;  // each element of the model once over all ranks: the norm
   std::set<std::string> sparse_params_;  // synced by a sparsifier: AdamW reads them linearly
