@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <map>
+
+#include "alloy/dist/zero3.h"
 #include "alloy/model/transformer.h"
 
 using alloy::ModelConfig;
@@ -97,6 +100,76 @@ TEST_P(ModelTest, RecomputedBlocksGiveThePlainGradients) {
   Transformer again(m, LayerRange::for_blocks(2, 4, m.layers), 5);
   Transformer::loss_sum(again.forward(h2), t).backward();
   EXPECT_TRUE(at::allclose(h.grad(), h2.grad(), 1e-6, 1e-9));
+}
+
+// What ZeRO-3 relies on, without a second process: hooks that free every parameter of a layer
+// after its forward and its backward and restore it just before each give the plain gradients
+// (with and without recomputation, in a pipeline's first and last slices with GPT-2's tied head),
+// fire in order, and after_backward(i) comes once every parameter of layer i has its gradient.
+namespace {
+struct FreeingHooks : alloy::model::LayerHooks {
+  Transformer& m;
+  std::map<const at::Tensor*, at::Tensor> saved;  // each parameter's values while released
+  std::vector<std::string> log;
+  bool grads_complete = true;
+  explicit FreeingHooks(Transformer& model) : m(model) {
+    for (auto* p : m.parameters()) saved[&p->tensor] = p->tensor.detach().clone();
+    for (auto* p : m.parameters()) alloy::dist::release_storage(p->tensor);
+  }
+  void restore(size_t i) {
+    for (auto* p : m.layer_params(i)) alloy::dist::restore_storage(p->tensor, saved.at(&p->tensor));
+  }
+  void release(size_t i) {
+    for (auto* p : m.layer_params(i)) alloy::dist::release_storage(p->tensor);
+  }
+  void before_forward(size_t i) override { log.push_back("F" + std::to_string(i)), restore(i); }
+  void after_forward(size_t i) override { log.push_back("f" + std::to_string(i)), release(i); }
+  void before_backward(size_t i) override { log.push_back("B" + std::to_string(i)), restore(i); }
+  void after_backward(size_t i) override {
+    log.push_back("b" + std::to_string(i));
+    // Its own: a tied wte also waits for the embedding's share before it accumulates.
+    for (auto& p : m.layer(i).params()) grads_complete = grads_complete && p.tensor.grad().defined();
+    release(i);
+  }
+};
+}  // namespace
+
+TEST_P(ModelTest, LayersWhoseParametersAreFreedBetweenUsesGiveThePlainGradients) {
+  ModelConfig m = tiny(GetParam());
+  at::Tensor x = tokens(m, 2, 31), t = tokens(m, 2, 32);
+  for (bool recompute : {false, true}) {
+    auto plain = Transformer::full(m, 7), sharded = Transformer::full(m, 7);
+    sharded->set_recompute(recompute);
+    FreeingHooks hooks(*sharded);
+    sharded->set_layer_hooks(&hooks);
+    Transformer::loss_sum(plain->forward(x), t).backward();
+    Transformer::loss_sum(sharded->forward(x), t).backward();
+    hooks.release(0);  // the embedding has no after_backward: ZeRO-3 frees it at the step's end
+    auto pp = plain->parameters(), sp = sharded->parameters();
+    for (size_t i = 0; i < pp.size(); ++i) {
+      EXPECT_EQ(sp[i]->tensor.storage().nbytes(), 0u) << sp[i]->name << ": not released after its backward";
+      EXPECT_TRUE(at::allclose(pp[i]->tensor.grad(), sp[i]->tensor.grad(), 1e-6, 1e-9)) << sp[i]->name << " recompute " << recompute;
+    }
+    EXPECT_TRUE(hooks.grads_complete);
+    // Forward 0..5, then backward 5..1; the embedding's input (token ids) needs no gradient: no b0.
+    std::vector<std::string> want;
+    for (int i = 0; i < 6; ++i) want.insert(want.end(), {"F" + std::to_string(i), "f" + std::to_string(i)});
+    for (int i = 5; i >= 0; --i) {
+      want.push_back("B" + std::to_string(i));
+      if (i > 0) want.push_back("b" + std::to_string(i));
+    }
+    EXPECT_EQ(hooks.log, want) << "recompute " << recompute;
+  }
+  // The last slice of a pipeline: its input needs a gradient, so its first layer gets after_backward.
+  Transformer last(m, LayerRange::for_blocks(2, 4, m.layers), 7), ref(m, LayerRange::for_blocks(2, 4, m.layers), 7);
+  FreeingHooks hooks(last);
+  last.set_layer_hooks(&hooks);
+  at::Tensor h = at::randn({2, m.seq_len, m.hidden}).requires_grad_(true), h2 = h.detach().clone().requires_grad_(true);
+  Transformer::loss_sum(last.forward(h), t).backward();
+  Transformer::loss_sum(ref.forward(h2), t).backward();
+  EXPECT_TRUE(at::allclose(h.grad(), h2.grad(), 1e-6, 1e-9));
+  EXPECT_EQ(hooks.log.back(), "b0");
+  EXPECT_TRUE(hooks.grads_complete);
 }
 
 INSTANTIATE_TEST_SUITE_P(Arch, ModelTest, ::testing::Values("gpt2", "llama"));

@@ -251,7 +251,7 @@ TEST(Plan, ShardingEntriesRoundTripAndAreValidatedByField) {
     const std::string e = validate_error(b, 8);
     EXPECT_NE(e.find(needle), std::string::npos) << "'" << e << "' lacks '" << needle << "'";
   };
-  bad([](Plan& b) { b.sharding[0].stage = 3; }, "sharding[0].stage: 3 (parameters sharded, FSDP) is not built yet");
+  bad([](Plan& b) { b.sharding[0].stage = 4; }, "sharding[0].stage: must be 0, 1, 2 or 3, got 4");
   bad([](Plan& b) { b.sharding[0].stage = 7; }, "sharding[0].stage");
   bad([](Plan& b) { b.sharding[1].shares = {1, 1, 1}; }, "sharding[1].shares: has 3 entries for 2 ranks");
   bad([](Plan& b) { b.sharding[0].ranks = {2, 0}; }, "sharding[0].ranks: must be ascending");

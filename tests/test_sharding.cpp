@@ -79,7 +79,7 @@ TEST(ShardConfig, StagesAndRatiosAreValidatedByKey) {
   c.train.shard_ratio = "3,x";
   EXPECT_THROW(c.train.shard_shares(), alloy::InputError);
   c.train.shard_ratio = "";
-  c.train.zero_stage = 3;
+  c.train.zero_stage = 4;
   try {
     c.validate();
     FAIL();
@@ -88,8 +88,10 @@ TEST(ShardConfig, StagesAndRatiosAreValidatedByKey) {
   }
   c.train.zero_stage = -1;
   EXPECT_THROW(c.validate(), alloy::InputError);
-  c.train.zero_stage = 2;
-  c.validate();
+  for (int64_t stage : {0, 1, 2, 3}) {
+    c.train.zero_stage = stage;
+    c.validate();
+  }
 }
 
 namespace {
@@ -150,6 +152,50 @@ TEST(AdamWSlices, ShardsUpdateAsTheWholeTensors) {
     for (size_t k = 0; k < whole.size(); ++k) EXPECT_TRUE(at::equal(copies[j][k].tensor, whole[k].tensor)) << j << " " << k;
   EXPECT_EQ(opts[0]->state_bytes() + opts[1]->state_bytes() + opts[2]->state_bytes(), full.state_bytes());
   EXPECT_NEAR(static_cast<double>(opts[0]->state_bytes()) / full.state_bytes(), 0.5, 1.0 / 38);
+}
+
+// ZeRO-3: a shard's values and gradients live in flat tensors of its own (ParamSlice::value/grad),
+// not in the parameters, which are freed between uses; AdamW and the norm read and update those.
+TEST(AdamWSlices, ShardsHeldOutsideTheParametersUpdateAsTheWholeTensors) {
+  AdamW::Options o{0.9, 0.95, 1e-8, 0.1};
+  auto whole = make_params();
+  std::vector<Param*> wp;
+  for (auto& p : whole) wp.push_back(&p);
+  AdamW full(wp, o);
+  const std::vector<int64_t> bounds = shard_bounds(38, {1, 2});
+  auto flat = [&](std::vector<Param>& ps, bool grads) {
+    std::vector<at::Tensor> parts;
+    for (auto& p : ps) parts.push_back((grads ? p.tensor.grad() : p.tensor).reshape({-1}));
+    return at::cat(parts);
+  };
+  std::vector<at::Tensor> values, grads;
+  std::vector<std::vector<ParamSlice>> slices;
+  std::vector<std::unique_ptr<AdamW>> opts;
+  auto layout = make_params();  // names and shapes only: the shards never read these tensors' values
+  for (size_t i = 0; i < 2; ++i) {
+    values.push_back(flat(whole, false).narrow(0, bounds[i], bounds[i + 1] - bounds[i]).clone());
+    grads.push_back(at::zeros_like(values.back()));
+    slices.push_back(shard(layout, bounds, i));
+    int64_t at = 0;
+    for (auto& sl : slices.back()) {
+      sl.value = values[i].narrow(0, at, sl.numel);
+      sl.grad = grads[i].narrow(0, at, sl.numel);
+      at += sl.numel;
+    }
+    opts.push_back(std::make_unique<AdamW>(slices.back(), o));
+  }
+  for (int step = 0; step < 4; ++step) {
+    set_grads(whole, step);
+    const at::Tensor g = flat(whole, true);
+    for (size_t i = 0; i < 2; ++i) grads[i].copy_(g.narrow(0, bounds[i], bounds[i + 1] - bounds[i]));
+    EXPECT_NEAR(alloy::train::global_grad_norm_sq(slices[0]) + alloy::train::global_grad_norm_sq(slices[1]),
+                g.pow(2).sum().item<double>(), 1e-9);
+    full.step(1e-2);
+    full.zero_grad();
+    for (size_t i = 0; i < 2; ++i) opts[i]->step(1e-2);
+  }
+  const at::Tensor want = flat(whole, false);
+  EXPECT_TRUE(at::equal(at::cat({values[0], values[1]}), want));
 }
 
 // Optimizer state written in slices loads into another split, and into whole tensors; a gap in

@@ -156,11 +156,20 @@ expect_ok "launch --devices cpu,cpu" "$alloy" launch --nproc 2 --devices cpu,cpu
 expect_fail "launch --devices count" "--devices" "3 devices for 2 ranks" -- "$alloy" launch --nproc 2 --devices cpu,cpu,cpu -- "$alloy" train --config tiny.yaml
 expect_fail "unknown device" "ALLOY_DEVICE" "unknown device 'gpu0'" -- "$alloy" launch --nproc 1 --devices gpu0 -- "$alloy" train --config tiny.yaml
 # ZeRO's flags: a stage that is not built and shares that do not fit the group are named.
-expect_fail "zero stage 3" "train.zero_stage" "FSDP" "not built yet" -- "$alloy" train --config tiny.yaml --zero-stage 3
+expect_fail "zero stage 4" "--zero-stage" "must be 0, 1, 2 or 3" -- "$alloy" train --config tiny.yaml --zero-stage 4
 expect_fail "shard ratio for another group size" "--shard-ratio" "ranks 0,1" "3 shares" -- \
   "$alloy" launch --nproc 2 -- "$alloy" train --config tiny.yaml --set output.dir=zerobad --zero-stage 1 --shard-ratio 3 1 1
 expect_fail "distributed optimizer vs zero stage" "--use-distributed-optimizer" -- \
   "$alloy" train --config tiny.yaml --zero-stage 2 --use-distributed-optimizer
+# ZeRO-3 gathers per layer in each member's schedule: replicas with unlike micro-batch counts are
+# refused by a plan's sharding entry (and fall back to ZeRO-2 under --zero-stage 3, with a warning).
+printf '{"version": 2, "global_batch": 4, "pipelines": [{"micro_batch_size": 1, "num_micro_batches": 3, "stages": [{"ranks": [0], "layers": [0, 2]}]}, {"micro_batch_size": 1, "num_micro_batches": 1, "stages": [{"ranks": [1], "layers": [0, 2]}]}], "sharding": [{"ranks": [0, 1], "stage": 3}]}' > z3bad.json
+expect_fail "zero-3 over unlike schedules" "sharding stage 3 for ranks 0,1" "3 micro-batches" "1 micro-batches" -- \
+  "$alloy" launch --nproc 2 -- "$alloy" train --config tiny.yaml --set output.dir=z3bad --set train.steps=1 --plan z3bad.json
+/usr/bin/python3 -c "import json; p=json.load(open('z3bad.json')); del p['sharding']; json.dump(p, open('z3fallback.json','w'))"
+out=$("$alloy" launch --nproc 2 -- "$alloy" train --config tiny.yaml --set output.dir=z3fb --set train.steps=2 --plan z3fallback.json --zero-stage 3 2>&1) \
+  && grep -qF "ZeRO-2 there" <<<"$out" && ok "--zero-stage 3 over unlike schedules falls back to ZeRO-2" \
+  || { bad "--zero-stage 3 fallback"; echo "$out" | tail -5; }
 # --evaluate predicts a given plan on the same inputs: the planner's own plan gets the step time
 # the planner gave it; a hand-made change of it gets its own, shown beside the searched plans.
 expect_ok "plan --evaluate" "$alloy" plan --cluster pool.yaml --config tiny.yaml --profile prof-together.json \

@@ -65,6 +65,20 @@ _rec = json.loads(json.dumps(LAYOUTS["mixed-5+3_and_8"][2]))
 _rec["version"] = 2
 _rec["pipelines"][0]["stages"][0]["recompute"] = True
 LAYOUTS["recompute-stage-zero2"] = ("gpt2", 24, _rec, 3, ["--zero-stage", "2"])
+# ZeRO-3: the members of a sharded group gather every layer in their own schedules, so they run
+# the same number of micro-batches (of unlike sizes: heterogeneous replicas, 3:1 and 2:1:1 of the
+# batch). In the pipelines the tied embedding, held by first and last stages, falls back to ZeRO-2.
+LAYOUTS["dp2-9x2-3x2"] = ("gpt2", 24, plan(24, [(9, 2, full(0)), (3, 2, full(1))]), 2)
+LAYOUTS["dp3-4x3-2x3-2x3"] = ("gpt2", 24, plan(24, [(4, 3, full(0)), (2, 3, full(1)), (2, 3, full(2))]), 3)
+LAYOUTS["pp2x2-4x4-2x4"] = ("gpt2", 24, plan(24, [(4, 4, [(0, 0, 5), (1, 5, 8)]), (2, 4, [(2, 0, 5), (3, 5, 8)])]), 4)
+for _name, _base, _flags in (
+        ("zero3-dp2-even", "dp2-equal", ["--zero-stage", "3"]),
+        ("zero3-dp2-3:1", "dp2-9x2-3x2", ["--zero-stage", "3", "--shard-ratio", "3", "1"]),
+        ("zero3-dp3-even", "dp3-4x3-2x3-2x3", ["--zero-stage", "3"]),
+        ("zero3-dp3-3:2:1", "dp3-4x3-2x3-2x3", ["--zero-stage", "3", "--shard-ratio", "3", "2", "1"]),
+        ("zero3-recompute-dp2", "dp2-9x2-3x2", ["--zero-stage", "3", "--recompute"]),
+        ("zero3-pp2-hetero", "pp2x2-4x4-2x4", ["--zero-stage", "3", "--shard-ratio", "3", "1", "1", "2"])):
+    LAYOUTS[_name] = LAYOUTS[_base][:4] + (_flags,)
 
 
 # name: (layout above, or None for one rank training alone; device of each rank). Compared with
@@ -98,18 +112,30 @@ def losses(run_dir):
 
 
 def shares_followed(out, flags):
-    """Data parallel with ZeRO: each rank keeps AdamW's two moments for its share of the model."""
-    ratio = [float(x) for x in flags[flags.index("--shard-ratio") + 1:] if not x.startswith("--")]
+    """Data parallel with ZeRO: each rank keeps AdamW's two moments for its share of the model, and
+    under ZeRO-3 that share of the parameters too (between steps)."""
+    ratio = [1.0] * 8
+    if "--shard-ratio" in flags:
+        ratio = [float(x) for x in flags[flags.index("--shard-ratio") + 1:] if not x.startswith("--")]
+    zero3 = flags[flags.index("--zero-stage") + 1] == "3"
     with open(os.path.join(out, "ranks.json")) as f:
         ranks = sorted(json.load(f), key=lambda r: r["rank"])
+    ratio = ratio[:len(ranks)]
+    # A replica's parameter bytes: each rank's own under ZeRO-1/2, all shards together under ZeRO-3.
+    whole = sum(r["param_bytes"] for r in ranks) if zero3 else None
     ok = True
     for r, share in zip(ranks, ratio):
-        got = r["optimizer_state_bytes"] / (2 * r["param_bytes"])
+        replica = whole or r["param_bytes"]
         want = share / sum(ratio)
-        good = abs(got - want) <= 0.05 * want
-        ok = ok and good
-        print(f"     rank {r['rank']}: optimizer state {got:.4f} of a replica's, share asked {want:.4f}"
-              f"{'' if good else '  <- off by more than 5%'}")
+        for what, got in (("optimizer state", r["optimizer_state_bytes"] / (2 * replica)),
+                          ("parameters", r["param_bytes"] / replica if zero3 else None),
+                          ("gradients", r["grad_bytes"] / replica if zero3 else None)):
+            if got is None:
+                continue
+            good = abs(got - want) <= 0.05 * want
+            ok = ok and good
+            print(f"     rank {r['rank']}: {what} {got:.4f} of a replica's, share asked {want:.4f}"
+                  f"{'' if good else '  <- off by more than 5%'}")
     return ok
 
 
@@ -220,7 +246,7 @@ def main():
                 else:
                     worst = max(worst, abs(v - bv) / abs(bv))
         ok = ok and worst <= rtol
-        if "--shard-ratio" in extra_flags and name.startswith("zero") and "-dp" in name:
+        if name.startswith("zero") and "-dp" in name and ("--shard-ratio" in extra_flags or name.startswith("zero3")):
             ok = shares_followed(out, extra_flags) and ok
         if name == "recompute-pp2" and os.path.exists(os.path.join(work, "pp2-6+2-1f1b", "ranks.json")):
             ok = activations_shrank(os.path.join(work, "pp2-6+2-1f1b"), out) and ok

@@ -48,7 +48,7 @@ std::vector<std::string> sharding_overrides(const TrainArgs& a) {
   if (a.zero_stage >= 0 && a.distributed_optimizer && a.zero_stage != 1)
     throw InputError("--use-distributed-optimizer", "is ZeRO-1 and contradicts --zero-stage " + std::to_string(a.zero_stage));
   if (a.zero_stage > 3 || (a.zero_stage < 0 && a.zero_stage != -1))
-    throw InputError("--zero-stage", "must be 0, 1 or 2 (3 is not built yet), got " + std::to_string(a.zero_stage));
+    throw InputError("--zero-stage", "must be 0, 1, 2 or 3, got " + std::to_string(a.zero_stage));
   if (a.zero_stage >= 0) out.push_back("train.zero_stage=" + std::to_string(a.zero_stage));
   if (a.distributed_optimizer) out.push_back("train.zero_stage=1");
   if (a.recompute) out.push_back("train.recompute=true");
@@ -152,7 +152,8 @@ void add_train_commands(CLI::App& app, Action& action) {
 
   auto* g_sh = "Memory: sharded data parallelism (ZeRO) and recomputation (or --set train.zero_stage / shard_ratio / recompute)";
   cmd->add_option("--zero-stage", a->zero_stage,
-                  "0: full replicas; 1: optimizer state sharded among the ranks holding the same layers; 2: gradients too")
+                  "0: full replicas; 1: optimizer state sharded among the ranks holding the same layers; 2: gradients too; "
+                  "3: parameters too, gathered per layer before its forward and backward (FSDP)")
       ->group(g_sh);
   cmd->add_option("--shard-ratio", a->shard_ratio,
                   "r0 r1 ...: each shard's share within its group, in rank order (one per group member, or one per rank); "

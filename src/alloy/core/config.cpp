@@ -105,7 +105,8 @@ const std::vector<Field>& schema() {
       ALLOY_INT(train, threads, "intra-op threads; 0 = all cores"),
       ALLOY_STR(train, device, "cpu | cuda | cuda:N"),
       ALLOY_INT(train, zero_stage, "sharded data parallelism (ZeRO) of every group of ranks holding the same layers: 0 = full "
-                                   "replicas, 1 = optimizer state sharded, 2 = gradients too (DeepSpeed's levels)"),
+                                   "replicas, 1 = optimizer state sharded, 2 = gradients too, 3 = parameters too, gathered per "
+                                   "layer (DeepSpeed's levels)"),
       ALLOY_BOOL(train, recompute, "recompute every block's activations in the backward instead of keeping them "
                                    "(a plan's stage may ask for it alone: \"recompute\": true)"),
       ALLOY_STR(train, shard_ratio, "shares of each group's shards, in rank order (\"3,1\"; one per group member or one per "
@@ -301,9 +302,7 @@ void Config::validate() const {
   if (t.log_interval < 1) fail("train.log_interval", "must be >= 1");
   if (t.threads < 0) fail("train.threads", "must be >= 0");
   if (t.device != "cpu" && t.device.rfind("cuda", 0) != 0) fail("train.device", "must be cpu, cuda or cuda:N");
-  if (t.zero_stage == 3)
-    fail("train.zero_stage", "3 (parameters sharded, FSDP) is not built yet; 1 (optimizer state) and 2 (gradients too) are");
-  if (t.zero_stage < 0 || t.zero_stage > 3) fail("train.zero_stage", "must be 0, 1 or 2, got " + std::to_string(t.zero_stage));
+  if (t.zero_stage < 0 || t.zero_stage > 3) fail("train.zero_stage", "must be 0, 1, 2 or 3, got " + std::to_string(t.zero_stage));
   (void)t.shard_shares();
   grad_sync.validate(w, "grad_sync");
   if (output.dir.empty()) fail("output.dir", "must not be empty");

@@ -89,8 +89,7 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
       if (e.ranks[k] < 0 || e.ranks[k] >= world) fail(sf + ".ranks", "rank " + std::to_string(e.ranks[k]) + " is not in the plan");
       if (k && e.ranks[k] <= e.ranks[k - 1]) fail(sf + ".ranks", "must be ascending and distinct");
     }
-    if (e.stage == 3) fail(sf + ".stage", "3 (parameters sharded, FSDP) is not built yet; 0, 1 and 2 are");
-    if (e.stage < 0 || e.stage > 3) fail(sf + ".stage", "must be 0, 1 or 2, got " + std::to_string(e.stage));
+    if (e.stage < 0 || e.stage > 3) fail(sf + ".stage", "must be 0, 1, 2 or 3, got " + std::to_string(e.stage));
     if (!e.shares.empty() && e.shares.size() != e.ranks.size())
       fail(sf + ".shares", "has " + std::to_string(e.shares.size()) + " entries for " + std::to_string(e.ranks.size()) + " ranks");
     for (double v : e.shares)

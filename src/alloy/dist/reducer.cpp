@@ -20,6 +20,9 @@ struct Reducer::Bucket {
   at::Tensor flat;
   int64_t begin = 0;             // the bucket's first element in the group's flat order
   std::vector<int64_t> reduce_to;  // ZeRO-2 owners' bounds (empty: all-reduce)
+  at::Tensor grad_shard;           // ZeRO-3: this rank's reduced range lands here
+  int64_t numel = 0;
+  at::TensorOptions options;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   bool launched = false;
 };
@@ -46,10 +49,13 @@ Reducer::Reducer(std::vector<ParamGroup> groups, double bucket_mb) {
       }
       cur->begin = group_offset;
       cur->reduce_to = pg.reduce_to;
+      cur->grad_shard = pg.grad_shard;
       group_offset += n;
       // Gloo reduces host memory: the bucket lives on the CPU whatever the parameters' device,
       // and CUDA gradients are copied in and out of it.
-      cur->flat = at::zeros({n}, cur->params[0]->tensor.options().device(at::kCPU).requires_grad(false));
+      cur->numel = n;
+      cur->options = cur->params[0]->tensor.options().device(at::kCPU).requires_grad(false);
+      if (!cur->grad_shard.defined()) cur->flat = at::zeros({n}, cur->options);
       cur->ready.assign(cur->params.size(), false);
       buckets_.push_back(std::move(cur));
       cur_bytes = 0;
@@ -97,7 +103,7 @@ void Reducer::on_grad_ready(size_t bi, size_t slot, const at::Tensor& incoming) 
   model::Param* p = b.params[slot];
   // The hook sees this micro-batch's gradient before it is accumulated; earlier micro-batches'
   // share is already in .grad.
-  at::Tensor slice = b.flat.narrow(0, b.offsets[slot], p->tensor.numel());
+  at::Tensor slice = flat_of(b).narrow(0, b.offsets[slot], p->tensor.numel());
   const at::Tensor& prev = p->tensor.grad();
   if (!incoming.is_cpu())
     slice.copy_(prev.defined() ? (prev + incoming).reshape({-1}) : incoming.reshape({-1}));
@@ -107,6 +113,11 @@ void Reducer::on_grad_ready(size_t bi, size_t slot, const at::Tensor& incoming) 
     slice.copy_(incoming.reshape({-1}));
   b.ready[slot] = true;
   if (--b.pending == 0) launch(b);
+}
+
+at::Tensor& Reducer::flat_of(Bucket& b) {
+  if (!b.flat.defined()) b.flat = at::empty({b.numel}, b.options);  // every slot is written before the launch
+  return b.flat;
 }
 
 void Reducer::launch(Bucket& b) {
@@ -134,7 +145,7 @@ void Reducer::reduce_all_now() {
   for (auto& b : buckets_) {
     for (size_t s = 0; s < b->params.size(); ++s) {
       const at::Tensor& g = b->params[s]->tensor.grad();
-      at::Tensor slice = b->flat.narrow(0, b->offsets[s], b->params[s]->tensor.numel());
+      at::Tensor slice = flat_of(*b).narrow(0, b->offsets[s], b->params[s]->tensor.numel());
       if (g.defined()) slice.copy_(g.reshape({-1}));
       else slice.zero_();
     }
@@ -154,7 +165,7 @@ ReducerStats Reducer::finish() {
       // (or zero), so every holder still contributes and the collective stays matched.
       for (size_t s = 0; s < b->params.size(); ++s) {
         if (b->ready[s]) continue;
-        at::Tensor slice = b->flat.narrow(0, b->offsets[s], b->params[s]->tensor.numel());
+        at::Tensor slice = flat_of(*b).narrow(0, b->offsets[s], b->params[s]->tensor.numel());
         const at::Tensor& g = b->params[s]->tensor.grad();
         if (g.defined()) slice.copy_(g.reshape({-1}));
         else slice.zero_();
@@ -166,13 +177,23 @@ ReducerStats Reducer::finish() {
     for (auto& w : b->works)
       wait_work(w, std::string(b->reduce_to.empty() ? "gradient all-reduce" : "gradient reduce-scatter") + " in group " +
                        b->group->name());
-    for (size_t s = 0; s < b->params.size(); ++s) {
-      at::Tensor& p = b->params[s]->tensor;
-      at::Tensor slice = b->flat.narrow(0, b->offsets[s], p.numel()).view(p.sizes());
-      if (p.grad().defined()) p.mutable_grad().copy_(slice);
-      else p.mutable_grad() = slice.to(p.device(), /*non_blocking=*/false, /*copy=*/true);
-    }
     const int64_t bytes = b->flat.numel() * static_cast<int64_t>(b->flat.element_size());
+    if (b->grad_shard.defined()) {
+      // ZeRO-3: keep this rank's range of the sum; the full gradients and the buffer go.
+      const int me = b->group->rank();
+      const int64_t lo = b->reduce_to[static_cast<size_t>(me)], hi = b->reduce_to[static_cast<size_t>(me) + 1];
+      const int64_t a = std::max(lo, b->begin), e = std::min(hi, b->begin + b->numel);
+      if (a < e) b->grad_shard.narrow(0, a - lo, e - a).copy_(b->flat.narrow(0, a - b->begin, e - a));
+      for (auto* p : b->params) p->tensor.mutable_grad().reset();
+      b->flat = at::Tensor();
+    } else {
+      for (size_t s = 0; s < b->params.size(); ++s) {
+        at::Tensor& p = b->params[s]->tensor;
+        at::Tensor slice = b->flat.narrow(0, b->offsets[s], p.numel()).view(p.sizes());
+        if (p.grad().defined()) p.mutable_grad().copy_(slice);
+        else p.mutable_grad() = slice.to(p.device(), /*non_blocking=*/false, /*copy=*/true);
+      }
+    }
     const int64_t n = b->group->size();
     st.bytes += bytes;
     // A ring all-reduce sends 2(n-1)/n of the bucket; its reduce-scatter half, (n-1)/n.

@@ -49,6 +49,10 @@ class Reducer {
     // each bucket is reduced onto the owners of its elements instead of all-reduced, and a
     // parameter's .grad holds the sum only in this rank's range (elsewhere: unspecified).
     std::vector<int64_t> reduce_to;
+    // ZeRO-3 (dist/zero3.h), with reduce_to: this rank's range of the reduced gradient goes here
+    // (flat, the range's length) instead of into .grad, which is dropped, and the buckets' buffers
+    // exist only from the first gradient of the last micro-batch to the end of the sync.
+    at::Tensor grad_shard;
   };
   Reducer(std::vector<ParamGroup> groups, double bucket_mb);
   ~Reducer();
@@ -60,6 +64,7 @@ class Reducer {
   void arm();
   // Waits for all buckets and leaves the reduced gradients in the parameters' .grad.
   ReducerStats finish();
+  bool armed() const { return armed_; }  // between arm() and finish(): the last micro-batch's backward
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
   const std::vector<std::shared_ptr<CompressedSync>>& compressed() const { return compressed_; }
 
@@ -70,6 +75,7 @@ class Reducer {
   struct Bucket;
   void on_grad_ready(size_t bucket, size_t slot, const at::Tensor& incoming);
   void launch(Bucket& b);
+  static at::Tensor& flat_of(Bucket& b);
 
   std::vector<std::unique_ptr<Bucket>> buckets_;
   std::vector<std::shared_ptr<CompressedSync>> compressed_;

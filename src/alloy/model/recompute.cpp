@@ -34,7 +34,35 @@ struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
   }
 };
 
+// The identity, with HOOKS->before_backward (ENTRY) or after_backward called in its backward.
+struct HookedIdentity : torch::autograd::Function<HookedIdentity> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, LayerHooks* hooks, int64_t i,
+                            bool entry) {
+    ctx->saved_data["hooks"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(hooks));
+    ctx->saved_data["i"] = i;
+    ctx->saved_data["entry"] = entry;
+    return x;  // returned unmodified: autograd makes it a view carrying this node
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto* hooks = reinterpret_cast<LayerHooks*>(static_cast<intptr_t>(ctx->saved_data["hooks"].toInt()));
+    const auto i = static_cast<size_t>(ctx->saved_data["i"].toInt());
+    if (ctx->saved_data["entry"].toBool())
+      hooks->before_backward(i);
+    else
+      hooks->after_backward(i);
+    return {grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor hooked(const at::Tensor& x, LayerHooks* hooks, size_t i, bool entry) {
+  if (!at::GradMode::is_enabled() || !x.requires_grad()) return x;
+  return HookedIdentity::apply(x, hooks, static_cast<int64_t>(i), entry);
+}
+
 }  // namespace
+
+at::Tensor backward_entry(const at::Tensor& x, LayerHooks* hooks, size_t i) { return hooked(x, hooks, i, true); }
+at::Tensor backward_exit(const at::Tensor& x, LayerHooks* hooks, size_t i) { return hooked(x, hooks, i, false); }
 
 at::Tensor forward_recomputed(Layer& layer, const at::Tensor& x) {
   if (!at::GradMode::is_enabled()) return layer.forward(x);

@@ -10,9 +10,19 @@
 namespace alloy::model {
 
 class Layer;
+class LayerHooks;
 
 // LAYER's forward of X, recomputed in the backward instead of stored. Without grad mode (or when
 // nothing requires a gradient) it is the plain forward.
 at::Tensor forward_recomputed(Layer& layer, const at::Tensor& x);
+
+// Identities whose backward tells HOOKS about layer I (Transformer::set_layer_hooks): on a layer's
+// output, before_backward(I) runs when the output's gradient arrives, before any of the layer's
+// backward; on its input, after_backward(I) runs when the input's gradient is complete. The
+// engine runs a layer's nodes (created after the input's node, so of higher sequence number, and
+// its parameters' AccumulateGrad first of all) before the input's node. Without grad mode, or
+// when X needs no gradient, X itself.
+at::Tensor backward_entry(const at::Tensor& x, LayerHooks* hooks, size_t i);
+at::Tensor backward_exit(const at::Tensor& x, LayerHooks* hooks, size_t i);
 
 }  // namespace alloy::model

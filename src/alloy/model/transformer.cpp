@@ -284,11 +284,27 @@ Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed
     }
   }
   for (auto* p : parameters()) p->tensor.requires_grad_(true);
+  for (auto& l : layers_) {
+    uses_.emplace_back();
+    for (auto& p : l->params()) uses_.back().push_back(&p);
+  }
+  if (wte && range.has_head(cfg_)) uses_.back().push_back(&layers_.front()->params().front());  // the tied head reads wte
 }
 
 at::Tensor Transformer::forward(const at::Tensor& x) {
   at::Tensor h = x;
-  for (auto& l : layers_) h = recompute_ && l->is_block() ? forward_recomputed(*l, h) : l->forward(h);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    Layer& l = *layers_[i];
+    if (hooks_) {
+      hooks_->before_forward(i);
+      h = backward_exit(h, hooks_, i);
+    }
+    h = recompute_ && l.is_block() ? forward_recomputed(l, h) : l.forward(h);
+    if (hooks_) {
+      hooks_->after_forward(i);
+      h = backward_entry(h, hooks_, i);
+    }
+  }
   return h;
 }
 

@@ -30,8 +30,30 @@ struct Param {
 struct ParamSlice {
   Param* p = nullptr;
   int64_t begin = 0, numel = -1;
+  // ZeRO-3: the parameter is not resident between uses; the slice's elements and its reduced
+  // gradient live in this rank's shard (flat views), not in P's tensor and .grad.
+  at::Tensor value, grad;
   // T's elements of this slice: T itself without numel, else a flat view of the range.
   at::Tensor of(const at::Tensor& t) const { return numel < 0 ? t : t.reshape({-1}).narrow(0, begin, numel); }
+  at::Tensor values() const { return value.defined() ? value : of(p->tensor); }  // updated in place
+  at::Tensor grads() const {  // undefined when there is none
+    if (grad.defined()) return grad;
+    const at::Tensor& g = p->tensor.grad();
+    return g.defined() ? of(g) : at::Tensor();
+  }
+};
+
+// Called around each layer's forward and backward (ZeRO-3 gathers a layer's parameters before it
+// runs and frees them after, dist/zero3.h). I is the layer's index in the slice. before_backward
+// runs before any of the layer's backward, after_backward once its input's gradient is complete
+// (never for a layer whose input needs none: the embedding).
+class LayerHooks {
+ public:
+  virtual ~LayerHooks() = default;
+  virtual void before_forward(size_t i) = 0;
+  virtual void after_forward(size_t i) = 0;
+  virtual void before_backward(size_t i) = 0;
+  virtual void after_backward(size_t i) = 0;
 };
 
 class Layer {
@@ -73,6 +95,8 @@ class Transformer {
   // Blocks recompute their activations in the backward instead of keeping them (model/recompute.h).
   void set_recompute(bool on) { recompute_ = on; }
   bool recompute() const { return recompute_; }
+  // HOOKS (not owned; null = none) see every layer's forward and backward from now on.
+  void set_layer_hooks(LayerHooks* hooks) { hooks_ = hooks; }
   // Sum (not mean) of the token cross-entropies: callers divide by the tokens of the global batch
   // so micro-batches and replicas of any size add up to the one-device loss.
   static at::Tensor loss_sum(const at::Tensor& logits, const at::Tensor& targets);
@@ -91,6 +115,9 @@ class Transformer {
   at::ScalarType dtype() const { return dtype_; }
   size_t num_layers() const { return layers_.size(); }
   Layer& layer(size_t i) { return *layers_[i]; }
+  // The parameters layer I reads: its own, and for a GPT-2 head tied to the embedding of the same
+  // slice, the embedding's wte.
+  const std::vector<Param*>& layer_params(size_t i) const { return uses_[i]; }
 
  private:
   ModelConfig cfg_;
@@ -100,6 +127,8 @@ class Transformer {
   std::vector<std::unique_ptr<Layer>> layers_;
   std::shared_ptr<SharedHolder> shared_;  // causal mask and RoPE tables, cached per length
   bool recompute_ = false;
+  LayerHooks* hooks_ = nullptr;
+  std::vector<std::vector<Param*>> uses_;
 };
 
 at::ScalarType dtype_of(const ModelConfig& m);

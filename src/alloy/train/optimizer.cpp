@@ -40,9 +40,9 @@ void AdamW::step(double lr) {
   const double step_size = lr / bc1;
   const double bc2_sqrt = std::sqrt(bc2);
   for (auto& s : slots_) {
-    if (!s.p->tensor.grad().defined()) continue;
-    const at::Tensor g = s.slice.of(s.p->tensor.grad());
-    at::Tensor w = s.slice.of(s.p->tensor);  // a view: updated in place
+    const at::Tensor g = s.slice.grads();
+    if (!g.defined()) continue;
+    at::Tensor w = s.slice.values();  // a view: updated in place
     if (s.p->decay && o_.weight_decay != 0.0) w.mul_(1.0 - lr * o_.weight_decay);
     if (s.linear_after >= 0 && t_ > s.linear_after) {
       // Once, at the first linear step: a checkpoint after it holds the floored v.
@@ -154,18 +154,20 @@ double global_grad_norm_sq(const std::vector<model::ParamSlice>& slices) {
   at::NoGradGuard ng;
   double total = 0.0;
   for (const auto& sl : slices) {
-    const at::Tensor& g = sl.p->tensor.grad();
+    const at::Tensor g = sl.grads();
     if (!g.defined()) continue;
-    double n = sl.of(g).norm().item<double>();
+    double n = g.norm().item<double>();
     total += n * n;
   }
   return total;
 }
 
+double clip_coef(double norm, double max_norm) { return max_norm > 0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0; }
+
 void clip_to(const std::vector<model::Param*>& params, double norm, double max_norm) {
-  if (!(max_norm > 0 && norm > max_norm)) return;
+  const double coef = clip_coef(norm, max_norm);
+  if (coef == 1.0) return;
   at::NoGradGuard ng;
-  const double coef = max_norm / (norm + 1e-6);
   for (auto* p : params)
     if (p->tensor.grad().defined()) p->tensor.mutable_grad().mul_(coef);
 }

@@ -75,6 +75,8 @@ double global_grad_norm_sq(const std::vector<model::ParamSlice>& slices);  // of
 // The clipping step alone, for callers that computed NORM themselves (across ranks): scales the
 // gradients by max_norm / norm when NORM exceeds MAX_NORM > 0.
 void clip_to(const std::vector<model::Param*>& params, double norm, double max_norm);
+// What clip_to scales by: max_norm / (norm + 1e-6) when NORM exceeds MAX_NORM > 0, else 1.
+double clip_coef(double norm, double max_norm);
 
 // Linear warmup to train.lr over train.warmup steps, then cosine decay to train.min_lr at train.steps.
 double lr_at(const TrainConfig& t, int64_t step);

@@ -23,6 +23,7 @@
 #include "alloy/dist/sharding.h"
 #include "alloy/dist/sync_layout.h"
 #include "alloy/dist/world.h"
+#include "alloy/dist/zero3.h"
 #include "alloy/model/weights.h"
 #include "alloy/pipeline/schedule.h"
 #include "alloy/plan/planner.h"
@@ -188,12 +189,24 @@ void Trainer::plan_shards() {
   std::map<const model::Param*, std::vector<model::ParamSlice>> mine;
   for (auto& [ranks, ps] : set_params_) {
     const ShardingPlan* entry = plan_->sharding_of(ranks);
-    const int64_t stage = world_ ? (entry ? entry->stage : cfg_.train.zero_stage) : 0;
+    int64_t stage = world_ ? (entry ? entry->stage : cfg_.train.zero_stage) : 0;
     if (stage == 0) continue;
     if (sync_->set_of(ranks)->compressed)
       throw InputError(entry ? "plan" : "train.zero_stage", "sharding the group of ranks " + join(ranks, ",") +
                                                               ", which grad_sync compresses (" + plan_->grad_sync.compression +
                                                               "), is not built yet: shard it or compress it");
+    if (stage == 3) {
+      const std::string why = zero3_mismatch(ranks);
+      if (!why.empty() && entry)
+        throw InputError("plan", "sharding stage 3 for ranks " + join(ranks, ",") + ": " + why +
+                                     "; ZeRO-3 gathers each layer in every member's schedule, so the members must run the same one "
+                                     "(give them equal micro-batch counts, or stage 2 for this group)");
+      if (!why.empty()) {
+        if (rank_ == ranks.front() && !opts_.quiet)
+          log_warn("ZeRO-3 among ranks " + join(ranks, ",") + " cannot gather per layer (" + why + "): ZeRO-2 there");
+        stage = 2;
+      }
+    }
     ShardSpec spec{ranks, stage, ps, {}};
     int64_t n = 0;
     for (auto* p : ps) n += p->tensor.numel();
@@ -204,11 +217,22 @@ void Trainer::plan_shards() {
     const size_t me = static_cast<size_t>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
     const int64_t lo = spec.bounds[me], hi = spec.bounds[me + 1];
     for (auto* p : ps) mine[p];  // sharded, whether or not this rank owns any of it
-    for (const auto& sl : dist::slices_in(ps, lo, hi)) mine[sl.p].push_back(sl);
+    auto slices = dist::slices_in(ps, lo, hi);
+    if (stage == 3) {  // the shard is where the parameters' values live between uses
+      spec.values = at::zeros({hi - lo}, ps.front()->tensor.options().requires_grad(false));
+      spec.grads = at::zeros_like(spec.values);
+      int64_t at = 0;
+      for (auto& sl : slices) {
+        sl.value = spec.values.narrow(0, at, sl.numel);
+        sl.grad = spec.grads.narrow(0, at, sl.numel);
+        at += sl.numel;
+      }
+    }
+    for (const auto& sl : slices) mine[sl.p].push_back(sl);
     if (rank_ == ranks.front() && !opts_.quiet)
       log_info("ZeRO-" + std::to_string(stage) + " among ranks " + join(ranks, ",") + ": optimizer state" +
-               (stage >= 2 ? " and gradients" : "") + " sharded, " + std::to_string(hi - lo) + " of " + std::to_string(n) +
-               " elements here");
+               (stage == 3 ? ", gradients and parameters" : stage == 2 ? " and gradients" : "") + " sharded, " +
+               std::to_string(hi - lo) + " of " + std::to_string(n) + " elements here");
     shard_specs_.push_back(std::move(spec));
   }
   std::vector<model::ParamSlice> update;
@@ -223,6 +247,22 @@ void Trainer::plan_shards() {
     }
   }
   opt_ = std::make_unique<AdamW>(update, AdamW::from_config(cfg_.train));
+}
+
+std::string Trainer::zero3_mismatch(const std::vector<int>& ranks) const {
+  auto schedule_of = [&](int r) {
+    const Plan::Position at = plan_->locate(r);
+    const PipelinePlan& pl = plan_->pipelines[static_cast<size_t>(at.pipeline)];
+    const StagePlan& st = pl.stages[static_cast<size_t>(at.stage)];
+    return "rank " + std::to_string(r) + " runs blocks [" + std::to_string(st.layer_begin) + ", " + std::to_string(st.layer_end) +
+           ") as stage " + std::to_string(at.stage) + " of " + std::to_string(pl.stages.size()) + " with " +
+           std::to_string(pl.num_micro_batches) + " micro-batches";
+  };
+  auto key = [&](const std::string& s) { return s.substr(s.find(" runs ")); };
+  const std::string first = schedule_of(ranks.front());
+  for (int r : ranks)
+    if (key(schedule_of(r)) != key(first)) return first + ", " + schedule_of(r);
+  return "";
 }
 
 void Trainer::build_groups() {
@@ -279,15 +319,27 @@ void Trainer::build_groups() {
   }
   if (!shard_specs_.empty()) {
     std::vector<dist::Sharding::Set> ssets;
+    std::vector<dist::Zero3::Set> zsets;
     for (const auto& spec : shard_specs_) {
-      ssets.push_back({mine.at(spec.ranks).all, spec.params, spec.bounds});
-      if (spec.stage >= 2)
-        for (auto& pg : list)
-          if (pg.group == ssets.back().group) pg.reduce_to = spec.bounds;
+      const auto& group = mine.at(spec.ranks).all;
+      if (spec.stage == 3)
+        zsets.push_back({group, spec.params, spec.bounds, spec.values, spec.grads});
+      else
+        ssets.push_back({group, spec.params, spec.bounds});
+      for (auto& pg : list)
+        if (pg.group == group && spec.stage >= 2) {
+          pg.reduce_to = spec.bounds;
+          pg.grad_shard = spec.grads;  // stage 3 only
+        }
     }
-    sharding_ = std::make_unique<dist::Sharding>(std::move(ssets));
+    if (!ssets.empty()) sharding_ = std::make_unique<dist::Sharding>(std::move(ssets));
+    if (!zsets.empty()) {
+      zero3_ = std::make_unique<dist::Zero3>(*model_, std::move(zsets));
+      model_->set_layer_hooks(zero3_.get());
+    }
   }
   reducer_ = std::make_unique<dist::Reducer>(list, plan_->grad_sync.bucket_mb);
+  if (zero3_) zero3_->drop_grads_when([r = reducer_.get()] { return r->armed(); });
   // Parameters that a sparsifier syncs reach AdamW as accumulated gradients now and then: after
   // the exact steps AdamW reads them linearly (optimizer.h), DGC's velocity standing for its
   // first moment.
@@ -382,10 +434,17 @@ double Trainer::validation_loss() {
   const int64_t mbs = pl.micro_batch_size, T = cfg_.model.seq_len;
   const uint64_t n = std::min<uint64_t>(valid_->num_samples(), static_cast<uint64_t>(cfg_.train.eval_batches * cfg_.train.global_batch));
   double sum = 0;
+  // ZeRO-3: only pipeline 0 runs forwards here, so its layers cannot gather from the other
+  // pipelines on demand: every member gathers everything first.
+  if (zero3_) zero3_->pin_all();
   if (pos_.pipeline == 0 && n > 0) {
     std::vector<uint64_t> idx(n);
     for (uint64_t i = 0; i < n; ++i) idx[i] = i;
     sum = exec_->forward_only(micro_batches(*valid_, idx, mbs));
+  }
+  if (zero3_) {
+    zero3_->unpin_all();
+    zero3_->take_bytes_sent();  // not gradient sync
   }
   return all_sum(sum) / static_cast<double>(n * static_cast<uint64_t>(T));
 }
@@ -400,7 +459,12 @@ void Trainer::save(int64_t step) {
   for (const auto* p : static_cast<const model::Transformer&>(*model_).parameters())
     if (sync_->holders(p->name).front() == rank_) owned.push_back(p);
   const std::string staging = checkpoint_staging_dir(cfg_.output.dir, step);
+  if (zero3_) zero3_->pin_all();  // whole parameters, written by their first holder
   write_checkpoint_shard(staging, rank_, world_ ? world_->size() : 1, owned, opt_.get());
+  if (zero3_) {
+    zero3_->unpin_all();
+    zero3_->take_bytes_sent();
+  }
   if (reducer_ && !reducer_->compressed().empty()) {
     std::vector<std::pair<std::string, at::Tensor>> state;
     for (const auto& cs : reducer_->compressed()) {
@@ -437,9 +501,10 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
     return v[v.size() / 2];
   };
   const auto& st = plan_->pipelines[static_cast<size_t>(pos_.pipeline)].stages[static_cast<size_t>(pos_.stage)];
-  int64_t param_bytes = 0;
+  // As allocated between steps: ZeRO-3 keeps only its shards then.
+  int64_t param_bytes = zero3_ ? zero3_->shard_bytes() : 0;
   for (const auto* p : static_cast<const model::Transformer&>(*model_).parameters())
-    param_bytes += p->tensor.numel() * static_cast<int64_t>(p->tensor.element_size());
+    param_bytes += static_cast<int64_t>(p->tensor.storage().nbytes());
   nlohmann::json me = {{"rank", rank_},
                        {"device", device_.str()},
                        {"pipeline", pos_.pipeline},
@@ -455,6 +520,7 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
                        {"param_bytes", param_bytes},
                        {"grad_bytes", r.peak_grad_bytes},
                        {"optimizer_state_bytes", opt_->state_bytes()},
+                       {"peak_gathered_param_bytes", zero3_ ? zero3_->peak_gathered_bytes() : 0},
                        {"peak_rss_bytes", peak_rss_bytes()},
                        {"peak_in_flight_micro_batches", r.peak_in_flight}};
   // Every step's figures too: the medians hide drift (a rank slow in the first steps only), and
@@ -583,7 +649,8 @@ TrainResult Trainer::run() {
     auto sync_t0 = std::chrono::steady_clock::now();
     const double phase_s = std::chrono::duration<double>(sync_t0 - t0).count();
     const dist::ReducerStats sync = reducer_ ? reducer_->finish() : dist::ReducerStats{};
-    int64_t grad_bytes_held = 0;
+    if (zero3_) zero3_->end_step();
+    int64_t grad_bytes_held = zero3_ ? zero3_->grad_shard_bytes() : 0;
     for (auto* p : params)
       if (p->tensor.grad().defined()) grad_bytes_held += p->tensor.grad().numel() * static_cast<int64_t>(p->tensor.grad().element_size());
     if (tracing && reducer_) {
@@ -612,7 +679,8 @@ TrainResult Trainer::run() {
     // The sync figures travel in a collective of their own, waited for after the optimizer step:
     // the loss and norm above keep their reduction order, so the exact path stays bit for bit.
     const auto& cs = sync.compressed;
-    const int64_t gather_bytes = sharding_ ? sharding_->gather_bytes_sent() : 0;  // ZeRO's parameter all-gather
+    const int64_t gather_bytes = (sharding_ ? sharding_->gather_bytes_sent() : 0) +  // ZeRO's parameter all-gathers
+                                 (zero3_ ? zero3_->take_bytes_sent() : 0);
     at::Tensor sync_fig = at::tensor({static_cast<double>(sync.bytes_sent + cs.bytes_sent + gather_bytes), static_cast<double>(cs.elements),
                                       static_cast<double>(cs.selected), cs.encode_s + cs.decode_s, cs.residual_sq},
                                      at::kDouble);
@@ -620,6 +688,9 @@ TrainResult Trainer::run() {
     if (world_) sync_fig_work = world_->all().allreduce_sum(sync_fig);
     const double grad_norm = std::sqrt(sums[1]);
     clip_to(clipped, std::sqrt(sums[2]), t.grad_clip);
+    if (const double coef = clip_coef(std::sqrt(sums[2]), t.grad_clip); coef != 1.0)
+      for (auto& spec : shard_specs_)
+        if (spec.grads.defined()) spec.grads.mul_(coef);  // ZeRO-3's gradients live in the shards
     opt_->step(lr);
     if (sharding_) sharding_->gather_params();  // ZeRO: each owner's updated range to every holder
     // Every parameter's, not only those AdamW updates here (under ZeRO a rank may own none of one).

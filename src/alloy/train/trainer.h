@@ -26,6 +26,7 @@ class World;
 class Group;
 class Reducer;
 class Sharding;
+class Zero3;
 class SyncLayout;
 }  // namespace alloy::dist
 
@@ -97,6 +98,7 @@ class Trainer {
   void load(const std::string& dir, bool with_optimizer);
   void build_groups();
   void plan_shards();
+  std::string zero3_mismatch(const std::vector<int>& ranks) const;
   void load_sync_state(const std::string& ckpt_dir);
   void publish_rank_stats(const TrainResult& r);
   std::shared_ptr<Plan> replan_now(const TrainResult& r);
@@ -122,11 +124,13 @@ class Trainer {
     int64_t stage = 0;
     std::vector<model::Param*> params;
     std::vector<int64_t> bounds;
+    at::Tensor values, grads;  // stage 3: this rank's shard of the values and of the reduced gradients
   };
   std::vector<ShardSpec> shard_specs_;
   // This rank's parameters by the set of ranks holding them (two or more), in backward order.
   std::map<std::vector<int>, std::vector<model::Param*>> set_params_;
-  std::unique_ptr<dist::Sharding> sharding_;
+  std::unique_ptr<dist::Sharding> sharding_;  // stages 1 and 2
+  std::unique_ptr<dist::Zero3> zero3_;        // stage 3: the model's layer hooks
   std::vector<model::ParamSlice> counted_;  // each element of the model once over all ranks: the norm
   std::set<std::string> sparse_params_;  // synced by a sparsifier: AdamW reads them linearly
   bool any_sparse_set_ = false;          // some holder set of the plan is (on any rank)
