@@ -2,7 +2,7 @@
 """Sharded data parallelism (ZeRO): per-rank memory and step time, side by side in one invocation.
 
 For 2 and 4 ranks on loopback (one intra-op thread each, equal batches): full replicas, ZeRO-1,
-ZeRO-2, ZeRO-2 with uneven shares, and PyTorch DDP (python3-torch, same model, batch, AdamW and
+ZeRO-2, ZeRO-2 with uneven shares, ZeRO-3 even and uneven, and PyTorch DDP (python3-torch, same model, batch, AdamW and
 clipping); PyTorch FSDP is tried too and recorded with its error where it cannot run here. Rounds
 alternate between the cases so machine noise hits all. Per rank: parameter, gradient and AdamW
 state bytes as allocated (Alloy's ranks.json) and peak RSS (VmHWM; ru_maxrss for PyTorch).
@@ -10,7 +10,9 @@ state bytes as allocated (Alloy's ranks.json) and peak RSS (VmHWM; ru_maxrss for
 Prints and writes bench/results/memory.json:
   - model state (params + grads + optimizer) per rank against full replicas;
   - optimizer state per rank against the share asked (uneven shards: goal within 5%);
-  - step time against full replicas (ZeRO-2 goal: within 10%).
+  - step time against full replicas (ZeRO-2 goal: within 10%);
+  - ZeRO-3 model state per rank (between steps) against 1/N of a replica's (goal: within 10%), and
+    the most parameter bytes it held gathered at once (a layer and the prefetched next one).
 
 usage: /usr/bin/python3 bench/memory_bench.py [--build build] [--rounds 2] [--nprocs 2,4]
 """
@@ -60,7 +62,8 @@ output: {{dir: {out}, tensorboard: false}}
         rows = [json.loads(l) for l in f if l.strip()]
     with open(os.path.join(out, "ranks.json")) as f:
         ranks = sorted(json.load(f), key=lambda r: r["rank"])
-    per_rank = [{k: r[k] for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes", "peak_rss_bytes")} for r in ranks]
+    per_rank = [{k: r.get(k, 0) for k in ("param_bytes", "grad_bytes", "optimizer_state_bytes", "peak_rss_bytes",
+                                          "peak_gathered_param_bytes")} for r in ranks]
     return dict(step_s=statistics.median(r["step_s"] for r in rows[warmup:]), ranks=per_rank)
 
 
@@ -109,6 +112,8 @@ def main():
         uneven = UNEVEN[nproc]
         cases = [("full replicas", ["--zero-stage", "0"]), ("zero-1", ["--zero-stage", "1"]), ("zero-2", ["--zero-stage", "2"]),
                  ("zero-2 " + ":".join(map(str, uneven)), ["--zero-stage", "2", "--shard-ratio"] + [str(x) for x in uneven]),
+                 ("zero-3", ["--zero-stage", "3"]),
+                 ("zero-3 " + ":".join(map(str, uneven)), ["--zero-stage", "3", "--shard-ratio"] + [str(x) for x in uneven]),
                  ("pytorch ddp", None), ("pytorch fsdp", "fsdp")]
         runs = {label: [] for label, _ in cases}
         for rnd in range(a.rounds):
@@ -145,15 +150,26 @@ def main():
                 ratios[f"{label} optimizer state per rank vs full"] = [
                     r["optimizer_state_bytes"] / f["optimizer_state_bytes"] for r, f in zip(c["ranks"], full["ranks"])]
         lab = "zero-2 " + ":".join(map(str, uneven))
+        lab3 = "zero-3 " + ":".join(map(str, uneven))
+        ratios["zero-3 model state per rank vs 1/N of full"] = [x * nproc for x in ratios["zero-3 model state per rank vs full"]]
+        ratios["zero-3 peak gathered params vs full params"] = [
+            r["peak_gathered_param_bytes"] / f["param_bytes"] for r, f in zip(pool["zero-3"]["ranks"], full["ranks"])]
         ratios["uneven shares asked"] = [x / sum(uneven) for x in uneven]
         pool["ratios"] = ratios
         res["pools"][f"{nproc} ranks"] = pool
         log(f"{nproc} ranks: step vs full replicas: zero-1 {ratios['zero-1 step vs full']:.3f}, zero-2 "
-            f"{ratios['zero-2 step vs full']:.3f}, {lab} {ratios[lab + ' step vs full']:.3f}, pytorch ddp "
+            f"{ratios['zero-2 step vs full']:.3f}, {lab} {ratios[lab + ' step vs full']:.3f}, zero-3 "
+            f"{ratios['zero-3 step vs full']:.3f}, {lab3} {ratios[lab3 + ' step vs full']:.3f}, pytorch ddp "
             f"{ratios.get('pytorch ddp step vs full', float('nan')):.3f}")
         log(f"{nproc} ranks: model state per rank vs full replicas: zero-1 "
             + " ".join(f"{x:.3f}" for x in ratios["zero-1 model state per rank vs full"]) + "; zero-2 "
-            + " ".join(f"{x:.3f}" for x in ratios["zero-2 model state per rank vs full"]))
+            + " ".join(f"{x:.3f}" for x in ratios["zero-2 model state per rank vs full"]) + "; zero-3 "
+            + " ".join(f"{x:.3f}" for x in ratios["zero-3 model state per rank vs full"])
+            + " (vs 1/N: " + " ".join(f"{x:.3f}" for x in ratios["zero-3 model state per rank vs 1/N of full"]) + ")")
+        log(f"{nproc} ranks: zero-3 peak gathered parameters vs a replica's: "
+            + " ".join(f"{x:.3f}" for x in ratios["zero-3 peak gathered params vs full params"]))
+        log(f"{nproc} ranks: {lab3} model state per rank vs full: "
+            + " ".join(f"{x:.3f}" for x in ratios[lab3 + " model state per rank vs full"]))
         log(f"{nproc} ranks: {lab} optimizer state per rank vs full: "
             + " ".join(f"{x:.3f}" for x in ratios[lab + " optimizer state per rank vs full"])
             + " (asked " + " ".join(f"{x:.3f}" for x in ratios["uneven shares asked"]) + ")")

@@ -129,7 +129,7 @@ void Zero3::finish_gather(size_t ui) {
       if (rg.set == k && off >= rg.lo && off < rg.hi)
         resident_bytes_ += restore_storage(p->tensor, u.staging[r].narrow(0, off - rg.lo, p->tensor.numel()));
     }
-    peak_gathered_bytes_ = std::max(peak_gathered_bytes_, resident_bytes_);
+    if (!pinned_) peak_gathered_bytes_ = std::max(peak_gathered_bytes_, resident_bytes_);
   }
   u.staging.clear();
   u.state = State::Ready;
@@ -179,11 +179,11 @@ void Zero3::end_step() {
 }
 
 void Zero3::pin_all() {
+  pinned_ = true;  // the layer hooks idle, and the training steps' peak is not this one's
   for (size_t i = 0; i < units_.size(); ++i)
     if (!units_[i].params.empty() && units_[i].state == State::Free) start_gather(i);
   for (size_t i = 0; i < units_.size(); ++i)
     if (!units_[i].params.empty()) ensure_ready(i);
-  pinned_ = true;
 }
 
 void Zero3::unpin_all() {

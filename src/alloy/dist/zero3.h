@@ -70,7 +70,8 @@ class Zero3 : public model::LayerHooks {
 
   int64_t shard_bytes() const;             // this rank's value shards
   int64_t grad_shard_bytes() const;        // and gradient shards
-  int64_t peak_gathered_bytes() const { return peak_gathered_bytes_; }  // most parameter bytes resident at once
+  // Most parameter bytes resident at once in the training steps (pin_all's are not counted).
+  int64_t peak_gathered_bytes() const { return peak_gathered_bytes_; }
   // What this rank's gathers put on the wire since the last call, counted as ring all-gathers:
   // (n - 1) / n of each gathered range.
   int64_t take_bytes_sent();
