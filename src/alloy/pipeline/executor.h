@@ -59,6 +59,8 @@ class StageExecutor {
   // Heap bytes in use above the level at the start of the last run(): activations kept for
   // backward (measured with mallinfo2, not estimated).
   int64_t peak_activation_bytes() const { return peak_bytes_; }
+  // The heap in use at its peak during the last run() (what it held before, plus its growth).
+  int64_t peak_heap_bytes() const { return base_bytes_ + peak_bytes_; }
   int64_t peak_in_flight() const { return peak_in_flight_; }
   double compute_s() const { return compute_s_; }
 

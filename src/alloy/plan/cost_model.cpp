@@ -9,6 +9,7 @@
 #include "alloy/core/components.h"
 #include "alloy/core/error.h"
 #include "alloy/pipeline/schedule.h"
+#include "alloy/plan/cost_sharding.h"
 #include "alloy/plan/sync_scope.h"
 
 namespace alloy::plan {
@@ -19,6 +20,18 @@ std::string join(const std::vector<std::string>& v) {
   std::string s;
   for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
   return s;
+}
+
+std::string gb(double bytes);
+
+std::string sharding_text(const StageCost& sc) {
+  if (sc.zero_stage == 0 && !sc.recompute) return "";
+  std::ostringstream o;
+  o << " (";
+  if (sc.zero_stage > 0) o << "ZeRO-" << sc.zero_stage << ", share " << sc.shard;
+  if (sc.recompute) o << (sc.zero_stage > 0 ? ", " : "") << "recomputing";
+  o << ")";
+  return o.str();
 }
 
 std::string gb(double bytes) {
@@ -376,8 +389,9 @@ double CostContext::optimizer_s(int type, double param_bytes) const {
 }
 
 double CostContext::memory_bytes(double param_bytes, double bucket_bytes, int64_t in_flight, int64_t m, double act_per_sample) const {
+  // Every stage the search makes holds a block: its backward's working set is always there.
   return (param_bytes * profile_->memory.state_bytes_per_param_byte + bucket_bytes) +
-         static_cast<double>(in_flight * m) * act_per_sample;
+         (static_cast<double>(in_flight * m) * act_per_sample + working_bytes(1, m, false));
 }
 
 CostContext::Ring CostContext::ring(const std::vector<int>& d, const LinkLoads* loads, double own) const {
@@ -523,9 +537,20 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       dev_of[static_cast<size_t>(st.ranks[0])] = d;
     }
 
+  // The holder sets first: sharding changes the stages' compute (ZeRO-3's gathers) and memory.
   std::vector<std::vector<CostContext::Holder>> holders(plan.pipelines.size());
+  for (size_t p = 0; p < plan.pipelines.size(); ++p) {
+    const auto& stages = plan.pipelines[p].stages;
+    for (size_t s = 0; s < stages.size(); ++s)
+      holders[p].push_back({stages[s].ranks[0], stages[s].layer_begin, stages[s].layer_end, s == 0, s + 1 == stages.size()});
+  }
+  ctx.set_grad_sync(plan.grad_sync);
+  const auto sets = ctx.sync_sets(holders);
+  const std::vector<detail::RankShard> shard = detail::rank_shards(plan, ctx, sets, dev_of);
+
   std::vector<double> last_bwd_start(static_cast<size_t>(W), 0), phase_end(static_cast<size_t>(W), 0);
   std::vector<size_t> stage_of_rank(static_cast<size_t>(W), 0);
+  std::vector<double> gather_s(static_cast<size_t>(W), 0);
   for (size_t p = 0; p < plan.pipelines.size(); ++p) {
     const PipelinePlan& pl = plan.pipelines[p];
     const int64_t S = static_cast<int64_t>(pl.stages.size()), M = pl.num_micro_batches, m = pl.micro_batch_size;
@@ -536,14 +561,19 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       const int d = dev_of[static_cast<size_t>(st.ranks[0])];
       const bool first = s == 0, last = s + 1 == S;
       const int64_t blocks = st.layer_end - st.layer_begin;
-      costs.forward.push_back(ctx.forward_s(ctx.type_of(d), blocks, first, last, m));
-      costs.backward.push_back(ctx.backward_s(ctx.type_of(d), blocks, first, last, m));
+      const detail::RankShard& rs = shard[static_cast<size_t>(st.ranks[0])];
+      const auto [gf, gb3] = rs.zero == 3 ? detail::zero3_exposed_s(ctx, rs, ctx.type_of(d), st.layer_begin, st.layer_end, first, last,
+                                                                     st.recompute, m)
+                                          : std::pair<double, double>{0, 0};
+      gather_s[static_cast<size_t>(st.ranks[0])] = static_cast<double>(M) * (gf + gb3);
+      costs.forward.push_back(ctx.forward_s(ctx.type_of(d), blocks, first, last, m) + gf);
+      costs.backward.push_back(ctx.backward_s(ctx.type_of(d), blocks, first, last, m) + gb3 +
+                               (st.recompute ? ctx.forward_s(ctx.type_of(d), blocks, false, false, m) : 0.0));
       if (!last) {
         const int next = dev_of[static_cast<size_t>(pl.stages[static_cast<size_t>(s + 1)].ranks[0])];
         costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m));
       }
       actions.push_back(pipeline::make_schedule(plan.schedule, s, S, M));
-      holders[p].push_back({st.ranks[0], st.layer_begin, st.layer_end, first, last});
     }
     pipeline::SimResult sim = pipeline::simulate(actions, costs);
     PipelineCost pcost;
@@ -580,10 +610,22 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       sc.bubble_s = std::max(0.0, sim.makespan - sc.forward_s - sc.backward_s);
       sc.phase_end_s = phase_end[static_cast<size_t>(r)];
       sc.peak_in_flight = sim.peak_in_flight[static_cast<size_t>(s)];
-      sc.param_bytes = ctx.param_bytes(st.layer_end - st.layer_begin, first, last);
-      sc.activation_bytes = static_cast<double>(sc.peak_in_flight * m) * ctx.act_bytes_per_sample(st.layer_end - st.layer_begin, first, last);
+      const int64_t blocks = st.layer_end - st.layer_begin;
+      const detail::RankShard& rs = shard[static_cast<size_t>(r)];
+      sc.param_bytes = ctx.param_bytes(blocks, first, last);
+      sc.recompute = st.recompute;
+      sc.zero_stage = rs.zero;
+      sc.shard = rs.shard;
+      sc.activation_bytes = static_cast<double>(sc.peak_in_flight * m) * ctx.act_bytes_per_sample(blocks, first, last, st.recompute) +
+                            ctx.working_bytes(blocks, m, st.recompute);
+      sc.weight_bytes = sc.param_bytes - rs.weights_saved;
+      sc.grad_bytes = sc.param_bytes - rs.grads_saved;
+      sc.optimizer_bytes = (ctx.state_bytes_per_param_byte() - 2) * (sc.param_bytes - rs.optimizer_saved);
+      sc.gathered_bytes = rs.gathered;
+      sc.gather_s = gather_s[static_cast<size_t>(r)];
+      sc.param_gather_s = rs.param_gather_s;
       sc.memory_capacity_bytes = ctx.capacity_bytes(d);
-      sc.optimizer_s = ctx.optimizer_s(ctx.type_of(d), sc.param_bytes);
+      sc.optimizer_s = ctx.optimizer_s(ctx.type_of(d), sc.param_bytes - rs.optimizer_saved);
       stage_of_rank[static_cast<size_t>(r)] = pc.stages.size();
       pc.stages.push_back(sc);
     }
@@ -592,7 +634,6 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
 
   // Gradient sync per holder set, bucket by bucket. First every set's load on the links (they
   // share them), then each set's buckets on its share.
-  ctx.set_grad_sync(plan.grad_sync);
   const double bucket_bytes = plan.grad_sync.bucket_mb * 1024 * 1024;
   std::vector<double> done(phase_end), bucket(static_cast<size_t>(W), 0), longest(static_cast<size_t>(W), 0);
   // own[r]: when rank r would be done if every other holder were early: the term it adds to the
@@ -606,7 +647,6 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       holder_of[static_cast<size_t>(h.id)] = &h;
       mbs_of[static_cast<size_t>(h.id)] = plan.pipelines[p].micro_batch_size;
     }
-  auto sets = ctx.sync_sets(holders);
   std::vector<std::vector<int>> ring_ranks(sets.size()), ring_devs(sets.size());
   CostContext::LinkLoads loads = ctx.empty_loads();
   for (size_t i = 0; i < sets.size(); ++i) {
@@ -680,18 +720,17 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     sc.sync_s = longest[r];
     sc.sync_exposed_s = done[r] - phase_end[r];
     sc.bucket_bytes = bucket[r];
-    sc.state_bytes = sc.param_bytes * ctx.state_bytes_per_param_byte();
+    sc.state_bytes = sc.weight_bytes + sc.grad_bytes + sc.optimizer_bytes;
     const auto& pl = plan.pipelines[static_cast<size_t>(sc.pipeline)];
-    const bool first = sc.stage == 0, last = sc.stage + 1 == static_cast<int>(pl.stages.size());
-    sc.memory_bytes = ctx.memory_bytes(sc.param_bytes, sc.bucket_bytes, sc.peak_in_flight, pl.micro_batch_size,
-                                       ctx.act_bytes_per_sample(sc.layer_end - sc.layer_begin, first, last));
+    sc.memory_bytes = (sc.state_bytes + sc.bucket_bytes) + sc.gathered_bytes + sc.activation_bytes;
     sc.fits = sc.memory_capacity_bytes <= 0 || sc.memory_bytes <= sc.memory_capacity_bytes;
     if (!sc.fits) {
       const double over = sc.memory_bytes - sc.memory_capacity_bytes;
       std::ostringstream o;
       o << "device '" << sc.device << "' (rank " << sc.rank << ", pipeline " << sc.pipeline << " stage " << sc.stage << ", blocks ["
         << sc.layer_begin << "," << sc.layer_end << ")) needs " << gb(sc.memory_bytes) << " (" << static_cast<int64_t>(sc.memory_bytes)
-        << " bytes: weights+gradients+AdamW " << gb(sc.state_bytes) << ", reducer buckets " << gb(sc.bucket_bytes) << ", activations "
+        << " bytes: weights+gradients+AdamW " << gb(sc.state_bytes) << sharding_text(sc) << ", reducer buckets " << gb(sc.bucket_bytes)
+        << (sc.gathered_bytes > 0 ? ", gathered layers " + gb(sc.gathered_bytes) : std::string()) << ", activations "
         << gb(sc.activation_bytes) << " for " << sc.peak_in_flight << " micro-batch" << (sc.peak_in_flight == 1 ? "" : "es") << " of "
         << pl.micro_batch_size << " in flight) but has " << gb(sc.memory_capacity_bytes) << ": over by " << gb(over) << " ("
         << static_cast<int64_t>(std::ceil(over)) << " bytes, " << static_cast<int>(std::ceil(100 * over / sc.memory_capacity_bytes)) << "%)";
@@ -699,6 +738,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     }
     pc.sync_done_s = std::max(pc.sync_done_s, done[r]);
     pc.optimizer_s = std::max(pc.optimizer_s, sc.optimizer_s);
+    pc.param_gather_s = std::max(pc.param_gather_s, sc.param_gather_s);
   }
   for (const auto& p : pc.pipelines) pc.phase_s = std::max(pc.phase_s, p.phase_s);
   for (size_t p = 0; p < pc.pipelines.size(); ++p)
@@ -714,7 +754,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     draws.push_back({pc.pipelines[p].own_done_s, pc.pipelines[p].noise_s});
   }
   pc.straggler_s = std::max(0.0, expected_max(draws) - pc.sync_done_s);
-  pc.step_s = ((pc.sync_done_s + pc.straggler_s) + pc.world_allreduce_s) + pc.optimizer_s;
+  pc.step_s = ((pc.sync_done_s + pc.straggler_s) + pc.world_allreduce_s) + pc.optimizer_s + pc.param_gather_s;
   pc.fits = overflow.empty();
   for (size_t i = 0; i < overflow.size(); ++i) pc.explanation += (i ? "; " : "") + overflow[i];
   return pc;
@@ -728,6 +768,7 @@ nlohmann::json PlanCost::to_json() const {
             {"straggler_s", straggler_s},
             {"world_allreduce_s", world_allreduce_s},
             {"optimizer_s", optimizer_s},
+            {"param_gather_s", param_gather_s},
             {"fits", fits}};
   if (!explanation.empty()) j["explanation"] = explanation;
   j["pipelines"] = json::array();
@@ -756,6 +797,17 @@ nlohmann::json PlanCost::to_json() const {
                               {"sync_exposed_s", s.sync_exposed_s},
                               {"optimizer_s", s.optimizer_s},
                               {"peak_in_flight", s.peak_in_flight},
+                              {"zero_stage", s.zero_stage},
+                              {"shard", s.shard},
+                              {"recompute", s.recompute},
+                              {"gather_s", s.gather_s},
+                              {"param_gather_s", s.param_gather_s},
+                              {"memory", {{"weights", s.weight_bytes},
+                                          {"gradients", s.grad_bytes},
+                                          {"optimizer", s.optimizer_bytes},
+                                          {"buffers", s.bucket_bytes},
+                                          {"gathered", s.gathered_bytes},
+                                          {"activations", s.activation_bytes}}},
                               {"memory_bytes", s.memory_bytes},
                               {"memory_capacity_bytes", s.memory_capacity_bytes},
                               {"fits", s.fits}});

@@ -62,10 +62,28 @@
 //     plan it returns.
 //  Step time = (replicas' expected latest done) + world all-reduce + slowest optimizer step.
 //
-// Memory per rank: held parameter bytes * state_bytes_per_param_byte (weights, gradients, AdamW
-// moments) + the reducer's bucket copy of every gradient it syncs + activations kept for backward:
-// peak micro-batches in flight (1F1B: min(S - s, M); GPipe: M) * m * activation bytes per sample
-// of the held layers. Capacity is memory_gb * 1e9 bytes; memory_gb 0 means unknown: unlimited.
+// Memory per rank, as the runtime holds it (ranks.json's model_memory_bytes measures the same: the
+// heap's peak in the steps over what it held before the model was built):
+//   weights + gradients + AdamW moments (state_bytes_per_param_byte - 2 per parameter byte) of the
+//   held parameters + the reducer's bucket copy of every gradient it syncs + activations kept for
+//   backward: peak micro-batches in flight (1F1B: min(S - s, M); GPipe: M) * m * activation bytes
+//   per sample of the held layers, + the backward's working set: one block's activations at m
+//   (the gradients of a block's intermediate tensors while it runs backward).
+// Sharding (plan.sharding, per holder set of B bytes, this rank's share f): ZeRO-1 and 2 keep the
+// AdamW moments of f*B only (ZeRO-2's gradients are reduced onto the owners but still land in
+// full .grad tensors and buckets); ZeRO-3 keeps f*B of weights and a gradient shard of f*B, plus
+// the two largest of its layers gathered at once (one in use, the next prefetched); its buckets
+// hold the set's gradients once. Recomputation (a stage's recompute) keeps each block's input
+// (one hidden state per sample) instead of its saved tensors, and one more block's activations
+// in the working set while that block recomputes. Capacity is memory_gb * 1e9 bytes; memory_gb 0 means unknown: unlimited.
+// Sharding's time: ZeRO-1/2 all-gather each owner's updated range after the optimizer (every
+// member receives (1 - its share) of B: the slowest member, 1 - the smallest share), and each
+// rank's AdamW covers its share only; ZeRO-3 gathers each layer before its forward and its
+// backward in every micro-batch, the next layer's gather overlapping the current layer's compute
+// (exposed: the first layer's gather, then what a gather takes beyond the layer before it);
+// its gradients reduce onto the owners in the same buckets as an all-reduce (same bytes per hop
+// counted: a reduce-scatter, then no all-gather). Recomputation adds the blocks' forward to
+// their backward.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -93,6 +111,14 @@ struct StageCost {
   double optimizer_s = 0;
   double param_bytes = 0;
   double state_bytes = 0, bucket_bytes = 0, activation_bytes = 0;
+  // Sharding and recomputation (plan.sharding, the stage's recompute): the highest ZeRO stage
+  // among its holder sets, its share of the largest of them; state_bytes = weight + grad + optimizer.
+  int64_t zero_stage = 0;
+  double shard = 1;
+  bool recompute = false;
+  double weight_bytes = 0, grad_bytes = 0, optimizer_bytes = 0, gathered_bytes = 0;
+  double gather_s = 0;        // ZeRO-3: exposed per-layer gathers in all micro-batches (in forward_s/backward_s)
+  double param_gather_s = 0;  // ZeRO-1/2: the updated parameters' all-gather after the optimizer
   int64_t peak_in_flight = 0;
   double memory_bytes = 0, memory_capacity_bytes = 0;  // capacity 0 = unknown
   bool fits = true;
@@ -129,6 +155,7 @@ struct PlanCost {
   double straggler_s = 0;       // what waiting for the slowest draw adds to sync_done_s (5 above)
   double world_allreduce_s = 0;
   double optimizer_s = 0;       // slowest rank's optimizer step
+  double param_gather_s = 0;    // ZeRO-1/2: slowest all-gather of updated parameters
   std::vector<StageCost> stages;  // pipelines in order, their stages in order
   std::vector<PipelineCost> pipelines;
   std::vector<SyncGroupCost> sync_groups;
@@ -177,6 +204,16 @@ class CostContext {
   // Parameter bytes of a stage, activation bytes per sample kept for backward, and the tied wte.
   double param_bytes(int64_t blocks, bool first, bool last) const;
   double act_bytes_per_sample(int64_t blocks, bool first, bool last) const;
+  // With whole-block recomputation: each block keeps its input only (embedding and head as before).
+  double act_bytes_per_sample(int64_t blocks, bool first, bool last, bool recompute) const;
+  // One block's saved tensors per sample: what a recomputing block holds during its backward.
+  double block_act_bytes_per_sample() const { return profile_->memory.act_bytes_per_sample_block; }
+  // A block's backward at micro-batch M holds gradients of its intermediate tensors about as large
+  // as its saved ones (measured on the emulator: a 1-block stage's heap peaked a block's
+  // activations above what it kept); a recomputing block also holds its recomputed tensors.
+  double working_bytes(int64_t blocks, int64_t m, bool recompute) const {
+    return blocks > 0 ? (recompute ? 2.0 : 1.0) * static_cast<double>(m) * block_act_bytes_per_sample() : 0.0;
+  }
   double dtype_bytes() const { return dtype_bytes_; }
   double optimizer_s(int type, double param_bytes) const;
   double step_noise(int type) const { return type_profile_[static_cast<size_t>(type)]->step_noise; }
@@ -184,6 +221,15 @@ class CostContext {
   static double done_sd(double noise, double done_s) { return noise * std::sqrt(std::max(0.0, done_s)); }
   double state_bytes_per_param_byte() const { return profile_->memory.state_bytes_per_param_byte; }
   double memory_bytes(double param_bytes, double bucket_bytes, int64_t in_flight, int64_t m, double act_per_sample) const;
+  // The least a rank could need with sharding and recomputation (the search's relief mode,
+  // plan/fit_memory.h): a rank that syncs (BUCKET_BYTES > 0) could hand all its weights and AdamW
+  // state to the other holders (ZeRO-3, a share near 0) and keep buckets, two gathered blocks and
+  // recomputed activations; one that does not can only recompute.
+  double memory_floor_bytes(double param_bytes, double bucket_bytes, int64_t in_flight, int64_t m, int64_t blocks, bool first,
+                            bool last) const;
+  // Relief mode: the search checks memory against memory_floor_bytes instead of memory_bytes.
+  void set_memory_relief(bool on) { relief_ = on; }
+  bool memory_relief() const { return relief_; }
 
   // Gradient sync settings the model follows (compression, scope, bucket size); default exact.
   void set_grad_sync(const GradSyncConfig& g);
@@ -238,6 +284,9 @@ class CostContext {
   }
   double allreduce_s(const Ring& r, double bytes, double bucket_bytes, int64_t* buckets = nullptr) const;
   double allgather_s(const Ring& r, double bytes_per_member) const;
+  // ZeRO's gather of a set of BYTES among ring R, each member receiving the others' ranges (the
+  // smallest share MIN_SHARE: the member receiving most).
+  double shard_gather_s(const Ring& r, double bytes, double min_share) const;
   double world_allreduce_s() const { return world_allreduce_s_; }
 
   // Parameter units and their holders. A stage of a pipeline, seen by the sync computation.
@@ -289,7 +338,7 @@ class CostContext {
   double powersgd_ratio_ = 1;
   double act_message_bytes_ = 0, dtype_bytes_ = 4;
   double wte_ = 0, embed_rest_ = 0, head_rest_ = 0;
-  bool tied_ = false;
+  bool tied_ = false, relief_ = false;
   double world_allreduce_s_ = 0;
 };
 

@@ -127,7 +127,9 @@ std::string PlanReport::text() const {
   o << "predicted step time " << ms(c.step_s) << ": pipeline phase " << ms(c.phase_s) << ", gradients synced at "
     << ms(c.sync_done_s);
   if (c.straggler_s > 0) o << " + " << ms(c.straggler_s) << " waiting for the slowest replica's draw";
-  o << ", optimizer " << ms(c.optimizer_s) << "\n";
+  o << ", optimizer " << ms(c.optimizer_s);
+  if (c.param_gather_s > 0) o << ", ZeRO parameter all-gather " << ms(c.param_gather_s);
+  o << "\n";
   o << "  rank  device            blocks    fwd+bwd      p2p   bubble  sync(exposed)  memory / capacity\n";
   for (const auto& s : c.stages) {
     char line[256];
@@ -136,6 +138,12 @@ std::string PlanReport::text() const {
                   ms(s.p2p_s).c_str(), ms(s.bubble_s).c_str(), ms(s.sync_exposed_s).c_str(), mem(s.memory_bytes).c_str(),
                   s.memory_capacity_bytes > 0 ? mem(s.memory_capacity_bytes).c_str() : "unknown", s.fits ? "" : "  DOES NOT FIT");
     o << line;
+    if (s.zero_stage > 0 || s.recompute)
+      o << "        " << (s.zero_stage > 0 ? fmt("ZeRO-%.0f", static_cast<double>(s.zero_stage)) + fmt(" share %.3g", s.shard) : std::string())
+        << (s.zero_stage > 0 && s.recompute ? ", " : "") << (s.recompute ? "recomputes" : "") << ": weights " << mem(s.weight_bytes)
+        << ", gradients " << mem(s.grad_bytes) << ", AdamW " << mem(s.optimizer_bytes) << ", buckets " << mem(s.bucket_bytes)
+        << (s.gathered_bytes > 0 ? ", gathered " + mem(s.gathered_bytes) : std::string()) << ", activations " << mem(s.activation_bytes)
+        << "\n";
   }
   for (const auto& n : chosen.notes) o << "  note: " << n << "\n";
   auto sync_name = [](const GradSyncConfig& g) {

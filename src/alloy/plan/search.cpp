@@ -26,12 +26,14 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "alloy/core/error.h"
+#include "alloy/plan/fit_memory.h"
 #include "alloy/plan/search_detail.h"
 
 namespace alloy::plan {
@@ -187,7 +189,9 @@ bool exact_tractable(const Problem& P) {
 
 }  // namespace
 
-SearchResult search(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
+namespace {
+
+SearchResult search_layouts(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
   const auto t0 = Clock::now();
   check_options(options);
   Problem P(cluster, profile, options);
@@ -247,6 +251,60 @@ SearchResult search(const ClusterSpec& cluster, const Profile& profile, const Se
                     std::to_string(P.ev.evaluated) + " layouts evaluated, " + std::to_string(P.tables.simulations()) +
                     " pipeline simulations");
   return finish(P, h.best, "alloy", t0, false);
+}
+
+}  // namespace
+
+SearchResult search(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
+  bool capacities = false;
+  for (const auto& d : cluster.devices) capacities = capacities || d.memory_gb > 0;
+  if (options.strategy != "alloy" || !options.fit_memory || options.memory_relief || !capacities)
+    return search_layouts(cluster, profile, options);
+  const auto t0 = Clock::now();
+  std::optional<SearchResult> plain;
+  std::string plain_error, fit_error;
+  try {
+    plain = search_layouts(cluster, profile, options);
+  } catch (const InputError& e) {
+    plain_error = e.what();
+  }
+  std::optional<SearchResult> relieved;
+  SearchOptions ro = options;
+  ro.memory_relief = true;
+  try {
+    SearchResult r = search_layouts(cluster, profile, ro);
+    FitResult f = fit_memory(r.plan, cluster, profile);
+    if (f.fits) {
+      r.cost = f.cost;
+      r.search_step_s = f.cost.step_s;
+      r.exact = false;  // optimal among layouts, not among sharding choices
+      r.notes.insert(r.notes.end(), f.changes.begin(), f.changes.end());
+      relieved = std::move(r);
+    } else {
+      fit_error = f.cost.explanation;
+    }
+  } catch (const InputError& e) {
+    fit_error = e.what();
+  }
+  // Sharding and recomputation cost time and make the run harder to follow: only for a clear gain.
+  if (relieved && (!plain || relieved->cost.step_s < plain->cost.step_s * (1 - 5e-3))) {
+    if (plain)
+      relieved->notes.push_back("memory: sharding/recomputation lets a faster layout fit: predicted " + fmt(relieved->cost.step_s) +
+                                " s/step against " + fmt(plain->cost.step_s) + " s with full replicas");
+    else
+      relieved->notes.push_back("memory: no layout of full replicas fits (" + plain_error + "); sharding/recomputation makes this one fit");
+    relieved->search_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    return *relieved;
+  }
+  if (plain) {
+    plain->search_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    return *plain;
+  }
+  // Messages come as "planner: ..." (InputError's where): one prefix for the sentence.
+  auto bare = [](const std::string& m) { return m.rfind("planner: ", 0) == 0 ? m.substr(9) : m; };
+  throw InputError("planner", bare(plain_error) + (fit_error.empty() || bare(fit_error) == bare(plain_error)
+                                                       ? std::string()
+                                                       : "; with sharding and recomputation too: " + bare(fit_error)));
 }
 
 SearchResult exhaustive(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {

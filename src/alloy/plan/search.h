@@ -65,6 +65,14 @@ struct SearchOptions {
   // The alloy strategy is exact when the space has at most this many (partition, order, split)
   // configurations per schedule, counted before removing interchangeable devices.
   double exact_limit = 2e6;
+  // Memory-poor devices (plan/fit_memory.h): where a device's memory_gb is known, the alloy
+  // strategy also searches the layouts that fit only with sharding or recomputation, gives the
+  // best of them the cheapest sharding/recomputation that fits, and keeps it when it is faster
+  // than the best plan of full replicas (or when that does not exist).
+  bool fit_memory = true;
+  // Internal (set by search() for that second search): memory checked against what sharding and
+  // recomputation could at best bring it down to (CostContext::memory_floor_bytes).
+  bool memory_relief = false;
 
   std::vector<int64_t> candidate_micro_batches() const;  // sorted ascending, validated
 };

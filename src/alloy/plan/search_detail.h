@@ -230,15 +230,22 @@ class Evaluator {
       for (int s = 0; s < t.S && fits; ++s) {
         const int d = rep.dev[static_cast<size_t>(s)];
         const double cap = ctx_.capacity_bytes(d);
-        if (cap > 0 && !(ctx_.memory_bytes(t.param[static_cast<size_t>(s)], bucket_[static_cast<size_t>(d)], pt.peak[static_cast<size_t>(s)], m,
-                                           t.act[static_cast<size_t>(s)]) <= cap))
-          fits = false;
+        if (cap > 0 && !(need_bytes(t, s, d, pt, m) <= cap)) fits = false;
         v = std::max(v, pt.lbs[static_cast<size_t>(s)] + sync_at(d, m));
       }
       if (fits && v < best) best = v, best_m = m;
     }
     if (m_io) *m_io = best_m;
     return best;
+  }
+
+  // What rank S of a replica on device D needs at micro-batch size M: the cost model's memory, or
+  // in relief mode (CostContext::memory_relief) the least that sharding and recomputation allow.
+  double need_bytes(const ConfigTable& t, int s, int d, const PipeTiming& pt, int64_t m) const {
+    const size_t i = static_cast<size_t>(s);
+    if (ctx_.memory_relief())
+      return ctx_.memory_floor_bytes(t.param[i], bucket_[static_cast<size_t>(d)], pt.peak[i], m, t.blocks[i], s == 0, s + 1 == t.S);
+    return ctx_.memory_bytes(t.param[i], bucket_[static_cast<size_t>(d)], pt.peak[i], m, t.act[i]);
   }
 
   // Memory overflow of a layout at its batch split: bytes over capacity summed over ranks and a
@@ -330,6 +337,7 @@ struct Problem {
         tables(ctx, o.schedules, cands, o.global_batch),
         ev(ctx, tables, o.grad_sync.bucket_mb * 1024 * 1024) {
     ctx.set_grad_sync(o.grad_sync);
+    ctx.set_memory_relief(o.memory_relief);
     const int64_t mref = cands[cands.size() / 2];
     for (int t = 0; t < ctx.num_types(); ++t) speed.push_back(1.0 / ctx.full_model_s_per_sample(t, mref));
   }

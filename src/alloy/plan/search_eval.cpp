@@ -198,13 +198,13 @@ std::string Evaluator::overflow(Layout& L, double* total_over) {
     for (int s = 0; s < t.S; ++s) {
       const int d = rep.dev[static_cast<size_t>(s)];
       const double cap = ctx_.capacity_bytes(d);
-      const double need = ctx_.memory_bytes(t.param[static_cast<size_t>(s)], bucket_[static_cast<size_t>(d)], pt.peak[static_cast<size_t>(s)], m,
-                                            t.act[static_cast<size_t>(s)]);
+      const double need = need_bytes(t, s, d, pt, m);
       if (cap > 0 && need > cap) {
         total += need - cap;
         if (need - cap > worst) {
           worst = need - cap;
-          why = "device '" + ctx_.cluster().devices[static_cast<size_t>(d)].name + "' would need " + gb(need) + " (" +
+          why = "device '" + ctx_.cluster().devices[static_cast<size_t>(d)].name + "' (rank " + std::to_string(d) + ") would need " +
+                (ctx_.memory_relief() ? "at least (sharded and recomputing) " : "") + gb(need) + " (" +
                 std::to_string(static_cast<int64_t>(need)) + " bytes) for " + std::to_string(t.blocks[static_cast<size_t>(s)]) +
                 " block(s)" + (s == 0 ? " + embedding" : "") + (s + 1 == t.S ? " + head" : "") + " but has " + gb(cap) + ": over by " +
                 gb(need - cap);

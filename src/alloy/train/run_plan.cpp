@@ -226,6 +226,8 @@ TrainResult train_with_replanning(const Config& cfg, TrainOptions o, const Resol
     all.checkpoint = r.checkpoint;
     all.peak_activation_bytes = std::max(all.peak_activation_bytes, r.peak_activation_bytes);
     all.peak_in_flight = std::max(all.peak_in_flight, r.peak_in_flight);
+    all.peak_grad_bytes = std::max(all.peak_grad_bytes, r.peak_grad_bytes);
+    all.peak_model_memory_bytes = std::max(all.peak_model_memory_bytes, r.peak_model_memory_bytes);
     if (!r.next_plan) break;
     o.plan = r.next_plan;
     o.resume = r.checkpoint;

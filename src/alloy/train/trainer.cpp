@@ -122,6 +122,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   sampler_ = std::make_unique<data::GlobalBatchSampler>(train_->num_samples(), static_cast<uint64_t>(cfg_.train.seed));
 
   // This rank's slice of the model, with exactly the weights the full model would have.
+  heap_before_model_ = pipeline::heap_bytes_in_use();
   model_ = std::make_unique<model::Transformer>(
       cfg_.model, model::LayerRange::for_blocks(st.layer_begin, st.layer_end, cfg_.model.layers),
       static_cast<uint64_t>(cfg_.train.seed));
@@ -522,6 +523,7 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
                        {"optimizer_state_bytes", opt_->state_bytes()},
                        {"peak_gathered_param_bytes", zero3_ ? zero3_->peak_gathered_bytes() : 0},
                        {"peak_rss_bytes", peak_rss_bytes()},
+                       {"model_memory_bytes", r.peak_model_memory_bytes},
                        {"peak_in_flight_micro_batches", r.peak_in_flight}};
   // Every step's figures too: the medians hide drift (a rank slow in the first steps only), and
   // re-planning decides from the first steps.
@@ -649,6 +651,7 @@ TrainResult Trainer::run() {
     auto sync_t0 = std::chrono::steady_clock::now();
     const double phase_s = std::chrono::duration<double>(sync_t0 - t0).count();
     const dist::ReducerStats sync = reducer_ ? reducer_->finish() : dist::ReducerStats{};
+    int64_t heap_peak = std::max(exec_->peak_heap_bytes(), pipeline::heap_bytes_in_use());  // the sync's buffers are still held
     if (zero3_) zero3_->end_step();
     int64_t grad_bytes_held = zero3_ ? zero3_->grad_shard_bytes() : 0;
     for (auto* p : params)
@@ -693,6 +696,7 @@ TrainResult Trainer::run() {
         if (spec.grads.defined()) spec.grads.mul_(coef);  // ZeRO-3's gradients live in the shards
     opt_->step(lr);
     if (sharding_) sharding_->gather_params();  // ZeRO: each owner's updated range to every holder
+    heap_peak = std::max(heap_peak, pipeline::heap_bytes_in_use());  // AdamW's state exists from its first step
     // Every parameter's, not only those AdamW updates here (under ZeRO a rank may own none of one).
     for (auto* p : params)
       if (p->tensor.grad().defined()) p->tensor.mutable_grad().reset();
@@ -710,6 +714,7 @@ TrainResult Trainer::run() {
     result.peak_activation_bytes = std::max(result.peak_activation_bytes, exec_->peak_activation_bytes());
     result.peak_in_flight = std::max(result.peak_in_flight, exec_->peak_in_flight());
     result.peak_grad_bytes = std::max(result.peak_grad_bytes, grad_bytes_held);
+    result.peak_model_memory_bytes = std::max(result.peak_model_memory_bytes, heap_peak - heap_before_model_);
     if (tracing) {
       std::string path = opts_.trace;
       nlohmann::json events = nlohmann::json::array();

@@ -69,6 +69,10 @@ struct TrainResult {
   int64_t peak_activation_bytes = 0;                  // this rank, over the run
   int64_t peak_in_flight = 0;
   int64_t peak_grad_bytes = 0;                        // this rank's gradients after the sync, largest step
+  // The heap's peak in the steps over what it held before the model was built: weights,
+  // gradients, optimizer state, sync buffers, gathered layers and activations together (what
+  // the cost model's per-rank memory predicts).
+  int64_t peak_model_memory_bytes = 0;
   std::shared_ptr<Plan> next_plan;                    // set when run() stopped early to switch plans
 };
 
@@ -136,6 +140,7 @@ class Trainer {
   bool any_sparse_set_ = false;          // some holder set of the plan is (on any rank)
   std::unique_ptr<pipeline::StageExecutor> exec_;
   int64_t start_step_ = 0;
+  int64_t heap_before_model_ = 0;  // heap in use before this rank built its slice (model memory is measured above it)
 };
 
 }  // namespace alloy::train
