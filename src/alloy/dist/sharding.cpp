@@ -62,7 +62,7 @@ Sharding::Sharding(std::vector<Set> sets) : sets_(std::move(sets)) {
     for (auto* p : s.params) n += p->tensor.numel();
     if (s.bounds.size() != static_cast<size_t>(s.group->size()) + 1 || s.bounds.back() != n)
       throw Error("Sharding: the bounds of group " + s.group->name() + " do not cover its " + std::to_string(n) + " elements");
-    flat_.push_back(at::empty({n}, s.params.front()->tensor.options().device(at::kCPU).requires_grad(false)));
+    numel_.push_back(n);
   }
 }
 
@@ -70,7 +70,7 @@ int64_t Sharding::gather_bytes_sent() const {
   int64_t b = 0;
   for (size_t k = 0; k < sets_.size(); ++k) {
     const int64_t n = sets_[k].group->size();
-    b += (n - 1) * flat_[k].numel() * static_cast<int64_t>(flat_[k].element_size()) / n;
+    b += (n - 1) * numel_[k] * static_cast<int64_t>(sets_[k].params.front()->tensor.element_size()) / n;
   }
   return b;
 }
@@ -78,9 +78,10 @@ int64_t Sharding::gather_bytes_sent() const {
 void Sharding::gather_params() {
   at::NoGradGuard ng;
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, std::string>> works;
+  std::vector<at::Tensor> flats(sets_.size());
   for (size_t k = 0; k < sets_.size(); ++k) {
     auto& s = sets_[k];
-    at::Tensor& flat = flat_[k];
+    at::Tensor& flat = flats[k] = at::empty({numel_[k]}, s.params.front()->tensor.options().device(at::kCPU).requires_grad(false));
     const int me = s.group->rank();
     int64_t at = s.bounds[static_cast<size_t>(me)];  // this rank's updated range into the staging buffer
     for (const auto& sl : slices_in(s.params, at, s.bounds[static_cast<size_t>(me) + 1])) {
@@ -100,7 +101,7 @@ void Sharding::gather_params() {
     int64_t off = 0;
     for (auto* p : sets_[k].params) {
       const int64_t n = p->tensor.numel();
-      p->tensor.reshape({-1}).copy_(flat_[k].narrow(0, off, n));
+      p->tensor.reshape({-1}).copy_(flats[k].narrow(0, off, n));
       off += n;
     }
   }

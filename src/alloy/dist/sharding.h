@@ -48,7 +48,9 @@ class Sharding {
   };
   explicit Sharding(std::vector<Set> sets);
 
-  // After the optimizer step: every member's updated range to every member.
+  // After the optimizer step: every member's updated range to every member. The staging buffer
+  // (host memory, for Gloo) exists only during the call: call it after the gradients are freed,
+  // so that it takes their place instead of adding a set's worth of bytes to the peak.
   void gather_params();
   // What gather_params() puts on the wire from this rank, counted as a ring all-gather would:
   // (n - 1) / n of each set's parameter bytes.
@@ -56,7 +58,7 @@ class Sharding {
 
  private:
   std::vector<Set> sets_;
-  std::vector<at::Tensor> flat_;  // per set: staging for the gather (host memory, for Gloo)
+  std::vector<int64_t> numel_;  // per set: elements (the staging buffer's size)
 };
 
 }  // namespace alloy::dist

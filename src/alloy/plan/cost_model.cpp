@@ -719,7 +719,9 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     const size_t r = static_cast<size_t>(sc.rank);
     sc.sync_s = longest[r];
     sc.sync_exposed_s = done[r] - phase_end[r];
-    sc.bucket_bytes = bucket[r];
+    const auto& pl_r = plan.pipelines[static_cast<size_t>(sc.pipeline)];
+    sc.bucket_bytes = bucket[r] + ctx.send_buffer_bytes(sc.stage == 0, sc.stage + 1 == static_cast<int>(pl_r.stages.size()),
+                                                        pl_r.num_micro_batches, pl_r.micro_batch_size);
     sc.state_bytes = sc.weight_bytes + sc.grad_bytes + sc.optimizer_bytes;
     const auto& pl = plan.pipelines[static_cast<size_t>(sc.pipeline)];
     sc.memory_bytes = (sc.state_bytes + sc.bucket_bytes) + sc.gathered_bytes + sc.activation_bytes;
@@ -729,7 +731,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       std::ostringstream o;
       o << "device '" << sc.device << "' (rank " << sc.rank << ", pipeline " << sc.pipeline << " stage " << sc.stage << ", blocks ["
         << sc.layer_begin << "," << sc.layer_end << ")) needs " << gb(sc.memory_bytes) << " (" << static_cast<int64_t>(sc.memory_bytes)
-        << " bytes: weights+gradients+AdamW " << gb(sc.state_bytes) << sharding_text(sc) << ", reducer buckets " << gb(sc.bucket_bytes)
+        << " bytes: weights+gradients+AdamW " << gb(sc.state_bytes) << sharding_text(sc) << ", sync buckets and sent messages " << gb(sc.bucket_bytes)
         << (sc.gathered_bytes > 0 ? ", gathered layers " + gb(sc.gathered_bytes) : std::string()) << ", activations "
         << gb(sc.activation_bytes) << " for " << sc.peak_in_flight << " micro-batch" << (sc.peak_in_flight == 1 ? "" : "es") << " of "
         << pl.micro_batch_size << " in flight) but has " << gb(sc.memory_capacity_bytes) << ": over by " << gb(over) << " ("

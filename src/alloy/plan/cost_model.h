@@ -68,7 +68,9 @@
 //   held parameters + the reducer's bucket copy of every gradient it syncs + activations kept for
 //   backward: peak micro-batches in flight (1F1B: min(S - s, M); GPipe: M) * m * activation bytes
 //   per sample of the held layers, + the backward's working set: one block's activations at m
-//   (the gradients of a block's intermediate tensors while it runs backward).
+//   (the gradients of a block's intermediate tensors while it runs backward), + the pipeline
+//   messages it sends (held until the step's end: M activations unless last, M gradients unless
+//   first; counted with the buffers).
 // Sharding (plan.sharding, per holder set of B bytes, this rank's share f): ZeRO-1 and 2 keep the
 // AdamW moments of f*B only (ZeRO-2's gradients are reduced onto the owners but still land in
 // full .grad tensors and buckets); ZeRO-3 keeps f*B of weights and a gradient shard of f*B, plus
@@ -211,6 +213,11 @@ class CostContext {
   // A block's backward at micro-batch M holds gradients of its intermediate tensors about as large
   // as its saved ones (measured on the emulator: a 1-block stage's heap peaked a block's
   // activations above what it kept); a recomputing block also holds its recomputed tensors.
+  // The messages a stage sends in a step (activations forward unless LAST, gradients back unless
+  // FIRST, MBS micro-batches of M samples): the executor keeps each until the step's end.
+  double send_buffer_bytes(bool first, bool last, int64_t mbs, int64_t m) const {
+    return static_cast<double>((first ? 0 : 1) + (last ? 0 : 1)) * static_cast<double>(mbs) * message_bytes(m);
+  }
   double working_bytes(int64_t blocks, int64_t m, bool recompute) const {
     return blocks > 0 ? (recompute ? 2.0 : 1.0) * static_cast<double>(m) * block_act_bytes_per_sample() : 0.0;
   }

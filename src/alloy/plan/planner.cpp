@@ -141,7 +141,7 @@ std::string PlanReport::text() const {
     if (s.zero_stage > 0 || s.recompute)
       o << "        " << (s.zero_stage > 0 ? fmt("ZeRO-%.0f", static_cast<double>(s.zero_stage)) + fmt(" share %.3g", s.shard) : std::string())
         << (s.zero_stage > 0 && s.recompute ? ", " : "") << (s.recompute ? "recomputes" : "") << ": weights " << mem(s.weight_bytes)
-        << ", gradients " << mem(s.grad_bytes) << ", AdamW " << mem(s.optimizer_bytes) << ", buckets " << mem(s.bucket_bytes)
+        << ", gradients " << mem(s.grad_bytes) << ", AdamW " << mem(s.optimizer_bytes) << ", buffers " << mem(s.bucket_bytes)
         << (s.gathered_bytes > 0 ? ", gathered " + mem(s.gathered_bytes) : std::string()) << ", activations " << mem(s.activation_bytes)
         << "\n";
   }

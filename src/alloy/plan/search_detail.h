@@ -230,7 +230,7 @@ class Evaluator {
       for (int s = 0; s < t.S && fits; ++s) {
         const int d = rep.dev[static_cast<size_t>(s)];
         const double cap = ctx_.capacity_bytes(d);
-        if (cap > 0 && !(need_bytes(t, s, d, pt, m) <= cap)) fits = false;
+        if (cap > 0 && !(need_bytes(t, s, d, pt, m, b / m) <= cap)) fits = false;
         v = std::max(v, pt.lbs[static_cast<size_t>(s)] + sync_at(d, m));
       }
       if (fits && v < best) best = v, best_m = m;
@@ -239,13 +239,15 @@ class Evaluator {
     return best;
   }
 
-  // What rank S of a replica on device D needs at micro-batch size M: the cost model's memory, or
-  // in relief mode (CostContext::memory_relief) the least that sharding and recomputation allow.
-  double need_bytes(const ConfigTable& t, int s, int d, const PipeTiming& pt, int64_t m) const {
+  // What rank S of a replica on device D needs at micro-batch size M (MBS of them): the cost
+  // model's memory, or in relief mode (CostContext::memory_relief) the least that sharding and
+  // recomputation allow.
+  double need_bytes(const ConfigTable& t, int s, int d, const PipeTiming& pt, int64_t m, int64_t mbs) const {
     const size_t i = static_cast<size_t>(s);
+    const double sends = ctx_.send_buffer_bytes(s == 0, s + 1 == t.S, mbs, m);
     if (ctx_.memory_relief())
-      return ctx_.memory_floor_bytes(t.param[i], bucket_[static_cast<size_t>(d)], pt.peak[i], m, t.blocks[i], s == 0, s + 1 == t.S);
-    return ctx_.memory_bytes(t.param[i], bucket_[static_cast<size_t>(d)], pt.peak[i], m, t.act[i]);
+      return ctx_.memory_floor_bytes(t.param[i], bucket_[static_cast<size_t>(d)], pt.peak[i], m, t.blocks[i], s == 0, s + 1 == t.S) + sends;
+    return ctx_.memory_bytes(t.param[i], bucket_[static_cast<size_t>(d)], pt.peak[i], m, t.act[i]) + sends;
   }
 
   // Memory overflow of a layout at its batch split: bytes over capacity summed over ranks and a

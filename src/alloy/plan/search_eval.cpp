@@ -198,7 +198,7 @@ std::string Evaluator::overflow(Layout& L, double* total_over) {
     for (int s = 0; s < t.S; ++s) {
       const int d = rep.dev[static_cast<size_t>(s)];
       const double cap = ctx_.capacity_bytes(d);
-      const double need = need_bytes(t, s, d, pt, m);
+      const double need = need_bytes(t, s, d, pt, m, std::max(m, b - b % m) / m);
       if (cap > 0 && need > cap) {
         total += need - cap;
         if (need - cap > worst) {

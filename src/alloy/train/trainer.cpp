@@ -695,11 +695,12 @@ TrainResult Trainer::run() {
       for (auto& spec : shard_specs_)
         if (spec.grads.defined()) spec.grads.mul_(coef);  // ZeRO-3's gradients live in the shards
     opt_->step(lr);
-    if (sharding_) sharding_->gather_params();  // ZeRO: each owner's updated range to every holder
     heap_peak = std::max(heap_peak, pipeline::heap_bytes_in_use());  // AdamW's state exists from its first step
-    // Every parameter's, not only those AdamW updates here (under ZeRO a rank may own none of one).
+    // Every parameter's, not only those AdamW updates here (under ZeRO a rank may own none of one);
+    // before the gather, whose staging takes their place.
     for (auto* p : params)
       if (p->tensor.grad().defined()) p->tensor.mutable_grad().reset();
+    if (sharding_) sharding_->gather_params();  // ZeRO: each owner's updated range to every holder
     if (sync_fig_work) dist::wait_work(sync_fig_work, "all-reduce of the step's gradient-sync figures");
 
     const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
