@@ -4,6 +4,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "alloy/core/error.h"
 #include "alloy/core/json_file.h"
@@ -25,6 +26,23 @@ Plan::Position Plan::locate(int rank) const {
         if (r == rank) return {static_cast<int>(p), static_cast<int>(s)};
   throw InputError("plan", "rank " + std::to_string(rank) + " does not appear in the plan (world size " +
                                std::to_string(world_size()) + ")");
+}
+
+std::string Plan::schedule_mismatch(const std::vector<int>& ranks) const {
+  auto key = [&](int r) {
+    const Position at = locate(r);
+    const PipelinePlan& pl = pipelines[static_cast<size_t>(at.pipeline)];
+    const StagePlan& st = pl.stages[static_cast<size_t>(at.stage)];
+    return std::make_tuple(st.layer_begin, st.layer_end, at.stage, pl.stages.size(), pl.num_micro_batches);
+  };
+  auto text = [&](int r) {
+    const auto [b, e, s, n, m] = key(r);
+    return "rank " + std::to_string(r) + " runs blocks [" + std::to_string(b) + ", " + std::to_string(e) + ") as stage " +
+           std::to_string(s) + " of " + std::to_string(n) + " with " + std::to_string(m) + " micro-batches";
+  };
+  for (int r : ranks)
+    if (key(r) != key(ranks.front())) return text(ranks.front()) + ", " + text(r);
+  return "";
 }
 
 int64_t Plan::sample_offset(int pipeline) const {

@@ -65,6 +65,10 @@ struct Plan {
     int pipeline = -1, stage = -1;
   };
   Position locate(int rank) const;
+  // Why RANKS do not run the same schedule (the same blocks at the same stage position of
+  // pipelines with as many stages and micro-batches), naming two that differ; empty when they do.
+  // ZeRO-3 needs it: every member issues the same per-layer gathers in the same order.
+  std::string schedule_mismatch(const std::vector<int>& ranks) const;
   // First sample of pipeline P within each global batch (pipelines take consecutive slices).
   int64_t sample_offset(int pipeline) const;
 

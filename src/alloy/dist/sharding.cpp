@@ -75,6 +75,19 @@ int64_t Sharding::gather_bytes_sent() const {
   return b;
 }
 
+std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, int>> gather_from_owners(Group& group, const std::vector<int64_t>& bounds,
+                                                                                 int64_t lo, at::Tensor& staging) {
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, int>> works;
+  const int64_t hi = lo + staging.numel();
+  for (int i = 0; i < group.size(); ++i) {
+    const int64_t a = std::max(lo, bounds[static_cast<size_t>(i)]), b = std::min(hi, bounds[static_cast<size_t>(i) + 1]);
+    if (a >= b) continue;
+    at::Tensor part = staging.narrow(0, a - lo, b - a);
+    works.emplace_back(group.broadcast(part, i), i);
+  }
+  return works;
+}
+
 void Sharding::gather_params() {
   at::NoGradGuard ng;
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, std::string>> works;
@@ -88,13 +101,9 @@ void Sharding::gather_params() {
       flat.narrow(0, at, sl.numel).copy_(sl.of(sl.p->tensor));
       at += sl.numel;
     }
-    for (int i = 0; i < s.group->size(); ++i) {
-      const int64_t len = s.bounds[static_cast<size_t>(i) + 1] - s.bounds[static_cast<size_t>(i)];
-      if (len == 0) continue;
-      at::Tensor part = flat.narrow(0, s.bounds[static_cast<size_t>(i)], len);
-      works.emplace_back(s.group->broadcast(part, i), "parameter all-gather of group " + s.group->name() + " (shard of member " +
-                                                          std::to_string(s.group->ranks()[static_cast<size_t>(i)]) + ")");
-    }
+    for (auto& [w, i] : gather_from_owners(*s.group, s.bounds, 0, flat))
+      works.emplace_back(w, "parameter all-gather of group " + s.group->name() + " (shard of member " +
+                                std::to_string(s.group->ranks()[static_cast<size_t>(i)]) + ")");
   }
   for (auto& [w, what] : works) wait_work(w, what);
   for (size_t k = 0; k < sets_.size(); ++k) {

@@ -21,6 +21,10 @@
 
 #include "alloy/model/transformer.h"
 
+namespace c10d {
+class Work;
+}
+
 namespace alloy::dist {
 
 class Group;
@@ -38,6 +42,12 @@ std::vector<model::ParamSlice> slices_in(const std::vector<model::Param*>& param
 // member's entry). Anything else throws InputError naming FIELD.
 std::vector<double> set_shares(const std::vector<int>& ranks, const std::vector<double>& ratio, int world_size,
                                const std::string& field);
+
+// The all-gather of a set's flat range [LO, LO + STAGING.numel()) into STAGING, which holds this
+// rank's own part of it already: one broadcast from each member whose range overlaps it (Gloo has
+// no uneven all-gather). Returns the posted works with their roots (group ranks).
+std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, int>> gather_from_owners(Group& group, const std::vector<int64_t>& bounds,
+                                                                                 int64_t lo, at::Tensor& staging);
 
 class Sharding {
  public:

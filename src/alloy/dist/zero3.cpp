@@ -104,12 +104,7 @@ void Zero3::start_gather(size_t ui) {
     at::Tensor st = at::empty({r.hi - r.lo}, s.values.options().device(at::kCPU));
     const int64_t a = std::max(r.lo, s.bounds[static_cast<size_t>(me)]), b = std::min(r.hi, s.bounds[static_cast<size_t>(me) + 1]);
     if (a < b) st.narrow(0, a - r.lo, b - a).copy_(s.values.narrow(0, a - s.bounds[static_cast<size_t>(me)], b - a));
-    for (int j = 0; j < n; ++j) {
-      const int64_t ja = std::max(r.lo, s.bounds[static_cast<size_t>(j)]), jb = std::min(r.hi, s.bounds[static_cast<size_t>(j) + 1]);
-      if (ja >= jb) continue;
-      at::Tensor part = st.narrow(0, ja - r.lo, jb - ja);
-      u.works.push_back(s.group->broadcast(part, j));
-    }
+    for (auto& [w, root] : gather_from_owners(*s.group, s.bounds, r.lo, st)) u.works.push_back(w);
     bytes_sent_ += (n - 1) * bytes_of(st) / n;
     u.staging.push_back(st);
   }

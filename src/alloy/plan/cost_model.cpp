@@ -22,7 +22,14 @@ std::string join(const std::vector<std::string>& v) {
   return s;
 }
 
-std::string gb(double bytes);
+std::string gb(double bytes) {
+  std::ostringstream o;
+  o.precision(bytes >= 1e9 ? 4 : 3);
+  if (std::fabs(bytes) >= 1e9) o << bytes / 1e9 << " GB";
+  else if (std::fabs(bytes) >= 1e6) o << bytes / 1e6 << " MB";
+  else o << bytes / 1e3 << " kB";
+  return o.str();
+}
 
 std::string sharding_text(const StageCost& sc) {
   if (sc.zero_stage == 0 && !sc.recompute) return "";
@@ -31,15 +38,6 @@ std::string sharding_text(const StageCost& sc) {
   if (sc.zero_stage > 0) o << "ZeRO-" << sc.zero_stage << ", share " << sc.shard;
   if (sc.recompute) o << (sc.zero_stage > 0 ? ", " : "") << "recomputing";
   o << ")";
-  return o.str();
-}
-
-std::string gb(double bytes) {
-  std::ostringstream o;
-  o.precision(bytes >= 1e9 ? 4 : 3);
-  if (std::fabs(bytes) >= 1e9) o << bytes / 1e9 << " GB";
-  else if (std::fabs(bytes) >= 1e6) o << bytes / 1e6 << " MB";
-  else o << bytes / 1e3 << " kB";
   return o.str();
 }
 
@@ -538,12 +536,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     }
 
   // The holder sets first: sharding changes the stages' compute (ZeRO-3's gathers) and memory.
-  std::vector<std::vector<CostContext::Holder>> holders(plan.pipelines.size());
-  for (size_t p = 0; p < plan.pipelines.size(); ++p) {
-    const auto& stages = plan.pipelines[p].stages;
-    for (size_t s = 0; s < stages.size(); ++s)
-      holders[p].push_back({stages[s].ranks[0], stages[s].layer_begin, stages[s].layer_end, s == 0, s + 1 == stages.size()});
-  }
+  const std::vector<std::vector<CostContext::Holder>> holders = detail::plan_holders(plan);
   ctx.set_grad_sync(plan.grad_sync);
   const auto sets = ctx.sync_sets(holders);
   const std::vector<detail::RankShard> shard = detail::rank_shards(plan, ctx, sets, dev_of);
@@ -719,11 +712,10 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     const size_t r = static_cast<size_t>(sc.rank);
     sc.sync_s = longest[r];
     sc.sync_exposed_s = done[r] - phase_end[r];
-    const auto& pl_r = plan.pipelines[static_cast<size_t>(sc.pipeline)];
-    sc.bucket_bytes = bucket[r] + ctx.send_buffer_bytes(sc.stage == 0, sc.stage + 1 == static_cast<int>(pl_r.stages.size()),
-                                                        pl_r.num_micro_batches, pl_r.micro_batch_size);
-    sc.state_bytes = sc.weight_bytes + sc.grad_bytes + sc.optimizer_bytes;
     const auto& pl = plan.pipelines[static_cast<size_t>(sc.pipeline)];
+    sc.bucket_bytes = bucket[r] + ctx.send_buffer_bytes(sc.stage == 0, sc.stage + 1 == static_cast<int>(pl.stages.size()),
+                                                        pl.num_micro_batches, pl.micro_batch_size);
+    sc.state_bytes = sc.weight_bytes + sc.grad_bytes + sc.optimizer_bytes;
     sc.memory_bytes = (sc.state_bytes + sc.bucket_bytes) + sc.gathered_bytes + sc.activation_bytes;
     sc.fits = sc.memory_capacity_bytes <= 0 || sc.memory_bytes <= sc.memory_capacity_bytes;
     if (!sc.fits) {

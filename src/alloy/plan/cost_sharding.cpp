@@ -33,6 +33,16 @@ double CostContext::shard_gather_s(const Ring& r, double bytes, double min_share
 
 namespace detail {
 
+std::vector<std::vector<CostContext::Holder>> plan_holders(const Plan& plan) {
+  std::vector<std::vector<CostContext::Holder>> holders(plan.pipelines.size());
+  for (size_t p = 0; p < plan.pipelines.size(); ++p) {
+    const auto& stages = plan.pipelines[p].stages;
+    for (size_t s = 0; s < stages.size(); ++s)
+      holders[p].push_back({stages[s].ranks[0], stages[s].layer_begin, stages[s].layer_end, s == 0, s + 1 == stages.size()});
+  }
+  return holders;
+}
+
 std::vector<RankShard> rank_shards(const Plan& plan, const CostContext& ctx, const std::vector<CostContext::SyncSet>& sets,
                                    const std::vector<int>& dev_of) {
   std::vector<RankShard> out(dev_of.size());

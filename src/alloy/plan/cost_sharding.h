@@ -20,6 +20,9 @@ struct RankShard {
   std::vector<double> unit_gather_s;  // ZeRO-3: per parameter unit (CostContext's numbering), its gather; 0 = not sharded
 };
 
+// Each pipeline's stages as holders (ids = ranks), for CostContext::sync_sets.
+std::vector<std::vector<CostContext::Holder>> plan_holders(const Plan& plan);
+
 // Per rank (index = rank). SETS: ctx.sync_sets of HOLDERS (ids = ranks); DEV_OF: rank -> device.
 // Sets without a plan entry are full replicas (stage 0).
 std::vector<RankShard> rank_shards(const Plan& plan, const CostContext& ctx, const std::vector<CostContext::SyncSet>& sets,

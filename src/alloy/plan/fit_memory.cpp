@@ -3,7 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <sstream>
-#include <tuple>
+
+#include "alloy/plan/cost_sharding.h"
 
 namespace alloy::plan {
 
@@ -39,24 +40,17 @@ class Fitter {
   Fitter(Plan& plan, const ClusterSpec& cluster, const Profile& profile) : plan_(plan), cluster_(cluster), profile_(profile) {
     const int W = plan.world_size();
     dev_of_.assign(static_cast<size_t>(W), -1);
-    std::vector<std::vector<CostContext::Holder>> holders(plan.pipelines.size());
-    for (size_t p = 0; p < plan.pipelines.size(); ++p) {
-      const auto& stages = plan.pipelines[p].stages;
-      for (size_t s = 0; s < stages.size(); ++s) {
-        const int r = stages[s].ranks[0];
-        dev_of_[static_cast<size_t>(r)] = cluster.device_index(stages[s].device);
-        holders[p].push_back({r, stages[s].layer_begin, stages[s].layer_end, s == 0, s + 1 == stages.size()});
-      }
-    }
+    for (const auto& pl : plan.pipelines)
+      for (const auto& st : pl.stages) dev_of_[static_cast<size_t>(st.ranks[0])] = cluster.device_index(st.device);
     CostContext ctx(cluster, profile);
     ctx.set_grad_sync(plan.grad_sync);
-    for (const auto& set : ctx.sync_sets(holders)) {
+    for (const auto& set : ctx.sync_sets(detail::plan_holders(plan))) {
       std::vector<int> devs;
       for (int r : set.ids) devs.push_back(dev_of_[static_cast<size_t>(r)]);
       std::sort(devs.begin(), devs.end(), [&](int a, int b) { return ctx.ring_less(a, a, b, b); });
       SetChoice c;
       c.ranks = set.ids;
-      c.max_stage = ctx.sync_shape(devs).compressed ? 0 : same_schedule(set.ids) ? 3 : 1;
+      c.max_stage = ctx.sync_shape(devs).compressed ? 0 : plan.schedule_mismatch(set.ids).empty() ? 3 : 1;
       if (c.max_stage > 0) base_.sets.push_back(c);
     }
     base_.recompute.assign(static_cast<size_t>(W), 0);
@@ -126,18 +120,6 @@ class Fitter {
   }
 
  private:
-  bool same_schedule(const std::vector<int>& ranks) const {
-    auto key = [&](int r) {
-      const Plan::Position at = plan_.locate(r);
-      const PipelinePlan& pl = plan_.pipelines[static_cast<size_t>(at.pipeline)];
-      const StagePlan& st = pl.stages[static_cast<size_t>(at.stage)];
-      return std::make_tuple(st.layer_begin, st.layer_end, at.stage, pl.stages.size(), pl.num_micro_batches);
-    };
-    for (int r : ranks)
-      if (key(r) != key(ranks.front())) return false;
-    return true;
-  }
-
   std::vector<double> shares_by_memory(const std::vector<int>& ranks) const {
     double known = 0;
     for (int r : ranks) known = std::max(known, cluster_.devices[static_cast<size_t>(dev_of_[static_cast<size_t>(r)])].memory_gb);

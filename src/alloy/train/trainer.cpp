@@ -197,7 +197,7 @@ void Trainer::plan_shards() {
                                                               ", which grad_sync compresses (" + plan_->grad_sync.compression +
                                                               "), is not built yet: shard it or compress it");
     if (stage == 3) {
-      const std::string why = zero3_mismatch(ranks);
+      const std::string why = plan_->schedule_mismatch(ranks);
       if (!why.empty() && entry)
         throw InputError("plan", "sharding stage 3 for ranks " + join(ranks, ",") + ": " + why +
                                      "; ZeRO-3 gathers each layer in every member's schedule, so the members must run the same one "
@@ -248,22 +248,6 @@ void Trainer::plan_shards() {
     }
   }
   opt_ = std::make_unique<AdamW>(update, AdamW::from_config(cfg_.train));
-}
-
-std::string Trainer::zero3_mismatch(const std::vector<int>& ranks) const {
-  auto schedule_of = [&](int r) {
-    const Plan::Position at = plan_->locate(r);
-    const PipelinePlan& pl = plan_->pipelines[static_cast<size_t>(at.pipeline)];
-    const StagePlan& st = pl.stages[static_cast<size_t>(at.stage)];
-    return "rank " + std::to_string(r) + " runs blocks [" + std::to_string(st.layer_begin) + ", " + std::to_string(st.layer_end) +
-           ") as stage " + std::to_string(at.stage) + " of " + std::to_string(pl.stages.size()) + " with " +
-           std::to_string(pl.num_micro_batches) + " micro-batches";
-  };
-  auto key = [&](const std::string& s) { return s.substr(s.find(" runs ")); };
-  const std::string first = schedule_of(ranks.front());
-  for (int r : ranks)
-    if (key(schedule_of(r)) != key(first)) return first + ", " + schedule_of(r);
-  return "";
 }
 
 void Trainer::build_groups() {

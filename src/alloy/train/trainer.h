@@ -102,7 +102,6 @@ class Trainer {
   void load(const std::string& dir, bool with_optimizer);
   void build_groups();
   void plan_shards();
-  std::string zero3_mismatch(const std::vector<int>& ranks) const;
   void load_sync_state(const std::string& ckpt_dir);
   void publish_rank_stats(const TrainResult& r);
   std::shared_ptr<Plan> replan_now(const TrainResult& r);
