@@ -20,6 +20,7 @@ struct ModelArgs {
   std::vector<std::string> sets;
   train::SampleOptions sample;
   int64_t threads = 0;
+  bool merge = false;
 };
 
 std::string dir_of(const std::string& file) {
@@ -78,17 +79,30 @@ void add_model_commands(CLI::App& app, Action& action) {
   auto* ex = app.add_subcommand("export", "Write a checkpoint's weights as HuggingFace safetensors plus config.json beside it");
   ex->add_option("--checkpoint", a->checkpoint, "Checkpoint or run directory")->required();
   ex->add_option("-o,--output", a->output, "Output .safetensors file")->required();
+  ex->add_flag("--merge", a->merge,
+               "A LoRA run: fold its adapters into the (dequantized) base and write the whole fine-tuned model");
   ex->callback([a, &action]() {
     action = [a]() {
       std::string dir = train::resolve_checkpoint(a->checkpoint);
       Config cfg = train::read_checkpoint_state(dir).config;
+      if (cfg.lora.enabled() && !a->merge)
+        throw InputError(dir, "is a LoRA run: its adapters are in the run's adapter/ directory (PEFT's layout); pass --merge "
+                              "to fold them into the base and export the whole fine-tuned model");
+      if (!cfg.lora.enabled() && a->merge)
+        throw InputError("--merge", dir + " is not a LoRA run (lora.rank 0): there are no adapters to fold in");
       auto m = train::load_model(cfg.model, dir);
       ensure_writable_dir(dir_of(a->output));
-      model::save_weights(*m, a->output, {{"format", "pt"}});
+      std::vector<std::pair<std::string, model::TensorBlob>> blobs;
+      int64_t count = 0;
+      for (const auto& [n, t] : m->merged_weights()) {
+        blobs.emplace_back(n, model::to_blob(t));
+        count += t.numel();
+      }
+      model::write_safetensors(a->output, blobs, {{"format", "pt"}});
       std::string cfg_path = dir_of(a->output) + "/config.json";
       write_file_atomic(cfg_path, model::hf_config(cfg.model).dump(2) + "\n");
-      std::printf("wrote %s and %s (%s, %lld parameters)\n", a->output.c_str(), cfg_path.c_str(), cfg.model.arch.c_str(),
-                  static_cast<long long>(m->num_parameters()));
+      std::printf("wrote %s and %s (%s, %lld parameters%s)\n", a->output.c_str(), cfg_path.c_str(), cfg.model.arch.c_str(),
+                  static_cast<long long>(count), cfg.lora.enabled() ? ", LoRA adapters folded in" : "");
       return 0;
     };
   });

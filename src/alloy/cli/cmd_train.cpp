@@ -40,7 +40,35 @@ struct TrainArgs {
   std::vector<double> shard_ratio;
   bool distributed_optimizer = false;
   bool recompute = false;
+  // LoRA, PEFT's names.
+  int64_t lora_rank = -1;
+  double lora_alpha = 0, lora_dropout = -1;
+  std::vector<std::string> lora_targets;
+  std::string base_dtype;
 };
+
+// The LoRA flags as --set lora.* overrides (after the user's --set).
+std::vector<std::string> lora_overrides(const TrainArgs& a) {
+  std::vector<std::string> out;
+  if (a.lora_rank >= 0) out.push_back("lora.rank=" + std::to_string(a.lora_rank));
+  if (a.lora_alpha != 0) {
+    std::ostringstream ss;
+    ss << a.lora_alpha;
+    out.push_back("lora.alpha=" + ss.str());
+  }
+  if (a.lora_dropout >= 0) {
+    std::ostringstream ss;
+    ss << a.lora_dropout;
+    out.push_back("lora.dropout=" + ss.str());
+  }
+  if (!a.lora_targets.empty()) {
+    std::string t;
+    for (const auto& x : a.lora_targets) t += (t.empty() ? "" : ",") + x;
+    out.push_back("lora.targets=" + t);
+  }
+  if (!a.base_dtype.empty()) out.push_back("lora.base_dtype=" + a.base_dtype);
+  return out;
+}
 
 // The sharding flags as --set train.* overrides (after the user's --set, as flags given later win).
 std::vector<std::string> sharding_overrides(const TrainArgs& a) {
@@ -113,7 +141,9 @@ void add_train_commands(CLI::App& app, Action& action) {
   cmd->add_option("--set", a->sets, "Override a config key: --set section.key=value (repeatable)");
   cmd->add_flag("--resume", a->resume, "Resume from the latest checkpoint in output.dir");
   cmd->add_option("--resume-from", a->resume_from, "Resume from this checkpoint or run directory");
-  cmd->add_option("--init-weights", a->init_weights, "Start from these weights (safetensors or checkpoint), fresh optimizer");
+  cmd->add_option("--init-from,--init-weights", a->init_weights,
+                  "Start from pretrained weights (an Alloy checkpoint or run directory, or safetensors with HuggingFace "
+                  "names), fresh optimizer; with LoRA the frozen base");
 
   auto* g_plan = "Parallel plan (default: one device; with several ranks and no plan, equal data parallelism)";
   cmd->add_option("--plan", a->src.plan_file, "Plan JSON (see `alloy plan`), or `auto`: profile (or reuse --profile), plan, train")
@@ -165,6 +195,17 @@ void add_train_commands(CLI::App& app, Action& action) {
                 "Recompute every block's activations in the backward instead of keeping them (train.recompute)")
       ->group(g_sh);
 
+  auto* g_lora = "Fine-tuning: LoRA adapters over a frozen (optionally quantized) base (or --set lora.KEY=VALUE)";
+  cmd->add_option("--lora-rank", a->lora_rank, "Rank of the adapters; 0 = off (lora.rank)")->group(g_lora);
+  cmd->add_option("--lora-alpha", a->lora_alpha, "Adapters' output scaled by alpha / rank (lora.alpha)")->group(g_lora);
+  cmd->add_option("--lora-dropout", a->lora_dropout, "Dropout on the adapters' input (lora.dropout)")->group(g_lora);
+  cmd->add_option("--lora-targets", a->lora_targets,
+                  "Projections to adapt: names, dotted suffixes or globs (c_attn q_proj mlp.* all); default the attention "
+                  "projections (lora.targets)")
+      ->group(g_lora);
+  cmd->add_option("--base-dtype", a->base_dtype, "fp32 | int8 | nf4: storage of the frozen base's projections (lora.base_dtype)")
+      ->group(g_lora);
+
   auto* g_rv = "Rendezvous (default: torchrun or SLURM variables, else one process)";
   cmd->add_option("--rank", a->rv.rank, "This process's rank")->group(g_rv);
   cmd->add_option("--world-size", a->rv.world_size, "Number of ranks")->group(g_rv);
@@ -180,6 +221,7 @@ void add_train_commands(CLI::App& app, Action& action) {
       std::vector<std::string> sets = a->sets;
       for (auto& o : safusion_overrides(*a)) sets.push_back(o);
       for (auto& o : sharding_overrides(*a)) sets.push_back(o);
+      for (auto& o : lora_overrides(*a)) sets.push_back(o);
       Config cfg = Config::load(a->config, sets);
       dist::Rendezvous rv = dist::resolve_rendezvous(a->rv);
       const SynerFuseArgs& sf = a->src.synerfuse;

@@ -127,6 +127,14 @@ const std::vector<Field>& schema() {
       ALLOY_STR(grad_sync, sidco_fit, "sidco: exponential | gamma | gpd"),
       ALLOY_INT(grad_sync, sidco_stages, "sidco: fitting stages (peaks over thresholds)"),
       ALLOY_BOOL(grad_sync, allow_lossy, "--plan auto may choose lossy compression (dgc) across slow links by itself"),
+      ALLOY_INT(lora, rank, "LoRA: rank of the adapters; 0 = off (full fine-tuning / pretraining)"),
+      ALLOY_FLOAT(lora, alpha, "LoRA: the adapters' output is scaled by alpha / rank"),
+      ALLOY_FLOAT(lora, dropout, "LoRA: dropout on the adapters' input while training"),
+      ALLOY_STR(lora, targets, "LoRA: projections to adapt, comma-separated names or patterns (c_attn, attn.c_proj, "
+                               "q_proj, mlp.*, all); empty = the attention projections"),
+      ALLOY_STR(lora, base_dtype, "LoRA: storage of the frozen base's projections: fp32 | int8 (per-channel absmax) | "
+                                  "nf4 (4-bit NormalFloat, blocks of 64)"),
+      ALLOY_BOOL(lora, double_quant, "LoRA with nf4: quantize the blocks' scales too (QLoRA's double quantization)"),
       ALLOY_STR(output, dir, "run directory (metrics.jsonl, checkpoints/)"),
       ALLOY_BOOL(output, tensorboard, "also write TensorBoard event files"),
   };
@@ -212,18 +220,32 @@ void set_key(Config& c, const std::string& key, const std::string& text, const s
 
 void load_node(Config& c, const YAML::Node& root, const std::string& where) {
   if (!root || root.IsNull()) return;
-  if (!root.IsMap()) throw InputError(where, "top level must be a mapping of sections (model, data, train, grad_sync, output)");
+  if (!root.IsMap()) throw InputError(where, "top level must be a mapping of sections (model, data, train, grad_sync, lora, output)");
   for (const auto& sec : root) {
     std::string section = sec.first.as<std::string>();
-    if (section != "model" && section != "data" && section != "train" && section != "grad_sync" && section != "output")
-      throw InputError(where, "unknown section '" + section + "' (expected model, data, train, grad_sync, output)");
+    if (section != "model" && section != "data" && section != "train" && section != "grad_sync" && section != "lora" &&
+        section != "output")
+      throw InputError(where, "unknown section '" + section + "' (expected model, data, train, grad_sync, lora, output)");
     if (sec.second.IsNull()) continue;
     if (!sec.second.IsMap()) throw InputError(where, "section '" + section + "' must be a mapping");
     for (const auto& kv : sec.second) {
       std::string key = section + "." + kv.first.as<std::string>();
+      const std::string at = where + " (line " + std::to_string(kv.second.Mark().line + 1) + ")";
+      // A list of names (lora.targets: [q_proj, v_proj], as PEFT's target_modules) is its
+      // comma-separated text.
+      const Field* f = find_field(key);
+      if (f && f->kind == Kind::String && kv.second.IsSequence()) {
+        std::string joined;
+        for (const auto& item : kv.second) {
+          if (!item.IsScalar()) throw InputError(at, "key '" + key + "' must be a list of names");
+          joined += (joined.empty() ? "" : ",") + item.Scalar();
+        }
+        set_key(c, key, joined, at);
+        continue;
+      }
       if (!kv.second.IsScalar())
         throw InputError(where, "key '" + key + "' must be a single value, not a list or mapping");
-      set_key(c, key, kv.second.Scalar(), where + " (line " + std::to_string(kv.second.Mark().line + 1) + ")");
+      set_key(c, key, kv.second.Scalar(), at);
     }
   }
 }
@@ -305,7 +327,36 @@ void Config::validate() const {
   if (t.zero_stage < 0 || t.zero_stage > 3) fail("train.zero_stage", "must be 0, 1, 2 or 3, got " + std::to_string(t.zero_stage));
   (void)t.shard_shares();
   grad_sync.validate(w, "grad_sync");
+  if (lora.rank < 0) fail("lora.rank", "must be >= 0 (0 = off)");
+  if (lora.enabled()) {
+    if (!(lora.alpha > 0)) fail("lora.alpha", "must be > 0");
+    if (!(lora.dropout >= 0 && lora.dropout < 1)) fail("lora.dropout", "must be in [0, 1)");
+    if (m.dtype != "float32") fail("lora.rank", "LoRA is built for model.dtype float32");
+  }
+  if (lora.base_dtype != "fp32" && lora.base_dtype != "int8" && lora.base_dtype != "nf4")
+    fail("lora.base_dtype", "unknown value '" + lora.base_dtype + "'; allowed: fp32, int8, nf4");
+  if (lora.base_dtype != "fp32" && !lora.enabled())
+    fail("lora.base_dtype", "a quantized base is frozen, so it needs LoRA adapters to train (set lora.rank)");
+  if (lora.double_quant && lora.base_dtype != "nf4") fail("lora.double_quant", "applies to lora.base_dtype nf4 only");
   if (output.dir.empty()) fail("output.dir", "must not be empty");
+}
+
+std::vector<std::string> LoraConfig::target_list(const std::string& arch) const {
+  std::vector<std::string> out;
+  std::string cur;
+  for (char ch : targets + ",") {
+    if (ch == ',' || ch == ' ') {
+      if (!cur.empty()) out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += ch;
+    }
+  }
+  if (out.empty()) {
+    if (arch == "llama") return {"q_proj", "k_proj", "v_proj", "o_proj"};
+    return {"attn.c_attn", "attn.c_proj"};
+  }
+  return out;
 }
 
 std::vector<double> TrainConfig::shard_shares() const {

@@ -1,5 +1,5 @@
 #pragma once
-// The run configuration: YAML sections model/data/train/grad_sync/output, overridable key by key with
+// The run configuration: YAML sections model/data/train/grad_sync/lora/output, overridable key by key with
 // `--set section.key=value`. Every key has a type, a default and a help line in one schema table
 // (config.cpp), so unknown, misspelled and ill-typed keys are caught before anything runs.
 #include <cstdint>
@@ -110,6 +110,22 @@ struct GradSyncConfig {
   void validate(const std::string& where, const std::string& prefix) const;
 };
 
+// LoRA fine-tuning (model/lora.h): low-rank adapters on chosen projections, the rest of the model
+// frozen. rank 0 = off (every parameter trains, as before).
+struct LoraConfig {
+  int64_t rank = 0;
+  double alpha = 16.0;          // the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+  double dropout = 0.0;         // on the adapters' input, training only
+  std::string targets;          // projection names or patterns, comma-separated ("c_attn,q_proj", "mlp.*");
+                                // empty = the attention projections of the arch
+  std::string base_dtype = "fp32";  // fp32 | int8 (per-channel absmax) | nf4 (QLoRA: blocks of 64)
+  bool double_quant = false;    // nf4: quantize the blocks' scales too (8-bit, blocks of 256)
+
+  bool enabled() const { return rank > 0; }
+  // The target patterns, split and trimmed; the arch's attention projections when none are given.
+  std::vector<std::string> target_list(const std::string& arch) const;
+};
+
 struct OutputConfig {
   std::string dir = "runs/default";
   bool tensorboard = true;
@@ -120,6 +136,7 @@ struct Config {
   DataConfig data;
   TrainConfig train;
   GradSyncConfig grad_sync;
+  LoraConfig lora;
   OutputConfig output;
   std::string source;  // the file it came from, for messages
   std::set<std::string> explicit_keys;  // "section.key" set by the file or an override

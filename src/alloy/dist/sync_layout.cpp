@@ -44,15 +44,15 @@ std::vector<int> HolderSet::leaders() const {
   return out;
 }
 
-SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model) {
+SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model, const LoraConfig& lora) {
   for (const auto& pl : plan.pipelines)
     for (const auto& s : pl.stages)
-      for (const auto& n : model::param_names(model, model::LayerRange::for_blocks(s.layer_begin, s.layer_end, model.layers)))
+      for (const auto& n : model::param_names(model, lora, model::LayerRange::for_blocks(s.layer_begin, s.layer_end, model.layers)))
         holders_[n].push_back(s.ranks[0]);
   std::set<std::vector<int>> distinct;
   for (auto& [n, r] : holders_) {
     std::sort(r.begin(), r.end());
-    if (r.size() > 1) distinct.insert(r);
+    if (r.size() > 1 && model::trains(lora, n)) distinct.insert(r);
   }
   const GradSyncConfig& g = plan.grad_sync;
   for (const auto& ranks : distinct) {

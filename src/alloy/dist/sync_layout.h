@@ -30,7 +30,9 @@ struct HolderSet {
 
 class SyncLayout {
  public:
-  SyncLayout(const Plan& plan, const ModelConfig& model);
+  // With LoRA every parameter, adapters included, has holders, but only those that train (the
+  // adapters) form holder sets: the frozen base is never synced.
+  SyncLayout(const Plan& plan, const ModelConfig& model, const LoraConfig& lora = {});
   // The ranks holding PARAM, sorted; throws Error for an unknown name.
   const std::vector<int>& holders(const std::string& param) const;
   const std::map<std::string, std::vector<int>>& all_holders() const { return holders_; }

@@ -4,8 +4,10 @@
 
 #include <cmath>
 #include <limits>
+#include <set>
 #include <stdexcept>
 
+#include "alloy/model/lora.h"
 #include "alloy/model/recompute.h"
 
 namespace alloy::model {
@@ -29,6 +31,50 @@ LayerRange LayerRange::for_blocks(int64_t block_begin, int64_t block_end, int64_
 at::Tensor& Layer::add(std::string name, at::Tensor t, bool decay) {
   params_.push_back({std::move(name), std::move(t), decay});
   return params_.back().tensor;
+}
+
+at::Tensor Param::value() const { return quant ? quant->dequantize() : tensor; }
+int64_t Param::numel() const { return quant ? quant->numel() : tensor.numel(); }
+int64_t Param::storage_bytes() const {
+  return quant ? quant->bytes() : static_cast<int64_t>(tensor.numel() * static_cast<int64_t>(tensor.element_size()));
+}
+
+void Layer::add_adapter(size_t w, int64_t rank, double scale, double dropout, const at::Tensor& init_a) {
+  const at::Tensor W = params_[w].tensor;  // a handle: add() below may move params_
+  const int64_t out = in_out_ ? W.size(1) : W.size(0);
+  std::string stem = params_[w].name.substr(0, params_[w].name.size() - std::string(".weight").size());
+  const size_t a = params_.size();
+  // No weight decay: PEFT's trainers decay LoRA matrices only when asked, and decay towards zero
+  // would pull the fine-tuned model back to the base.
+  add(stem + ".lora_A.weight", init_a.to(W.dtype()), false);
+  add(stem + ".lora_B.weight", at::zeros({out, rank}, W.options().requires_grad(false)), false);
+  adapters_[w] = {a, a + 1, scale, dropout};
+}
+
+at::Tensor Layer::adapter_delta(size_t w) const {
+  auto it = adapters_.find(w);
+  if (it == adapters_.end()) return {};
+  at::NoGradGuard ng;
+  at::Tensor d = at::mm(params_[it->second.b].tensor, params_[it->second.a].tensor) * it->second.scale;  // [out, in]
+  return in_out_ ? d.t().contiguous() : d;
+}
+
+at::Tensor Layer::project(size_t w, const at::Tensor& x, const at::Tensor* bias) const {
+  const Param& W = params_[w];
+  at::Tensor y;
+  if (W.quant) {
+    y = quantized_matmul(x, W.quant, in_out_);
+    if (bias) y = y + *bias;
+  } else if (in_out_) {
+    y = bias ? at::addmm(*bias, x, W.tensor) : at::mm(x, W.tensor);
+  } else {
+    y = bias ? at::linear(x, W.tensor, *bias) : at::linear(x, W.tensor);
+  }
+  auto it = adapters_.find(w);
+  if (it == adapters_.end()) return y;
+  const Adapter& a = it->second;
+  const at::Tensor h = a.dropout > 0 ? at::dropout(x, a.dropout, at::GradMode::is_enabled()) : x;
+  return y + at::linear(at::linear(h, params_[a.a].tensor), params_[a.b].tensor) * a.scale;
 }
 
 namespace {
@@ -107,6 +153,7 @@ class Gpt2Block : public Layer {
  public:
   bool is_block() const override { return true; }
   Gpt2Block(const ModelConfig& c, int64_t i, Init& init, Shared* sh) : c_(c), sh_(sh) {
+    in_out_ = true;
     std::string p = "h." + std::to_string(i) + ".";
     int64_t H = c.hidden, F = c.ffn_resolved();
     double proj_std = c.init_std / std::sqrt(2.0 * static_cast<double>(c.layers));
@@ -130,13 +177,13 @@ class Gpt2Block : public Layer {
     // HF's Conv1D: y = x @ W + b with W stored [in, out].
     // unbind, not qkv[i]: select's backward writes each gradient into a zeroed full-size tensor
     // and adds the three; unbind's backward is one stack.
-    auto qkv = at::addmm(P[3].tensor, h.reshape({B * T, H}), P[2].tensor).view({B, T, 3, nh, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
+    auto qkv = project(2, h.reshape({B * T, H}), &P[3].tensor).view({B, T, 3, nh, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
     auto y = attention(qkv[0], qkv[1], qkv[2], sh_->causal_mask(T, x.device()));
     y = y.transpose(1, 2).reshape({B * T, H});
-    auto out = x + at::addmm(P[5].tensor, y, P[4].tensor).view({B, T, H});
+    auto out = x + project(4, y, &P[5].tensor).view({B, T, H});
     auto h2 = at::layer_norm(out, {H}, P[6].tensor, P[7].tensor, c_.norm_eps).reshape({B * T, H});
-    auto f = at::gelu(at::addmm(P[9].tensor, h2, P[8].tensor), "tanh");
-    return out + at::addmm(P[11].tensor, f, P[10].tensor).view({B, T, H});
+    auto f = at::gelu(project(8, h2, &P[9].tensor), "tanh");
+    return out + project(10, f, &P[11].tensor).view({B, T, H});
   }
 
  private:
@@ -207,9 +254,9 @@ class LlamaBlock : public Layer {
     int64_t B = x.size(0), T = x.size(1), H = c_.hidden, nh = c_.heads, nkv = c_.kv_heads_resolved(), hd = c_.head_dim();
     sh_->rope(T, x.device());
     auto h = rms_norm(x, P[0].tensor, c_.norm_eps);
-    auto q = at::linear(h, P[1].tensor).view({B, T, nh, hd}).transpose(1, 2);
-    auto k = at::linear(h, P[2].tensor).view({B, T, nkv, hd}).transpose(1, 2);
-    auto v = at::linear(h, P[3].tensor).view({B, T, nkv, hd}).transpose(1, 2);
+    auto q = project(1, h).view({B, T, nh, hd}).transpose(1, 2);
+    auto k = project(2, h).view({B, T, nkv, hd}).transpose(1, 2);
+    auto v = project(3, h).view({B, T, nkv, hd}).transpose(1, 2);
     q = q * sh_->cos + rotate_half(q) * sh_->sin;
     k = k * sh_->cos + rotate_half(k) * sh_->sin;
     if (nkv != nh) {
@@ -220,10 +267,10 @@ class LlamaBlock : public Layer {
       v = v.unsqueeze(2).expand({B, nkv, rep, T, hd}).reshape({B, nh, T, hd});
     }
     auto y = attention(q, k, v, sh_->causal_mask(T, x.device())).transpose(1, 2).reshape({B, T, nh * hd});
-    auto out = x + at::linear(y, P[4].tensor);
+    auto out = x + project(4, y);
     auto h2 = rms_norm(out, P[5].tensor, c_.norm_eps);
-    auto m = at::silu(at::linear(h2, P[6].tensor)) * at::linear(h2, P[7].tensor);
-    return out + at::linear(m, P[8].tensor);
+    auto m = at::silu(project(6, h2)) * project(7, h2);
+    return out + project(8, m);
   }
 
  private:
@@ -284,11 +331,17 @@ Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed
     }
   }
   for (auto* p : parameters()) p->tensor.requires_grad_(true);
+  tied_in_slice_ = wte && range.has_head(cfg_);
+  rebuild_uses();
+}
+
+void Transformer::rebuild_uses() {
+  uses_.clear();
   for (auto& l : layers_) {
     uses_.emplace_back();
     for (auto& p : l->params()) uses_.back().push_back(&p);
   }
-  if (wte && range.has_head(cfg_)) uses_.back().push_back(&layers_.front()->params().front());  // the tied head reads wte
+  if (tied_in_slice_) uses_.back().push_back(&layers_.front()->params().front());  // the tied head reads wte
 }
 
 at::Tensor Transformer::forward(const at::Tensor& x) {
@@ -366,14 +419,101 @@ Param* Transformer::find(const std::string& name) {
 
 int64_t Transformer::num_parameters() const {
   int64_t n = 0;
-  for (const auto* p : parameters()) n += p->tensor.numel();
+  for (const auto* p : parameters()) n += p->numel();
   return n;
 }
 
 void Transformer::to(const at::Device& device) {
   // Tensors are replaced in place inside their Param, so the tied head's pointer stays valid.
-  for (auto* p : parameters()) p->tensor = p->tensor.detach().to(device).requires_grad_(true);
+  for (auto* p : parameters()) {
+    if (p->quant) p->quant->to(device);
+    if (p->tensor.defined()) p->tensor = p->tensor.detach().to(device).requires_grad_(!p->frozen);
+  }
   device_ = device;
 }
+
+void Transformer::apply_lora(const LoraConfig& l, uint64_t seed) {
+  if (!l.enabled() || lora_) return;
+  const auto modules = lora_modules(cfg_, l);  // validates the targets
+  const std::set<std::string> wanted(modules.begin(), modules.end());
+  const double scale = l.alpha / static_cast<double>(l.rank);
+  const auto& projs = adaptable_projections(cfg_.arch);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    Layer& layer = *layers_[i];
+    if (!layer.is_block()) continue;
+    const int64_t pos = range_.begin + static_cast<int64_t>(i);
+    // Adapters draw from their own generator per layer position: the base's weights stay those of
+    // the same seed without LoRA.
+    at::Generator gen = at::detail::createCPUGenerator(layer_seed(seed ^ 0x4C6F5241ULL, pos));
+    const size_t n = layer.params().size();
+    for (size_t w = 0; w < n; ++w) {
+      const std::string& name = layer.params()[w].name;
+      const std::string module = name.substr(0, name.size() - std::string(".weight").size());
+      if (!wanted.count(module)) continue;
+      const at::Tensor& W = layer.params()[w].tensor;
+      const int64_t in = layer.projection_in_out() ? W.size(0) : W.size(1);
+      const double bound = 1.0 / std::sqrt(static_cast<double>(in));  // kaiming_uniform_(a=sqrt(5)), as PEFT
+      at::Tensor a = at::empty({l.rank, in}, at::kFloat).uniform_(-bound, bound, gen).to(W.device());
+      layer.add_adapter(w, l.rank, scale, l.dropout, a);
+    }
+    for (auto& p : layer.params()) {
+      if (is_adapter_name(p.name)) continue;
+      p.frozen = true;
+      p.tensor = p.tensor.detach().requires_grad_(false);
+      bool projection = false;
+      for (const auto& pr : projs) projection |= p.name.size() > pr.size() + 7 && p.name.find("." + pr + ".weight") != std::string::npos;
+      if (projection && l.base_dtype != "fp32") {
+        p.quant = quantize(p.tensor, l.base_dtype, layer.projection_in_out() ? 1 : 0, l.double_quant);
+        p.tensor = at::Tensor();
+      }
+    }
+  }
+  for (auto& layer : layers_)
+    if (!layer->is_block())
+      for (auto& p : layer->params()) {
+        p.frozen = true;
+        p.tensor = p.tensor.detach().requires_grad_(false);
+      }
+  rebuild_uses();  // the blocks' Params grew
+  lora_ = true;
+}
+
+std::vector<Param*> Transformer::trainable() {
+  std::vector<Param*> out;
+  for (auto* p : parameters())
+    if (!p->frozen) out.push_back(p);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Transformer::merged_weights() const {
+  at::NoGradGuard ng;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& layer : layers_)
+    for (size_t w = 0; w < layer->params().size(); ++w) {
+      const Param& p = layer->params()[w];
+      if (is_adapter_name(p.name)) continue;
+      at::Tensor v = p.value().detach();
+      at::Tensor d = layer->adapter_delta(w);
+      out.emplace_back(p.name, d.defined() ? (v.to(at::kFloat) + d.to(at::kFloat)).to(dtype_) : v);
+    }
+  return out;
+}
+
+std::vector<std::string> param_names(const ModelConfig& m, const LoraConfig& l, LayerRange range) {
+  auto names = param_names(m, range);
+  if (!l.enabled()) return names;
+  const auto modules = lora_modules(m, l);
+  const std::set<std::string> wanted(modules.begin(), modules.end());
+  // Only who holds what matters to the callers, so each adapter simply follows its weight.
+  std::vector<std::string> out;
+  for (const auto& n : names) {
+    out.push_back(n);
+    const std::string module = n.size() > 7 ? n.substr(0, n.size() - 7) : "";
+    if (wanted.count(module)) out.insert(out.end(), {module + ".lora_A.weight", module + ".lora_B.weight"});
+  }
+  return out;
+}
+
+bool trains(const LoraConfig& l, const std::string& param_name) { return !l.enabled() || is_adapter_name(param_name); }
 
 }  // namespace alloy::model

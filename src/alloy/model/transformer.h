@@ -10,6 +10,7 @@
 // [out, in]), so export/import and checkpoints need no renaming tables.
 #include <ATen/ATen.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -19,10 +20,19 @@
 
 namespace alloy::model {
 
+struct QuantizedWeight;
+
 struct Param {
   std::string name;  // HuggingFace name
-  at::Tensor tensor;
+  at::Tensor tensor;  // undefined while the weight lives quantized (QUANT)
   bool decay;        // AdamW weight decay applies (matrices, not biases or norms)
+  bool frozen = false;  // LoRA's base: no gradient, no optimizer state, not synced
+  std::shared_ptr<QuantizedWeight> quant;  // a frozen weight in int8 / nf4 storage (model/lora.h)
+
+  // The weight's values: TENSOR, or QUANT dequantized.
+  at::Tensor value() const;
+  int64_t numel() const;
+  int64_t storage_bytes() const;  // as held: quantized bytes for a quantized weight
 };
 
 // Elements [begin, begin + numel) of a parameter's flattened tensor; numel < 0: all of it. What a
@@ -65,10 +75,29 @@ class Layer {
   virtual bool is_block() const { return false; }  // a transformer block (recomputable), not embedding or head
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
+  // LoRA: trainable A [R, in] and B [out, R] beside projection weight W (an index into params()),
+  // A drawn from INIT_A (Kaiming-uniform, PEFT's init), B zero.
+  void add_adapter(size_t w, int64_t rank, double scale, double dropout, const at::Tensor& init_a);
+  // The adapter's update folded into W's values: (B A) or its transpose, times the scale; nullopt-like
+  // undefined tensor when W has no adapter.
+  at::Tensor adapter_delta(size_t w) const;
+  bool projection_in_out() const { return in_out_; }
 
  protected:
   at::Tensor& add(std::string name, at::Tensor t, bool decay);
+  // X times projection weight params_[W] (+ BIAS): through its quantized storage and its LoRA
+  // adapter where it has them, else exactly the plain product. W is [in, out] when the layer's
+  // projections are stored so (GPT-2's Conv1D; X then 2-D), else [out, in] (nn.Linear).
+  at::Tensor project(size_t w, const at::Tensor& x, const at::Tensor* bias = nullptr) const;
   std::vector<Param> params_;
+  bool in_out_ = false;
+
+ private:
+  struct Adapter {
+    size_t a, b;
+    double scale, dropout;
+  };
+  std::map<size_t, Adapter> adapters_;
 };
 
 // A contiguous slice [begin, end) of layer positions.
@@ -92,6 +121,16 @@ class Transformer {
   }
 
   at::Tensor forward(const at::Tensor& x);
+  // LoRA (model/lora.h): adapters on the projections L targets (seeded per layer position from
+  // SEED, so every slice gets the full model's adapters), every other parameter frozen, and the
+  // blocks' projection weights stored as L.base_dtype. Call after the base weights are loaded.
+  void apply_lora(const LoraConfig& l, uint64_t seed);
+  bool has_lora() const { return lora_; }
+  // Parameters that train (all of them without LoRA, the adapters with it).
+  std::vector<Param*> trainable();
+  // The base weights with every adapter folded in (name -> values), adapters left out: what
+  // `alloy export --merge` writes.
+  std::vector<std::pair<std::string, at::Tensor>> merged_weights() const;
   // Blocks recompute their activations in the backward instead of keeping them (model/recompute.h).
   void set_recompute(bool on) { recompute_ = on; }
   bool recompute() const { return recompute_; }
@@ -127,14 +166,21 @@ class Transformer {
   std::vector<std::unique_ptr<Layer>> layers_;
   std::shared_ptr<SharedHolder> shared_;  // causal mask and RoPE tables, cached per length
   bool recompute_ = false;
+  bool lora_ = false;
+  bool tied_in_slice_ = false;  // a GPT-2 head reading the embedding's wte of the same slice
   LayerHooks* hooks_ = nullptr;
   std::vector<std::vector<Param*>> uses_;
+  void rebuild_uses();
 };
 
 at::ScalarType dtype_of(const ModelConfig& m);
 // The parameter names a slice holds, without building it (every rank needs every stage's names
 // to know which ranks share which parameters).
 std::vector<std::string> param_names(const ModelConfig& m, LayerRange range);
+// The same with LoRA's adapter parameters (each block's after its own), and those that train:
+// every name without LoRA, the adapters with it.
+std::vector<std::string> param_names(const ModelConfig& m, const LoraConfig& l, LayerRange range);
+bool trains(const LoraConfig& l, const std::string& param_name);
 uint64_t layer_seed(uint64_t seed, int64_t position);
 
 }  // namespace alloy::model

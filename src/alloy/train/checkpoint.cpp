@@ -104,6 +104,7 @@ std::string publish_checkpoint(const std::string& run_dir, const CheckpointState
                       {"world_size", st.world_size},
                       {"config", st.config.to_json()}};
   if (!st.plan.is_null()) j["plan"] = st.plan;
+  if (!st.base.empty()) j["base"] = st.base;
   write_file_atomic(tmp + "/state.json", j.dump(2) + "\n");
   fsync_dir(tmp);
   // Replace an older checkpoint of the same step only once the new one is complete.
@@ -161,6 +162,10 @@ CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {
   if (!j.contains("config")) throw InputError(file, "field 'config' is missing");
   st.config = Config::from_json(j["config"], file + " (field 'config')");
   if (j.contains("plan")) st.plan = j["plan"];
+  if (j.contains("base")) {
+    if (!j["base"].is_string()) throw InputError(file, "field 'base' must be a path (string)");
+    st.base = j["base"].get<std::string>();
+  }
   return st;
 }
 
@@ -170,6 +175,19 @@ void check_same_model(const std::string& ckpt_dir, const CheckpointState& st, co
   std::string msg = "is a checkpoint of another model (checkpoint vs this run):";
   for (const auto& d : diffs) msg += "\n  " + d;
   throw InputError(ckpt_dir + "/state.json", msg);
+}
+
+std::map<std::string, at::Tensor> read_checkpoint_tensors(const std::string& ckpt_dir,
+                                                          const std::function<bool(const std::string&)>& keep) {
+  std::map<std::string, at::Tensor> out;
+  auto files = shards(ckpt_dir, "model");
+  if (files.empty()) throw InputError(ckpt_dir, "holds no model*.safetensors");
+  for (const auto& path : files) {
+    auto f = model::SafetensorsFile::open(path);
+    for (const auto& n : f.names())
+      if (keep(n)) out[n] = model::read_tensor(f, n);
+  }
+  return out;
 }
 
 void load_params(const std::string& ckpt_dir, const std::vector<model::Param*>& params) {

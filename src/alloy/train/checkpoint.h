@@ -16,6 +16,7 @@
 //                                               residuals, DGC velocities, PowerSGD warm starts) by
 //                                               holder set, with the plan's grad_sync in its metadata
 // Parameters are stored by name, so a checkpoint loads into any other split of the same model.
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -38,6 +39,9 @@ struct CheckpointState {
   Config config;
   int world_size = 1;
   nlohmann::json plan;            // the plan that wrote it (informational)
+  // LoRA runs save only what trains (the adapters): the frozen base comes from BASE again (the
+  // run's --init-from: a safetensors file or checkpoint), or from the seed when it is empty.
+  std::string base;
 };
 
 // The directory name of STEP's checkpoint under RUN/checkpoints/ ("step_00000020").
@@ -69,6 +73,9 @@ std::string resolve_checkpoint(const std::string& path);
 CheckpointState read_checkpoint_state(const std::string& ckpt_dir);
 // Throws InputError listing the differing fields when the checkpoint holds another model.
 void check_same_model(const std::string& ckpt_dir, const CheckpointState& st, const ModelConfig& m);
+// Every tensor of the checkpoint's model shards whose name KEEP accepts, by name.
+std::map<std::string, at::Tensor> read_checkpoint_tensors(const std::string& ckpt_dir,
+                                                          const std::function<bool(const std::string&)>& keep);
 // Copies every parameter of PARAMS from the checkpoint's shards, by name.
 void load_params(const std::string& ckpt_dir, const std::vector<model::Param*>& params);
 // Loads the AdamW state of OPT's parameters, by name, and the RNG state if present.

@@ -9,6 +9,7 @@
 #include "alloy/core/fs.h"
 #include "alloy/model/weights.h"
 #include "alloy/train/checkpoint.h"
+#include "alloy/train/finetune.h"
 
 namespace alloy::train {
 
@@ -35,12 +36,13 @@ EvalResult evaluate_tokens(model::Transformer& m, const std::vector<int32_t>& to
 }
 
 std::unique_ptr<model::Transformer> load_model(const ModelConfig& cfg, const std::string& src) {
-  auto m = model::Transformer::full(cfg, 0);
   if (std::filesystem::is_directory(src)) {
     std::string dir = resolve_checkpoint(src);
     check_same_model(dir, read_checkpoint_state(dir), cfg);
-    load_params(dir, m->parameters());  // by name, from however many shards wrote it
-  } else {
+    return load_checkpoint_model(dir);  // by name, from however many shards wrote it; LoRA's base too
+  }
+  auto m = model::Transformer::full(cfg, 0);
+  {
     auto f = model::SafetensorsFile::open(src);
     model::load_weights(*m, f);
   }

@@ -24,10 +24,12 @@
 #include "alloy/dist/sync_layout.h"
 #include "alloy/dist/world.h"
 #include "alloy/dist/zero3.h"
+#include "alloy/model/lora.h"
 #include "alloy/model/weights.h"
 #include "alloy/pipeline/schedule.h"
 #include "alloy/plan/planner.h"
 #include "alloy/train/checkpoint.h"
+#include "alloy/train/finetune.h"
 #include "alloy/train/metrics.h"
 
 namespace alloy::train {
@@ -121,39 +123,49 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   }
   sampler_ = std::make_unique<data::GlobalBatchSampler>(train_->num_samples(), static_cast<uint64_t>(cfg_.train.seed));
 
-  // This rank's slice of the model, with exactly the weights the full model would have.
+  // This rank's slice of the model, with exactly the weights the full model would have. What
+  // changes the model applies here, in this order: base weights (--init-from; a resumed LoRA run
+  // re-reads the base its checkpoint names), LoRA (adapters, frozen and maybe quantized base),
+  // the device, recomputation; then sharding (plan_shards, build_groups) over what trains.
   heap_before_model_ = pipeline::heap_bytes_in_use();
   model_ = std::make_unique<model::Transformer>(
       cfg_.model, model::LayerRange::for_blocks(st.layer_begin, st.layer_end, cfg_.model.layers),
       static_cast<uint64_t>(cfg_.train.seed));
+  std::string resume_dir;
+  CheckpointState resumed;
+  if (!opts_.resume.empty()) {
+    resume_dir = resolve_checkpoint(opts_.resume);
+    resumed = read_checkpoint_state(resume_dir);
+    check_same_model(resume_dir, resumed, cfg_.model);
+  }
+  // Recorded absolute: a resumed run may start elsewhere. --init-from on a resume replaces it (the
+  // base moved).
+  base_ = !opts_.init_weights.empty() ? std::filesystem::absolute(opts_.init_weights).lexically_normal().string()
+                                      : resume_dir.empty() ? std::string() : resumed.base;
+  if (!base_.empty() && (resume_dir.empty() || cfg_.lora.enabled())) {
+    load_base_weights(*model_, base_);
+    if (rank_ == 0 && !opts_.quiet) log_info((resume_dir.empty() ? "initial weights from " : "base weights from ") + base_);
+  }
+  model_->apply_lora(cfg_.lora, static_cast<uint64_t>(cfg_.train.seed));
   model_->to(device_);
   model_->set_recompute(cfg_.train.recompute || st.recompute);
-  sync_ = std::make_unique<dist::SyncLayout>(*plan_, cfg_.model);
+  sync_ = std::make_unique<dist::SyncLayout>(*plan_, cfg_.model, cfg_.lora);
   plan_shards();
 
-  if (!opts_.resume.empty()) {
-    std::string dir = resolve_checkpoint(opts_.resume);
-    CheckpointState cs = read_checkpoint_state(dir);
-    check_same_model(dir, cs, cfg_.model);
+  if (!resume_dir.empty()) {
+    const CheckpointState& cs = resumed;
+    if (cs.config.lora.enabled() != cfg_.lora.enabled())
+      throw InputError(resume_dir + "/state.json", std::string("was written by a run ") + (cs.config.lora.enabled() ? "with" : "without") +
+                                                       " LoRA and this one is " + (cfg_.lora.enabled() ? "with" : "without") +
+                                                       " it: to fine-tune a pretrained checkpoint start from it with --init-from");
     if (cs.consumed_samples != static_cast<uint64_t>(cs.step * cfg_.train.global_batch))
-      throw InputError(dir + "/state.json", "consumed_samples " + std::to_string(cs.consumed_samples) + " does not match step " +
-                                                std::to_string(cs.step) + " x train.global_batch " +
-                                                std::to_string(cfg_.train.global_batch) + ": the global batch changed");
-    load_params(dir, model_->parameters());
-    load_optimizer(dir, *opt_, cs.optimizer_steps);
+      throw InputError(resume_dir + "/state.json", "consumed_samples " + std::to_string(cs.consumed_samples) + " does not match step " +
+                                                       std::to_string(cs.step) + " x train.global_batch " +
+                                                       std::to_string(cfg_.train.global_batch) + ": the global batch changed");
+    load_params(resume_dir, model_->trainable());
+    load_optimizer(resume_dir, *opt_, cs.optimizer_steps);
     start_step_ = cs.step;
-    if (rank_ == 0) log_info("resumed from " + dir + " at step " + std::to_string(start_step_));
-  } else if (!opts_.init_weights.empty()) {
-    std::string src = opts_.init_weights;
-    if (std::filesystem::is_directory(src)) {
-      std::string dir = resolve_checkpoint(src);
-      check_same_model(dir, read_checkpoint_state(dir), cfg_.model);
-      load_params(dir, model_->parameters());
-    } else {
-      auto f = model::SafetensorsFile::open(src);
-      model::load_weights(*model_, f);
-    }
-    if (rank_ == 0) log_info("initial weights from " + src);
+    if (rank_ == 0) log_info("resumed from " + resume_dir + " at step " + std::to_string(start_step_));
   }
 
   pipeline::StageLinks links;
@@ -164,15 +176,16 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   }
   exec_ = std::make_unique<pipeline::StageExecutor>(*model_, links);
   if (world_) build_groups();
-  if (!opts_.resume.empty() && reducer_ && !reducer_->compressed().empty()) load_sync_state(resolve_checkpoint(opts_.resume));
+  if (!resume_dir.empty() && reducer_ && !reducer_->compressed().empty()) load_sync_state(resume_dir);
 }
 
 void Trainer::plan_shards() {
   // Which holder sets are sharded, at which stage and with which shares: the plan's `sharding`
   // entry for the set, else train.zero_stage / train.shard_ratio. Each parameter is counted once
   // for the gradient norm: by the lowest rank holding it, or (sharded) by each range's owner.
-  // AdamW gets the same slices for sharded sets, whole tensors elsewhere.
-  auto params = model_->parameters();
+  // AdamW gets the same slices for sharded sets, whole tensors elsewhere. Only what trains: with
+  // LoRA the adapters.
+  auto params = model_->trainable();
   for (auto it = params.rbegin(); it != params.rend(); ++it) {  // backward order: the Reducer's buckets fill in it
     const auto& r = sync_->holders((*it)->name);
     if (r.size() >= 2) set_params_[r].push_back(*it);
@@ -440,8 +453,8 @@ void Trainer::save(int64_t step) {
   };
   if (rank_ == 0) begin_checkpoint(cfg_.output.dir, step);
   barrier();
-  std::vector<const model::Param*> owned;
-  for (const auto* p : static_cast<const model::Transformer&>(*model_).parameters())
+  std::vector<const model::Param*> owned;  // LoRA: the adapters alone (the base is CheckpointState::base)
+  for (const auto* p : model_->trainable())
     if (sync_->holders(p->name).front() == rank_) owned.push_back(p);
   const std::string staging = checkpoint_staging_dir(cfg_.output.dir, step);
   if (zero3_) zero3_->pin_all();  // whole parameters, written by their first holder
@@ -463,7 +476,7 @@ void Trainer::save(int64_t step) {
   barrier();
   if (rank_ == 0) {
     CheckpointState cs{step, static_cast<uint64_t>(step * cfg_.train.global_batch), opt_->steps_taken(), cfg_,
-                       world_ ? world_->size() : 1, plan_->to_json()};
+                       world_ ? world_->size() : 1, plan_->to_json(), cfg_.lora.enabled() ? base_ : std::string()};
     publish_checkpoint(cfg_.output.dir, cs);
   }
   barrier();
@@ -489,7 +502,7 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
   // As allocated between steps: ZeRO-3 keeps only its shards then.
   int64_t param_bytes = zero3_ ? zero3_->shard_bytes() : 0;
   for (const auto* p : static_cast<const model::Transformer&>(*model_).parameters())
-    param_bytes += static_cast<int64_t>(p->tensor.storage().nbytes());
+    param_bytes += p->quant ? p->storage_bytes() : static_cast<int64_t>(p->tensor.storage().nbytes());
   nlohmann::json me = {{"rank", rank_},
                        {"device", device_.str()},
                        {"pipeline", pos_.pipeline},
@@ -602,11 +615,22 @@ TrainResult Trainer::run() {
     log_info("model " + cfg_.model.arch + ": " + format_count(static_cast<double>(full->num_parameters())) + " parameters; " +
              std::to_string(train_->num_samples()) + " training samples of " + std::to_string(T) + " tokens; device " +
              device_.str());
+    if (cfg_.lora.enabled()) {
+      LoraConfig counted = cfg_.lora;
+      counted.base_dtype = "fp32";  // counting needs no quantization
+      full->apply_lora(counted, 0);
+      int64_t adapters = 0;
+      for (const auto* p : full->trainable()) adapters += p->numel();
+      log_info("LoRA rank " + std::to_string(cfg_.lora.rank) + " on " + std::to_string(model::lora_modules(cfg_.model, cfg_.lora).size()) +
+               " projections: " + format_count(static_cast<double>(adapters)) + " trainable parameters (" +
+               std::to_string(100.0 * static_cast<double>(adapters) / static_cast<double>(full->num_parameters())).substr(0, 5) +
+               "% of the model); base frozen" + (cfg_.lora.base_dtype == "fp32" ? "" : ", its projections in " + cfg_.lora.base_dtype));
+    }
     if (plan_->world_size() > 1) log_info("plan: " + plan_->describe());
   }
 
   TrainResult result;
-  auto params = model_->parameters();
+  auto params = model_->trainable();
   // What clipping covers once sparse steps begin (see the gradient norm below).
   std::vector<model::Param*> dense_params;
   std::vector<model::ParamSlice> counted_dense;
@@ -777,6 +801,10 @@ TrainResult Trainer::run() {
     }
   }
   publish_rank_stats(result);
+  if (lead && cfg_.lora.enabled() && !result.checkpoint.empty()) {
+    write_peft_adapter(result.checkpoint, cfg_.output.dir + "/adapter");  // what a PEFT user loads
+    if (!opts_.quiet) log_info("LoRA adapters in PEFT's layout: " + cfg_.output.dir + "/adapter/");
+  }
   if (!quiet && stderr_is_tty()) progress.finish();
   double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
   if (!quiet && !result.steps.empty())

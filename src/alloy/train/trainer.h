@@ -34,7 +34,8 @@ namespace alloy::train {
 
 struct TrainOptions {
   std::string resume;         // "" = fresh run; a checkpoint or run directory otherwise
-  std::string init_weights;   // safetensors file or checkpoint to start from (fresh optimizer)
+  std::string init_weights;   // --init-from: safetensors file or checkpoint to start from (fresh optimizer);
+                              // with LoRA, the frozen base
   bool quiet = false;         // no progress display (tests)
   std::shared_ptr<Plan> plan; // null = one device, the whole model
   std::shared_ptr<dist::World> world;  // null = single process
@@ -139,6 +140,7 @@ class Trainer {
   bool any_sparse_set_ = false;          // some holder set of the plan is (on any rank)
   std::unique_ptr<pipeline::StageExecutor> exec_;
   int64_t start_step_ = 0;
+  std::string base_;  // where the frozen base came from (LoRA checkpoints name it)
   int64_t heap_before_model_ = 0;  // heap in use before this rank built its slice (model memory is measured above it)
 };
 

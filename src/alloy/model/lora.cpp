@@ -1,0 +1,240 @@
+#include "alloy/model/lora.h"
+
+#include <fnmatch.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <set>
+
+#include "alloy/core/error.h"
+
+namespace alloy::model {
+
+const std::vector<std::string>& adaptable_projections(const std::string& arch) {
+  static const std::vector<std::string> gpt2 = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
+  static const std::vector<std::string> llama = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                 "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                                 "mlp.down_proj"};
+  return arch == "llama" ? llama : gpt2;
+}
+
+namespace {
+std::string block_prefix(const std::string& arch, int64_t i) {
+  return (arch == "llama" ? "model.layers." : "h.") + std::to_string(i) + ".";
+}
+bool glob(const std::string& pattern, const std::string& s) { return ::fnmatch(pattern.c_str(), s.c_str(), 0) == 0; }
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+const char* kPeftPrefix = "base_model.model.";
+}  // namespace
+
+bool lora_matches(const std::vector<std::string>& patterns, const std::string& module) {
+  for (const auto& p : patterns) {
+    if (p == "all" || p == module || ends_with(module, "." + p)) return true;
+    if (p.find_first_of("*?[") != std::string::npos && (glob(p, module) || glob("*." + p, module))) return true;
+  }
+  return false;
+}
+
+std::vector<std::string> lora_modules(const ModelConfig& m, const LoraConfig& l) {
+  std::vector<std::string> out;
+  if (!l.enabled()) return out;
+  const auto patterns = l.target_list(m.arch);
+  std::set<std::string> used;
+  for (int64_t i = 0; i < m.layers; ++i)
+    for (const auto& proj : adaptable_projections(m.arch)) {
+      const std::string module = block_prefix(m.arch, i) + proj;
+      for (const auto& p : patterns)
+        if (lora_matches({p}, module)) used.insert(p);
+      if (lora_matches(patterns, module)) out.push_back(module);
+    }
+  for (const auto& p : patterns)
+    if (!used.count(p)) {
+      std::string known;
+      for (const auto& proj : adaptable_projections(m.arch)) known += (known.empty() ? "" : ", ") + proj;
+      throw InputError("lora.targets", "'" + p + "' matches no projection of this " + m.arch + " model (its blocks have " +
+                                           known + "; names, dotted suffixes, globs like mlp.* or 'all')");
+    }
+  return out;
+}
+
+bool is_adapter_name(const std::string& n) {
+  return ends_with(n, ".lora_A.weight") || ends_with(n, ".lora_B.weight");
+}
+
+std::string peft_name(const std::string& arch, const std::string& adapter_param) {
+  return kPeftPrefix + std::string(arch == "gpt2" ? "transformer." : "") + adapter_param;
+}
+
+std::string from_peft_name(const std::string& arch, const std::string& peft) {
+  const std::string prefix = kPeftPrefix + std::string(arch == "gpt2" ? "transformer." : "");
+  if (peft.rfind(prefix, 0) != 0) return "";
+  std::string n = peft.substr(prefix.size());
+  // PEFT before 0.7 kept the adapter's name inside ("lora_A.default.weight") in some paths.
+  for (const char* ab : {".lora_A.default.weight", ".lora_B.default.weight"}) {
+    const std::string s = ab;
+    if (ends_with(n, s)) n = n.substr(0, n.size() - s.size()) + s.substr(0, 7) + ".weight";
+  }
+  return is_adapter_name(n) ? n : "";
+}
+
+nlohmann::json peft_adapter_config(const ModelConfig& m, const LoraConfig& l, const std::string& base_model) {
+  // target_modules as block-relative names: PEFT matches each as a dotted suffix of the module name,
+  // which selects exactly the projections adapted here, whatever patterns chose them.
+  std::set<std::string> rel;
+  const auto& projs = adaptable_projections(m.arch);
+  for (const auto& module : lora_modules(m, l))
+    for (const auto& p : projs)
+      if (ends_with(module, "." + p)) rel.insert(p);
+  return {{"peft_type", "LORA"},
+          {"task_type", "CAUSAL_LM"},
+          {"base_model_name_or_path", base_model},
+          {"r", l.rank},
+          {"lora_alpha", l.alpha},
+          {"lora_dropout", l.dropout},
+          {"target_modules", std::vector<std::string>(rel.begin(), rel.end())},
+          {"fan_in_fan_out", m.arch == "gpt2"},  // GPT-2's Conv1D stores W as [in, out]
+          {"bias", "none"},
+          {"modules_to_save", nullptr},
+          {"init_lora_weights", true},
+          {"inference_mode", true},
+          {"use_rslora", false},
+          {"use_dora", false},
+          {"layers_to_transform", nullptr},
+          {"layers_pattern", nullptr},
+          {"rank_pattern", nlohmann::json::object()},
+          {"alpha_pattern", nlohmann::json::object()},
+          {"revision", nullptr}};
+}
+
+const std::vector<float>& nf4_levels() {
+  static const std::vector<float> v = {-1.0f,
+                                       -0.6961928009986877f,
+                                       -0.5250730514526367f,
+                                       -0.39491748809814453f,
+                                       -0.28444138169288635f,
+                                       -0.18477343022823334f,
+                                       -0.09105003625154495f,
+                                       0.0f,
+                                       0.07958029955625534f,
+                                       0.16093020141124725f,
+                                       0.24611230194568634f,
+                                       0.33791524171829224f,
+                                       0.44070982933044434f,
+                                       0.5626170039176941f,
+                                       0.7229568362236023f,
+                                       1.0f};
+  return v;
+}
+
+int64_t QuantizedWeight::numel() const {
+  int64_t n = 1;
+  for (auto s : shape) n *= s;
+  return n;
+}
+
+int64_t QuantizedWeight::bytes() const {
+  int64_t b = 0;
+  for (const at::Tensor* t : {&codes, &scales, &qscales, &scale2})
+    if (t->defined()) b += static_cast<int64_t>(t->nbytes());
+  return b;
+}
+
+namespace {
+at::Tensor block_absmax(const QuantizedWeight& q) {
+  if (!q.qscales.defined()) return q.scales;
+  const int64_t nb = (q.numel() + kNf4Block - 1) / kNf4Block;
+  auto deq = q.qscales.to(at::kFloat).view({-1, kNf4ScaleBlock}) * (q.scale2.unsqueeze(1) / 127.0);
+  return deq.reshape({-1}).narrow(0, 0, nb) + q.scale_mean;
+}
+}  // namespace
+
+at::Tensor QuantizedWeight::dequantize(at::ScalarType dtype) const {
+  at::NoGradGuard ng;
+  if (kind == "int8") {
+    std::vector<int64_t> view(shape.size(), 1);
+    view[static_cast<size_t>(channel_dim)] = shape[static_cast<size_t>(channel_dim)];
+    return (codes.to(at::kFloat) * (scales / 127.0).view(view)).to(dtype);
+  }
+  const int64_t n = numel();
+  auto hi = at::bitwise_right_shift(codes, 4), lo = at::bitwise_and(codes, 15);
+  auto idx = at::stack({hi, lo}, 1).reshape({-1}).to(at::kLong);
+  auto levels = at::tensor(nf4_levels(), at::TensorOptions().dtype(at::kFloat)).to(codes.device());
+  auto vals = levels.index_select(0, idx).view({-1, kNf4Block}) * block_absmax(*this).unsqueeze(1);
+  return vals.reshape({-1}).narrow(0, 0, n).view(shape).to(dtype);
+}
+
+void QuantizedWeight::to(const at::Device& d) {
+  for (at::Tensor* t : {&codes, &scales, &qscales, &scale2})
+    if (t->defined()) *t = t->to(d);
+}
+
+std::shared_ptr<QuantizedWeight> quantize(const at::Tensor& w_in, const std::string& kind, int64_t channel_dim,
+                                          bool double_quant) {
+  at::NoGradGuard ng;
+  auto q = std::make_shared<QuantizedWeight>();
+  at::Tensor w = w_in.detach().to(at::kFloat);
+  q->kind = kind;
+  q->shape.assign(w.sizes().begin(), w.sizes().end());
+  q->channel_dim = channel_dim;
+  if (kind == "int8") {
+    std::vector<int64_t> other;
+    for (int64_t d = 0; d < w.dim(); ++d)
+      if (d != channel_dim) other.push_back(d);
+    auto amax = w.abs().amax(other, true).clamp_min(1e-12);
+    q->codes = at::round(w / amax * 127.0).clamp(-127, 127).to(at::kChar);
+    q->scales = amax.reshape({-1}).contiguous();
+    return q;
+  }
+  if (kind != "nf4") throw InputError("lora.base_dtype", "unknown quantization '" + kind + "' (int8 or nf4)");
+  const int64_t n = w.numel(), nb = (n + kNf4Block - 1) / kNf4Block;
+  auto flat = at::zeros({nb * kNf4Block}, w.options());
+  flat.narrow(0, 0, n).copy_(w.reshape({-1}));
+  auto blocks = flat.view({nb, kNf4Block});
+  auto absmax = blocks.abs().amax({1}).clamp_min(1e-12);
+  auto normed = blocks / absmax.unsqueeze(1);
+  // Nearest level: bucketize by the midpoints between neighbouring levels.
+  const auto& lv = nf4_levels();
+  std::vector<float> mids;
+  for (size_t i = 0; i + 1 < lv.size(); ++i) mids.push_back(0.5f * (lv[i] + lv[i + 1]));
+  auto idx = at::bucketize(normed, at::tensor(mids, w.options())).to(at::kByte).reshape({-1, 2});
+  q->codes = at::bitwise_or(at::bitwise_left_shift(idx.select(1, 0), 4), idx.select(1, 1)).contiguous();
+  if (!double_quant) {
+    q->scales = absmax.contiguous();
+    return q;
+  }
+  q->scale_mean = absmax.mean().item<double>();
+  const int64_t ns = (nb + kNf4ScaleBlock - 1) / kNf4ScaleBlock;
+  auto centred = at::zeros({ns * kNf4ScaleBlock}, w.options());
+  centred.narrow(0, 0, nb).copy_(absmax - q->scale_mean);
+  auto sb = centred.view({ns, kNf4ScaleBlock});
+  q->scale2 = sb.abs().amax({1}).clamp_min(1e-12).contiguous();
+  q->qscales = at::round(sb / q->scale2.unsqueeze(1) * 127.0).clamp(-127, 127).to(at::kChar).reshape({-1}).contiguous();
+  return q;
+}
+
+namespace {
+struct QuantizedMatmul : torch::autograd::Function<QuantizedMatmul> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t q_ptr, bool w_in_out) {
+    ctx->saved_data["q"] = q_ptr;
+    ctx->saved_data["in_out"] = w_in_out;
+    const auto* q = reinterpret_cast<const QuantizedWeight*>(static_cast<intptr_t>(q_ptr));
+    at::Tensor w = q->dequantize(x.scalar_type());  // freed when the forward returns
+    return w_in_out ? at::matmul(x, w) : at::linear(x, w);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto* q = reinterpret_cast<const QuantizedWeight*>(static_cast<intptr_t>(ctx->saved_data["q"].toInt()));
+    const bool in_out = ctx->saved_data["in_out"].toBool();
+    at::Tensor w = q->dequantize(grads[0].scalar_type());
+    at::Tensor gx = in_out ? at::matmul(grads[0], w.t()) : at::matmul(grads[0], w);
+    return {gx, at::Tensor(), at::Tensor()};
+  }
+};
+}  // namespace
+
+at::Tensor quantized_matmul(const at::Tensor& x, const std::shared_ptr<QuantizedWeight>& q, bool w_in_out) {
+  // The model owns Q and outlives every graph built through it.
+  return QuantizedMatmul::apply(x, static_cast<int64_t>(reinterpret_cast<intptr_t>(q.get())), w_in_out);
+}
+
+}  // namespace alloy::model
