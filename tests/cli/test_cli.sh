@@ -249,6 +249,27 @@ PY
 expect_ok "plan with the run's calibrated profile" "$alloy" plan --cluster pool.yaml --config mid.yaml \
   --profile replan3/profile-calibrated.json --no-compare -o replanned-again.json
 
+# --- LoRA fine-tuning from the exported model: adapters in PEFT's layout, a small checkpoint, and
+# the errors a user meets
+expect_ok "lora fine-tune from safetensors" "$alloy" train --config tiny.yaml --set output.dir=lora --init-from hf/model.safetensors \
+  --lora-rank 4 --lora-targets c_attn mlp.c_fc --base-dtype int8
+[ -s lora/adapter/adapter_model.safetensors ] && grep -q '"peft_type": "LORA"' lora/adapter/adapter_config.json \
+  && grep -q '"base_model_name_or_path": ".*hf/model.safetensors"' lora/adapter/adapter_config.json \
+  && ok "lora adapter in PEFT's layout" || bad "lora adapter files"
+full_kb=$(du -k run/checkpoints/step_00000008/model.safetensors | cut -f1); lora_kb=$(du -k lora/checkpoints/step_00000008/model.safetensors | cut -f1)
+[ "$lora_kb" -lt $((full_kb / 5)) ] && ok "lora checkpoint holds the adapters alone (${lora_kb} kB vs ${full_kb} kB)" || bad "lora checkpoint ${lora_kb} kB vs ${full_kb} kB"
+e4=$("$alloy" eval --config tiny.yaml --weights lora --text eval.txt 2>/dev/null)
+expect_ok "export --merge" "$alloy" export --checkpoint lora --output merged/model.safetensors --merge
+e5=$("$alloy" eval --config tiny.yaml --weights merged/model.safetensors --text eval.txt 2>/dev/null)
+/usr/bin/python3 -c "import json,sys; a=json.loads('$e4')['loss']; b=json.loads('$e5')['loss']; base=json.loads('$e1')['loss']; sys.exit(0 if abs(a-b) <= 1e-5*abs(a) and a != base else 1)" \
+  && ok "merged export evaluates as the LoRA checkpoint ($e4 / $e5)" || bad "merged export: $e4 / $e5 (base $e1)"
+expect_fail "export of a LoRA run needs --merge" "--merge" "adapter/" -- "$alloy" export --checkpoint lora --output x/model.safetensors
+expect_fail "lora target of another arch" "lora.targets" "'q_proj'" "mlp.c_fc" -- \
+  "$alloy" train --config tiny.yaml --set output.dir=lorabad --lora-rank 4 --lora-targets q_proj
+expect_fail "quantized base without adapters" "lora.base_dtype" "lora.rank" -- "$alloy" train --config tiny.yaml --base-dtype nf4
+expect_fail "resume a LoRA run without LoRA" "with LoRA" "--init-from" -- "$alloy" train --config tiny.yaml --set output.dir=lora \
+  --set train.steps=10 --resume
+
 # --- generate prints text
 gen=$("$alloy" generate --checkpoint run --prompt "The " -n 40 2>/dev/null)
 [ ${#gen} -ge 40 ] && ok "generate: $(head -c 60 <<<"$gen" | tr '\n' ' ')" || bad "generate printed '${gen}'"

@@ -46,8 +46,8 @@ void Layer::add_adapter(size_t w, int64_t rank, double scale, double dropout, co
   const size_t a = params_.size();
   // No weight decay: PEFT's trainers decay LoRA matrices only when asked, and decay towards zero
   // would pull the fine-tuned model back to the base.
-  add(stem + ".lora_A.weight", init_a.to(W.dtype()), false);
-  add(stem + ".lora_B.weight", at::zeros({out, rank}, W.options().requires_grad(false)), false);
+  add(stem + ".lora_A.weight", init_a.to(W.dtype()).requires_grad_(true), false);
+  add(stem + ".lora_B.weight", at::zeros({out, rank}, W.options().requires_grad(false)).requires_grad_(true), false);
   adapters_[w] = {a, a + 1, scale, dropout};
 }
 

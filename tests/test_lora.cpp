@@ -1,0 +1,273 @@
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <set>
+
+#include "alloy/core/config.h"
+#include "alloy/core/error.h"
+#include "alloy/model/lora.h"
+#include "alloy/model/transformer.h"
+
+using alloy::Config;
+using alloy::LoraConfig;
+using alloy::ModelConfig;
+using alloy::model::LayerRange;
+using alloy::model::Transformer;
+namespace m = alloy::model;
+
+namespace {
+ModelConfig tiny(const std::string& arch) {
+  ModelConfig c;
+  c.arch = arch;
+  c.layers = 3;
+  c.hidden = 32;
+  c.heads = 4;
+  c.kv_heads = arch == "llama" ? 2 : 0;
+  c.seq_len = 16;
+  c.vocab_size = 61;
+  return c;
+}
+LoraConfig lora(int64_t rank, const std::string& targets = "", const std::string& base = "fp32") {
+  LoraConfig l;
+  l.rank = rank;
+  l.alpha = 8;
+  l.targets = targets;
+  l.base_dtype = base;
+  return l;
+}
+at::Tensor tokens(const ModelConfig& c, int64_t B, uint64_t seed) {
+  auto g = at::detail::createCPUGenerator(seed);
+  return at::randint(c.vocab_size, {B, c.seq_len}, g, at::kLong);
+}
+// Gives every adapter B a nonzero value, as training would.
+void perturb_adapters(Transformer& t, uint64_t seed) {
+  auto g = at::detail::createCPUGenerator(seed);
+  at::NoGradGuard ng;
+  for (auto* p : t.trainable())
+    if (p->name.find("lora_B") != std::string::npos) p->tensor.copy_(at::randn(p->tensor.sizes(), g) * 0.05);
+}
+class LoraArch : public ::testing::TestWithParam<std::string> {};
+}  // namespace
+
+TEST(LoraTargets, NamesSuffixesAndGlobs) {
+  EXPECT_TRUE(m::lora_matches({"c_attn"}, "h.0.attn.c_attn"));
+  EXPECT_TRUE(m::lora_matches({"attn.c_proj"}, "h.2.attn.c_proj"));
+  EXPECT_FALSE(m::lora_matches({"attn.c_proj"}, "h.2.mlp.c_proj"));
+  EXPECT_TRUE(m::lora_matches({"c_proj"}, "h.2.mlp.c_proj"));  // PEFT's suffix rule: both c_proj
+  EXPECT_TRUE(m::lora_matches({"mlp.*"}, "h.1.mlp.c_fc"));
+  EXPECT_FALSE(m::lora_matches({"mlp.*"}, "h.1.attn.c_attn"));
+  EXPECT_TRUE(m::lora_matches({"*_proj"}, "model.layers.0.self_attn.q_proj"));
+  EXPECT_FALSE(m::lora_matches({"_proj"}, "model.layers.0.self_attn.q_proj"));  // not a dotted suffix
+  EXPECT_TRUE(m::lora_matches({"all"}, "model.layers.0.mlp.down_proj"));
+}
+
+TEST(LoraTargets, DefaultsAreTheAttentionProjections) {
+  auto g = m::lora_modules(tiny("gpt2"), lora(4));
+  EXPECT_EQ(g.size(), 6u);
+  EXPECT_EQ(g[0], "h.0.attn.c_attn");
+  EXPECT_EQ(g[1], "h.0.attn.c_proj");
+  auto l = m::lora_modules(tiny("llama"), lora(4));
+  EXPECT_EQ(l.size(), 12u);
+  EXPECT_EQ(l[3], "model.layers.0.self_attn.o_proj");
+  EXPECT_TRUE(m::lora_modules(tiny("gpt2"), lora(0)).empty());
+}
+
+TEST(LoraTargets, APatternThatMatchesNothingNamesTheKeyAndTheProjections) {
+  try {
+    m::lora_modules(tiny("gpt2"), lora(4, "c_attn,q_proj"));
+    FAIL() << "expected InputError";
+  } catch (const alloy::InputError& e) {
+    std::string w = e.what();
+    EXPECT_NE(w.find("lora.targets"), std::string::npos) << w;
+    EXPECT_NE(w.find("'q_proj'"), std::string::npos) << w;
+    EXPECT_NE(w.find("mlp.c_fc"), std::string::npos) << w;
+  }
+}
+
+TEST(LoraConfigKeys, ListsValidationAndFlagsOfTheSection) {
+  Config c = Config::from_yaml_string("lora: {rank: 8, alpha: 16, targets: [q_proj, v_proj]}\nmodel: {arch: llama}\n", "t.yaml");
+  EXPECT_EQ(c.lora.rank, 8);
+  EXPECT_EQ(c.lora.targets, "q_proj,v_proj");
+  EXPECT_EQ(c.lora.target_list("llama"), (std::vector<std::string>{"q_proj", "v_proj"}));
+  EXPECT_THROW(Config::from_yaml_string("lora: {base_dtype: nf4}\n", "t.yaml"), alloy::InputError);  // needs adapters
+  EXPECT_THROW(Config::from_yaml_string("lora: {rank: 4, base_dtype: int4}\n", "t.yaml"), alloy::InputError);
+  EXPECT_THROW(Config::from_yaml_string("lora: {rank: 4, double_quant: true}\n", "t.yaml"), alloy::InputError);
+  EXPECT_THROW(Config::from_yaml_string("lora: {rank: -1}\n", "t.yaml"), alloy::InputError);
+  EXPECT_THROW(Config::from_yaml_string("lora: {rnak: 4}\n", "t.yaml"), alloy::InputError);
+}
+
+TEST(LoraNames, PeftNamesRoundTrip) {
+  EXPECT_EQ(m::peft_name("gpt2", "h.0.attn.c_attn.lora_A.weight"), "base_model.model.transformer.h.0.attn.c_attn.lora_A.weight");
+  EXPECT_EQ(m::peft_name("llama", "model.layers.1.self_attn.q_proj.lora_B.weight"),
+            "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight");
+  for (const std::string arch : {"gpt2", "llama"})
+    for (const auto& mod : m::lora_modules(tiny(arch), lora(2, "all")))
+      for (const char* ab : {".lora_A.weight", ".lora_B.weight"})
+        EXPECT_EQ(m::from_peft_name(arch, m::peft_name(arch, mod + ab)), mod + ab);
+  EXPECT_EQ(m::from_peft_name("gpt2", "base_model.model.transformer.h.0.attn.c_attn.lora_A.default.weight"),
+            "h.0.attn.c_attn.lora_A.weight");
+  EXPECT_EQ(m::from_peft_name("gpt2", "transformer.h.0.attn.c_attn.weight"), "");
+  auto cfg = m::peft_adapter_config(tiny("gpt2"), lora(4, "c_proj"), "base.safetensors");
+  EXPECT_EQ(cfg["target_modules"], nlohmann::json({"attn.c_proj", "mlp.c_proj"}));
+  EXPECT_EQ(cfg["fan_in_fan_out"], true);
+  EXPECT_EQ(cfg["r"], 4);
+}
+
+TEST_P(LoraArch, AdaptersStartAtTheBaseModelsOutputsAndOnlyTheyTrain) {
+  ModelConfig c = tiny(GetParam());
+  auto base = Transformer::full(c, 5), adapted = Transformer::full(c, 5);
+  adapted->apply_lora(lora(4, "all"), 5);
+  at::Tensor x = tokens(c, 2, 3);
+  EXPECT_TRUE(at::equal(base->forward(x), adapted->forward(x)));  // B = 0
+
+  perturb_adapters(*adapted, 9);
+  at::Tensor loss = Transformer::loss_sum(adapted->forward(x), tokens(c, 2, 4));
+  torch::autograd::backward({loss});
+  size_t adapters = 0;
+  for (auto* p : adapted->parameters()) {
+    const bool adapter = m::is_adapter_name(p->name);
+    EXPECT_EQ(p->frozen, !adapter) << p->name;
+    EXPECT_EQ(p->tensor.grad().defined(), adapter) << p->name;
+    adapters += adapter;
+  }
+  EXPECT_EQ(adapters, 2 * m::lora_modules(c, lora(4, "all")).size());
+  EXPECT_EQ(adapted->trainable().size(), adapters);
+}
+
+TEST_P(LoraArch, SlicesHoldTheFullModelsAdaptersAndNamesAreKnownWithoutBuilding) {
+  ModelConfig c = tiny(GetParam());
+  const LoraConfig l = lora(3, "all");
+  auto full = Transformer::full(c, 11);
+  full->apply_lora(l, 11);
+  perturb_adapters(*full, 2);
+  std::vector<std::unique_ptr<Transformer>> slices;
+  for (auto [b, e] : {std::pair<int64_t, int64_t>{0, 1}, {1, 2}, {2, 3}}) {
+    auto s = std::make_unique<Transformer>(c, LayerRange::for_blocks(b, e, c.layers), 11);
+    s->apply_lora(l, 11);
+    std::set<std::string> built, listed;
+    for (auto* p : s->parameters()) built.insert(p->name);
+    for (const auto& n : m::param_names(c, l, s->range())) listed.insert(n);
+    EXPECT_EQ(built, listed);
+    at::NoGradGuard ng;
+    for (auto* p : s->trainable()) {
+      auto* q = full->find(p->name);
+      ASSERT_NE(q, nullptr) << p->name;
+      if (p->name.find("lora_A") != std::string::npos) EXPECT_TRUE(at::equal(p->tensor, q->tensor)) << p->name;
+      p->tensor.copy_(q->tensor);  // B as the perturbed full model's
+    }
+    slices.push_back(std::move(s));
+  }
+  at::Tensor x = tokens(c, 2, 8);
+  at::NoGradGuard ng;
+  EXPECT_TRUE(at::equal(full->forward(x), slices[2]->forward(slices[1]->forward(slices[0]->forward(x)))));
+}
+
+TEST_P(LoraArch, MergedWeightsComputeTheAdaptedModel) {
+  ModelConfig c = tiny(GetParam());
+  auto adapted = Transformer::full(c, 21);
+  adapted->apply_lora(lora(4, "all"), 21);
+  perturb_adapters(*adapted, 5);
+  auto plain = Transformer::full(c, 99);
+  {
+    at::NoGradGuard ng;
+    for (const auto& [n, t] : adapted->merged_weights()) plain->find(n)->tensor.copy_(t);
+  }
+  at::NoGradGuard ng;
+  at::Tensor x = tokens(c, 2, 6);
+  at::Tensor a = adapted->forward(x), b = plain->forward(x);
+  EXPECT_TRUE(at::allclose(a, b, 1e-5, 1e-5)) << (a - b).abs().max().item<double>();
+  EXPECT_FALSE(at::allclose(a, Transformer::full(c, 21)->forward(x), 1e-5, 1e-5));  // the adapters matter
+}
+
+TEST_P(LoraArch, QuantizedBaseStaysCloseToFullPrecision) {
+  ModelConfig c = tiny(GetParam());
+  auto ref = Transformer::full(c, 31);
+  at::Tensor x = tokens(c, 2, 1);
+  at::NoGradGuard ng;
+  at::Tensor y = ref->forward(x);
+  for (const std::string kind : {"int8", "nf4"}) {
+    auto q = Transformer::full(c, 31);
+    q->apply_lora(lora(2, "", kind), 31);
+    int64_t quantized = 0;
+    for (auto* p : q->parameters()) quantized += p->quant ? 1 : 0;
+    EXPECT_EQ(quantized, c.layers * static_cast<int64_t>(m::adaptable_projections(c.arch).size())) << kind;
+    at::Tensor yq = q->forward(x);
+    const double rel = ((yq - y).norm() / y.norm()).item<double>();
+    // Logit error relative to the logits: int8 ~0.3%, NF4 ~5% on these random weights.
+    EXPECT_GT(rel, 0.0) << kind;
+    EXPECT_LT(rel, kind == "int8" ? 0.01 : 0.1) << kind;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Archs, LoraArch, ::testing::Values("gpt2", "llama"));
+
+TEST(Quantize, Int8ErrorIsHalfAStepOfEachChannelsScale) {
+  auto g = at::detail::createCPUGenerator(3);
+  at::Tensor w = at::randn({48, 20}, g) * at::linspace(0.1, 3.0, 20);  // channels (dim 1) of unlike scales
+  auto q = m::quantize(w, "int8", 1, false);
+  at::Tensor d = q->dequantize();
+  at::Tensor step = w.abs().amax({0}) / 127.0;
+  EXPECT_TRUE(((d - w).abs() <= step / 2 + 1e-6).all().item<bool>());
+  EXPECT_TRUE(at::allclose(d.abs().amax({0}), w.abs().amax({0}), 1e-6, 1e-6));  // each channel's extreme exact
+  EXPECT_EQ(q->bytes(), 48 * 20 + 20 * 4);
+}
+
+TEST(Quantize, Nf4ValuesAreLevelsTimesTheBlocksAbsmax) {
+  auto g = at::detail::createCPUGenerator(4);
+  at::Tensor w = at::randn({10, 70}, g);  // 700 elements: 11 blocks, the last one partial
+  w.view({-1})[5] = 0;
+  auto q = m::quantize(w, "nf4", 0, false);
+  at::Tensor d = q->dequantize();
+  ASSERT_EQ(d.sizes(), w.sizes());
+  EXPECT_EQ(d.view({-1})[5].item<float>(), 0.0f);  // NF4 has an exact zero
+  at::Tensor flat = at::zeros({11 * 64});
+  flat.narrow(0, 0, 700).copy_(w.view({-1}));
+  at::Tensor absmax = flat.view({11, 64}).abs().amax({1});
+  at::Tensor levels = at::tensor(m::nf4_levels());
+  at::Tensor dflat = at::zeros({11 * 64});
+  dflat.narrow(0, 0, 700).copy_(d.view({-1}));
+  at::Tensor ratio = dflat.view({11, 64}) / absmax.unsqueeze(1);
+  // Every value is one of the 16 levels of its block, and the nearest one.
+  at::Tensor dist = (ratio.unsqueeze(-1) - levels).abs().amin(-1);
+  EXPECT_LT(dist.max().item<double>(), 1e-6);
+  at::Tensor wr = flat.view({11, 64}) / absmax.unsqueeze(1);
+  at::Tensor best = (wr.unsqueeze(-1) - levels).abs().amin(-1);
+  EXPECT_TRUE(((wr - ratio).abs() <= best + 1e-6).all().item<bool>());
+  EXPECT_EQ(q->bytes(), 11 * 32 + 11 * 4);
+}
+
+TEST(Quantize, DoubleQuantizedScalesAreCloseAndSmaller) {
+  auto g = at::detail::createCPUGenerator(5);
+  at::Tensor w = at::randn({256, 300}, g);
+  auto plain = m::quantize(w, "nf4", 0, false), dq = m::quantize(w, "nf4", 0, true);
+  EXPECT_LT(dq->bytes(), plain->bytes());
+  const int64_t blocks = 256 * 300 / 64;
+  const int64_t scale_blocks = (blocks + 255) / 256;  // int8 scales padded to whole blocks of 256
+  EXPECT_EQ(dq->bytes(), 256 * 300 / 2 + scale_blocks * 256 + scale_blocks * 4);
+  const double err_plain = (plain->dequantize() - w).abs().mean().item<double>();
+  const double err_dq = (dq->dequantize() - w).abs().mean().item<double>();
+  EXPECT_LT(err_dq, err_plain * 1.05);  // the scales' own error adds little
+  EXPECT_LT(static_cast<double>(dq->bytes()) / static_cast<double>(w.numel() * 4), 0.133);
+}
+
+TEST(Quantize, MatmulGradientFlowsThroughTheDequantizedWeight) {
+  auto g = at::detail::createCPUGenerator(6);
+  for (bool in_out : {true, false}) {
+    at::Tensor w = at::randn(in_out ? std::vector<int64_t>{12, 7} : std::vector<int64_t>{7, 12}, g);
+    auto q = m::quantize(w, "nf4", in_out ? 1 : 0, false);
+    at::Tensor wd = q->dequantize();
+    at::Tensor x = at::randn({5, 12}, g).requires_grad_(true);
+    at::Tensor x2 = x.detach().clone().requires_grad_(true);
+    at::Tensor y = m::quantized_matmul(x, q, in_out);
+    at::Tensor y2 = in_out ? at::matmul(x2, wd) : at::linear(x2, wd);
+    EXPECT_TRUE(at::allclose(y, y2, 1e-6, 1e-6));
+    at::Tensor up = at::randn(y.sizes(), g);
+    torch::autograd::backward({y}, {up});
+    torch::autograd::backward({y2}, {up});
+    EXPECT_TRUE(at::allclose(x.grad(), x2.grad(), 1e-6, 1e-6)) << in_out;
+  }
+}
