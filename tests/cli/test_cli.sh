@@ -270,6 +270,41 @@ expect_fail "quantized base without adapters" "lora.base_dtype" "lora.rank" -- "
 expect_fail "resume a LoRA run without LoRA" "with LoRA" "--init-from" -- "$alloy" train --config tiny.yaml --set output.dir=lora \
   --set train.steps=10 --resume
 
+# --- HeteroShard's whole file: LoRA over a 4-bit base, its diagram when training starts, its
+# checkpoint_dir, and resume_step; plan --diagram draws converted plans too
+sed 's/layers: 2/layers: 3/' tiny.yaml > tiny3.yaml
+cat > hs.json <<'JSON'
+{"version": "0.1.0",
+ "coordinator": {"hostname": "mac", "ip": "127.0.0.1", "device": "cpu"},
+ "workers": [{"id": 1, "hostname": "gpu-a", "ip": "127.0.0.1", "port": 9999, "device": "auto"},
+             {"id": 2, "hostname": "gpu-b", "ip": "127.0.0.1", "port": 9999, "device": "cpu"}],
+ "training": {"visualize": true, "visualization_format": "svg", "log_level": "INFO"},
+ "lora": {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn", "c_fc"], "load_in_4bit": true},
+ "shard_plan": [{"id": "local", "start": 0, "end": 1}, {"id": 1, "start": 1, "end": 2}, {"id": 2, "start": 2, "end": 3, "is_last": true}],
+ "checkpoint_dir": "hs_run"}
+JSON
+out=$("$alloy" launch --nproc 3 -- "$alloy" train --config tiny3.yaml --hetero-config hs.json 2>&1) \
+  && grep -q "projections in nf4" <<<"$out" && grep -q "<svg" hs_run/architecture.svg && grep -qE "gpu(-|&#45;)b" hs_run/architecture.svg \
+  && [ -s hs_run/adapter/adapter_model.safetensors ] && [ -d hs_run/checkpoints/step_00000004 ] \
+  && ok "HeteroShard file: LoRA on nf4 over 3 ranks, diagram and checkpoints in checkpoint_dir" \
+  || { bad "HeteroShard file run"; echo "$out" | tail -5; }
+/usr/bin/python3 -c "import json; j=json.load(open('hs.json')); j['resume_step']=4; json.dump(j, open('hs-resume.json','w'))"
+out=$("$alloy" launch --nproc 3 -- "$alloy" train --config tiny3.yaml --hetero-config hs-resume.json --set train.steps=10 2>&1) \
+  && grep -q "resumed from hs_run/checkpoints/step_00000004 at step 4" <<<"$out" && [ "$(wc -l < hs_run/metrics.jsonl)" -eq 10 ] \
+  && ok "HeteroShard resume_step resumes there" || { bad "HeteroShard resume_step"; echo "$out" | tail -5; }
+/usr/bin/python3 -c "import json; j=json.load(open('hs.json')); j['resume_step']=6; json.dump(j, open('hs-bad.json','w'))"
+expect_fail "HeteroShard resume_step without a checkpoint" "hs-bad.json" "resume_step: 6" "step_00000004" -- \
+  "$alloy" launch --nproc 3 -- "$alloy" train --config tiny3.yaml --hetero-config hs-bad.json
+/usr/bin/python3 -c "import json; j=json.load(open('hs.json')); j['workers'][1]['device']='mps'; json.dump(j, open('hs-mps.json','w'))"
+expect_fail "HeteroShard mps device named" "hs-mps.json" "shard_plan[2] (rank 2)" "'mps'" -- \
+  "$alloy" launch --nproc 3 -- "$alloy" train --config tiny3.yaml --hetero-config hs-mps.json --set output.dir=mps
+expect_ok "plan --from-shard-plan --diagram" "$alloy" plan --from-shard-plan hs.json --global-batch 4 --micro-batch 1 --diagram hs-plan.mmd
+grep -q "gpu-a" hs-plan.mmd && ok "converted plan's diagram written" || bad "converted plan's diagram"
+expect_ok "plan --from-synerfuse --diagram" "$alloy" plan --from-synerfuse --num-layers 8 --pipeline-model-parallel-size 2 \
+  --hetero-pipeline-stages 1 6 1 2 --global-batch-size 32 --micro-batch-size 4 --diagram sf-plan.dot
+grep -q "digraph" sf-plan.dot && ok "SynerFuse plan's diagram written" || bad "SynerFuse plan's diagram"
+expect_fail "an option that cannot apply" "--profile" "--cluster" -- "$alloy" plan --from-shard-plan hs.json --profile hs.json
+
 # --- generate prints text
 gen=$("$alloy" generate --checkpoint run --prompt "The " -n 40 2>/dev/null)
 [ ${#gen} -ge 40 ] && ok "generate: $(head -c 60 <<<"$gen" | tr '\n' ' ')" || bad "generate printed '${gen}'"

@@ -24,7 +24,6 @@ test then works from those files alone, the way a PEFT user would:
 usage: test_peft.py ALLOY WORKDIR
 """
 import json
-import math
 import os
 import sys
 
@@ -324,7 +323,7 @@ def run_arch(alloy, work, arch, env, text_path, windows, report):
         results.update(py=py, alloy=got)
         ok = rel(got, py) <= RTOL_LOSS and rel(py_merged, py) <= 1e-10
         return ok, (f"alloy eval {got:.9f}, Python LoRA forward {py:.9f}: relative {rel(got, py):.2e} "
-                    f"(<= {RTOL_LOSS:g}); reference.py on merged weights {rel(py_merged, py):.1e} apart "
+                    f"(tolerance {RTOL_LOSS:g}); reference.py on merged weights {rel(py_merged, py):.1e} apart "
                     f"({windows.shape[0]} windows)")
 
     def merged():

@@ -141,6 +141,24 @@ void add_dist_commands(CLI::App& app, Action& action) {
       if (!pa->config.empty()) cfg = Config::load(pa->config, pa->sets);
       Plan p;
       std::string where;
+      // An option that cannot apply is an error, never silently ignored.
+      if (pa->cluster.empty()) {
+        const std::pair<bool, const char*> cluster_only[] = {{!pa->profile.empty(), "--profile"},
+                                                             {pa->strategy != "alloy", "--strategy"},
+                                                             {!pa->evaluate.empty(), "--evaluate"},
+                                                             {pa->no_compare, "--no-compare"}};
+        for (const auto& [given, flag] : cluster_only)
+          if (given) throw InputError(flag, "applies only to planning for a cluster (--cluster FILE)");
+      }
+      if (pa->from_synerfuse && !pa->shard_plan.empty())
+        throw InputError("--from-shard-plan", "and --from-synerfuse both given: convert one plan at a time");
+      if (pa->from_synerfuse || !pa->shard_plan.empty()) {
+        if (!pa->cluster.empty())
+          throw InputError("--cluster", "plans from scratch; a converted plan (--from-synerfuse / --from-shard-plan) is "
+                                        "predicted on a cluster with --cluster FILE --evaluate PLAN.json");
+        if (pa->global_batch > 0 && pa->from_synerfuse)
+          throw InputError("--global-batch", "is for --from-shard-plan; SynerFuse says --global-batch-size");
+      }
       if (pa->from_synerfuse) {
         SynerFuseArgs sf = parse_synerfuse_args(extras);
         if (sf.num_layers <= 0) sf.num_layers = cfg.model.layers;
@@ -210,6 +228,10 @@ void add_dist_commands(CLI::App& app, Action& action) {
       }
       p.validate(cfg.model, where);
       std::printf("%s", p.describe().c_str());
+      if (!pa->diagram.empty()) {  // no cluster: stages grouped by pipeline, no predictions
+        viz::write_diagram({&p, nullptr, cfg.model.layers, {}}, pa->diagram);
+        std::printf("wrote %s\n", pa->diagram.c_str());
+      }
       if (!pa->output.empty()) {
         p.save(pa->output);
         std::printf("wrote %s\n", pa->output.c_str());

@@ -1,6 +1,9 @@
 #include <unistd.h>
 
+#include <ATen/Context.h>
+
 #include <cmath>
+#include <filesystem>
 #include <cstdlib>
 #include <thread>
 #include <cstdio>
@@ -15,7 +18,9 @@
 #include "alloy/dist/rendezvous.h"
 #include "alloy/dist/world.h"
 #include "alloy/core/fs.h"
+#include "alloy/train/checkpoint.h"
 #include "alloy/train/run_plan.h"
+#include "alloy/viz/diagram.h"
 #include "alloy/train/trainer.h"
 
 namespace alloy::cli {
@@ -106,6 +111,27 @@ std::vector<std::string> safusion_overrides(const TrainArgs& a) {
   if (a.threshold > 0) out.push_back("grad_sync.bucket_mb=" + std::to_string(static_cast<double>(a.threshold) * 4 / (1 << 20)));
   if (a.mgwfbp) out.push_back("grad_sync.fusion=omgs");
   return out;
+}
+
+// A HeteroShard stage's device in Alloy's terms: auto picks CUDA where there is one.
+std::string hetero_device(const std::string& d, const std::string& file, int rank) {
+  if (d == "auto") return at::hasCUDA() ? "cuda" : "cpu";
+  if (d == "mps")
+    throw InputError(file, "the device of shard_plan[" + std::to_string(rank) + "] (rank " + std::to_string(rank) +
+                               ") is 'mps', which this LibTorch build cannot use; say cpu, cuda or auto");
+  return d;
+}
+
+// resume_step's checkpoint under the run directory (checkpoint_dir), which must exist.
+std::string hetero_resume_dir(const Config& cfg, const HeteroShardRun& hs, const std::string& file) {
+  const std::string dir = cfg.output.dir + "/checkpoints/" + train::step_name(hs.resume_step);
+  if (file_exists(dir + "/state.json")) return dir;
+  std::string have;
+  if (std::filesystem::is_directory(cfg.output.dir + "/checkpoints"))
+    for (const auto& e : std::filesystem::directory_iterator(cfg.output.dir + "/checkpoints"))
+      if (e.path().filename().string().rfind("step_", 0) == 0) have += (have.empty() ? "" : ", ") + e.path().filename().string();
+  throw InputError(file, "resume_step: " + std::to_string(hs.resume_step) + ", but " + dir + " holds no checkpoint (" +
+                             (have.empty() ? "none written yet" : "there are " + have) + ")");
 }
 
 void print_summary(const train::TrainResult& r) {
@@ -218,7 +244,11 @@ void add_train_commands(CLI::App& app, Action& action) {
 
   cmd->callback([a, &action]() {
     action = [a]() {
-      std::vector<std::string> sets = a->sets;
+      // A HeteroShard file says more than the layout: its settings come first, so --set still wins.
+      HeteroShardRun hs;
+      if (!a->src.hetero_config.empty()) hs = hetero_run_settings_file(a->src.hetero_config);
+      std::vector<std::string> sets = hs.config_overrides;
+      sets.insert(sets.end(), a->sets.begin(), a->sets.end());
       for (auto& o : safusion_overrides(*a)) sets.push_back(o);
       for (auto& o : sharding_overrides(*a)) sets.push_back(o);
       for (auto& o : lora_overrides(*a)) sets.push_back(o);
@@ -229,6 +259,9 @@ void add_train_commands(CLI::App& app, Action& action) {
       if (sf.num_layers > 0 && sf.num_layers != cfg.model.layers)
         throw InputError("--num-layers", std::to_string(sf.num_layers) + " differs from model.layers " +
                                              std::to_string(cfg.model.layers) + " in " + a->config);
+      if (static_cast<size_t>(rv.rank) < hs.stage_devices.size() && !hs.stage_devices[static_cast<size_t>(rv.rank)].empty() &&
+          !std::getenv("ALLOY_DEVICE"))
+        cfg.train.device = hetero_device(hs.stage_devices[static_cast<size_t>(rv.rank)], a->src.hetero_config, rv.rank);
       std::shared_ptr<dist::World> world;
       if (rv.world_size > 1) {
         if (!std::getenv("ALLOY_OUTPUT_PREFIXED")) set_log_prefix("[rank " + std::to_string(rv.rank) + "] ");
@@ -239,6 +272,13 @@ void add_train_commands(CLI::App& app, Action& action) {
         train::TrainOptions o;
         if (!a->resume_from.empty()) o.resume = a->resume_from;
         else if (a->resume) o.resume = cfg.output.dir;
+        else if (hs.resume_step >= 0) o.resume = hetero_resume_dir(cfg, hs, a->src.hetero_config);
+        if (hs.visualize && rv.rank == 0 && rp.plan) {
+          const std::string path = cfg.output.dir + "/architecture." + hs.visualization_format;
+          ensure_writable_dir(cfg.output.dir);
+          viz::write_diagram({rp.plan.get(), nullptr, cfg.model.layers, {}}, path);
+          log_info("wrote the plan's diagram to " + path + " (" + a->src.hetero_config + ": training.visualize)");
+        }
         o.init_weights = a->init_weights;
         o.trace = a->trace;
         o.world = world;

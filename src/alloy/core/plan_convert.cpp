@@ -470,6 +470,97 @@ Plan plan_from_hetero_config_file(const std::string& path, int64_t num_layers, i
   return plan_from_hetero_config(j, num_layers, global_batch, micro_batch, path);
 }
 
+HeteroShardRun hetero_run_settings(const nlohmann::json& j, const std::string& where) {
+  HeteroShardRun r;
+  if (!j.is_object()) hc_fail(where, "", "must be a JSON object");
+  auto string_of = [&](const nlohmann::json& obj, const char* key, const std::string& path) -> std::string {
+    if (!obj.contains(key) || obj[key].is_null()) return "";
+    if (!obj[key].is_string()) hc_fail(where, path, "must be a string, got " + obj[key].dump());
+    return obj[key].get<std::string>();
+  };
+  if (j.contains("training")) {
+    const auto& t = j["training"];
+    if (!t.is_object()) hc_fail(where, "training", "must be an object, got " + t.dump());
+    if (t.contains("visualize")) {
+      if (!t["visualize"].is_boolean()) hc_fail(where, "training.visualize", "must be true or false, got " + t["visualize"].dump());
+      r.visualize = t["visualize"].get<bool>();
+    }
+    std::string fmt = string_of(t, "visualization_format", "training.visualization_format");
+    if (!fmt.empty()) {
+      if (fmt != "png" && fmt != "svg" && fmt != "pdf" && fmt != "mmd")
+        hc_fail(where, "training.visualization_format", "'" + fmt + "' is not one of png, svg, pdf, mmd");
+      r.visualization_format = fmt;
+    }
+  }
+  r.checkpoint_dir = string_of(j, "checkpoint_dir", "checkpoint_dir");
+  if (j.contains("resume_step") && !j["resume_step"].is_null()) {
+    const auto& v = j["resume_step"];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0)
+      hc_fail(where, "resume_step", "must be a step number >= 0, got " + v.dump());
+    r.resume_step = v.get<int64_t>();
+  }
+  auto device_of = [&](const nlohmann::json& obj, const std::string& path) {
+    std::string d = string_of(obj, "device", path + ".device");
+    const bool cuda_n = d.rfind("cuda:", 0) == 0 && d.size() > 5 && d.find_first_not_of("0123456789", 5) == std::string::npos;
+    if (!d.empty() && d != "auto" && d != "cuda" && d != "mps" && d != "cpu" && !cuda_n)
+      hc_fail(where, path + ".device", "'" + d + "' is not one of auto, cuda, cuda:N, mps, cpu");
+    return d;
+  };
+  // Stage k runs on the coordinator (k = 0) or on the worker its shard_plan entry names.
+  std::map<std::string, std::string> worker_device;
+  if (j.contains("workers") && j["workers"].is_array())
+    for (size_t w = 0; w < j["workers"].size(); ++w) {
+      const auto& wk = j["workers"][w];
+      if (!wk.is_object() || !wk.contains("id")) continue;  // plan_from_hetero_config names these
+      if (auto id = id_key(wk["id"])) worker_device[*id] = device_of(wk, "workers[" + std::to_string(w) + "]");
+    }
+  const std::string coordinator = j.contains("coordinator") && j["coordinator"].is_object() ? device_of(j["coordinator"], "coordinator") : "";
+  if (j.contains("shard_plan") && j["shard_plan"].is_array())
+    for (const auto& e : j["shard_plan"]) {
+      auto id = e.is_object() && e.contains("id") ? id_key(e["id"]) : std::nullopt;
+      r.stage_devices.push_back(!id || *id == "local" ? coordinator : worker_device[*id]);
+    }
+  if (j.contains("lora") && !j["lora"].is_null()) {
+    const auto& l = j["lora"];
+    if (!l.is_object()) hc_fail(where, "lora", "must be an object {r, lora_alpha, lora_dropout, target_modules, ...}");
+    auto number = [&](const char* key, const std::string& config_key, bool integer) {
+      if (!l.contains(key)) return;
+      const auto& v = l[key];
+      if (integer ? !v.is_number_integer() : !v.is_number()) hc_fail(where, std::string("lora.") + key, "must be a number, got " + v.dump());
+      r.config_overrides.push_back(config_key + "=" + (integer ? std::to_string(v.get<int64_t>()) : v.dump()));
+    };
+    number("r", "lora.rank", true);
+    number("lora_alpha", "lora.alpha", false);
+    number("lora_dropout", "lora.dropout", false);
+    if (l.contains("target_modules")) {
+      const auto& t = l["target_modules"];
+      std::string joined;
+      if (t.is_string()) joined = t.get<std::string>();
+      else if (t.is_array())
+        for (const auto& x : t) {
+          if (!x.is_string()) hc_fail(where, "lora.target_modules", "must list module names, got " + x.dump());
+          joined += (joined.empty() ? "" : ",") + x.get<std::string>();
+        }
+      else hc_fail(where, "lora.target_modules", "must be a name or a list of names, got " + t.dump());
+      r.config_overrides.push_back("lora.targets=" + joined);
+    }
+    auto flag = [&](const char* key) {
+      if (!l.contains(key)) return false;
+      if (!l[key].is_boolean()) hc_fail(where, std::string("lora.") + key, "must be true or false, got " + l[key].dump());
+      return l[key].get<bool>();
+    };
+    const bool four = flag("load_in_4bit"), eight = flag("load_in_8bit");
+    if (four && eight) hc_fail(where, "lora.load_in_8bit", "and load_in_4bit are both true; choose one");
+    if (four) r.config_overrides.push_back("lora.base_dtype=nf4");
+    if (eight) r.config_overrides.push_back("lora.base_dtype=int8");
+    if (flag("bnb_4bit_use_double_quant")) r.config_overrides.push_back("lora.double_quant=true");
+  }
+  if (!r.checkpoint_dir.empty()) r.config_overrides.push_back("output.dir=" + r.checkpoint_dir);
+  return r;
+}
+
+HeteroShardRun hetero_run_settings_file(const std::string& path) { return hetero_run_settings(read_json_file(path), path); }
+
 int64_t default_micro_batch(const Config& cfg, const SynerFuseArgs& a, int64_t world_size) {
   if (cfg.train.micro_batch > 0) return cfg.train.micro_batch;
   const int64_t pp = std::max<int64_t>(1, a.pipeline_model_parallel_size);

@@ -78,6 +78,24 @@ Plan plan_from_hetero_config(const nlohmann::json& j, int64_t num_layers, int64_
 Plan plan_from_hetero_config_file(const std::string& path, int64_t num_layers, int64_t global_batch,
                                   int64_t micro_batch);
 
+// The rest of a HeteroShard hetero_config.json, what a run does besides the layout:
+//   training.visualize / visualization_format (png | svg | pdf | mmd): draw the plan when training starts
+//   checkpoint_dir: the run directory (checkpoints under it); resume_step: resume from that step there
+//   coordinator.device / workers[i].device (auto | cuda | cuda:N | mps | cpu): each stage's device
+//   lora {r, lora_alpha, lora_dropout, target_modules, load_in_4bit, load_in_8bit,
+//         bnb_4bit_use_double_quant} (PEFT's and bitsandbytes' names): LoRA over a quantized base
+// Every field is optional; one of the wrong type or value is an InputError naming the file and field.
+struct HeteroShardRun {
+  bool visualize = false;
+  std::string visualization_format = "png";
+  std::string checkpoint_dir;
+  int64_t resume_step = -1;                 // -1: start fresh
+  std::vector<std::string> stage_devices;   // per shard_plan entry (= rank); "" = not given
+  std::vector<std::string> config_overrides;  // "lora.rank=8", ... (applied before the user's --set)
+};
+HeteroShardRun hetero_run_settings(const nlohmann::json& j, const std::string& where);
+HeteroShardRun hetero_run_settings_file(const std::string& path);
+
 // The micro-batch size to assume when neither --micro-batch-size nor train.micro_batch says: the
 // whole per-replica share of the global batch (one micro-batch per replica without pipelining,
 // and one micro-batch per pipeline stage with it, so a pipeline is never left with a single
