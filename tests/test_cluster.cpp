@@ -767,7 +767,7 @@ TEST(Profile, JsonRoundTrip) {
   EXPECT_EQ(q.to_json(), p.to_json());
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-profile");
-  EXPECT_EQ(j["version"], 4);
+  EXPECT_EQ(j["version"], 5);
   // Version 1 (lines without points) still reads.
   {
     nlohmann::json v1 = j;
@@ -804,6 +804,38 @@ TEST(Profile, JsonRoundTrip) {
   // allreduce_bytes_per_s is optional (0 = not measured).
   j["links"][0].erase("allreduce_bytes_per_s");
   EXPECT_EQ(Profile::from_json(j, "p.json").links[0].allreduce_bytes_per_s, 0);
+}
+
+TEST(Profile, LoraProfilesRoundTripAndMustMatchTheRun) {
+  Profile p = sample_profile();
+  EXPECT_FALSE(p.to_json().contains("lora"));  // a profile of full training writes no LoRA fields
+  EXPECT_FALSE(p.to_json()["memory"].contains("frozen_bytes_per_block"));
+  p.lora.rank = 8;
+  p.lora.targets = "all";
+  p.lora.base_dtype = "nf4";
+  p.memory.frozen_bytes_per_block = 4567;
+  p.memory.frozen_bytes_head = 89;
+  Profile q = Profile::from_json(p.to_json(), "p.json");
+  EXPECT_EQ(q.lora.rank, 8);
+  EXPECT_EQ(q.lora.base_dtype, "nf4");
+  EXPECT_EQ(q.memory.frozen_bytes_per_block, 4567);
+  EXPECT_EQ(q.memory.frozen_bytes_head, 89);
+  EXPECT_EQ(q.to_json(), p.to_json());
+  alloy::Config run;
+  run.model = p.model;
+  EXPECT_NE(q.mismatch(run).find("this run is training every parameter"), std::string::npos) << q.mismatch(run);
+  run.lora = p.lora;
+  EXPECT_EQ(q.mismatch(run), "");
+  run.lora.base_dtype = "int8";  // another storage: other dequantization times and memory
+  EXPECT_NE(q.mismatch(run).find("int8"), std::string::npos);
+  run.lora = p.lora;
+  run.lora.alpha = 99;  // the scale changes no cost
+  EXPECT_EQ(q.mismatch(run), "");
+  run.model.layers += 1;
+  EXPECT_NE(q.mismatch(run).find("another model"), std::string::npos);
+  nlohmann::json bad = p.to_json();
+  bad["lora"]["base_dtype"] = "int3";
+  EXPECT_NE(profile_error(bad).find("lora.base_dtype"), std::string::npos) << profile_error(bad);
 }
 
 TEST(MicroBatchCost, InterpolatesMeasuredPointsAndExtendsWithTheFittedSlope) {
@@ -860,8 +892,8 @@ TEST(Profile, ValidationErrorsNameFileAndField) {
   };
   EXPECT_HAS(with([](auto& j) { j["format"] = "alloy-plan"; }), "p.json: format: \"alloy-plan\", not \"alloy-profile\"");
   EXPECT_HAS(with([](auto& j) { j.erase("format"); }), "p.json: format: is missing");
-  EXPECT_HAS(with([](auto& j) { j["version"] = 5; }), "p.json: version: 5; this Alloy reads versions 1 to 4");
-  EXPECT_HAS(with([](auto& j) { j["version"] = "4"; }), "p.json: version: \"4\"; this Alloy reads versions 1 to 4");
+  EXPECT_HAS(with([](auto& j) { j["version"] = 6; }), "p.json: version: 6; this Alloy reads versions 1 to 5");
+  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 5");
   EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["step_noise"] = -0.1; }), "p.json: devices.cpu-full.step_noise: must be in [0, 1)");
   EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["codecs"] = {{"dcg", {{"encode_s_per_elem", 1e-9}, {"decode_s_per_elem", 1e-9}}}}; }),
              "p.json: devices.cpu-full.codecs.dcg: is not a compression method");

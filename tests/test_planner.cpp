@@ -139,6 +139,36 @@ TEST(CostModel, OneDevice) {
   EXPECT_DOUBLE_EQ(pc.stages[0].bubble_s, 0.0);
 }
 
+TEST(CostModel, LoraTrainsItsAdaptersAndHoldsTheFrozenBase) {
+  // The same pool and plan as OneDevice, but the profile of a LoRA run: of each 2 MB unit only
+  // 0.1 MB (the adapters) trains, the frozen rest is held in 0.3 MB (quantized).
+  Profile p = base_profile(2);
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  p.devices["t"].optimizer_s_per_param = 1e-6;
+  p.lora.rank = 4;
+  p.memory.param_bytes_per_block = 1e5;
+  p.memory.param_bytes_embed = p.memory.param_bytes_head = 0;
+  p.memory.frozen_bytes_per_block = 3e5;
+  p.memory.frozen_bytes_embed = p.memory.frozen_bytes_head = 2e6;
+  ClusterSpec c;
+  c.devices = {device("d0", "h0", "t", 1.0), device("d1", "h1", "t", 1.0)};
+  Plan plan;
+  plan.global_batch = 12;
+  plan.pipelines.push_back({2, 3, {stage(0, 0, 2, "d0")}});
+  plan.pipelines.push_back({2, 3, {stage(1, 0, 2, "d1")}});
+  PlanCost pc = simulate_plan(plan, c, p);
+  // AdamW over the adapters alone: 2 blocks x 1e5 bytes = 5e4 float32.
+  EXPECT_NEAR(pc.optimizer_s, 5e4 * 1e-6, 1e-12);
+  // Only the adapters are synced between the replicas.
+  ASSERT_EQ(pc.sync_groups.size(), 1u);
+  EXPECT_DOUBLE_EQ(pc.sync_groups[0].bytes, 2e5);
+  // Memory: trained bytes with gradients and AdamW (x4), plus the frozen base once.
+  const auto& st = pc.stages[0];
+  EXPECT_DOUBLE_EQ(st.weight_bytes, 2e5 + 2 * 3e5 + 2 * 2e6);
+  EXPECT_DOUBLE_EQ(st.grad_bytes, 2e5);
+  EXPECT_DOUBLE_EQ(st.optimizer_bytes, 2 * 2e5);
+}
+
 TEST(CostModel, TwoStagePipelineExactStepTime) {
   Profile p = base_profile(2);
   p.model.seq_len = 4;

@@ -182,13 +182,13 @@ void add_dist_commands(CLI::App& app, Action& action) {
         plan::Profile prof;
         if (!pa->profile.empty()) {
           prof = plan::Profile::load(pa->profile);
-          if (!model_differences(prof.model, cfg.model).empty())
-            throw InputError(pa->profile, "was measured for another model than " + pa->config);
+          if (const std::string why = prof.mismatch(cfg); !why.empty()) throw InputError(pa->profile, why + " (" + pa->config + ")");
           for (const auto& n : plan::complete_profile(prof, spec)) std::printf("note: %s\n", n.c_str());
         } else {
           std::printf("no --profile: measuring this machine once and scaling by the cluster's speed hints\n");
           plan::ProfileOptions po;
           po.device = train::rank_device(cfg);
+          po.lora = cfg.lora;
           prof = plan::run_profile(cfg.model, spec, nullptr, po);
         }
         plan::SearchOptions so;

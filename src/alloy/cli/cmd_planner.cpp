@@ -64,6 +64,7 @@ void add_planner_commands(CLI::App& app, Action& action) {
       po.window_s = a->window_s;
       po.concurrent = !a->one_at_a_time;
       po.device = train::rank_device(cfg);
+      po.lora = cfg.lora;  // a fine-tuning run's costs: adapters, frozen (quantized) base
       auto p = plan::run_profile(cfg.model, spec, world.get(), po);
       if (rv.rank == 0) {
         p.save(a->output);

@@ -157,10 +157,15 @@ at::Tensor QuantizedWeight::dequantize(at::ScalarType dtype) const {
     return (codes.to(at::kFloat) * (scales / 127.0).view(view)).to(dtype);
   }
   const int64_t n = numel();
-  auto hi = at::bitwise_right_shift(codes, 4), lo = at::bitwise_and(codes, 15);
-  auto idx = at::stack({hi, lo}, 1).reshape({-1}).to(at::kLong);
-  auto levels = at::tensor(nf4_levels(), at::TensorOptions().dtype(at::kFloat)).to(codes.device());
-  auto vals = levels.index_select(0, idx).view({-1, kNf4Block}) * block_absmax(*this).unsqueeze(1);
+  // One lookup per byte: a table of the 256 code pairs (high nibble first) gives both values.
+  static const at::Tensor pairs = [] {
+    const auto& lv = nf4_levels();
+    std::vector<float> t(512);
+    for (int b = 0; b < 256; ++b) t[2 * b] = lv[b >> 4], t[2 * b + 1] = lv[b & 15];
+    return at::tensor(t).view({256, 2});
+  }();
+  const at::Tensor& table = codes.device() == pairs.device() ? pairs : pairs.to(codes.device());
+  auto vals = table.index_select(0, codes.to(at::kLong)).view({-1, kNf4Block}) * block_absmax(*this).unsqueeze(1);
   return vals.reshape({-1}).narrow(0, 0, n).view(shape).to(dtype);
 }
 

@@ -352,6 +352,12 @@ double CostContext::param_bytes(int64_t blocks, bool first, bool last) const {
   return b;
 }
 
+double CostContext::frozen_bytes(int64_t blocks, bool first, bool last) const {
+  const MemoryProfile& mem = profile_->memory;
+  return static_cast<double>(blocks) * mem.frozen_bytes_per_block + (first ? mem.frozen_bytes_embed : 0.0) +
+         (last ? mem.frozen_bytes_head : 0.0);
+}
+
 double CostContext::act_bytes_per_sample(int64_t blocks, bool first, bool last) const {
   const MemoryProfile& mem = profile_->memory;
   double b = static_cast<double>(blocks) * mem.act_bytes_per_sample_block;
@@ -611,7 +617,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       sc.shard = rs.shard;
       sc.activation_bytes = static_cast<double>(sc.peak_in_flight * m) * ctx.act_bytes_per_sample(blocks, first, last, st.recompute) +
                             ctx.working_bytes(blocks, m, st.recompute);
-      sc.weight_bytes = sc.param_bytes - rs.weights_saved;
+      sc.weight_bytes = sc.param_bytes - rs.weights_saved + ctx.frozen_bytes(blocks, first, last);
       sc.grad_bytes = sc.param_bytes - rs.grads_saved;
       sc.optimizer_bytes = (ctx.state_bytes_per_param_byte() - 2) * (sc.param_bytes - rs.optimizer_saved);
       sc.gathered_bytes = rs.gathered;

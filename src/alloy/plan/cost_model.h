@@ -205,6 +205,8 @@ class CostContext {
 
   // Parameter bytes of a stage, activation bytes per sample kept for backward, and the tied wte.
   double param_bytes(int64_t blocks, bool first, bool last) const;
+  // LoRA's frozen base held by a stage (weights only: no gradients, optimizer state or sync).
+  double frozen_bytes(int64_t blocks, bool first, bool last) const;
   double act_bytes_per_sample(int64_t blocks, bool first, bool last) const;
   // With whole-block recomputation: each block keeps its input only (embedding and head as before).
   double act_bytes_per_sample(int64_t blocks, bool first, bool last, bool recompute) const;

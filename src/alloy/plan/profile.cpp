@@ -16,8 +16,9 @@ using nlohmann::json;
 
 const char* const kFormat = "alloy-profile";
 // Version 2 added each compute cost's measured points; version 3 the gradient codecs' costs
-// ("codecs" per device type); version 4 each type's step_noise. Versions 1 to 3 still read.
-constexpr int kVersion = 4;
+// ("codecs" per device type); version 4 each type's step_noise; version 5 LoRA ("lora" and the
+// frozen base's bytes in "memory"). Versions 1 to 4 still read.
+constexpr int kVersion = 5;
 
 // The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
 struct CostField {
@@ -42,6 +43,12 @@ const MemField kMemFields[] = {
     {"act_bytes_per_sample_embed", &MemoryProfile::act_bytes_per_sample_embed},
     {"act_bytes_per_sample_head", &MemoryProfile::act_bytes_per_sample_head},
     {"state_bytes_per_param_byte", &MemoryProfile::state_bytes_per_param_byte},
+};
+// Optional (version 5): absent means no frozen base.
+const MemField kFrozenFields[] = {
+    {"frozen_bytes_per_block", &MemoryProfile::frozen_bytes_per_block},
+    {"frozen_bytes_embed", &MemoryProfile::frozen_bytes_embed},
+    {"frozen_bytes_head", &MemoryProfile::frozen_bytes_head},
 };
 
 json cost_json(const MicroBatchCost& c) {
@@ -213,6 +220,11 @@ nlohmann::json Profile::to_json() const {
                           {"allreduce_bytes_per_s", l.allreduce_bytes_per_s}});
   j["memory"] = json::object();
   for (const auto& f : kMemFields) j["memory"][f.key] = memory.*(f.member);
+  if (lora.enabled()) {
+    for (const auto& f : kFrozenFields) j["memory"][f.key] = memory.*(f.member);
+    j["lora"] = {{"rank", lora.rank}, {"alpha", lora.alpha}, {"targets", lora.targets},
+                 {"base_dtype", lora.base_dtype}, {"double_quant", lora.double_quant}};
+  }
   return j;
 }
 
@@ -220,7 +232,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
   Reader rd(where);
   if (!j.is_object()) rd.fail("", std::string("expected a JSON object (an alloy profile), got ") + j.type_name());
   // "meta" is free-form provenance (who measured, when, with what); it is accepted and not kept.
-  rd.only_keys(j, {"format", "version", "model", "devices", "links", "memory", "meta"}, "");
+  rd.only_keys(j, {"format", "version", "model", "devices", "links", "memory", "lora", "meta"}, "");
   if (!j.contains("format")) rd.fail("format", "is missing; expected \"alloy-profile\" (is this a profile?)");
   if (j["format"] != kFormat) rd.fail("format", j["format"].dump() + ", not \"alloy-profile\"");
   if (!j.contains("version")) rd.fail("version", "is missing");
@@ -295,7 +307,19 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
   const json& mem = rd.object(j, "memory", "memory");
   std::set<std::string> mem_keys;
   for (const auto& f : kMemFields) mem_keys.insert(f.key);
+  for (const auto& f : kFrozenFields) mem_keys.insert(f.key);
   rd.only_keys(mem, mem_keys, "memory");
+  for (const auto& f : kFrozenFields) {
+    const double v = rd.number(mem, f.key, std::string("memory.") + f.key, false, 0.0);
+    if (v < 0) rd.fail(std::string("memory.") + f.key, "must be >= 0, got " + mem[f.key].dump());
+    p.memory.*(f.member) = v;
+  }
+  if (j.contains("lora")) {
+    // The lora section has the schema of a config's; reuse its checks and messages.
+    if (!j["lora"].is_object()) rd.fail("lora", std::string("must be an object, got ") + j["lora"].type_name());
+    json cfg = {{"model", j["model"]}, {"lora", j["lora"]}};
+    p.lora = Config::from_json(cfg, where + " (field 'lora')").lora;
+  }
   for (const auto& f : kMemFields) {
     const std::string field = std::string("memory.") + f.key;
     double v = rd.number(mem, f.key, field);
@@ -305,6 +329,21 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
   if (!(p.memory.state_bytes_per_param_byte > 0))
     rd.fail("memory.state_bytes_per_param_byte", "must be > 0 (weights alone are 1 byte per parameter byte)");
   return p;
+}
+
+std::string Profile::mismatch(const Config& cfg) const {
+  auto diffs = model_differences(model, cfg.model);
+  if (!diffs.empty()) return "was measured for another model (" + diffs.front() + ")";
+  auto say = [](const LoraConfig& l) {
+    if (!l.enabled()) return std::string("training every parameter");
+    return "LoRA rank " + std::to_string(l.rank) + " on " + (l.targets.empty() ? "the attention projections" : l.targets) +
+           " over a " + l.base_dtype + (l.double_quant ? " (double-quantized)" : "") + " base";
+  };
+  const LoraConfig &a = lora, &b = cfg.lora;
+  const bool same = a.enabled() == b.enabled() &&
+                    (!a.enabled() || (a.rank == b.rank && a.target_list(model.arch) == b.target_list(model.arch) &&
+                                      a.base_dtype == b.base_dtype && a.double_quant == b.double_quant));
+  return same ? "" : "was measured " + say(a) + ", this run is " + say(b);
 }
 
 Profile Profile::load(const std::string& path) {

@@ -63,6 +63,10 @@ struct MemoryProfile {
   double act_bytes_per_sample_block = 0, act_bytes_per_sample_embed = 0, act_bytes_per_sample_head = 0;
   // Bytes per parameter for weights + gradients + AdamW moments (4 + 4 + 8 in float32).
   double state_bytes_per_param_byte = 4.0;
+  // LoRA: the param_bytes above are what trains (the adapters: synced, with gradients and AdamW
+  // state); these are the frozen base's weights as held (int8 / nf4 storage included), which
+  // only take memory. 0 without LoRA.
+  double frozen_bytes_per_block = 0, frozen_bytes_embed = 0, frozen_bytes_head = 0;
 };
 
 struct Profile {
@@ -70,11 +74,15 @@ struct Profile {
   std::map<std::string, DeviceProfile> devices;  // by device type
   std::vector<LinkProfile> links;                // measured host pairs (optional)
   MemoryProfile memory;
+  LoraConfig lora;  // what was measured trains LoRA adapters over a frozen base (rank 0: everything trains)
   double activation_bytes_per_sample() const;    // one hidden-state tensor crossing a stage boundary
 
   nlohmann::json to_json() const;
   static Profile from_json(const nlohmann::json& j, const std::string& where);
   static Profile load(const std::string& path);
+  // Why this profile does not describe training CFG's model (another model, or LoRA settings that
+  // change the costs: rank, targets, base storage); empty when it does.
+  std::string mismatch(const Config& cfg) const;
   void save(const std::string& path) const;  // atomic
 };
 

@@ -121,11 +121,12 @@ FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool id
     wait_for(dev);
     auto t1 = Clock::now();
     int64_t held = pipeline::heap_bytes_in_use() - before;
+    // A LoRA embedding is frozen and has nothing to back-propagate into.
     if (loss_out) out.backward();
-    else out.backward(at::ones_like(out));
+    else if (out.requires_grad()) out.backward(at::ones_like(out));
     wait_for(dev);
     auto t2 = Clock::now();
-    for (auto* p : slice.parameters()) p->tensor.mutable_grad().reset();
+    for (auto* p : slice.trainable()) p->tensor.mutable_grad().reset();
     if (it == 0) {  // warm-up: first calls allocate and pick kernels
       start = Clock::now();
       continue;
@@ -190,6 +191,19 @@ static std::map<std::string, CodecCost> measure_codecs(int64_t block_elems, doub
   return out;
 }
 
+// Parameters that train in SLICE, and the bytes its frozen ones hold.
+int64_t trained(model::Transformer& slice) {
+  int64_t n = 0;
+  for (auto* p : slice.trainable()) n += p->numel();
+  return n;
+}
+double frozen_bytes(const model::Transformer& slice) {
+  double b = 0;
+  for (const auto* p : slice.parameters())
+    if (p->frozen) b += static_cast<double>(p->storage_bytes());
+  return b;
+}
+
 DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, MemoryProfile* mem) {
   const int64_t L = model.layers;
   model::Transformer embed(model, {0, 1}, 1), block(model, {1, 2}, 1), head(model, {L + 1, L + 2}, 1);
@@ -199,7 +213,10 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
   const int64_t K = std::max<int64_t>(1, std::min<int64_t>(L, o.blocks_timed));
   model::Transformer stack(model, {1, 1 + K}, 1);
   const at::Device dev(o.device);
-  for (auto* t : {&embed, &block, &head, &stack}) t->to(dev);
+  for (auto* t : {&embed, &block, &head, &stack}) {
+    t->apply_lora(o.lora, 1);
+    t->to(dev);
+  }
   DeviceProfile d;
   // Each figure is the median of several rounds spread over the whole measurement (every round
   // times every size and slice), so a slow spell of a shared machine (seconds of CPU steal in a
@@ -243,27 +260,30 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
 
   // The optimizer step (AdamW + clipping's norm) per parameter, on one block's parameters.
   {
-    train::AdamW opt(block.parameters(), {});
-    for (auto* p : block.parameters()) p->tensor.mutable_grad() = at::randn_like(p->tensor);
+    train::AdamW opt(block.trainable(), {});
+    for (auto* p : block.trainable()) p->tensor.mutable_grad() = at::randn_like(p->tensor);
     int64_t n = 0;
     auto t0 = Clock::now();
     double spent = 0;
     while (n < 3 || spent < o.window_s / 2) {
-      train::global_grad_norm_sq(block.parameters());
+      train::global_grad_norm_sq(block.trainable());
       opt.step(1e-6);
       wait_for(dev);
       ++n;
       spent = std::chrono::duration<double>(Clock::now() - t0).count();
     }
-    d.optimizer_s_per_param = spent / static_cast<double>(n) / static_cast<double>(block.num_parameters());
+    d.optimizer_s_per_param = spent / static_cast<double>(n) / static_cast<double>(trained(block));
   }
-  if (model.dtype == "float32") d.codecs = measure_codecs(block.num_parameters(), o.window_s);
+  if (model.dtype == "float32") d.codecs = measure_codecs(trained(block), o.window_s);
   if (mem) {
     const double bytes = model.dtype == "float64" ? 8.0 : 4.0;
     const double m = static_cast<double>(o.micro_batch_sizes.back());
-    mem->param_bytes_per_block = static_cast<double>(block.num_parameters()) * bytes;
-    mem->param_bytes_embed = static_cast<double>(embed.num_parameters()) * bytes;
-    mem->param_bytes_head = static_cast<double>(head.num_parameters()) * bytes;
+    mem->param_bytes_per_block = static_cast<double>(trained(block)) * bytes;
+    mem->param_bytes_embed = static_cast<double>(trained(embed)) * bytes;
+    mem->param_bytes_head = static_cast<double>(trained(head)) * bytes;
+    mem->frozen_bytes_per_block = frozen_bytes(block);
+    mem->frozen_bytes_embed = frozen_bytes(embed);
+    mem->frozen_bytes_head = frozen_bytes(head);
     mem->act_bytes_per_sample_block = static_cast<double>(act_b) / m;
     mem->act_bytes_per_sample_embed = static_cast<double>(act_e) / m;
     mem->act_bytes_per_sample_head = static_cast<double>(act_h) / m;
@@ -275,6 +295,7 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
 Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::World* world, const ProfileOptions& o) {
   Profile prof;
   prof.model = model;
+  prof.lora = o.lora;
   const int rank = world ? world->rank() : 0;
   const int n = world ? world->size() : 1;
   if (world && n != static_cast<int>(spec.devices.size()))
@@ -304,7 +325,7 @@ Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::Wor
     log_info("profiling device type " + type + " on rank " + std::to_string(rank) + (publish ? "" : " (as load only)"));
     MemoryProfile mem;
     DeviceProfile d = measure_device(model, o, &mem);
-    if (publish) put("alloy/profile/type/" + type, Profile{model, {{type, d}}, {}, mem, }.to_json().dump());
+    if (publish) put("alloy/profile/type/" + type, Profile{model, {{type, d}}, {}, mem, o.lora}.to_json().dump());
   };
   const std::string& my_type = spec.devices[static_cast<size_t>(rank)].type;
   if (o.concurrent) {

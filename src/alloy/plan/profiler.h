@@ -37,6 +37,10 @@ struct ProfileOptions {
   bool concurrent = true;
   // Where this rank computes: cpu, cuda or cuda:N (`alloy launch --devices`, train.device).
   std::string device = "cpu";
+  // LoRA fine-tuning: slices are timed with their adapters over the frozen (maybe quantized) base,
+  // so the figures include the adapters' path and the dequantization and lack the base's weight
+  // gradients; the optimizer and memory figures count what trains and what is held.
+  LoraConfig lora;
 };
 
 // Every rank of WORLD calls this (rank i runs on device i of SPEC); rank 0 returns the full

@@ -104,7 +104,7 @@ void check_inputs(Problem& P) {
   }
   // The model, held at least once with its gradients and AdamW state, against the pool.
   const double params = P.ctx.param_bytes(P.L, true, true);
-  const double need = params * P.ctx.state_bytes_per_param_byte();
+  const double need = params * P.ctx.state_bytes_per_param_byte() + P.ctx.frozen_bytes(P.L, true, true);
   double have = 0;
   bool unknown = false;
   for (int d = 0; d < P.N; ++d) {
@@ -113,8 +113,10 @@ void check_inputs(Problem& P) {
   }
   if (!unknown && need > have)
     throw InputError(where, "the model does not fit the pool: its weights, gradients and AdamW state take " + gb(need) + " (" +
-                                std::to_string(static_cast<int64_t>(need)) + " bytes: " + gb(params) + " of parameters x " +
-                                fmt(P.ctx.state_bytes_per_param_byte()) + ") before any activation, but the " + std::to_string(P.N) +
+                                std::to_string(static_cast<int64_t>(need)) + " bytes: " + gb(params) + " of trained parameters x " +
+                                fmt(P.ctx.state_bytes_per_param_byte()) +
+                                (P.ctx.frozen_bytes(P.L, true, true) > 0 ? " + " + gb(P.ctx.frozen_bytes(P.L, true, true)) + " of frozen base" : std::string()) +
+                                ") before any activation, but the " + std::to_string(P.N) +
                                 " devices have " + gb(have) + " in all: short by " + gb(need - have));
 }
 

@@ -63,7 +63,8 @@ struct ConfigTable {
   int S = 0;
   std::vector<int> types, hosts;
   std::vector<int64_t> blocks;
-  std::vector<double> act, param, opt;  // per stage: activation bytes per sample, parameter bytes, optimizer seconds
+  // per stage: activation bytes per sample, (trained) parameter bytes, optimizer seconds, frozen base bytes
+  std::vector<double> act, param, opt, frozen;
   std::vector<const PipeTiming*> at;    // (b * nc + candidate); null until asked
   std::vector<double> h;                // h[b]: best makespan over candidates (no memory), filled on demand
   std::vector<char> h_done;
@@ -246,8 +247,9 @@ class Evaluator {
     const size_t i = static_cast<size_t>(s);
     const double sends = ctx_.send_buffer_bytes(s == 0, s + 1 == t.S, mbs, m);
     if (ctx_.memory_relief())
-      return ctx_.memory_floor_bytes(t.param[i], bucket_[static_cast<size_t>(d)], pt.peak[i], m, t.blocks[i], s == 0, s + 1 == t.S) + sends;
-    return ctx_.memory_bytes(t.param[i], bucket_[static_cast<size_t>(d)], pt.peak[i], m, t.act[i]) + sends;
+      return ctx_.memory_floor_bytes(t.param[i], bucket_[static_cast<size_t>(d)], pt.peak[i], m, t.blocks[i], s == 0, s + 1 == t.S) +
+             t.frozen[i] + sends;
+    return ctx_.memory_bytes(t.param[i], bucket_[static_cast<size_t>(d)], pt.peak[i], m, t.act[i]) + t.frozen[i] + sends;
   }
 
   // Memory overflow of a layout at its batch split: bytes over capacity summed over ranks and a

@@ -53,6 +53,7 @@ ConfigTable* Tables::get(int sched, const int* dev, const int64_t* blocks, int S
     t->blocks.push_back(blocks[s]);
     t->act.push_back(ctx_.act_bytes_per_sample(blocks[s], first, last));
     t->param.push_back(ctx_.param_bytes(blocks[s], first, last));
+    t->frozen.push_back(ctx_.frozen_bytes(blocks[s], first, last));
     t->opt.push_back(ctx_.optimizer_s(t->types.back(), t->param.back()));
   }
   t->at.assign(static_cast<size_t>(G_ + 1) * cands_.size(), nullptr);

@@ -38,14 +38,16 @@ AutoPlan auto_plan(const Config& cfg, const PlanSources& src, dist::World* world
   bool have = false;
   if (file_exists(reuse)) {
     prof = plan::Profile::load(reuse);
-    have = model_differences(prof.model, cfg.model).empty();
-    if (!have && !src.profile.empty()) throw InputError(src.profile, "was measured for another model");
+    const std::string why = prof.mismatch(cfg);
+    have = why.empty();
+    if (!have && !src.profile.empty()) throw InputError(src.profile, why);
     if (have && rank == 0) log_info("reusing the profile " + reuse);
   }
   if (!have) {
     if (rank == 0) log_info("profiling " + std::to_string(spec.devices.size()) + " devices of " + path);
     plan::ProfileOptions po;
     po.device = rank_device(cfg);
+    po.lora = cfg.lora;
     prof = plan::run_profile(cfg.model, spec, world, po);
     if (rank == 0) {
       ensure_writable_dir(cfg.output.dir);
