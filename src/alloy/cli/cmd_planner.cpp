@@ -10,6 +10,7 @@
 #include "alloy/plan/cluster.h"
 #include "alloy/plan/planner.h"
 #include "alloy/plan/profiler.h"
+#include "alloy/train/sweep.h"
 #include "alloy/train/trainer.h"
 
 namespace alloy::cli {
@@ -72,6 +73,43 @@ void add_planner_commands(CLI::App& app, Action& action) {
         std::printf("wrote %s\n", a->output.c_str());
       }
       if (world) world->all().barrier();
+      return 0;
+    };
+  });
+
+  auto sw = std::make_shared<train::SweepOptions>();
+  auto* sweep = app.add_subcommand(
+      "sweep", "Train a grid of layouts x micro-batch sizes x sequence lengths for a few steps each on one pool; write a CSV, "
+               "JSON and plots of tokens/s, step latency and memory per rank, each beside the planner's prediction");
+  sweep->add_option("-c,--config", sw->config, "Config every cell starts from")->required()->check(CLI::ExistingFile);
+  sweep->add_option("--set", sw->sets, "Override a config key for every cell (repeatable)");
+  sweep->add_option("--layouts", sw->layouts, "Layouts: " + train::sweep_layouts())->capture_default_str();
+  sweep->add_option("--micro-batch", sw->micro_batches, "Micro-batch sizes")->capture_default_str();
+  sweep->add_option("--seq-len", sw->seq_lens, "Sequence lengths (default: the config's model.seq_len)");
+  sweep->add_option("--steps", sw->steps, "Steps per cell")->capture_default_str();
+  sweep->add_option("--warmup", sw->warmup, "Steps per cell not timed")->capture_default_str();
+  sweep->add_option("-n,--nproc", sw->nproc, "Local ranks (without --emulate)");
+  sweep->add_option("--emulate", sw->emulate, "Run every cell on this emulated ClusterSpec (root)")->check(CLI::ExistingFile);
+  sweep->add_option("--cluster", sw->cluster, "ClusterSpec for the predictions (default: --emulate's, or N CPUs here)")
+      ->check(CLI::ExistingFile);
+  sweep->add_option("--profile", sw->profile, "Profile to predict with (default: measured once per sequence length)")
+      ->check(CLI::ExistingFile);
+  sweep->add_option("-o,--output", sw->out_dir, "Directory for sweep.csv, sweep.json, the plots and each cell's run")
+      ->capture_default_str();
+  sweep->callback([sw, &action]() {
+    action = [sw]() {
+      if (sw->steps <= sw->warmup) throw InputError("--steps", "must exceed --warmup (" + std::to_string(sw->warmup) + ")");
+      auto rows = train::run_sweep(*sw);
+      const auto errs = train::prediction_errors(rows);
+      std::printf("\n%s", train::sweep_csv(rows).c_str());
+      for (const char* what : {"step", "memory"}) {
+        const auto& e = errs[what];
+        if (e.value("rows", 0) > 0)
+          std::printf("prediction error (%s): median %+.1f%%, mean |error| %.1f%%, worst %.1f%%, %d of %d rows within 10%%\n", what,
+                      100 * e.value("median", 0.0), 100 * e.value("mean_abs", 0.0), 100 * e.value("worst_abs", 0.0),
+                      e.value("within_10_percent", 0), e.value("rows", 0));
+      }
+      std::printf("wrote %s/sweep.csv, sweep.json and sweep-{tokens,latency,memory}.png\n", sw->out_dir.c_str());
       return 0;
     };
   });
