@@ -98,6 +98,11 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// The bar a row is drawn as within its layout's cluster.
+std::string series_of(const SweepRow& r) {
+  return (r.layout == "auto" ? "planner" : "m=" + std::to_string(r.micro_batch)) + ", T=" + std::to_string(r.seq_len);
+}
+
 // Clustered bars with gnuplot: one cluster per layout, one bar per (micro-batch, length). Missing
 // cells are drawn as 0. Returns false (and says why) when gnuplot is not installed.
 bool bar_chart(const std::string& png, const std::string& title, const std::string& ylabel, const std::vector<SweepRow>& rows,
@@ -109,8 +114,7 @@ bool bar_chart(const std::string& png, const std::string& title, const std::stri
   std::vector<std::string> layouts, series;
   for (const auto& r : rows) {
     if (std::find(layouts.begin(), layouts.end(), r.layout) == layouts.end()) layouts.push_back(r.layout);
-    const std::string s = r.layout == "auto" ? "planner, T=" + std::to_string(r.seq_len)
-                                             : "m=" + std::to_string(r.micro_batch) + ", T=" + std::to_string(r.seq_len);
+    const std::string s = series_of(r);
     if (std::find(series.begin(), series.end(), s) == series.end()) series.push_back(s);
   }
   const std::string dat = png.substr(0, png.size() - 4) + ".dat", gp = png.substr(0, png.size() - 4) + ".gp";
@@ -122,11 +126,8 @@ bool bar_chart(const std::string& png, const std::string& title, const std::stri
     d << "\"" << l << "\"";
     for (const auto& s : series) {
       double v = 0;
-      for (const auto& r : rows) {
-        const std::string rs = r.layout == "auto" ? "planner, T=" + std::to_string(r.seq_len)
-                                                  : "m=" + std::to_string(r.micro_batch) + ", T=" + std::to_string(r.seq_len);
-        if (r.layout == l && rs == s && r.status == "ok") v = value(r);
-      }
+      for (const auto& r : rows)
+        if (r.layout == l && series_of(r) == s && r.status == "ok") v = value(r);
       d << " " << v;
     }
     d << "\n";
