@@ -61,6 +61,10 @@ void add_dist_commands(CLI::App& app, Action& action) {
       "Device of each rank, e.g. cuda:0,cpu,cpu (one for all ranks or one per rank); sets ALLOY_DEVICE, "
       "which overrides train.device, so one GPU and spare CPU cores can train together");
   launch->add_option("--grace", lo->grace_s, "Seconds the other ranks get to report after one fails")->capture_default_str();
+  launch->add_option("--max-restarts", lo->max_restarts,
+                     "After a failure, start the whole job again up to N times; `alloy train` then resumes from its last "
+                     "complete checkpoint (ALLOY_RESTART)")
+      ->capture_default_str();
   launch->add_option("command", lo->command, "Command to run, after --")->required();
   launch->footer("Example: alloy launch --nproc 3 -- alloy train --config examples/tiny-gpt2.yaml --plan plan.json");
   launch->callback([lo, emu_path, emu_opts, no_cpu, no_net, no_pin, launch, &action]() {
@@ -89,9 +93,12 @@ void add_dist_commands(CLI::App& app, Action& action) {
         if (!nproc_given) throw InputError("--nproc", "is required (or --emulate CLUSTER for one rank per device)");
         r = dist::launch(*lo);
       }
-      if (r.failed_rank >= 0)
-        std::fprintf(stderr, "alloy launch: rank %d failed first (exit code %d)\n", r.failed_rank,
-                     r.rank_exit_codes[static_cast<size_t>(r.failed_rank)]);
+      if (r.failed_rank >= 0 && r.exit_code != 0)
+        std::fprintf(stderr, "alloy launch: rank %d failed first (exit code %d)%s\n", r.failed_rank,
+                     r.rank_exit_codes[static_cast<size_t>(r.failed_rank)],
+                     r.restarts > 0 ? (" after " + std::to_string(r.restarts) + " restart(s)").c_str() : "");
+      else if (r.restarts > 0)
+        std::fprintf(stderr, "alloy launch: the job finished after %d restart(s)\n", r.restarts);
       return r.exit_code;
     };
   });

@@ -29,11 +29,12 @@ namespace {
 struct TrainArgs {
   std::string config;
   std::vector<std::string> sets;
-  bool resume = false;
+  bool resume = false, auto_resume = false;
   std::string resume_from, init_weights, trace;
   train::PlanSources src;
   dist::RendezvousFlags rv;
   double timeout_s = 300;
+  double stall_s = -1;
   bool tp_pp_dp_mapping = false;
   // SAFusion's flags, as --set grad_sync.* overrides.
   std::string compressor, memory;
@@ -167,6 +168,9 @@ void add_train_commands(CLI::App& app, Action& action) {
   cmd->add_option("--set", a->sets, "Override a config key: --set section.key=value (repeatable)");
   cmd->add_flag("--resume", a->resume, "Resume from the latest checkpoint in output.dir");
   cmd->add_option("--resume-from", a->resume_from, "Resume from this checkpoint or run directory");
+  cmd->add_flag("--auto-resume", a->auto_resume,
+                "Resume from output.dir's last complete checkpoint if there is one, else start afresh (what a restarted "
+                "job does by itself: ALLOY_RESTART, TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT above 0)");
   cmd->add_option("--init-from,--init-weights", a->init_weights,
                   "Start from pretrained weights (an Alloy checkpoint or run directory, or safetensors with HuggingFace "
                   "names), fresh optimizer; with LoRA the frozen base");
@@ -240,6 +244,10 @@ void add_train_commands(CLI::App& app, Action& action) {
   cmd->add_option("--dist-url", a->rv.dist_url, "tcp://HOST:PORT (PTAFM style)")->group(g_rv);
   cmd->add_option("--timeout", a->timeout_s, "Seconds any collective or rendezvous may take before the job fails")
       ->group(g_rv)->capture_default_str();
+  cmd->add_option("--stall-seconds", a->stall_s,
+                  "Report which ranks have not entered a collective this rank has waited in this long (default: a quarter "
+                  "of --timeout; 0 = off)")
+      ->group(g_rv);
   cmd->footer("Config keys (section.key, help, type and default):\n" + config_reference());
 
   cmd->callback([a, &action]() {
@@ -266,6 +274,7 @@ void add_train_commands(CLI::App& app, Action& action) {
       if (rv.world_size > 1) {
         if (!std::getenv("ALLOY_OUTPUT_PREFIXED")) set_log_prefix("[rank " + std::to_string(rv.rank) + "] ");
         world = dist::World::create(rv, std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000)));
+        if (a->stall_s >= 0) world->set_stall_seconds(a->stall_s);
       }
       try {
         train::ResolvedPlan rp = train::resolve_plan(cfg, a->src, rv.world_size, world.get());
@@ -273,6 +282,7 @@ void add_train_commands(CLI::App& app, Action& action) {
         if (!a->resume_from.empty()) o.resume = a->resume_from;
         else if (a->resume) o.resume = cfg.output.dir;
         else if (hs.resume_step >= 0) o.resume = hetero_resume_dir(cfg, hs, a->src.hetero_config);
+        else if (a->auto_resume || train::restart_count() > 0) o.resume = train::last_checkpoint_agreed(cfg, world.get());
         if (hs.visualize && rv.rank == 0 && rp.plan) {
           const std::string path = cfg.output.dir + "/architecture." + hs.visualization_format;
           ensure_writable_dir(cfg.output.dir);

@@ -99,6 +99,7 @@ const std::vector<Field>& schema() {
       ALLOY_INT(train, eval_interval, "steps between validation runs; 0 = only at the end"),
       ALLOY_INT(train, eval_batches, "global batches per validation run"),
       ALLOY_INT(train, checkpoint_interval, "steps between checkpoints; 0 = only at the end"),
+      ALLOY_INT(train, keep_checkpoints, "keep the newest K checkpoints, delete older ones; 0 = keep all"),
       ALLOY_INT(train, replan_step, "--plan auto: after this step, scale the profile by each device's measured compute, "
                                     "search again and switch plans if 5% faster (again after as many steps, once); 0 = never"),
       ALLOY_INT(train, log_interval, "steps between log lines when not on a terminal"),
@@ -320,6 +321,7 @@ void Config::validate() const {
   if (t.eval_interval < 0) fail("train.eval_interval", "must be >= 0");
   if (t.eval_batches < 0) fail("train.eval_batches", "must be >= 0");
   if (t.checkpoint_interval < 0) fail("train.checkpoint_interval", "must be >= 0");
+  if (t.keep_checkpoints < 0) fail("train.keep_checkpoints", "must be >= 0 (0 = keep all)");
   if (t.replan_step < 0) fail("train.replan_step", "must be >= 0");
   if (t.log_interval < 1) fail("train.log_interval", "must be >= 1");
   if (t.threads < 0) fail("train.threads", "must be >= 0");

@@ -49,13 +49,15 @@ double now_seconds() {
 }
 }  // namespace
 
-uint32_t crc32c(const void* data, size_t n) {
+uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n) {
   const auto& t = crc_table();
   const unsigned char* p = static_cast<const unsigned char*>(data);
-  uint32_t c = 0xFFFFFFFFu;
+  uint32_t c = crc ^ 0xFFFFFFFFu;
   for (size_t i = 0; i < n; ++i) c = t[(c ^ p[i]) & 0xFF] ^ (c >> 8);
   return c ^ 0xFFFFFFFFu;
 }
+
+uint32_t crc32c(const void* data, size_t n) { return crc32c_extend(0, data, n); }
 
 uint32_t masked_crc32c(const void* data, size_t n) {
   uint32_t c = crc32c(data, n);

@@ -8,6 +8,8 @@
 namespace alloy {
 
 uint32_t crc32c(const void* data, size_t n);
+// CRC of data that continues the data CRC was computed over (crc32c(a + b) = crc32c_extend(crc32c(a), b)).
+uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n);
 uint32_t masked_crc32c(const void* data, size_t n);
 
 class TensorBoardWriter {

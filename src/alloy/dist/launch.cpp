@@ -74,8 +74,8 @@ int free_tcp_port() {
   return port;
 }
 
-LaunchResult launch(const LaunchOptions& o) {
-  if (o.nproc < 1) throw InputError("--nproc", "must be >= 1");
+namespace {
+LaunchResult launch_once(const LaunchOptions& o, int attempt) {
   if (o.command.empty()) throw InputError("launch", "no command given (put it after --)");
   if (o.devices.size() > 1 && o.devices.size() != static_cast<size_t>(o.nproc))
     throw InputError("--devices", std::to_string(o.devices.size()) + " devices for " + std::to_string(o.nproc) +
@@ -117,6 +117,7 @@ LaunchResult launch(const LaunchOptions& o) {
       ::setenv("OMP_NUM_THREADS", t.c_str(), 1);
       ::setenv("OPENBLAS_NUM_THREADS", t.c_str(), 1);
       ::setenv("MKL_NUM_THREADS", t.c_str(), 1);
+      ::setenv("ALLOY_RESTART", std::to_string(attempt).c_str(), 1);
       if (!o.devices.empty()) ::setenv("ALLOY_DEVICE", o.devices[o.devices.size() == 1 ? 0 : static_cast<size_t>(r)].c_str(), 1);
       if (o.prefix_output) ::setenv("ALLOY_OUTPUT_PREFIXED", "1", 1);  // the rank needs no prefix of its own
       if (static_cast<size_t>(r) < o.placement.size()) place_self(r, o.placement[static_cast<size_t>(r)]);
@@ -220,6 +221,22 @@ LaunchResult launch(const LaunchOptions& o) {
     while (kids[static_cast<size_t>(r)].out >= 0) drain(r, false);
   if (res.failed_rank >= 0) res.exit_code = res.rank_exit_codes[static_cast<size_t>(res.failed_rank)] ? res.rank_exit_codes[static_cast<size_t>(res.failed_rank)] : 1;
   return res;
+}
+}  // namespace
+
+LaunchResult launch(const LaunchOptions& o) {
+  if (o.nproc < 1) throw InputError("--nproc", "must be >= 1");
+  if (o.max_restarts < 0) throw InputError("--max-restarts", "must be >= 0");
+  for (int attempt = 0;; ++attempt) {
+    const auto t0 = std::chrono::steady_clock::now();
+    LaunchResult r = launch_once(o, attempt);
+    r.restarts = attempt;
+    if (r.exit_code == 0 || attempt >= o.max_restarts || g_signal) return r;
+    const double ran = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    log_warn("launch: the job failed after " + std::to_string(static_cast<int>(ran)) + " s (rank " + std::to_string(r.failed_rank) +
+             ", exit code " + std::to_string(r.exit_code) + "); restart " + std::to_string(attempt + 1) + " of " +
+             std::to_string(o.max_restarts) + ": every rank starts again from the last complete checkpoint");
+  }
 }
 
 }  // namespace alloy::dist

@@ -33,11 +33,16 @@ struct LaunchOptions {
   // By rank; ranks past its end run unplaced. A rank that cannot be placed exits with code 127
   // after saying why.
   std::vector<RankPlacement> placement;
+  // After a failure (every rank stopped), start the whole job again up to this many times. Each
+  // attempt's ranks get ALLOY_RESTART=<attempt> (0 the first time), from which `alloy train`
+  // resumes its run directory's last complete checkpoint.
+  int max_restarts = 0;
 };
 
 struct LaunchResult {
   int exit_code = 0;      // 0 when every rank succeeded
-  int failed_rank = -1;   // first rank that failed
+  int failed_rank = -1;   // first rank that failed (in the last attempt)
+  int restarts = 0;       // attempts after the first
   std::vector<int> rank_exit_codes;
 };
 

@@ -15,6 +15,10 @@
 namespace alloy::dist {
 namespace {
 World* g_world = nullptr;
+// What this process waits for (wait_work), for the stall report: the collective's name and since when.
+std::mutex g_wait_mu;
+std::string g_waiting;
+std::chrono::steady_clock::time_point g_wait_since;
 std::mutex g_hb_mu;  // guards the heartbeat store client, shared by the heartbeat thread and reports
 
 std::string str_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
@@ -99,6 +103,17 @@ c10::intrusive_ptr<c10d::Work> Group::recv(at::Tensor& t, int src_global, int ta
 void Group::barrier() { wait_work(gloo_->barrier(), "barrier of group " + name_); }
 
 void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
+  {
+    std::lock_guard<std::mutex> lk(g_wait_mu);
+    g_waiting = what;
+    g_wait_since = std::chrono::steady_clock::now();
+  }
+  struct Done {
+    ~Done() {
+      std::lock_guard<std::mutex> lk(g_wait_mu);
+      g_waiting.clear();
+    }
+  } done;
   try {
     work->wait();  // bounded by the group's timeout (set at creation)
   } catch (const std::exception& e) {
@@ -110,7 +125,9 @@ void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const std::string& wh
   }
 }
 
-World::World(const Rendezvous& rv, std::chrono::milliseconds timeout) : rv_(rv), timeout_(timeout) {}
+World::World(const Rendezvous& rv, std::chrono::milliseconds timeout) : rv_(rv), timeout_(timeout) {
+  stall_s_ = static_cast<double>(timeout.count()) / 4000.0;
+}
 
 World* World::current() { return g_world; }
 
@@ -163,6 +180,21 @@ void World::heartbeat_loop() {
       std::lock_guard<std::mutex> lk(g_hb_mu);
       hb_store_->set("alloy/hb/" + std::to_string(rv_.rank), bytes_of(std::to_string(++beat)));
       hb_store_->set("alloy/progress/" + std::to_string(rv_.rank), bytes_of(std::to_string(progress_.load())));
+      std::string waiting;
+      double waited = 0;
+      {
+        std::lock_guard<std::mutex> wl(g_wait_mu);
+        waiting = g_waiting;
+        waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - g_wait_since).count();
+      }
+      hb_store_->set("alloy/waiting/" + std::to_string(rv_.rank), bytes_of(waiting));
+      // The stall inspector: a wait that lasts stall_s is reported once (and again every stall_s
+      // after), naming what every other rank is doing, well before the timeout ends the job.
+      if (!waiting.empty() && stall_s_ > 0 && waited >= stall_s_ &&
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - last_stall_report_).count() >= stall_s_) {
+        last_stall_report_ = std::chrono::steady_clock::now();
+        log_warn(stall_report(waiting, waited));
+      }
       if (watch) {
         auto now = std::chrono::steady_clock::now();
         for (size_t r = 0; r < n; ++r) {
@@ -180,6 +212,41 @@ void World::heartbeat_loop() {
 }
 
 void World::set_progress(int64_t step) { progress_ = step; }
+
+std::string World::stall_report(const std::string& waiting, double waited) {
+  // Called on the heartbeat thread with g_hb_mu held.
+  std::string out = "stall: rank " + std::to_string(rv_.rank) + " (step " + std::to_string(progress_.load()) + ") has waited " +
+                    std::to_string(static_cast<int>(waited)) + " s in " + waiting + " (the job fails after " +
+                    std::to_string(timeout_.count() / 1000) + " s)";
+  std::string behind, along;
+  const auto now = std::chrono::steady_clock::now();
+  for (int r = 0; r < rv_.world_size; ++r) {
+    if (r == rv_.rank) continue;
+    const std::string rs = std::to_string(r);
+    std::string theirs, step;
+    try {
+      if (hb_store_->check({"alloy/waiting/" + rs})) theirs = str_of(hb_store_->get("alloy/waiting/" + rs));
+      if (hb_store_->check({"alloy/progress/" + rs})) step = str_of(hb_store_->get("alloy/progress/" + rs));
+    } catch (const std::exception&) {
+    }
+    double quiet = 0;
+    {
+      std::lock_guard<std::mutex> sl(seen_mu_);
+      if (static_cast<size_t>(r) < seen_change_.size()) quiet = std::chrono::duration<double>(now - seen_change_[static_cast<size_t>(r)]).count();
+    }
+    std::string what = "rank " + rs + " (step " + (step.empty() ? "?" : step) + ")";
+    if (quiet > 1.5) what += " has sent no heartbeat for " + std::to_string(static_cast<int>(quiet)) + " s: dead or frozen";
+    else if (theirs.empty()) what += " is not in a collective (computing, or stuck outside one)";
+    else if (theirs == waiting) {
+      along += (along.empty() ? "" : ", ") + rs;
+      continue;
+    } else what += " waits in " + theirs;
+    behind += "\n  " + what;
+  }
+  if (!behind.empty()) out += "; the ranks that have not entered it:" + behind;
+  if (!along.empty()) out += "\n  waiting in it too: rank(s) " + along;
+  return out;
+}
 
 void World::report_exit(const std::string& message) {
   try {

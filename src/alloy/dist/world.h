@@ -82,6 +82,10 @@ class World {
 
   // Publishes this rank's position ("step 12") so a stall can be pinned on the rank behind.
   void set_progress(int64_t step);
+  // Horovod's stall inspector: when this rank has waited STALL_S seconds in one collective
+  // (wait_work), it logs which ranks have not entered it and what they do instead (their step,
+  // the collective they wait in, or no heartbeat). 0 = off. Default: a quarter of the timeout.
+  void set_stall_seconds(double s) { stall_s_ = s; }
   // Records this rank's error for the others to read, best effort.
   void report_exit(const std::string& message);
   // Who is dead, stalled or failed, as a sentence; empty if nothing can be said.
@@ -92,6 +96,7 @@ class World {
  private:
   World(const Rendezvous& rv, std::chrono::milliseconds timeout);
   void heartbeat_loop();
+  std::string stall_report(const std::string& waiting, double waited);
 
   Rendezvous rv_;
   std::chrono::milliseconds timeout_;
@@ -100,6 +105,8 @@ class World {
   std::thread hb_thread_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> progress_{-1};
+  std::atomic<double> stall_s_{0};
+  std::chrono::steady_clock::time_point last_stall_report_{};
   // What the heartbeat thread last saw of every rank: its counter and when it last changed. Lets a
   // failure report name a dead or frozen rank at once, even if the store dies meanwhile.
   std::mutex seen_mu_;

@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -10,6 +11,8 @@
 #include "alloy/core/error.h"
 #include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
+#include "alloy/core/log.h"
+#include "alloy/core/tensorboard.h"
 #include "alloy/model/weights.h"
 
 namespace fs = std::filesystem;
@@ -22,6 +25,25 @@ std::string step_name(int64_t step) {
 }
 
 namespace {
+// CRC32C of a file's bytes, read in chunks; its size into BYTES.
+uint32_t file_crc32c(const std::string& path, uint64_t* bytes) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) throw InputError(path, "cannot be read");
+  std::vector<char> buf(1 << 20);
+  uint32_t crc = 0;
+  *bytes = 0;
+  for (size_t n; (n = std::fread(buf.data(), 1, buf.size(), f)) > 0;) {
+    crc = crc32c_extend(crc, buf.data(), n);
+    *bytes += n;
+  }
+  std::fclose(f);
+  return crc;
+}
+std::string crc_hex(uint32_t crc) {
+  char b[16];
+  std::snprintf(b, sizeof b, "%08x", crc);
+  return b;
+}
 std::string shard_name(const std::string& base, int rank, int world) {
   if (world == 1) return base + ".safetensors";
   char buf[64];
@@ -105,6 +127,14 @@ std::string publish_checkpoint(const std::string& run_dir, const CheckpointState
                       {"config", st.config.to_json()}};
   if (!st.plan.is_null()) j["plan"] = st.plan;
   if (!st.base.empty()) j["base"] = st.base;
+  // Every shard is complete by now (the ranks wrote theirs before the barrier that precedes this).
+  j["files"] = nlohmann::json::object();
+  for (const auto& e : fs::directory_iterator(tmp)) {
+    if (!e.is_regular_file() || e.path().filename() == "state.json") continue;
+    uint64_t bytes = 0;
+    const uint32_t crc = file_crc32c(e.path().string(), &bytes);
+    j["files"][e.path().filename().string()] = {{"bytes", bytes}, {"crc32c", crc_hex(crc)}};
+  }
   write_file_atomic(tmp + "/state.json", j.dump(2) + "\n");
   fsync_dir(tmp);
   // Replace an older checkpoint of the same step only once the new one is complete.
@@ -127,19 +157,80 @@ std::string save_checkpoint(const std::string& run_dir, const CheckpointState& s
   return publish_checkpoint(run_dir, s);
 }
 
+std::string checkpoint_problem(const std::string& dir) {
+  const std::string state = dir + "/state.json";
+  if (!file_exists(state)) return state + " is missing";
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(state));
+  } catch (const std::exception& e) {
+    return state + " is not valid JSON (" + e.what() + ")";
+  }
+  if (!j.is_object() || !j.contains("files")) return "";  // version 1: no list to check against
+  if (!j["files"].is_object()) return state + ": field 'files' is not an object";
+  for (const auto& [name, f] : j["files"].items()) {
+    const std::string path = dir + "/" + name;
+    if (!file_exists(path)) return path + " is missing";
+    uint64_t bytes = 0;
+    const uint32_t crc = file_crc32c(path, &bytes);
+    const uint64_t want = f.value("bytes", uint64_t{0});
+    if (bytes != want) return path + " has " + std::to_string(bytes) + " bytes, state.json says " + std::to_string(want);
+    if (crc_hex(crc) != f.value("crc32c", std::string()))
+      return path + ": CRC32C " + crc_hex(crc) + " differs from state.json's " + f.value("crc32c", std::string()) + " (corrupt)";
+  }
+  return "";
+}
+
 std::string resolve_checkpoint(const std::string& path) {
-  if (file_exists(path + "/state.json")) return path;
+  if (file_exists(path + "/state.json")) {
+    if (const std::string why = checkpoint_problem(path); !why.empty()) throw InputError(path, "cannot be used: " + why);
+    return path;
+  }
   for (const std::string& root : {path + "/checkpoints", path}) {
-    if (file_exists(root + "/latest")) {
-      std::string name = read_file(root + "/latest");
-      while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-      std::string dir = root + "/" + name;
-      if (!file_exists(dir + "/state.json"))
-        throw InputError(root + "/latest", "points at '" + name + "', which has no state.json");
-      return dir;
+    if (!file_exists(root + "/latest")) continue;
+    std::string name = read_file(root + "/latest");
+    while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+    std::string why = checkpoint_problem(root + "/" + name);
+    if (why.empty()) return root + "/" + name;
+    // The newest is torn or corrupt: fall back to the newest step directory that checks out.
+    std::vector<std::string> steps;
+    for (const auto& e : fs::directory_iterator(root)) {
+      const std::string n = e.path().filename().string();
+      if (e.is_directory() && n.rfind("step_", 0) == 0 && n != name) steps.push_back(n);
     }
+    std::sort(steps.rbegin(), steps.rend());
+    for (const auto& n : steps)
+      if (checkpoint_problem(root + "/" + n).empty()) {
+        log_error("checkpoint " + root + "/" + name + " cannot be used (" + why + "); using the previous complete one, " +
+                  root + "/" + n);
+        return root + "/" + n;
+      }
+    throw InputError(root + "/" + name, "cannot be used (" + why + ") and no earlier checkpoint checks out");
   }
   throw InputError(path, "no checkpoint here (expected state.json, or checkpoints/latest in a run directory)");
+}
+
+std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t keep) {
+  std::vector<std::string> removed;
+  const std::string root = run_dir + "/checkpoints";
+  if (keep <= 0 || !fs::is_directory(root)) return removed;
+  std::string latest;
+  if (file_exists(root + "/latest")) {
+    latest = read_file(root + "/latest");
+    while (!latest.empty() && (latest.back() == '\n' || latest.back() == ' ')) latest.pop_back();
+  }
+  std::vector<std::string> steps;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string n = e.path().filename().string();
+    if (e.is_directory() && n.rfind("step_", 0) == 0) steps.push_back(n);
+  }
+  std::sort(steps.rbegin(), steps.rend());  // newest first (names are zero-padded)
+  for (size_t i = static_cast<size_t>(keep); i < steps.size(); ++i) {
+    if (steps[i] == latest) continue;
+    remove_tree(root + "/" + steps[i]);
+    removed.push_back(root + "/" + steps[i]);
+  }
+  return removed;
 }
 
 CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {
@@ -147,9 +238,10 @@ CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {
   nlohmann::json j = read_json_file(file);
   if (j.value("format", "") != kCheckpointFormat)
     throw InputError(file, "field 'format' is not \"" + std::string(kCheckpointFormat) + "\": not an Alloy checkpoint");
-  if (j.value("version", -1) != kCheckpointVersion)
+  if (!j.contains("version") || !j["version"].is_number_integer() || j["version"].get<int>() < 1 ||
+      j["version"].get<int>() > kCheckpointVersion)
     throw InputError(file, "field 'version' is " + j.value("version", nlohmann::json()).dump() +
-                               ", this Alloy reads version " + std::to_string(kCheckpointVersion));
+                               ", this Alloy reads versions 1 to " + std::to_string(kCheckpointVersion));
   CheckpointState st;
   try {
     st.step = j.at("step").get<int64_t>();

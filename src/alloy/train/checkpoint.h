@@ -4,8 +4,9 @@
 // the directory into place and updates the `latest` pointer last. A crash at any moment leaves the
 // previous checkpoint intact.
 //
-//   step_00000020/state.json     {"format": "alloy-checkpoint", "version": 1, step, consumed
-//                                 samples, optimizer steps, world size, full config, plan}
+//   step_00000020/state.json     {"format": "alloy-checkpoint", "version": 2, step, consumed
+//                                 samples, optimizer steps, world size, full config, plan,
+//                                 "files": {NAME: {"bytes", "crc32c"}} for every other file}
 //   step_00000020/model.safetensors            weights under HuggingFace names (one process), or
 //   step_00000020/model-rank00003.safetensors  the parameters rank 3 owns (several processes)
 //   step_00000020/optimizer[-rankN].safetensors  AdamW moments "exp_avg.NAME", "exp_avg_sq.NAME"
@@ -16,6 +17,9 @@
 //                                               residuals, DGC velocities, PowerSGD warm starts) by
 //                                               holder set, with the plan's grad_sync in its metadata
 // Parameters are stored by name, so a checkpoint loads into any other split of the same model.
+// Every file's size and CRC32C are checked before a checkpoint is used (version 1 checkpoints have
+// no list and are used unchecked); resolving a run directory skips a torn or corrupt newest
+// checkpoint for the newest one that checks out, and says so.
 #include <functional>
 #include <map>
 #include <string>
@@ -30,7 +34,7 @@
 namespace alloy::train {
 
 inline constexpr const char* kCheckpointFormat = "alloy-checkpoint";
-inline constexpr int kCheckpointVersion = 1;
+inline constexpr int kCheckpointVersion = 2;
 
 struct CheckpointState {
   int64_t step = 0;               // optimizer steps completed
@@ -67,8 +71,16 @@ std::map<std::string, at::Tensor> read_sync_state(const std::string& ckpt_dir, i
 std::string save_checkpoint(const std::string& run_dir, const CheckpointState& st, const model::Transformer& m,
                             const AdamW* opt);
 
-// PATH is a checkpoint directory, or a run directory / its checkpoints/ (then `latest` is used).
+// PATH is a checkpoint directory (used only if it checks out: InputError naming the file
+// otherwise), or a run directory / its checkpoints/: then `latest`, or if that is torn or corrupt
+// the newest step directory that checks out (logged).
 std::string resolve_checkpoint(const std::string& path);
+// Why the checkpoint in DIR cannot be used (a missing file, a size or CRC32C that differs from
+// state.json's list, no state.json); empty when it checks out.
+std::string checkpoint_problem(const std::string& dir);
+// Deletes all but the newest KEEP step directories under RUN/checkpoints (never the one `latest`
+// names); KEEP 0 keeps all. Returns the directories deleted.
+std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t keep);
 // Reads and validates state.json; throws InputError naming the file and field.
 CheckpointState read_checkpoint_state(const std::string& ckpt_dir);
 // Throws InputError listing the differing fields when the checkpoint holds another model.

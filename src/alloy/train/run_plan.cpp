@@ -13,6 +13,7 @@
 #include "alloy/plan/planner.h"
 #include "alloy/plan/profiler.h"
 #include "alloy/plan/sync_scope.h"
+#include "alloy/train/checkpoint.h"
 
 namespace alloy::train {
 
@@ -239,6 +240,37 @@ TrainResult train_with_replanning(const Config& cfg, TrainOptions o, const Resol
     o.generation = "plan" + std::to_string(generation + 1) + "/";
   }
   return all;
+}
+
+// How many times the job has been restarted: by `alloy launch --max-restarts`, torchrun or SLURM.
+int restart_count() {
+  for (const char* v : {"ALLOY_RESTART", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"})
+    if (const char* s = std::getenv(v); s && *s) {
+      try {
+        if (std::stoi(s) > 0) return std::stoi(s);
+      } catch (const std::exception&) {
+      }
+    }
+  return 0;
+}
+
+// The run directory's last complete checkpoint ("" when it has none yet): rank 0 looks, every rank
+// takes its word through the store, so all resume from the same step (or all start afresh).
+std::string last_checkpoint_agreed(const Config& cfg, dist::World* world) {
+  const int rank = world ? world->rank() : 0;
+  std::string dir;
+  if (rank == 0 && file_exists(cfg.output.dir + "/checkpoints/latest")) dir = resolve_checkpoint(cfg.output.dir);
+  if (world) {
+    const std::string key = "alloy/auto-resume";
+    if (rank == 0) world->store().set(key, std::vector<uint8_t>(dir.begin(), dir.end()));
+    world->store().wait({key});
+    const auto b = world->store().get(key);
+    dir.assign(b.begin(), b.end());
+  }
+  if (rank == 0)
+    log_info(dir.empty() ? "restarted with no checkpoint in " + cfg.output.dir + " yet: starting from step 0"
+                         : "restarted: resuming from " + dir);
+  return dir;
 }
 
 }  // namespace alloy::train

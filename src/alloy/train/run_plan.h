@@ -58,4 +58,12 @@ ResolvedPlan resolve_plan(const Config& cfg, const PlanSources& src, int world_s
 // OUTPUT/replan.json records each decision. Returns every generation's steps.
 TrainResult train_with_replanning(const Config& cfg, TrainOptions o, const ResolvedPlan& rp);
 
+// How many times the job has been restarted (ALLOY_RESTART from `alloy launch --max-restarts`,
+// TORCHELASTIC_RESTART_COUNT from torchrun, SLURM_RESTART_COUNT); 0 the first time.
+int restart_count();
+// The run directory's last complete checkpoint, "" when it has none yet: rank 0 looks (skipping a
+// torn or corrupt newest one), every rank takes its word through the store, so all resume from
+// the same step or all start afresh.
+std::string last_checkpoint_agreed(const Config& cfg, dist::World* world);
+
 }  // namespace alloy::train

@@ -478,6 +478,7 @@ void Trainer::save(int64_t step) {
     CheckpointState cs{step, static_cast<uint64_t>(step * cfg_.train.global_batch), opt_->steps_taken(), cfg_,
                        world_ ? world_->size() : 1, plan_->to_json(), cfg_.lora.enabled() ? base_ : std::string()};
     publish_checkpoint(cfg_.output.dir, cs);
+    prune_checkpoints(cfg_.output.dir, cfg_.train.keep_checkpoints);
   }
   barrier();
 }
