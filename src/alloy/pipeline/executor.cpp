@@ -72,7 +72,7 @@ at::Tensor StageExecutor::finish_recv(PostedRecv& r, at::IntArrayRef shape, at::
                 ", expected [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + ", " +
                 std::to_string(shape[2]) + "] " + c10::toString(dtype) + ": the two stages disagree on the plan");
   dist::wait_work(r.wd, what);
-  return r.data.to(slice_.parameters()[0]->tensor.device());
+  return r.data.to(slice_.device());  // the first parameter may live quantized (LoRA base)
 }
 
 at::Tensor StageExecutor::recv_tensor(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype) {
