@@ -114,6 +114,24 @@ void add_dist_commands(CLI::App& app, Action& action) {
     };
   });
 
+  auto link = std::make_shared<std::vector<std::string>>();
+  auto link_id = std::make_shared<std::string>();
+  for (const bool cut : {true, false}) {
+    auto* c = emu_cmd->add_subcommand(cut ? "cut" : "restore",
+                                      cut ? "Cut the link between two hosts of a running emulated cluster (nothing gets through)"
+                                          : "Restore a cut link to its bandwidth");
+    c->add_option("hosts", *link, "HOST_A HOST_B (host names of the ClusterSpec)")->required()->expected(2);
+    c->add_option("--id", *link_id, "The cluster's id when several run");
+    c->callback([cut, link, link_id, &action]() {
+      action = [cut, link, link_id]() {
+        const std::string id = emu::set_link((*link)[0], (*link)[1], cut, *link_id);
+        std::printf("%s the link %s - %s of emulated cluster %s\n", cut ? "cut" : "restored", (*link)[0].c_str(), (*link)[1].c_str(),
+                    id.c_str());
+        return 0;
+      };
+    });
+  }
+
   auto pa = std::make_shared<PlanArgs>();
   auto* plan = app.add_subcommand("plan", "Write a parallel plan: converted from SynerFuse flags or a HeteroShard shard_plan");
   plan->add_flag("--from-synerfuse", pa->from_synerfuse,

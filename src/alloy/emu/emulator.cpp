@@ -500,6 +500,7 @@ void EmulatedCluster::build(const plan::ClusterSpec& spec) {
 
   bool latency_asked = false;
   std::string links;
+  nlohmann::json shaping = nlohmann::json::object();  // "k>j": the htb class's arguments, for emu cut/restore
   if (opts_.limit_network && hosts_.size() > 1) {
     for (size_t k = 0; k < hosts_.size(); ++k) {
       const std::string& ns = host_ns_[k];
@@ -522,6 +523,9 @@ void EmulatedCluster::build(const plan::ClusterSpec& spec) {
         must({tc_tool_, "-n", ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", classid, "htb", "rate", rate_str(l.bandwidth_gbps),
               "ceil", rate_str(l.bandwidth_gbps), "burst", std::to_string(burst), "cburst", std::to_string(burst), "quantum", std::to_string(quantum)},
              "cannot shape the link " + hosts_[k] + " -> " + hosts_[j]);
+        shaping[std::to_string(k) + ">" + std::to_string(j)] = {
+            {"netns", ns},       {"classid", classid},    {"rate", rate_str(l.bandwidth_gbps)},
+            {"burst", std::to_string(burst)}, {"quantum", std::to_string(quantum)}};
         must({tc_tool_, "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst",
               std::string(kSubnet) + std::to_string(j + 1) + "/32", "flowid", classid},
              "cannot shape the link " + hosts_[k] + " -> " + hosts_[j]);
@@ -558,6 +562,17 @@ void EmulatedCluster::build(const plan::ClusterSpec& spec) {
     if (cores > 0 && total > cores)
       log_warn("emulator: the devices' speeds add up to " + std::to_string(total) + " cores but this machine has " + std::to_string(cores) +
                "; when all ranks are busy they get less than their quota and relative speeds blur");
+  }
+
+  // The running cluster's hosts and link classes, for `alloy emu cut` / `restore` from another process.
+  try {
+    nlohmann::json st = nlohmann::json::parse(read_small(state_path(id_)));
+    st["hosts"] = hosts_;
+    st["shaping"] = shaping;
+    st["tc"] = tc_tool_;
+    write_file_atomic(state_path(id_), st.dump(2) + "\n");
+  } catch (const std::exception& e) {
+    log_warn(std::string("emulator: cannot record the links for emu cut/restore: ") + e.what());
   }
 
   std::string where;
@@ -654,6 +669,76 @@ void EmulatedCluster::place(dist::LaunchOptions& o, const std::vector<int>& rank
 }
 
 // ---------------------------------------------------------------------------------------------
+
+std::string set_link(const std::string& host_a, const std::string& host_b, bool cut, const std::string& id_in) {
+  if (::geteuid() != 0) throw Error("emu " + std::string(cut ? "cut" : "restore") + " needs root (it changes tc classes in the cluster's namespaces)");
+  // The live emulated cluster: the one named, or the only one running.
+  std::vector<std::string> live;
+  for (const auto& f : list_dir(kStateDir)) {
+    if (f.size() < 6 || f.compare(f.size() - 5, 5, ".json") != 0) continue;
+    const std::string id = f.substr(0, f.size() - 5);
+    if (!id_in.empty() && id != id_in) continue;
+    try {
+      auto j = nlohmann::json::parse(read_small(state_path(id)));
+      if (owner_alive(j.value("pid", 0), j.value("start_time", 0ULL))) live.push_back(id);
+    } catch (const std::exception&) {
+    }
+  }
+  if (live.empty()) throw InputError(id_in.empty() ? "emu" : "--id", "no emulated cluster is running" + (id_in.empty() ? std::string() : " with id " + id_in));
+  if (live.size() > 1) {
+    std::string ids;
+    for (const auto& i : live) ids += (ids.empty() ? "" : ", ") + i;
+    throw InputError("--id", "several emulated clusters are running (" + ids + "): say which");
+  }
+  const auto st = nlohmann::json::parse(read_small(state_path(live[0])));
+  if (!st.contains("hosts") || !st.contains("shaping") || st["shaping"].empty())
+    throw InputError("emu", "cluster " + live[0] + " has no shaped links to cut (launched with --no-net-limit, or one host)");
+  const auto hosts = st["hosts"].get<std::vector<std::string>>();
+  auto index = [&](const std::string& h) {
+    auto it = std::find(hosts.begin(), hosts.end(), h);
+    if (it == hosts.end()) {
+      std::string known;
+      for (const auto& x : hosts) known += (known.empty() ? "" : ", ") + x;
+      throw InputError("emu", "no host '" + h + "' in cluster " + live[0] + " (hosts: " + known + ")");
+    }
+    return static_cast<size_t>(it - hosts.begin());
+  };
+  const size_t a = index(host_a), b = index(host_b);
+  if (a == b) throw InputError("emu", "a link joins two different hosts");
+  const std::string tc = st.value("tc", std::string("tc"));
+  // A cut moves the pair's traffic to a class whose queue drops every packet (nothing gets
+  // through; TCP retransmits as over a dead link); a restore points it back at its own class, which never ran
+  // into the debt a rate change would leave. Filters are rebuilt per namespace from the recorded
+  // classes and the set of cut pairs.
+  std::set<std::string> cuts;
+  if (st.contains("cut"))
+    for (const auto& c : st["cut"]) cuts.insert(c.get<std::string>());
+  for (const auto& key : {std::to_string(a) + ">" + std::to_string(b), std::to_string(b) + ">" + std::to_string(a)}) {
+    if (cut) cuts.insert(key);
+    else cuts.erase(key);
+  }
+  const char* kCutClass = "1:fff";
+  for (const size_t k : {a, b}) {
+    const std::string ns = st["shaping"].at(std::to_string(k) + ">" + std::to_string(k == a ? b : a))["netns"].get<std::string>();
+    must({tc, "-n", ns, "class", "replace", "dev", "eth0", "parent", "1:", "classid", kCutClass, "htb", "rate", "8bit", "ceil", "8bit"},
+         "cannot make the cut class in host " + hosts[k]);
+    // Its queue holds nothing: every packet is dropped (htb's burst would let small ones through).
+    must({tc, "-n", ns, "qdisc", "replace", "dev", "eth0", "parent", kCutClass, "handle", "fff:", "pfifo", "limit", "0"},
+         "cannot make the cut class in host " + hosts[k]);
+    must({tc, "-n", ns, "filter", "del", "dev", "eth0", "parent", "1:"}, "cannot change the links of host " + hosts[k]);
+    for (const auto& [key, c] : st["shaping"].items()) {
+      if (c["netns"].get<std::string>() != ns) continue;
+      const size_t j = std::stoul(key.substr(key.find('>') + 1));
+      must({tc, "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst",
+            std::string(kSubnet) + std::to_string(j + 1) + "/32", "flowid", cuts.count(key) ? kCutClass : c["classid"].get<std::string>()},
+           std::string("cannot ") + (cut ? "cut" : "restore") + " the link " + hosts[k] + " -> " + hosts[j]);
+    }
+  }
+  nlohmann::json updated = st;
+  updated["cut"] = std::vector<std::string>(cuts.begin(), cuts.end());
+  write_file_atomic(state_path(live[0]), updated.dump(2) + "\n");
+  return live[0];
+}
 
 int clean_leftovers() {
   if (::geteuid() != 0) throw Error("emulator: cleaning needs root (namespaces and cgroups are root's); running as uid " + std::to_string(::geteuid()));

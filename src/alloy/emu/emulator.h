@@ -128,6 +128,11 @@ class EmulatedCluster {
 // at the start of every emulated launch and by `alloy emu clean`.
 int clean_leftovers();
 
+// Cuts (CUT) or restores the link between two hosts of a running emulated cluster (ID, or the only
+// one running): while cut, both directions' traffic goes to a class that drops every packet;
+// restored, to its own class again. Returns the cluster's id. Throws InputError naming an unknown host or cluster.
+std::string set_link(const std::string& host_a, const std::string& host_b, bool cut, const std::string& id = "");
+
 // One emulated launch: clean_leftovers(), create(), place(), dist::launch(), teardown. SIGINT and
 // SIGTERM at any point end with everything removed (during setup the launch is abandoned and the
 // result has exit_code 130).
