@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -169,6 +170,10 @@ std::string checkpoint_problem(const std::string& dir) {
   if (!j.is_object() || !j.contains("files")) return "";  // version 1: no list to check against
   if (!j["files"].is_object()) return state + ": field 'files' is not an object";
   for (const auto& [name, f] : j["files"].items()) {
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+      return state + ": field 'files' names '" + name + "', which is not a file of this directory";
+    if (!f.is_object() || !f.contains("bytes") || !f["bytes"].is_number_unsigned() || !f.contains("crc32c") || !f["crc32c"].is_string())
+      return state + ": field 'files." + name + "' must be {\"bytes\": N, \"crc32c\": \"hex\"}";
     const std::string path = dir + "/" + name;
     if (!file_exists(path)) return path + " is missing";
     uint64_t bytes = 0;
@@ -236,20 +241,29 @@ std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t k
 CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {
   std::string file = ckpt_dir + "/state.json";
   nlohmann::json j = read_json_file(file);
-  if (j.value("format", "") != kCheckpointFormat)
+  if (!j.is_object()) throw InputError(file, "must be a JSON object (an Alloy checkpoint's state)");
+  if (!j.contains("format") || j["format"] != kCheckpointFormat)
     throw InputError(file, "field 'format' is not \"" + std::string(kCheckpointFormat) + "\": not an Alloy checkpoint");
   if (!j.contains("version") || !j["version"].is_number_integer() || j["version"].get<int>() < 1 ||
       j["version"].get<int>() > kCheckpointVersion)
     throw InputError(file, "field 'version' is " + j.value("version", nlohmann::json()).dump() +
                                ", this Alloy reads versions 1 to " + std::to_string(kCheckpointVersion));
   CheckpointState st;
-  try {
-    st.step = j.at("step").get<int64_t>();
-    st.consumed_samples = j.at("consumed_samples").get<uint64_t>();
-    st.optimizer_steps = j.at("optimizer_steps").get<int64_t>();
-    st.world_size = j.value("world_size", 1);
-  } catch (const nlohmann::json::exception& e) {
-    throw InputError(file, std::string("missing or ill-typed field: ") + e.what());
+  // Whole, non-negative counts only: a float such as 1e300 would be undefined behaviour to convert.
+  auto count = [&](const char* key) -> int64_t {
+    if (!j.contains(key)) throw InputError(file, std::string("field '") + key + "' is missing");
+    const auto& v = j[key];
+    if (!v.is_number_integer() || (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX) : v.get<int64_t>() < 0))
+      throw InputError(file, std::string("field '") + key + "' must be a whole number >= 0, got " + v.dump());
+    return v.get<int64_t>();
+  };
+  st.step = count("step");
+  st.consumed_samples = static_cast<uint64_t>(count("consumed_samples"));
+  st.optimizer_steps = count("optimizer_steps");
+  if (j.contains("world_size")) {
+    const int64_t w = count("world_size");
+    if (w < 1 || w > INT32_MAX) throw InputError(file, "field 'world_size' must be between 1 and 2^31-1, got " + std::to_string(w));
+    st.world_size = static_cast<int>(w);
   }
   if (!j.contains("config")) throw InputError(file, "field 'config' is missing");
   st.config = Config::from_json(j["config"], file + " (field 'config')");
