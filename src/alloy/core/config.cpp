@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <sstream>
 
 #include "alloy/core/error.h"
 #include "alloy/core/fs.h"
+#include "alloy/core/json_file.h"
 
 namespace alloy {
 
@@ -193,6 +195,8 @@ std::string check_scalar(const Field& f, const std::string& text, const std::str
       try {
         double v = std::stod(text, &pos);
         if (pos != text.size()) throw bad();
+        // JSON has no nan or inf: a checkpoint's state.json would hold null, and resuming fail.
+        if (!std::isfinite(v)) throw InputError(where, "key '" + f.key + "' must be a finite number, got '" + text + "'");
         return fmt_double(v);
       } catch (const std::logic_error&) {
         throw bad();
@@ -206,6 +210,9 @@ std::string check_scalar(const Field& f, const std::string& text, const std::str
       throw bad();
     }
     case Kind::String:
+      // Strings end up in JSON (a checkpoint's state.json keeps the whole config), which must be
+      // UTF-8: writing anything else throws, at the first checkpoint rather than here.
+      if (!is_valid_utf8(text)) throw InputError(where, "key '" + f.key + "' must be UTF-8 text");
       return text;
   }
   return text;
@@ -223,6 +230,10 @@ void load_node(Config& c, const YAML::Node& root, const std::string& where) {
   if (!root || root.IsNull()) return;
   if (!root.IsMap()) throw InputError(where, "top level must be a mapping of sections (model, data, train, grad_sync, lora, output)");
   for (const auto& sec : root) {
+    // A key that is itself a list or mapping ("[a]: 1", "? {a: 1}") has no name: as<std::string>()
+    // would throw yaml-cpp's BadConversion.
+    if (sec.first.IsSequence() || sec.first.IsMap())
+      throw InputError(where + " (line " + std::to_string(sec.first.Mark().line + 1) + ")", "section names must be plain names");
     std::string section = sec.first.as<std::string>();
     if (section != "model" && section != "data" && section != "train" && section != "grad_sync" && section != "lora" &&
         section != "output")
@@ -230,6 +241,9 @@ void load_node(Config& c, const YAML::Node& root, const std::string& where) {
     if (sec.second.IsNull()) continue;
     if (!sec.second.IsMap()) throw InputError(where, "section '" + section + "' must be a mapping");
     for (const auto& kv : sec.second) {
+      if (kv.first.IsSequence() || kv.first.IsMap())
+        throw InputError(where + " (line " + std::to_string(kv.first.Mark().line + 1) + ")",
+                         "keys in section '" + section + "' must be plain names");
       std::string key = section + "." + kv.first.as<std::string>();
       const std::string at = where + " (line " + std::to_string(kv.second.Mark().line + 1) + ")";
       // A list of names (lora.targets: [q_proj, v_proj], as PEFT's target_modules) is its
@@ -455,6 +469,29 @@ Config Config::from_json(const nlohmann::json& j, const std::string& source) {
   return from_yaml_string(j.dump(), source);
 }
 
+namespace {
+
+// A double-quoted YAML scalar that reads back as S: quotes and backslashes escaped, and control
+// characters too (a line break inside quotes would be folded into a space).
+std::string yaml_quoted(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20 || c == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
 std::string Config::to_yaml() const {
   std::ostringstream out;
   std::string current;
@@ -463,7 +500,7 @@ std::string Config::to_yaml() const {
     std::string sec = f.key.substr(0, dot), name = f.key.substr(dot + 1);
     if (sec != current) out << sec << ":\n", current = sec;
     std::string v = f.get(*this);
-    if (f.kind == Kind::String) v = "\"" + v + "\"";
+    if (f.kind == Kind::String) v = yaml_quoted(v);
     out << "  " << name << ": " << v << "\n";
   }
   return out.str();

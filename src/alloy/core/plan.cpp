@@ -1,6 +1,8 @@
 #include "alloy/core/plan.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 #include <sstream>
@@ -11,6 +13,53 @@
 #include "alloy/core/fs.h"
 
 namespace alloy {
+
+namespace {
+
+// nlohmann's get<int64_t>() / get<int>() convert a floating-point value with a plain cast:
+// undefined behaviour outside the integer's range ("ranks": [1e300]), silent truncation inside it
+// (2.5 -> 2), and an integer is narrowed silently too (4294967296 -> rank 0). A plan's counts and
+// ranks are whole numbers (written 2 or 2.0) within T's range; anything else throws json's
+// type_error or out_of_range, which from_json reports as an ill-typed field.
+template <typename T>
+T whole(const nlohmann::json& v) {
+  constexpr double lo = static_cast<double>(std::numeric_limits<T>::min());
+  constexpr double hi = static_cast<double>(std::numeric_limits<T>::max()) + 1.0;  // exclusive, exact
+  if (v.is_number_unsigned()) {
+    if (v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<T>::max()))
+      throw nlohmann::json::out_of_range::create(406, "number " + v.dump() + " is out of range", &v);
+    return static_cast<T>(v.get<uint64_t>());
+  }
+  if (v.is_number_integer()) {
+    const int64_t i = v.get<int64_t>();
+    if (i < std::numeric_limits<T>::min() || i > std::numeric_limits<T>::max())
+      throw nlohmann::json::out_of_range::create(406, "number " + v.dump() + " is out of range", &v);
+    return static_cast<T>(i);
+  }
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (d != std::trunc(d) || !(d >= lo && d < hi))
+      throw nlohmann::json::out_of_range::create(406, "number " + v.dump() + " is not a whole number in range", &v);
+    return static_cast<T>(d);
+  }
+  throw nlohmann::json::type_error::create(302, std::string("type must be number, but is ") + v.type_name(), &v);
+}
+
+template <typename T>
+std::vector<T> whole_list(const nlohmann::json& v) {
+  if (!v.is_array())
+    throw nlohmann::json::type_error::create(302, std::string("type must be array, but is ") + v.type_name(), &v);
+  std::vector<T> out;
+  for (const auto& e : v) out.push_back(whole<T>(e));
+  return out;
+}
+
+template <typename T>
+T whole_or(const nlohmann::json& obj, const char* key, T fallback) {
+  return obj.contains(key) ? whole<T>(obj[key]) : fallback;
+}
+
+}  // namespace
 
 int Plan::world_size() const {
   int n = 0;
@@ -64,7 +113,10 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
     std::string pf = "pipelines[" + std::to_string(p) + "]";
     if (pl.micro_batch_size < 1) fail(pf + ".micro_batch_size", "must be >= 1, got " + std::to_string(pl.micro_batch_size));
     if (pl.num_micro_batches < 1) fail(pf + ".num_micro_batches", "must be >= 1, got " + std::to_string(pl.num_micro_batches));
-    total += pl.samples();
+    int64_t samples = 0;
+    if (__builtin_mul_overflow(pl.micro_batch_size, pl.num_micro_batches, &samples) ||
+        __builtin_add_overflow(total, samples, &total))
+      fail(pf, "micro_batch_size x num_micro_batches, summed over the pipelines, overflows a 64-bit integer");
     sum_text += (sum_text.empty() ? "" : " + ") + std::to_string(pl.micro_batch_size) + "x" + std::to_string(pl.num_micro_batches);
     if (pl.stages.empty()) fail(pf + ".stages", "a pipeline needs at least one stage");
     int64_t expect = 0;
@@ -183,7 +235,7 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
     if (j.contains("version") && j["version"] != 1 && j["version"] != 2)
       throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 and 2");
     field = "global_batch";
-    p.global_batch = j.at("global_batch").get<int64_t>();
+    p.global_batch = whole<int64_t>(j.at("global_batch"));
     field = "schedule";
     p.schedule = j.value("schedule", std::string("1f1b"));
     field = "pipelines";
@@ -191,14 +243,14 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
     for (size_t i = 0; i < pls.size(); ++i) {
       field = "pipelines[" + std::to_string(i) + "]";
       PipelinePlan pl;
-      pl.micro_batch_size = pls[i].at("micro_batch_size").get<int64_t>();
-      pl.num_micro_batches = pls[i].at("num_micro_batches").get<int64_t>();
+      pl.micro_batch_size = whole<int64_t>(pls[i].at("micro_batch_size"));
+      pl.num_micro_batches = whole<int64_t>(pls[i].at("num_micro_batches"));
       const auto& sts = pls[i].at("stages");
       for (size_t s = 0; s < sts.size(); ++s) {
         field = "pipelines[" + std::to_string(i) + "].stages[" + std::to_string(s) + "]";
         StagePlan st;
-        st.ranks = sts[s].at("ranks").get<std::vector<int>>();
-        auto layers = sts[s].at("layers").get<std::vector<int64_t>>();
+        st.ranks = whole_list<int>(sts[s].at("ranks"));
+        auto layers = whole_list<int64_t>(sts[s].at("layers"));
         if (layers.size() != 2) throw InputError(where, field + ".layers: must be [begin, end)");
         st.layer_begin = layers[0];
         st.layer_end = layers[1];
@@ -223,11 +275,11 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
       field = "grad_sync.error_feedback";
       o.error_feedback = g.value("error_feedback", o.error_feedback);
       field = "grad_sync.warmup_steps";
-      o.warmup_steps = g.value("warmup_steps", o.warmup_steps);
+      o.warmup_steps = whole_or(g, "warmup_steps", o.warmup_steps);
       field = "grad_sync.dense_steps";
-      o.dense_steps = g.value("dense_steps", o.dense_steps);
+      o.dense_steps = whole_or(g, "dense_steps", o.dense_steps);
       field = "grad_sync.powersgd_rank";
-      o.powersgd_rank = g.value("powersgd_rank", o.powersgd_rank);
+      o.powersgd_rank = whole_or(g, "powersgd_rank", o.powersgd_rank);
       field = "grad_sync.scope";
       o.scope = g.value("scope", o.scope);
       field = "grad_sync.dgc_momentum";
@@ -237,11 +289,11 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
       field = "grad_sync.sidco_fit";
       o.sidco_fit = g.value("sidco_fit", o.sidco_fit);
       field = "grad_sync.sidco_stages";
-      o.sidco_stages = g.value("sidco_stages", o.sidco_stages);
+      o.sidco_stages = whole_or(g, "sidco_stages", o.sidco_stages);
       field = "grad_sync.slow_links";
       if (g.contains("slow_links"))
         for (const auto& e : g.at("slow_links")) {
-          auto v = e.get<std::vector<int>>();
+          auto v = whole_list<int>(e);
           if (v.size() != 2) throw InputError(where, "grad_sync.slow_links: each entry must be [rank_a, rank_b]");
           p.slow_links.emplace_back(std::min(v[0], v[1]), std::max(v[0], v[1]));
         }
@@ -251,8 +303,8 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
         field = "sharding[" + std::to_string(i) + "]";
         const auto& e = j["sharding"][i];
         ShardingPlan sp;
-        sp.ranks = e.at("ranks").get<std::vector<int>>();
-        sp.stage = e.at("stage").get<int64_t>();
+        sp.ranks = whole_list<int>(e.at("ranks"));
+        sp.stage = whole<int64_t>(e.at("stage"));
         if (e.contains("shares")) sp.shares = e.at("shares").get<std::vector<double>>();
         p.sharding.push_back(sp);
       }

@@ -241,8 +241,11 @@ Plan plan_from_synerfuse(const SynerFuseArgs& a) {
   if (a.world_size > 0 && a.world_size != world)
     sf_fail("world size " + str(a.world_size) + " != --pipeline-model-parallel-size " + str(pp) +
             " x data-parallel size " + str(dp) + " x --tensor-model-parallel-size 1 = " + str(world));
-  // Plan ranks are ints.
-  if (world > INT_MAX) sf_fail(str(world) + " ranks (" + str(pp) + " x " + str(dp) + ") is more than Alloy can number");
+  // The plan holds a pipeline per data-parallel index and a stage per rank: past this many ranks a
+  // typo (--data-parallel-size 2000000000) would exhaust memory before any check could name it.
+  constexpr int64_t kMaxRanks = int64_t{1} << 16;
+  if (world > kMaxRanks)
+    sf_fail(str(world) + " ranks (" + str(pp) + " x " + str(dp) + ") is more than Alloy plans for (" + str(kMaxRanks) + ")");
 
   const std::vector<int64_t> layers = stage_layers(a);
 

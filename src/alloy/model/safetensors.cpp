@@ -13,6 +13,7 @@
 
 #include "alloy/core/error.h"
 #include "alloy/core/fs.h"
+#include "alloy/core/json_file.h"
 
 // The 8-byte header length is read and written by copying host bytes.
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -196,6 +197,9 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   std::set<std::string> top_keys;
   std::string duplicate;
   ojson::parser_callback_t cb = [&](int depth, ojson::parse_event_t ev, ojson& parsed) {
+    // Deep nesting would overflow the stack when a message quotes a value (dump() recurses).
+    if (depth > kMaxJsonDepth)
+      throw InputError(path, "header nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
     if (depth == 1 && ev == ojson::parse_event_t::key && parsed.is_string() &&
         !top_keys.insert(parsed.get<std::string>()).second && duplicate.empty())
       duplicate = parsed.get<std::string>();
@@ -204,7 +208,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   ojson header;
   try {
     header = ojson::parse(hbegin, hbegin + n, cb);
-  } catch (const ojson::parse_error& e) {
+  } catch (const ojson::exception& e) {  // parse_error, or out_of_range for a number past double's range
     throw InputError(path, std::string("header is not valid JSON: ") + e.what());
   }
   if (!header.is_object()) throw InputError(path, "header is not a JSON object");

@@ -76,6 +76,8 @@ class YamlReader {
 
   std::string string_of(const YAML::Node& n, const std::string& field) const {
     if (!n.IsScalar()) fail(line_of(n), field, "must be a string");
+    // Names end up in JSON (plans, profiles), which must be UTF-8; yaml-cpp passes any bytes.
+    if (!is_valid_utf8(n.Scalar())) fail(line_of(n), field, "must be UTF-8 text");
     return n.Scalar();
   }
 
@@ -480,6 +482,19 @@ PtafmCluster import_ptafm(const std::string& path) {
   int section_line = 0;
   std::set<std::string> sections_seen;
 
+  // The patterns below take digit strings of any length; one past int's range is an error, not
+  // std::stoi's std::out_of_range.
+  auto to_int = [&](const std::string& digits, int line) {
+    try {
+      return std::stoi(digits);
+    } catch (const std::out_of_range&) {
+      fail(line, "the number " + digits + " is out of range");
+    }
+    return 0;
+  };
+  // Each GPU becomes a device of the spec; a count past this is a typo (and would exhaust memory).
+  constexpr int kMaxGpusPerDc = 4096;
+
   static const std::regex kNumStage(R"(NUM_STAGE\s*:\s*(-?\d+))");
   static const std::regex kPower(R"((\d+)\s*\[\s*(\d+)\s*,\s*(\d+)\s*\])");
   static const std::regex kPair(R"((\d+)\s+(\d+)\s+([-+0-9.eE]+))");
@@ -493,11 +508,17 @@ PtafmCluster import_ptafm(const std::string& path) {
     if (auto hash = line.find('#'); hash != std::string::npos) line.resize(hash);
     line = trim(line);
     if (line.empty()) continue;
+    // libstdc++'s std::regex recurses once per character (some 300 bytes of stack each): a line of
+    // 30,000 characters overflows an 8 MiB stack. PTAFM's lines are a few numbers.
+    constexpr size_t kMaxLine = 256;
+    if (line.size() > kMaxLine)
+      fail(lineno, "line of " + std::to_string(line.size()) + " characters; the longest PTAFM line expected is " +
+                       std::to_string(kMaxLine));
     std::smatch m;
     if (section.empty()) {
       if (std::regex_match(line, m, kNumStage)) {
         if (num_stages_line) fail(lineno, "NUM_STAGE is given twice (also line " + std::to_string(num_stages_line) + ")");
-        num_stages = std::stoi(m[1]);
+        num_stages = to_int(m[1], lineno);
         num_stages_line = lineno;
         if (num_stages < 1) fail(lineno, "NUM_STAGE must be >= 1, got " + m[1].str());
       } else if (line == "POWER_SECTION" || line == "LATENCY_SECTION" || line == "BANDWIDTH_SECTION") {
@@ -516,12 +537,16 @@ PtafmCluster import_ptafm(const std::string& path) {
     if (section == "POWER_SECTION") {
       if (!std::regex_match(line, m, kPower))
         fail(lineno, "POWER_SECTION: expected '<dc> [<nA100>,<nT4>]', got '" + line + "'");
-      int dc = std::stoi(m[1]);
+      int dc = to_int(m[1], lineno);
       if (dc < 1) fail(lineno, "POWER_SECTION: data-centre indices start at 1, got " + m[1].str());
       if (power.count(dc))
         fail(lineno, "POWER_SECTION: data centre " + std::to_string(dc) + " is given twice (also line " +
                          std::to_string(power[dc].line) + ")");
-      power[dc] = Power{std::stoi(m[2]), std::stoi(m[3]), lineno};
+      const int a100 = to_int(m[2], lineno), t4 = to_int(m[3], lineno);
+      if (a100 > kMaxGpusPerDc || t4 > kMaxGpusPerDc)
+        fail(lineno, "POWER_SECTION: data centre " + std::to_string(dc) + " has more than " +
+                         std::to_string(kMaxGpusPerDc) + " GPUs of a kind");
+      power[dc] = Power{a100, t4, lineno};
     } else {
       auto& table = section == "LATENCY_SECTION" ? lat : bw;
       const std::string what = section == "LATENCY_SECTION" ? "<latency ms>" : "<bandwidth Gbps>";
@@ -537,7 +562,7 @@ PtafmCluster import_ptafm(const std::string& path) {
         ok = pos == m[3].str().size() && std::isfinite(v);
       }
       if (!ok) fail(lineno, section + ": expected '<i> <j> " + what + "', got '" + line + "'");
-      int i = std::stoi(m[1]), j = std::stoi(m[2]);
+      int i = to_int(m[1], lineno), j = to_int(m[2], lineno);
       if (section == "LATENCY_SECTION" && v < 0) fail(lineno, section + ": latency must be >= 0, got " + m[3].str());
       if (section == "BANDWIDTH_SECTION" && !(v > 0)) fail(lineno, section + ": bandwidth must be > 0, got " + m[3].str());
       auto key = std::minmax(i, j);  // the matrices are symmetric; the file gives one triangle

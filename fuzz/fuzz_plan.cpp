@@ -1,0 +1,51 @@
+// Fuzz target: plan JSON (`--plan FILE`, Plan::load). The runtime validates a plan against the
+// model before running it; here the model has as many blocks as the plan's first pipeline covers.
+// A plan that validates must answer the runtime's questions (every rank's position, its schedule,
+// sample offsets, the description) and survive to_json -> from_json (plans are saved with save()
+// and loaded again, and sent between ranks as JSON).
+#include <nlohmann/json.hpp>
+
+#include "alloy/core/plan.h"
+#include "fuzz_util.h"
+
+using alloy::InputError;
+using alloy::Plan;
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string path = alloy_fuzz::TempDir::get().write("plan.json", alloy_fuzz::as_view(data, size));
+  Plan p;
+  try {
+    p = Plan::load(path);
+  } catch (const InputError& e) {
+    alloy_fuzz::rejected(e);
+    return 0;
+  }
+  alloy::ModelConfig model;
+  model.layers = !p.pipelines.empty() && !p.pipelines[0].stages.empty() ? p.pipelines[0].stages.back().layer_end : 1;
+  try {
+    p.validate(model, path);
+  } catch (const InputError& e) {
+    alloy_fuzz::rejected(e);
+    return 0;
+  }
+  const int world = p.world_size();
+  std::vector<int> all;
+  for (int r = 0; r < world; ++r) {
+    const auto at = p.locate(r);
+    FUZZ_CHECK(at.pipeline >= 0 && at.stage >= 0, std::to_string(r));
+    (void)p.sample_offset(at.pipeline);
+    all.push_back(r);
+  }
+  (void)p.schedule_mismatch(all);
+  for (const auto& s : p.sharding) (void)p.sharding_of(s.ranks);
+  (void)p.describe();
+  const nlohmann::json j = p.to_json();
+  try {
+    Plan back = Plan::from_json(nlohmann::json::parse(j.dump()), "round trip");
+    back.validate(model, "round trip");
+    FUZZ_CHECK(back.to_json() == j, "to_json -> from_json changed the plan:\n" + j.dump() + "\n" + back.to_json().dump());
+  } catch (const InputError& e) {
+    alloy_fuzz::check_failed("Plan::from_json(p.to_json())", __FILE__, __LINE__, std::string(e.what()) + "\n" + j.dump());
+  }
+  return 0;
+}
