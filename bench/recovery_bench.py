@@ -23,32 +23,12 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests", "dist"))
+from distlib import metrics_rows, rank_pid  # noqa: E402
 
 
 def rows(out):
-    try:
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            return [json.loads(l) for l in f if l.strip()]
-    except FileNotFoundError:
-        return []
-
-
-def rank_pid(cfg, rank):
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-            if b"train" not in cmd or cfg.encode() not in cmd:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-            if env.get(b"RANK") == str(rank).encode():
-                return int(pid)
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return None
+    return metrics_rows(out)
 
 
 def one_round(alloy, pool, work, k, kill_rank, steps, interval):

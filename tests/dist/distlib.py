@@ -38,3 +38,32 @@ def plan(gb, pipelines, schedule="1f1b", slow_links=None):
 
 def full(rank):
     return [(rank, 0, 8)]
+
+
+def metrics_rows(run_dir):
+    """RUN_DIR/metrics.jsonl as dicts; [] before the run has written it."""
+    import json
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            return [json.loads(l) for l in f if l.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def rank_pid(config_path, rank):
+    """The pid of the `alloy train` process of RANK started with --config CONFIG_PATH, or None."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+            if b"train" not in cmd or config_path.encode() not in cmd:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+            if env.get(b"RANK") == str(rank).encode():
+                return int(pid)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return None

@@ -14,17 +14,13 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distlib import fresh_workdir_with_corpus, full, plan  # noqa: E402
+from distlib import fresh_workdir_with_corpus, metrics_rows, plan  # noqa: E402
 
 STEPS = 30
 
 
 def rows(out):
-    try:
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            return [json.loads(l) for l in f if l.strip()]
-    except FileNotFoundError:
-        return []
+    return metrics_rows(out)
 
 
 def main():

@@ -22,7 +22,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "parity"))
-from distlib import fresh_workdir_with_corpus, full, plan, sh  # noqa: E402
+from distlib import fresh_workdir_with_corpus, metrics_rows, plan, rank_pid, sh  # noqa: E402
 import st  # noqa: E402
 
 STEPS = 30
@@ -41,8 +41,7 @@ output: {{dir: {out}, tensorboard: false}}
 
 
 def rows(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(l) for l in f if l.strip()]
+    return metrics_rows(out)
 
 
 def weights(ckpt):
@@ -62,25 +61,6 @@ def flip(path):
         b = f.read(4)
         f.seek(os.path.getsize(path) - 100)
         f.write(bytes(x ^ 0xFF for x in b))
-
-
-def rank_pid(out, rank):
-    """The pid of the `alloy train` process of RANK training OUT (its config is OUT.yaml)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-            if b"train" not in cmd or f"{out}.yaml".encode() not in cmd:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-            if env.get(b"RANK") == str(rank).encode():
-                return int(pid)
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-    return None
 
 
 def main():
@@ -117,7 +97,7 @@ def main():
             except FileNotFoundError:
                 n = 0
             if n >= 15:
-                pid = rank_pid(out, 1)
+                pid = rank_pid(out + ".yaml", 1)
                 if pid:
                     os.kill(pid, signal.SIGKILL)
                     killed_at = n
@@ -173,7 +153,7 @@ def main():
                 n = len(rows(out))
             except FileNotFoundError:
                 n = 0
-            pid = rank_pid(out, 1) if n >= 8 else None
+            pid = rank_pid(out + ".yaml", 1) if n >= 8 else None
             if pid:
                 os.kill(pid, signal.SIGSTOP)
                 time.sleep(6)
