@@ -28,25 +28,11 @@
 #include <nlohmann/json.hpp>
 
 #include "alloy/core/config.h"
+#include "alloy/train/checkpoint_state.h"
 #include "alloy/model/transformer.h"
 #include "alloy/train/optimizer.h"
 
 namespace alloy::train {
-
-inline constexpr const char* kCheckpointFormat = "alloy-checkpoint";
-inline constexpr int kCheckpointVersion = 2;
-
-struct CheckpointState {
-  int64_t step = 0;               // optimizer steps completed
-  uint64_t consumed_samples = 0;  // position in the sample stream
-  int64_t optimizer_steps = 0;
-  Config config;
-  int world_size = 1;
-  nlohmann::json plan;            // the plan that wrote it (informational)
-  // LoRA runs save only what trains (the adapters): the frozen base comes from BASE again (the
-  // run's --init-from: a safetensors file or checkpoint), or from the seed when it is empty.
-  std::string base;
-};
 
 // The directory name of STEP's checkpoint under RUN/checkpoints/ ("step_00000020").
 std::string step_name(int64_t step);
@@ -75,14 +61,9 @@ std::string save_checkpoint(const std::string& run_dir, const CheckpointState& s
 // otherwise), or a run directory / its checkpoints/: then `latest`, or if that is torn or corrupt
 // the newest step directory that checks out (logged).
 std::string resolve_checkpoint(const std::string& path);
-// Why the checkpoint in DIR cannot be used (a missing file, a size or CRC32C that differs from
-// state.json's list, no state.json); empty when it checks out.
-std::string checkpoint_problem(const std::string& dir);
 // Deletes all but the newest KEEP step directories under RUN/checkpoints (never the one `latest`
 // names); KEEP 0 keeps all. Returns the directories deleted.
 std::vector<std::string> prune_checkpoints(const std::string& run_dir, int64_t keep);
-// Reads and validates state.json; throws InputError naming the file and field.
-CheckpointState read_checkpoint_state(const std::string& ckpt_dir);
 // Throws InputError listing the differing fields when the checkpoint holds another model.
 void check_same_model(const std::string& ckpt_dir, const CheckpointState& st, const ModelConfig& m);
 // Every tensor of the checkpoint's model shards whose name KEEP accepts, by name.
