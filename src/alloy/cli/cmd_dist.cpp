@@ -65,6 +65,15 @@ void add_dist_commands(CLI::App& app, Action& action) {
                      "After a failure, start the whole job again up to N times; `alloy train` then resumes from its last "
                      "complete checkpoint (ALLOY_RESTART)")
       ->capture_default_str();
+  launch->add_option("--rejoin-timeout", lo->rejoin_timeout_s,
+                     "Elastic: a device that is gone after a failure is waited for this many seconds; then the job goes on "
+                     "without it (`alloy train --plan auto` re-plans onto the rest: same global batch, same math) and takes it "
+                     "back at a checkpoint once it is there again. 0 = restart with every rank or not at all")
+      ->capture_default_str();
+  launch->add_option("--device-check", lo->device_check,
+                     "With --rejoin-timeout: shell command telling whether a rank's device is there (exit 0); {rank} = the "
+                     "rank as first launched, {device} = its --devices entry. Under --emulate a host taken down by "
+                     "`alloy emu down` counts as gone too");
   launch->add_option("command", lo->command, "Command to run, after --")->required();
   launch->footer("Example: alloy launch --nproc 3 -- alloy train --config examples/tiny-gpt2.yaml --plan plan.json");
   launch->callback([lo, emu_path, emu_opts, no_cpu, no_net, no_pin, launch, &action]() {
@@ -97,8 +106,11 @@ void add_dist_commands(CLI::App& app, Action& action) {
         std::fprintf(stderr, "alloy launch: rank %d failed first (exit code %d)%s\n", r.failed_rank,
                      r.rank_exit_codes[static_cast<size_t>(r.failed_rank)],
                      r.restarts > 0 ? (" after " + std::to_string(r.restarts) + " restart(s)").c_str() : "");
-      else if (r.restarts > 0)
-        std::fprintf(stderr, "alloy launch: the job finished after %d restart(s)\n", r.restarts);
+      else if (r.restarts > 0 || r.rejoins > 0)
+        std::fprintf(stderr, "alloy launch: the job finished after %d restart(s)%s\n", r.restarts,
+                     r.rejoins > 0 ? (" and " + std::to_string(r.rejoins) + " rejoin(s)").c_str() : "");
+      if (lo->rejoin_timeout_s > 0 && r.members.size() < static_cast<size_t>(lo->nproc) && r.exit_code == 0)
+        std::fprintf(stderr, "alloy launch: finished on %zu of %d devices\n", r.members.size(), lo->nproc);
       return r.exit_code;
     };
   });
@@ -127,6 +139,23 @@ void add_dist_commands(CLI::App& app, Action& action) {
         const std::string id = emu::set_link((*link)[0], (*link)[1], cut, *link_id);
         std::printf("%s the link %s - %s of emulated cluster %s\n", cut ? "cut" : "restored", (*link)[0].c_str(), (*link)[1].c_str(),
                     id.c_str());
+        return 0;
+      };
+    });
+  }
+
+  auto down_host = std::make_shared<std::string>();
+  for (const bool down : {true, false}) {
+    auto* c = emu_cmd->add_subcommand(down ? "down" : "up",
+                                      down ? "Take a host of a running emulated cluster down: every link to it cut, every process "
+                                             "on it killed (an elastic launch then goes on without its devices)"
+                                           : "Bring a host that was taken down back up (an elastic launch takes its devices back)");
+    c->add_option("host", *down_host, "HOST (a host name of the ClusterSpec)")->required();
+    c->add_option("--id", *link_id, "The cluster's id when several run");
+    c->callback([down, down_host, link_id, &action]() {
+      action = [down, down_host, link_id]() {
+        const std::string id = emu::set_host(*down_host, down, *link_id);
+        std::printf("host %s of emulated cluster %s is %s\n", down_host->c_str(), id.c_str(), down ? "down" : "up");
         return 0;
       };
     });

@@ -16,6 +16,7 @@
 #include "alloy/core/plan.h"
 #include "alloy/core/plan_convert.h"
 #include "alloy/dist/rendezvous.h"
+#include "alloy/dist/launch.h"
 #include "alloy/dist/world.h"
 #include "alloy/core/fs.h"
 #include "alloy/train/checkpoint.h"
@@ -271,6 +272,7 @@ void add_train_commands(CLI::App& app, Action& action) {
           !std::getenv("ALLOY_DEVICE"))
         cfg.train.device = hetero_device(hs.stage_devices[static_cast<size_t>(rv.rank)], a->src.hetero_config, rv.rank);
       std::shared_ptr<dist::World> world;
+      int exit_code = 0;
       if (rv.world_size > 1) {
         if (!std::getenv("ALLOY_OUTPUT_PREFIXED")) set_log_prefix("[rank " + std::to_string(rv.rank) + "] ");
         world = dist::World::create(rv, std::chrono::milliseconds(static_cast<int64_t>(a->timeout_s * 1000)));
@@ -293,7 +295,8 @@ void add_train_commands(CLI::App& app, Action& action) {
         o.trace = a->trace;
         o.world = world;
         train::TrainResult all = train::train_with_replanning(cfg, o, rp);
-        if (rv.rank == 0) print_summary(all);
+        if (all.stopped_for_rejoin) exit_code = dist::kExitRejoin;
+        else if (rv.rank == 0) print_summary(all);
       } catch (const std::exception& e) {
         if (!world) throw;
         // Tell the others why, then leave at once: tearing down process groups whose peers are
@@ -310,7 +313,7 @@ void add_train_commands(CLI::App& app, Action& action) {
       if (world) {
         world->all().barrier();  // nobody tears down a group a peer still uses
       }
-      return 0;
+      return exit_code;
     };
   });
 }

@@ -9,13 +9,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
 #include "alloy/core/error.h"
+#include "alloy/core/fs.h"
 #include "alloy/core/log.h"
 
 namespace alloy::dist {
@@ -75,7 +78,90 @@ int free_tcp_port() {
 }
 
 namespace {
-LaunchResult launch_once(const LaunchOptions& o, int attempt) {
+std::string slot_label(const LaunchOptions& o, int slot) {
+  std::string s = "slot " + std::to_string(slot);
+  if (static_cast<size_t>(slot) < o.slot_names.size()) s += " (" + o.slot_names[static_cast<size_t>(slot)] + ")";
+  return s;
+}
+
+std::string join_ints(const std::vector<int>& v, const char* sep = ",") {
+  std::string s;
+  for (int x : v) s += (s.empty() ? "" : sep) + std::to_string(x);
+  return s;
+}
+
+std::string substitute(std::string s, const std::string& key, const std::string& value) {
+  for (size_t k = s.find(key); k != std::string::npos; k = s.find(key, k + value.size())) s.replace(k, key.size(), value);
+  return s;
+}
+
+std::string seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3g s", s);
+  return buf;
+}
+
+std::string device_of_slot(const LaunchOptions& o, int slot) {
+  if (o.devices.empty()) return "";
+  return o.devices[o.devices.size() == 1 ? 0 : static_cast<size_t>(slot)];
+}
+
+// Whether SLOT's device can run a rank now: the emulator's word, then the user's --device-check.
+bool slot_up(const LaunchOptions& o, int slot) {
+  if (o.slot_available && !o.slot_available(slot)) return false;
+  if (o.device_check.empty()) return true;
+  std::string cmd = substitute(substitute(o.device_check, "{rank}", std::to_string(slot)), "{device}", device_of_slot(o, slot));
+  cmd += " >/dev/null 2>&1 </dev/null";
+  const int st = std::system(cmd.c_str());
+  return st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+}
+
+// The slots that start the next attempt: every available one, after waiting up to the rejoin
+// timeout for the missing ones. Throws when none is left.
+std::vector<int> gather_members(const LaunchOptions& o, const std::vector<int>& before) {
+  std::vector<int> all(static_cast<size_t>(o.nproc));
+  for (int s = 0; s < o.nproc; ++s) all[static_cast<size_t>(s)] = s;
+  if (o.rejoin_timeout_s <= 0) return all;
+  auto missing_now = [&] {
+    std::vector<int> m;
+    for (int s : all)
+      if (!slot_up(o, s)) m.push_back(s);
+    return m;
+  };
+  std::vector<int> missing = missing_now();
+  if (!missing.empty()) {
+    std::string who;
+    for (int s : missing) who += (who.empty() ? "" : ", ") + slot_label(o, s);
+    log_warn("launch: " + who + (missing.size() == 1 ? " is" : " are") + " not available; waiting up to " +
+             seconds(o.rejoin_timeout_s) + " (--rejoin-timeout) for " +
+             (missing.size() == 1 ? "it" : "them") + " to come back");
+    const auto t0 = std::chrono::steady_clock::now();
+    while (!missing.empty() && !g_signal &&
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < o.rejoin_timeout_s) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+      missing = missing_now();
+    }
+  }
+  std::vector<int> members;
+  for (int s : all)
+    if (std::find(missing.begin(), missing.end(), s) == missing.end()) members.push_back(s);
+  if (members.empty()) throw Error("launch: no device is available (every slot failed its check for " +
+                                   seconds(o.rejoin_timeout_s) + "): nothing to continue on");
+  if (members != before) {
+    std::string who;
+    for (int s : missing) who += (who.empty() ? "" : ", ") + slot_label(o, s);
+    if (missing.empty())
+      log_info("launch: every device is available: starting on all " + std::to_string(o.nproc) + " slots");
+    else
+      log_warn("launch: " + who + " did not come back within " + seconds(o.rejoin_timeout_s) +
+               ": continuing on " + std::to_string(members.size()) + " of " + std::to_string(o.nproc) + " devices (slots " +
+               join_ints(members) + " as ranks 0-" + std::to_string(members.size() - 1) +
+               "), re-planned; from the last complete checkpoint, if any");
+  }
+  return members;
+}
+
+LaunchResult launch_once(const LaunchOptions& o, int attempt, const std::vector<int>& members, const std::string& rejoin_file) {
   if (o.command.empty()) throw InputError("launch", "no command given (put it after --)");
   if (o.devices.size() > 1 && o.devices.size() != static_cast<size_t>(o.nproc))
     throw InputError("--devices", std::to_string(o.devices.size()) + " devices for " + std::to_string(o.nproc) +
@@ -83,6 +169,14 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt) {
   const int port = o.master_port > 0 ? o.master_port : free_tcp_port();
   int cores = static_cast<int>(std::thread::hardware_concurrency());
   const int threads = o.threads_per_rank > 0 ? o.threads_per_rank : std::max(1, cores / o.nproc);
+  const bool elastic = o.rejoin_timeout_s > 0;
+  const int n = static_cast<int>(members.size());
+  const std::string master_addr =
+      o.slot_addr.empty() ? o.master_addr : o.slot_addr[static_cast<size_t>(members.front())];
+  std::vector<int> missing;
+  for (int s = 0; s < o.nproc; ++s)
+    if (std::find(members.begin(), members.end(), s) == members.end()) missing.push_back(s);
+  if (!rejoin_file.empty()) ::unlink(rejoin_file.c_str());
 
   struct Child {
     pid_t pid = -1;
@@ -91,13 +185,14 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt) {
     bool running = true;
     int status = 0;
   };
-  std::vector<Child> kids(static_cast<size_t>(o.nproc));
+  std::vector<Child> kids(static_cast<size_t>(n));
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
 
-  for (int r = 0; r < o.nproc; ++r) {
+  for (int r = 0; r < n; ++r) {
+    const int slot = members[static_cast<size_t>(r)];
     int fds[2];
     if (::pipe(fds) != 0) throw Error("launch: pipe failed");
     pid_t pid = ::fork();
@@ -111,23 +206,23 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt) {
       std::string t = std::to_string(threads);
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(o.nproc).c_str(), 1);
-      ::setenv("MASTER_ADDR", o.master_addr.c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
+      ::setenv("MASTER_ADDR", master_addr.c_str(), 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       ::setenv("OMP_NUM_THREADS", t.c_str(), 1);
       ::setenv("OPENBLAS_NUM_THREADS", t.c_str(), 1);
       ::setenv("MKL_NUM_THREADS", t.c_str(), 1);
       ::setenv("ALLOY_RESTART", std::to_string(attempt).c_str(), 1);
-      if (!o.devices.empty()) ::setenv("ALLOY_DEVICE", o.devices[o.devices.size() == 1 ? 0 : static_cast<size_t>(r)].c_str(), 1);
-      if (o.prefix_output) ::setenv("ALLOY_OUTPUT_PREFIXED", "1", 1);  // the rank needs no prefix of its own
-      if (static_cast<size_t>(r) < o.placement.size()) place_self(r, o.placement[static_cast<size_t>(r)]);
-      std::vector<std::string> argv_s;
-      for (const auto& p : o.rank_prefix) {
-        std::string s = p;
-        auto k = s.find("{rank}");
-        if (k != std::string::npos) s.replace(k, 6, std::to_string(r));
-        argv_s.push_back(s);
+      if (!o.devices.empty()) ::setenv("ALLOY_DEVICE", device_of_slot(o, slot).c_str(), 1);
+      if (elastic) {
+        ::setenv("ALLOY_MEMBERS", join_ints(members).c_str(), 1);
+        ::setenv("ALLOY_POOL_SIZE", std::to_string(o.nproc).c_str(), 1);
+        ::setenv("ALLOY_REJOIN_FILE", rejoin_file.c_str(), 1);
       }
+      if (o.prefix_output) ::setenv("ALLOY_OUTPUT_PREFIXED", "1", 1);  // the rank needs no prefix of its own
+      if (static_cast<size_t>(slot) < o.placement.size()) place_self(r, o.placement[static_cast<size_t>(slot)]);
+      std::vector<std::string> argv_s;
+      for (const auto& p : o.rank_prefix) argv_s.push_back(substitute(p, "{rank}", std::to_string(slot)));
       argv_s.insert(argv_s.end(), o.command.begin(), o.command.end());
       std::vector<char*> argv;
       for (auto& s : argv_s) argv.push_back(s.data());
@@ -166,21 +261,37 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt) {
   };
 
   LaunchResult res;
-  res.rank_exit_codes.assign(static_cast<size_t>(o.nproc), -1);
+  res.members = members;
+  res.rank_exit_codes.assign(static_cast<size_t>(n), -1);
   std::chrono::steady_clock::time_point failed_at{};
   bool terminated = false;
-  int running = o.nproc;
+  bool rejoin_asked = false;
+  auto last_check = std::chrono::steady_clock::now();
+  int running = n;
   while (running > 0) {
+    // A missing device that is back is taken in at the job's next checkpoint.
+    if (elastic && !missing.empty() && !rejoin_asked && res.failed_rank < 0 &&
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - last_check).count() >= 1.0) {
+      last_check = std::chrono::steady_clock::now();
+      for (int s : missing)
+        if (slot_up(o, s)) {
+          log_info("launch: " + slot_label(o, s) + " is available again: the ranks stop at their next checkpoint and the job "
+                   "starts again with it, re-planned");
+          write_file_atomic(rejoin_file, std::to_string(s) + "\n");
+          rejoin_asked = true;
+          break;
+        }
+    }
     std::vector<pollfd> pfds;
     std::vector<int> who;
-    for (int r = 0; r < o.nproc; ++r)
+    for (int r = 0; r < n; ++r)
       if (kids[static_cast<size_t>(r)].out >= 0) pfds.push_back({kids[static_cast<size_t>(r)].out, POLLIN, 0}), who.push_back(r);
     if (!pfds.empty() && ::poll(pfds.data(), pfds.size(), 100) > 0)
       for (size_t i = 0; i < pfds.size(); ++i)
         if (pfds[i].revents & (POLLIN | POLLHUP | POLLERR)) drain(who[i], false);
     if (pfds.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
 
-    for (int r = 0; r < o.nproc; ++r) {
+    for (int r = 0; r < n; ++r) {
       Child& c = kids[static_cast<size_t>(r)];
       if (!c.running) continue;
       int st;
@@ -189,7 +300,8 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt) {
         c.status = st;
         --running;
         drain(r, false);
-        bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
+        // A rank that stopped for the rejoin the launcher asked for has not failed.
+        bool ok = WIFEXITED(st) && (WEXITSTATUS(st) == 0 || (rejoin_asked && WEXITSTATUS(st) == kExitRejoin));
         res.rank_exit_codes[static_cast<size_t>(r)] = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
         if (!ok && res.failed_rank < 0) {
           res.failed_rank = r;
@@ -217,8 +329,10 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt) {
       for (auto& c : kids)
         if (c.running) ::kill(-c.pid, SIGKILL);
   }
-  for (int r = 0; r < o.nproc; ++r)
+  for (int r = 0; r < n; ++r)
     while (kids[static_cast<size_t>(r)].out >= 0) drain(r, false);
+  res.stopped_for_rejoin = rejoin_asked && res.failed_rank < 0 &&
+                           std::all_of(res.rank_exit_codes.begin(), res.rank_exit_codes.end(), [](int c) { return c == kExitRejoin; });
   if (res.failed_rank >= 0) res.exit_code = res.rank_exit_codes[static_cast<size_t>(res.failed_rank)] ? res.rank_exit_codes[static_cast<size_t>(res.failed_rank)] : 1;
   return res;
 }
@@ -227,14 +341,50 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt) {
 LaunchResult launch(const LaunchOptions& o) {
   if (o.nproc < 1) throw InputError("--nproc", "must be >= 1");
   if (o.max_restarts < 0) throw InputError("--max-restarts", "must be >= 0");
+  if (o.rejoin_timeout_s < 0) throw InputError("--rejoin-timeout", "must be >= 0 seconds");
+  if (!o.slot_addr.empty() && o.slot_addr.size() != static_cast<size_t>(o.nproc))
+    throw Error("launch: " + std::to_string(o.slot_addr.size()) + " slot addresses for " + std::to_string(o.nproc) + " ranks");
+  // The rejoin request travels as a file: every rank of this machine sees it, and a command that
+  // is not `alloy train` is not disturbed (a signal would kill it).
+  std::string rejoin_dir, rejoin_file;
+  if (o.rejoin_timeout_s > 0) {
+    char tmpl[] = "/tmp/alloy-launch-XXXXXX";
+    if (!::mkdtemp(tmpl)) throw Error(std::string("launch: cannot make a directory under /tmp: ") + std::strerror(errno));
+    rejoin_dir = tmpl;
+    rejoin_file = rejoin_dir + "/rejoin";
+  }
+  struct Cleanup {
+    std::string dir, file;
+    ~Cleanup() {
+      if (dir.empty()) return;
+      ::unlink(file.c_str());
+      ::rmdir(dir.c_str());
+    }
+  } cleanup{rejoin_dir, rejoin_file};
+  std::vector<int> members;
+  for (int s = 0; s < o.nproc; ++s) members.push_back(s);
+  int failures = 0, rejoins = 0;
   for (int attempt = 0;; ++attempt) {
+    members = gather_members(o, members);
+    if (g_signal) {
+      LaunchResult r;
+      r.exit_code = 130;
+      return r;
+    }
     const auto t0 = std::chrono::steady_clock::now();
-    LaunchResult r = launch_once(o, attempt);
-    r.restarts = attempt;
-    if (r.exit_code == 0 || attempt >= o.max_restarts || g_signal) return r;
+    LaunchResult r = launch_once(o, attempt, members, rejoin_file);
+    r.restarts = failures;
+    r.rejoins = rejoins;
+    if (r.stopped_for_rejoin && !g_signal) {
+      ++rejoins;
+      log_info("launch: every rank stopped at its checkpoint; starting again with the device that came back");
+      continue;
+    }
+    if (r.exit_code == 0 || failures >= o.max_restarts || g_signal) return r;
+    ++failures;
     const double ran = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     log_warn("launch: the job failed after " + std::to_string(static_cast<int>(ran)) + " s (rank " + std::to_string(r.failed_rank) +
-             ", exit code " + std::to_string(r.exit_code) + "); restart " + std::to_string(attempt + 1) + " of " +
+             ", exit code " + std::to_string(r.exit_code) + "); restart " + std::to_string(failures) + " of " +
              std::to_string(o.max_restarts) + ": every rank starts again from the last complete checkpoint");
   }
 }

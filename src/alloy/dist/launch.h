@@ -2,6 +2,7 @@
 // `alloy launch`: start N local ranks of a command, each with torchrun-style variables (RANK,
 // WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) and its own share of the cores, prefix their
 // output with the rank, and on the first failure stop the others and report which rank failed.
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,6 +17,10 @@ struct RankPlacement {
   std::vector<std::pair<std::string, std::string>> env;  // extra variables, set after (and over) the standard ones
   std::vector<int> cpus;   // CPUs the rank may run on (sched_setaffinity); empty = the launcher's
 };
+
+// Exit code with which every rank of an elastic job stops at a checkpoint when the launcher asks
+// (a device came back): the launcher starts the job again with it, without counting a failure.
+constexpr int kExitRejoin = 75;
 
 struct LaunchOptions {
   int nproc = 1;
@@ -37,13 +42,35 @@ struct LaunchOptions {
   // attempt's ranks get ALLOY_RESTART=<attempt> (0 the first time), from which `alloy train`
   // resumes its run directory's last complete checkpoint.
   int max_restarts = 0;
+
+  // Elasticity (rejoin_timeout_s > 0). The job's N "slots" (rank numbers as first launched; under
+  // emulation, the cluster's devices) may come and go. Before every start the launcher asks which
+  // slots are available (slot_available and device_check must both say yes) and waits up to
+  // rejoin_timeout_s for missing ones; then it starts the available slots as ranks 0..n-1 (in slot
+  // order) with ALLOY_MEMBERS=<their slots, comma-separated>, ALLOY_POOL_SIZE=N and
+  // ALLOY_REJOIN_FILE. While a slot is missing, the launcher keeps checking it; once it is back the
+  // launcher creates the rejoin file, the ranks stop together at their next checkpoint with
+  // kExitRejoin, and the job starts again with the slot. `alloy train` re-plans (--plan auto) onto
+  // the members and resumes the last complete checkpoint, so the global batch and the math stay.
+  double rejoin_timeout_s = 0;
+  // Shell command run per slot ({rank} = the slot, {device} = its --devices entry); exit 0 = the
+  // slot's device is there. Empty = only slot_available decides.
+  std::string device_check;
+  std::function<bool(int slot)> slot_available;  // e.g. the emulator: the slot's host is not down
+  std::vector<std::string> slot_names;           // for messages: the cluster's device names by slot
+  // MASTER_ADDR by slot (the emulator: each device's host address), so the store follows rank 0
+  // when the first slot is gone. Empty = master_addr for every membership.
+  std::vector<std::string> slot_addr;
 };
 
 struct LaunchResult {
   int exit_code = 0;      // 0 when every rank succeeded
   int failed_rank = -1;   // first rank that failed (in the last attempt)
-  int restarts = 0;       // attempts after the first
+  int restarts = 0;       // attempts after the first that followed a failure
+  int rejoins = 0;        // starts that took a device back (not failures)
+  std::vector<int> members;  // slots of the last attempt's ranks
   std::vector<int> rank_exit_codes;
+  bool stopped_for_rejoin = false;  // every rank stopped at a checkpoint to take a device back
 };
 
 LaunchResult launch(const LaunchOptions& o);

@@ -258,6 +258,20 @@ bool remove_cgroup(const std::string& dir) {
   return false;
 }
 
+// SIGKILLs every process (but this one) whose network namespace is NS (a stat of /run/netns/NAME).
+int kill_netns_processes(const struct stat& ns) {
+  const pid_t self = ::getpid();
+  int killed = 0;
+  for (const auto& e : list_dir("/proc")) {
+    if (e.find_first_not_of("0123456789") != std::string::npos) continue;
+    pid_t p = static_cast<pid_t>(std::atoi(e.c_str()));
+    struct stat ps {};
+    if (p == self || ::stat(("/proc/" + e + "/ns/net").c_str(), &ps) != 0) continue;
+    if (ps.st_dev == ns.st_dev && ps.st_ino == ns.st_ino && ::kill(p, SIGKILL) == 0) ++killed;
+  }
+  return killed;
+}
+
 // Kills the processes inside network namespace NAME (their rank launcher is gone, or they outlived
 // their rank) and removes its /run/netns entry the way `ip netns del` does; the kernel frees the
 // namespace, and the veths and bridge in it, once nothing holds it.
@@ -265,14 +279,7 @@ bool remove_netns(const std::string& name) {
   const std::string path = std::string(kNetnsDir) + "/" + name;
   struct stat ns {};
   if (::stat(path.c_str(), &ns) != 0) return true;
-  const pid_t self = ::getpid();
-  for (const auto& e : list_dir("/proc")) {
-    if (e.find_first_not_of("0123456789") != std::string::npos) continue;
-    pid_t p = static_cast<pid_t>(std::atoi(e.c_str()));
-    struct stat ps {};
-    if (p == self || ::stat(("/proc/" + e + "/ns/net").c_str(), &ps) != 0) continue;
-    if (ps.st_dev == ns.st_dev && ps.st_ino == ns.st_ino) ::kill(p, SIGKILL);
-  }
+  kill_netns_processes(ns);
   ::umount2(path.c_str(), MNT_DETACH);
   if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
     log_warn("emulator: cannot remove network namespace " + name + ": " + std::strerror(errno));
@@ -627,6 +634,10 @@ std::string EmulatedCluster::cgroup_of_device(int device) const {
   return cgroups_[static_cast<size_t>(device)];
 }
 std::string EmulatedCluster::netns_of_host(const std::string& host) const { return host_ns_[static_cast<size_t>(host_index(host))]; }
+std::string EmulatedCluster::host_of_device(int device) const {
+  check_device(device);
+  return hosts_[static_cast<size_t>(device_host_[static_cast<size_t>(device)])];
+}
 std::string EmulatedCluster::ip_of_host(const std::string& host) const { return kSubnet + std::to_string(host_index(host) + 1); }
 std::string EmulatedCluster::state_file() const { return state_path(id_); }
 
@@ -664,15 +675,27 @@ void EmulatedCluster::place(dist::LaunchOptions& o, const std::vector<int>& rank
   if (static_cast<int>(map.size()) != o.nproc)
     throw InputError("--nproc", std::to_string(o.nproc) + " ranks but " + std::to_string(map.size()) + " rank-to-device entries");
   o.placement.clear();
-  for (int d : map) o.placement.push_back(placement_of_device(d));
+  o.slot_addr.clear();
+  std::vector<std::string> slot_hosts;
+  for (int d : map) {
+    o.placement.push_back(placement_of_device(d));
+    o.slot_addr.push_back(ip_of_device(d));
+    slot_hosts.push_back(host_of_device(d));
+    if (o.slot_names.size() < map.size()) o.slot_names.push_back(device_names_[static_cast<size_t>(d)] + " on " + host_of_device(d));
+  }
   o.master_addr = ip_of_device(map[0]);
+  const auto user_check = o.slot_available;
+  o.slot_available = [id = id_, slot_hosts, user_check](int slot) {
+    if (host_down(id, slot_hosts[static_cast<size_t>(slot)])) return false;
+    return !user_check || user_check(slot);
+  };
 }
 
 // ---------------------------------------------------------------------------------------------
 
-std::string set_link(const std::string& host_a, const std::string& host_b, bool cut, const std::string& id_in) {
-  if (::geteuid() != 0) throw Error("emu " + std::string(cut ? "cut" : "restore") + " needs root (it changes tc classes in the cluster's namespaces)");
-  // The live emulated cluster: the one named, or the only one running.
+namespace {
+// The live emulated cluster: the one named, or the only one running. Returns its id.
+std::string live_cluster(const std::string& id_in) {
   std::vector<std::string> live;
   for (const auto& f : list_dir(kStateDir)) {
     if (f.size() < 6 || f.compare(f.size() - 5, 5, ".json") != 0) continue;
@@ -690,6 +713,13 @@ std::string set_link(const std::string& host_a, const std::string& host_b, bool 
     for (const auto& i : live) ids += (ids.empty() ? "" : ", ") + i;
     throw InputError("--id", "several emulated clusters are running (" + ids + "): say which");
   }
+  return live[0];
+}
+}  // namespace
+
+std::string set_link(const std::string& host_a, const std::string& host_b, bool cut, const std::string& id_in) {
+  if (::geteuid() != 0) throw Error("emu " + std::string(cut ? "cut" : "restore") + " needs root (it changes tc classes in the cluster's namespaces)");
+  const std::vector<std::string> live{live_cluster(id_in)};
   const auto st = nlohmann::json::parse(read_small(state_path(live[0])));
   if (!st.contains("hosts") || !st.contains("shaping") || st["shaping"].empty())
     throw InputError("emu", "cluster " + live[0] + " has no shaped links to cut (launched with --no-net-limit, or one host)");
@@ -738,6 +768,51 @@ std::string set_link(const std::string& host_a, const std::string& host_b, bool 
   updated["cut"] = std::vector<std::string>(cuts.begin(), cuts.end());
   write_file_atomic(state_path(live[0]), updated.dump(2) + "\n");
   return live[0];
+}
+
+std::string set_host(const std::string& host, bool down, const std::string& id_in) {
+  if (::geteuid() != 0) throw Error("emu " + std::string(down ? "down" : "up") + " needs root (it changes the cluster's namespaces)");
+  const std::string id = live_cluster(id_in);
+  auto st = nlohmann::json::parse(read_small(state_path(id)));
+  if (!st.contains("hosts")) throw InputError("emu", "cluster " + id + " records no hosts");
+  const auto hosts = st["hosts"].get<std::vector<std::string>>();
+  auto it = std::find(hosts.begin(), hosts.end(), host);
+  if (it == hosts.end()) {
+    std::string known;
+    for (const auto& x : hosts) known += (known.empty() ? "" : ", ") + x;
+    throw InputError("emu", "no host '" + host + "' in cluster " + id + " (hosts: " + known + ")");
+  }
+  // Down: unreachable first, so the ranks elsewhere see a dead peer rather than a goodbye.
+  for (const auto& other : hosts)
+    if (other != host) set_link(host, other, down, id);
+  st = nlohmann::json::parse(read_small(state_path(id)));
+  std::set<std::string> downs;
+  if (st.contains("down"))
+    for (const auto& d : st["down"]) downs.insert(d.get<std::string>());
+  if (down) downs.insert(host);
+  else downs.erase(host);
+  st["down"] = std::vector<std::string>(downs.begin(), downs.end());
+  write_file_atomic(state_path(id), st.dump(2) + "\n");
+  if (down) {
+    const std::string ns = std::string(kNetnsDir) + "/" + kPrefix + id + "-h" + std::to_string(it - hosts.begin());
+    struct stat sb {};
+    if (::stat(ns.c_str(), &sb) == 0) {
+      const int n = kill_netns_processes(sb);
+      log_info("emulator " + id + ": host " + host + " is down (" + std::to_string(n) + " processes on it killed)");
+    }
+  }
+  return id;
+}
+
+bool host_down(const std::string& id, const std::string& host) {
+  try {
+    const auto st = nlohmann::json::parse(read_small(state_path(id)));
+    if (!st.contains("down")) return false;
+    for (const auto& d : st["down"])
+      if (d.get<std::string>() == host) return true;
+  } catch (const std::exception&) {
+  }
+  return false;
 }
 
 int clean_leftovers() {

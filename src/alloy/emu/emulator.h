@@ -83,6 +83,7 @@ class EmulatedCluster {
   std::string cgroup_of_device(int device) const;      // "" when CPU limits are off
   const std::vector<int>& cpus_of_device(int device) const;  // empty when not pinned
   std::string netns_of_host(const std::string& host) const;
+  std::string host_of_device(int device) const;
   std::string ip_of_host(const std::string& host) const;
   std::string switch_netns() const { return switch_ns_; }
   std::string state_file() const;
@@ -94,8 +95,9 @@ class EmulatedCluster {
   // ALLOY_EMU_HOST, ALLOY_EMU_DEVICE) for a rank running as DEVICE.
   dist::RankPlacement placement_of_device(int device) const;
   // Places rank r on device rank_device[r] (identity when empty; nproc must not exceed the number
-  // of devices) and points MASTER_ADDR at rank 0's host, overriding o.master_addr. Ranks placed on
-  // one device share its cgroup, and so its quota.
+  // of devices) and points MASTER_ADDR at rank 0's host, overriding o.master_addr (in an elastic
+  // launch, at the host of the first slot still there). Ranks placed on one device share its
+  // cgroup, and so its quota. A slot whose host is down (set_host) counts as unavailable.
   void place(dist::LaunchOptions& o, const std::vector<int>& rank_device = {}) const;
 
   // Kills what is left in the cgroups and namespaces, removes them and the state file. Idempotent;
@@ -132,6 +134,12 @@ int clean_leftovers();
 // one running): while cut, both directions' traffic goes to a class that drops every packet;
 // restored, to its own class again. Returns the cluster's id. Throws InputError naming an unknown host or cluster.
 std::string set_link(const std::string& host_a, const std::string& host_b, bool cut, const std::string& id = "");
+// Takes HOST of a running emulated cluster down (DOWN: every link to it cut, every process on it
+// killed, as when a machine loses power) or brings it back up (links restored). While a host is
+// down, an elastic launch (--rejoin-timeout) counts its devices as gone. Returns the cluster's id.
+std::string set_host(const std::string& host, bool down, const std::string& id = "");
+// Whether HOST of cluster ID is down (set_host); false when the cluster or host is unknown.
+bool host_down(const std::string& id, const std::string& host);
 
 // One emulated launch: clean_leftovers(), create(), place(), dist::launch(), teardown. SIGINT and
 // SIGTERM at any point end with everything removed (during setup the launch is abandoned and the

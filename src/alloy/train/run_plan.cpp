@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 
 #include "alloy/core/error.h"
 #include "alloy/core/fs.h"
@@ -34,6 +35,18 @@ AutoPlan auto_plan(const Config& cfg, const PlanSources& src, dist::World* world
   int ptafm_stages = 0;
   plan::ClusterSpec spec = plan::load_cluster(path, &ptafm_stages);
   const int rank = world ? world->rank() : 0;
+  if (const auto members = elastic_members(); !members.empty()) {
+    const char* pool = std::getenv("ALLOY_POOL_SIZE");
+    const int pool_size = pool ? std::atoi(pool) : static_cast<int>(spec.devices.size());
+    if (static_cast<int>(members.size()) < pool_size) {
+      spec = spec_of_members(spec, members, pool_size);
+      std::string names;
+      for (const auto& d : spec.devices) names += (names.empty() ? "" : ", ") + d.name;
+      if (rank == 0)
+        log_warn("elastic: " + std::to_string(members.size()) + " of " + std::to_string(pool_size) + " devices of " + path +
+                 " are here (" + names + "): planning onto them");
+    }
+  }
   std::string reuse = !src.profile.empty() ? src.profile : cfg.output.dir + "/profile.json";
   plan::Profile prof;
   bool have = false;
@@ -147,6 +160,37 @@ std::shared_ptr<Plan> replan_from_measured(Replanning& st, const Config& cfg, in
   return std::make_shared<Plan>(next);
 }
 
+// OUTPUT/membership.json: one entry per start of an elastic job (which devices, which plan), so
+// a user can see when the pool shrank or grew without collecting the launcher's log.
+void record_membership(const Config& cfg, const ResolvedPlan& rp, int world_size) {
+  const std::string path = cfg.output.dir + "/membership.json";
+  nlohmann::json doc = {{"format", "alloy-membership"}, {"version", 1}, {"starts", nlohmann::json::array()}};
+  if (file_exists(path)) {
+    try {
+      auto old = nlohmann::json::parse(read_file(path));
+      if (old.value("format", "") == "alloy-membership" && old.contains("starts") && old["starts"].is_array()) doc = old;
+    } catch (const std::exception&) {
+      log_warn(path + " is not readable JSON: starting it afresh");
+    }
+  }
+  const std::time_t now = std::time(nullptr);
+  char ts[32];
+  std::strftime(ts, sizeof ts, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  const char* pool = std::getenv("ALLOY_POOL_SIZE");
+  nlohmann::json e = {{"time", ts}, {"launch", restart_count()}, {"members", elastic_members()}, {"world_size", world_size},
+                      {"pool_size", pool ? std::atoi(pool) : world_size}};
+  if (rp.autoplan) {
+    std::vector<std::string> names;
+    for (const auto& d : rp.autoplan->spec.devices) names.push_back(d.name);
+    e["devices"] = names;
+    e["predicted_step_s"] = rp.autoplan->plan.predicted.value("step_s", 0.0);
+  }
+  if (rp.plan) e["plan"] = rp.plan->describe();
+  doc["starts"].push_back(e);
+  ensure_writable_dir(cfg.output.dir);
+  write_file_atomic(path, doc.dump(2) + "\n");
+}
+
 }  // namespace
 
 bool synerfuse_given(const SynerFuseArgs& a) {
@@ -154,7 +198,50 @@ bool synerfuse_given(const SynerFuseArgs& a) {
          a.pipeline_model_parallel_size > 1;
 }
 
+std::vector<int> elastic_members() {
+  std::vector<int> out;
+  const char* env = std::getenv("ALLOY_MEMBERS");
+  if (!env || !*env) return out;
+  std::string s = env;
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    size_t comma = s.find(',', pos);
+    if (comma == std::string::npos) comma = s.size();
+    const std::string item = s.substr(pos, comma - pos);
+    if (item.empty() || item.find_first_not_of("0123456789") != std::string::npos || item.size() > 6)
+      throw InputError("ALLOY_MEMBERS", "'" + s + "' is not a comma-separated list of slot numbers");
+    out.push_back(std::stoi(item));
+    pos = comma + 1;
+  }
+  return out;
+}
+
+plan::ClusterSpec spec_of_members(const plan::ClusterSpec& spec, const std::vector<int>& members, int pool_size) {
+  if (static_cast<int>(spec.devices.size()) != pool_size)
+    throw InputError(spec.source.empty() ? "cluster" : spec.source,
+                     "has " + std::to_string(spec.devices.size()) + " devices but the elastic launch has " + std::to_string(pool_size) +
+                         " slots: launch one rank per device of the cluster");
+  plan::ClusterSpec out = spec;
+  out.devices.clear();
+  for (int m : members) {
+    if (m < 0 || m >= pool_size)
+      throw InputError("ALLOY_MEMBERS", "slot " + std::to_string(m) + " is outside the pool of " + std::to_string(pool_size));
+    out.devices.push_back(spec.devices[static_cast<size_t>(m)]);
+  }
+  out.source_lines.clear();  // lines of the file no longer match device indices
+  return out;
+}
+
 ResolvedPlan resolve_plan(const Config& cfg, const PlanSources& src, int world_size, dist::World* world) {
+  if (const auto members = elastic_members(); !members.empty()) {
+    const char* pool = std::getenv("ALLOY_POOL_SIZE");
+    const int pool_size = pool ? std::atoi(pool) : world_size;
+    if (pool_size > world_size && src.plan_file != "auto" && (!src.plan_file.empty() || !src.hetero_config.empty() || synerfuse_given(src.synerfuse)))
+      throw InputError(src.plan_file.empty() ? (src.hetero_config.empty() ? "SynerFuse flags" : src.hetero_config) : src.plan_file,
+                       "lays out " + std::to_string(pool_size) + " ranks, but only " + std::to_string(world_size) +
+                           " devices are left after a failure (slots " + std::getenv("ALLOY_MEMBERS") +
+                           "): going on without the others needs --plan auto, which re-plans onto the devices that are there");
+  }
   ResolvedPlan out;
   bool from_file = false;
   std::string where = "plan";
@@ -198,6 +285,7 @@ ResolvedPlan resolve_plan(const Config& cfg, const PlanSources& src, int world_s
     }
   }
   if (out.autoplan) out.autoplan->plan = *out.plan;
+  if (!elastic_members().empty() && (!world || world->rank() == 0)) record_membership(cfg, out, world_size);
   return out;
 }
 
@@ -231,6 +319,7 @@ TrainResult train_with_replanning(const Config& cfg, TrainOptions o, const Resol
     all.peak_in_flight = std::max(all.peak_in_flight, r.peak_in_flight);
     all.peak_grad_bytes = std::max(all.peak_grad_bytes, r.peak_grad_bytes);
     all.peak_model_memory_bytes = std::max(all.peak_model_memory_bytes, r.peak_model_memory_bytes);
+    all.stopped_for_rejoin = r.stopped_for_rejoin;
     if (!r.next_plan) break;
     o.plan = r.next_plan;
     o.resume = r.checkpoint;

@@ -15,6 +15,7 @@
 // --emulate`) says which ranks a slow link joins.
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "alloy/core/config.h"
 #include "alloy/core/plan.h"
@@ -57,6 +58,14 @@ ResolvedPlan resolve_plan(const Config& cfg, const PlanSources& src, int world_s
 // batch split 2%), every rank checkpoints and a new Trainer resumes under it (at most twice).
 // OUTPUT/replan.json records each decision. Returns every generation's steps.
 TrainResult train_with_replanning(const Config& cfg, TrainOptions o, const ResolvedPlan& rp);
+
+// Elastic launches (`alloy launch --rejoin-timeout`): the slots (ClusterSpec devices, or ranks as
+// first launched) this job's ranks run on, in rank order, from ALLOY_MEMBERS; empty when the
+// launcher is not elastic. With --plan auto the search plans onto these devices alone.
+std::vector<int> elastic_members();
+// POOL_SIZE devices, MEMBERS of them present: SPEC restricted to MEMBERS, in that order. Throws
+// InputError when the spec does not have POOL_SIZE devices or a member is out of range.
+plan::ClusterSpec spec_of_members(const plan::ClusterSpec& spec, const std::vector<int>& members, int pool_size);
 
 // How many times the job has been restarted (ALLOY_RESTART from `alloy launch --max-restarts`,
 // TORCHELASTIC_RESTART_COUNT from torchrun, SLURM_RESTART_COUNT); 0 the first time.

@@ -447,6 +447,18 @@ double Trainer::validation_loss() {
   return all_sum(sum) / static_cast<double>(n * static_cast<uint64_t>(T));
 }
 
+bool Trainer::rejoin_requested() {
+  // The launcher's file is seen by every rank of its machine; the ranks agree through a reduction
+  // all the same, since they need not look at the same moment.
+  static const char* path = std::getenv("ALLOY_REJOIN_FILE");
+  if (!path || !*path) return false;
+  double mine = file_exists(path) ? 1.0 : 0.0;
+  if (!world_) return mine > 0;
+  at::Tensor v = at::tensor({mine}, at::kDouble);
+  dist::wait_work(world_->all().allreduce_sum(v), "all-reduce of the ranks' rejoin requests");
+  return v.item<double>() > 0;
+}
+
 void Trainer::save(int64_t step) {
   auto barrier = [&]() {
     if (world_) world_->all().barrier();
@@ -799,6 +811,13 @@ TrainResult Trainer::run() {
     if ((t.checkpoint_interval > 0 && rec.step % t.checkpoint_interval == 0) || last) {
       save(rec.step);
       result.checkpoint = cfg_.output.dir + "/checkpoints/" + step_name(rec.step);
+      if (!last && rejoin_requested()) {
+        if (lead) log_info("a device is back (elastic launch): stopping at the checkpoint of step " + std::to_string(rec.step) +
+                           " so the job starts again with it");
+        result.stopped_for_rejoin = true;
+        if (!quiet && stderr_is_tty()) progress.finish();
+        return result;
+      }
     }
   }
   publish_rank_stats(result);

@@ -75,6 +75,9 @@ struct TrainResult {
   // the cost model's per-rank memory predicts).
   int64_t peak_model_memory_bytes = 0;
   std::shared_ptr<Plan> next_plan;                    // set when run() stopped early to switch plans
+  // Set when run() stopped at a checkpoint because an elastic launcher has a device to take back
+  // (ALLOY_REJOIN_FILE): `alloy train` exits with dist::kExitRejoin and is started again with it.
+  bool stopped_for_rejoin = false;
 };
 
 // Intra-op threads for LibTorch and OpenBLAS; 0 = leave the defaults.
@@ -99,6 +102,7 @@ class Trainer {
   std::vector<pipeline::MicroBatch> micro_batches(const data::TokenWindows& src, const std::vector<uint64_t>& samples,
                                                   int64_t mbs) const;
   double all_sum(double v);
+  bool rejoin_requested();  // collective: an elastic launcher asks the job to stop at this checkpoint
   void save(int64_t step);
   void load(const std::string& dir, bool with_optimizer);
   void build_groups();
