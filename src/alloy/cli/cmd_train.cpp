@@ -156,6 +156,9 @@ void print_summary(const train::TrainResult& r) {
   double tps = 0;
   for (const auto& s : r.steps) tps += s.tokens_per_s;
   std::printf("mean throughput: %.0f tokens/s\n", tps / static_cast<double>(n));
+  if (r.checkpoints > 0)
+    std::printf("checkpoints: %lld, the training thread paused %.1f ms per checkpoint\n", static_cast<long long>(r.checkpoints),
+                1e3 * r.checkpoint_pause_s / static_cast<double>(r.checkpoints));
 }
 
 }  // namespace

@@ -102,6 +102,8 @@ const std::vector<Field>& schema() {
       ALLOY_INT(train, eval_batches, "global batches per validation run"),
       ALLOY_INT(train, checkpoint_interval, "steps between checkpoints; 0 = only at the end"),
       ALLOY_INT(train, keep_checkpoints, "keep the newest K checkpoints, delete older ones; 0 = keep all"),
+      ALLOY_BOOL(train, async_checkpoint, "write checkpoints off the training thread: the step pays only for copying its "
+                                          "tensors; the files, their checksums and the publication follow in the background"),
       ALLOY_INT(train, replan_step, "--plan auto: after this step, scale the profile by each device's measured compute, "
                                     "search again and switch plans if 5% faster (again after as many steps, once); 0 = never"),
       ALLOY_INT(train, log_interval, "steps between log lines when not on a terminal"),

@@ -55,6 +55,7 @@ struct TrainConfig {
   int64_t eval_batches = 4;
   int64_t checkpoint_interval = 0;  // 0 = only at the end
   int64_t keep_checkpoints = 0;     // the newest K step directories are kept; 0 = all
+  bool async_checkpoint = true;     // write checkpoint files off the training thread
   int64_t replan_step = 6;  // --plan auto: re-plan from the speeds measured up to this step; 0 = never
   int64_t log_interval = 1;
   int64_t threads = 0;  // 0 = all cores (or what `alloy launch` assigns)

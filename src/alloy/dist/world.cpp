@@ -131,6 +131,8 @@ World::World(const Rendezvous& rv, std::chrono::milliseconds timeout) : rv_(rv),
 
 World* World::current() { return g_world; }
 
+c10::intrusive_ptr<c10d::Store> World::connect_store_client() const { return connect_store(rv_, false, timeout_); }
+
 std::shared_ptr<World> World::create(const Rendezvous& rv, std::chrono::milliseconds timeout) {
   std::shared_ptr<World> w(new World(rv, timeout));
   w->store_ = connect_store(rv, rv.rank == 0, timeout);

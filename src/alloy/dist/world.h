@@ -72,6 +72,9 @@ class World {
   const Rendezvous& rendezvous() const { return rv_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   c10d::Store& store() { return *store_; }
+  // A connection of its own to the store, for a thread that must not wait behind the training
+  // thread's store calls (the checkpoint writer).
+  c10::intrusive_ptr<c10d::Store> connect_store_client() const;
 
   // Every rank calls this with the same WHAT; fails on every rank when the values differ, naming
   // the ranks that disagree with rank 0.

@@ -48,6 +48,15 @@ std::string checkpoint_staging_dir(const std::string& run_dir, int64_t step) {
   return run_dir + "/checkpoints/." + step_name(step) + ".partial";
 }
 
+void remove_stale_staging(const std::string& run_dir) {
+  const std::string root = run_dir + "/checkpoints";
+  if (!fs::is_directory(root)) return;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string n = e.path().filename().string();
+    if (e.is_directory() && n.rfind(".step_", 0) == 0) remove_tree(e.path().string());
+  }
+}
+
 void begin_checkpoint(const std::string& run_dir, int64_t step) {
   ensure_writable_dir(run_dir + "/checkpoints");
   std::string tmp = checkpoint_staging_dir(run_dir, step);
@@ -55,23 +64,42 @@ void begin_checkpoint(const std::string& run_dir, int64_t step) {
   ensure_writable_dir(tmp);
 }
 
-void write_checkpoint_shard(const std::string& dir, int rank, int world, const std::vector<const model::Param*>& params,
-                            const AdamW* opt) {
-  std::vector<std::pair<std::string, model::TensorBlob>> blobs;
-  for (const auto* p : params) blobs.emplace_back(p->name, model::to_blob(p->tensor));
-  model::write_safetensors(dir + "/" + shard_name("model", rank, world), blobs, {{"format", "alloy-model"}});
-  if (!opt) return;
+ShardSnapshot snapshot_shard(int rank, int world_size, const std::vector<const model::Param*>& params, const AdamW* opt) {
+  ShardSnapshot s;
+  s.rank = rank;
+  s.world_size = world_size;
+  for (const auto* p : params) s.model.emplace_back(p->name, model::to_blob(p->tensor));
+  if (!opt) return s;
   std::map<std::string, bool> mine;
   for (const auto* p : params) mine[p->name] = true;
-  std::vector<std::pair<std::string, model::TensorBlob>> ob;
   for (const auto& [n, t] : opt->state()) {
     std::string pname = n.substr(n.find('.') + 1);  // "exp_avg.NAME" -> NAME
     // A slice ("exp_avg.NAME@BEGIN") is this rank's alone (ZeRO): always saved; a whole tensor by
     // the parameter's first holder.
-    if (pname.find('@') != std::string::npos || mine.count(pname)) ob.emplace_back(n, model::to_blob(t));
+    if (pname.find('@') != std::string::npos || mine.count(pname)) s.optimizer.emplace_back(n, model::to_blob(t));
   }
-  ob.emplace_back("rng.cpu", model::to_blob(at::detail::getDefaultCPUGenerator().get_state()));
-  model::write_safetensors(dir + "/" + shard_name("optimizer", rank, world), ob, {{"format", "alloy-optimizer"}});
+  s.optimizer.emplace_back("rng.cpu", model::to_blob(at::detail::getDefaultCPUGenerator().get_state()));
+  return s;
+}
+
+int64_t ShardSnapshot::bytes() const {
+  int64_t n = 0;
+  for (const auto* v : {&model, &optimizer, &sync})
+    for (const auto& [name, b] : *v) n += static_cast<int64_t>(b.data.size());
+  return n;
+}
+
+void write_shard(const std::string& dir, const ShardSnapshot& s) {
+  model::write_safetensors(dir + "/" + shard_name("model", s.rank, s.world_size), s.model, {{"format", "alloy-model"}});
+  if (!s.optimizer.empty())
+    model::write_safetensors(dir + "/" + shard_name("optimizer", s.rank, s.world_size), s.optimizer, {{"format", "alloy-optimizer"}});
+  if (!s.sync.empty())
+    model::write_safetensors(dir + "/" + shard_name("gradsync", s.rank, 2), s.sync, {{"format", "alloy-gradsync"}, {"key", s.sync_key}});
+}
+
+void write_checkpoint_shard(const std::string& dir, int rank, int world, const std::vector<const model::Param*>& params,
+                            const AdamW* opt) {
+  write_shard(dir, snapshot_shard(rank, world, params, opt));
 }
 
 void write_sync_state(const std::string& dir, int rank, const std::vector<std::pair<std::string, at::Tensor>>& tensors,

@@ -29,6 +29,7 @@
 
 #include "alloy/core/config.h"
 #include "alloy/train/checkpoint_state.h"
+#include "alloy/model/safetensors.h"
 #include "alloy/model/transformer.h"
 #include "alloy/train/optimizer.h"
 
@@ -37,12 +38,26 @@ namespace alloy::train {
 // The directory name of STEP's checkpoint under RUN/checkpoints/ ("step_00000020").
 std::string step_name(int64_t step);
 
-// Collective save, in three phases (ranks synchronise between them):
+// Collective save (train.async_checkpoint: false; see checkpoint_writer.h for the asynchronous
+// one), in three phases (ranks synchronise between them):
 std::string checkpoint_staging_dir(const std::string& run_dir, int64_t step);
 void begin_checkpoint(const std::string& run_dir, int64_t step);  // rank 0
+// Removes every staging directory a crashed run left (rank 0, before any rank saves).
+void remove_stale_staging(const std::string& run_dir);
 // Every rank: the parameters it owns (and their optimizer state; OPT may be null).
 void write_checkpoint_shard(const std::string& staging_dir, int rank, int world_size,
                             const std::vector<const model::Param*>& params, const AdamW* opt);
+
+// The same in two halves, for writing off the training thread: a copy of what one rank saves
+// (taken between steps), and the files written from that copy (on any thread).
+struct ShardSnapshot {
+  int rank = 0, world_size = 1;
+  std::vector<std::pair<std::string, model::TensorBlob>> model, optimizer, sync;
+  std::string sync_key;  // write_sync_state's KEY; the sync file is written when SYNC is not empty
+  int64_t bytes() const;
+};
+ShardSnapshot snapshot_shard(int rank, int world_size, const std::vector<const model::Param*>& params, const AdamW* opt);
+void write_shard(const std::string& staging_dir, const ShardSnapshot& s);
 std::string publish_checkpoint(const std::string& run_dir, const CheckpointState& st);  // rank 0
 
 // Gradient-compression state of one rank: TENSORS by name ("residual/SET", ...); KEY (what the

@@ -320,6 +320,8 @@ TrainResult train_with_replanning(const Config& cfg, TrainOptions o, const Resol
     all.peak_grad_bytes = std::max(all.peak_grad_bytes, r.peak_grad_bytes);
     all.peak_model_memory_bytes = std::max(all.peak_model_memory_bytes, r.peak_model_memory_bytes);
     all.stopped_for_rejoin = r.stopped_for_rejoin;
+    all.checkpoints += r.checkpoints;
+    all.checkpoint_pause_s += r.checkpoint_pause_s;
     if (!r.next_plan) break;
     o.plan = r.next_plan;
     o.resume = r.checkpoint;

@@ -460,39 +460,62 @@ bool Trainer::rejoin_requested() {
 }
 
 void Trainer::save(int64_t step) {
+  const auto t0 = std::chrono::steady_clock::now();
   auto barrier = [&]() {
     if (world_) world_->all().barrier();
   };
-  if (rank_ == 0) begin_checkpoint(cfg_.output.dir, step);
-  barrier();
+  const int ws = world_ ? world_->size() : 1;
   std::vector<const model::Param*> owned;  // LoRA: the adapters alone (the base is CheckpointState::base)
   for (const auto* p : model_->trainable())
     if (sync_->holders(p->name).front() == rank_) owned.push_back(p);
-  const std::string staging = checkpoint_staging_dir(cfg_.output.dir, step);
   if (zero3_) zero3_->pin_all();  // whole parameters, written by their first holder
-  write_checkpoint_shard(staging, rank_, world_ ? world_->size() : 1, owned, opt_.get());
+  ShardSnapshot snap = snapshot_shard(rank_, ws, owned, opt_.get());
   if (zero3_) {
     zero3_->unpin_all();
     zero3_->take_bytes_sent();
   }
   if (reducer_ && !reducer_->compressed().empty()) {
-    std::vector<std::pair<std::string, at::Tensor>> state;
     for (const auto& cs : reducer_->compressed()) {
       const auto& st = cs->state();
-      if (st.residual.defined()) state.emplace_back("residual/" + cs->name(), st.residual);
-      if (st.velocity.defined()) state.emplace_back("velocity/" + cs->name(), st.velocity);
-      for (const auto& [off, q] : st.q) state.emplace_back("q/" + cs->name() + "/" + std::to_string(off), q);
+      if (st.residual.defined()) snap.sync.emplace_back("residual/" + cs->name(), model::to_blob(st.residual));
+      if (st.velocity.defined()) snap.sync.emplace_back("velocity/" + cs->name(), model::to_blob(st.velocity));
+      for (const auto& [off, q] : st.q) snap.sync.emplace_back("q/" + cs->name() + "/" + std::to_string(off), model::to_blob(q));
     }
-    write_sync_state(staging, rank_, state, sync_->state_key(rank_, plan_->grad_sync));
+    snap.sync_key = sync_->state_key(rank_, plan_->grad_sync);
   }
-  barrier();
+  const std::string run_dir = cfg_.output.dir;
+  const std::string staging = checkpoint_staging_dir(run_dir, step);
+  std::function<void()> publish;
   if (rank_ == 0) {
-    CheckpointState cs{step, static_cast<uint64_t>(step * cfg_.train.global_batch), opt_->steps_taken(), cfg_,
-                       world_ ? world_->size() : 1, plan_->to_json(), cfg_.lora.enabled() ? base_ : std::string()};
-    publish_checkpoint(cfg_.output.dir, cs);
-    prune_checkpoints(cfg_.output.dir, cfg_.train.keep_checkpoints);
+    CheckpointState cs{step, static_cast<uint64_t>(step * cfg_.train.global_batch), opt_->steps_taken(), cfg_, ws, plan_->to_json(),
+                       cfg_.lora.enabled() ? base_ : std::string()};
+    const int64_t keep = cfg_.train.keep_checkpoints;
+    publish = [run_dir, cs, keep]() {
+      publish_checkpoint(run_dir, cs);
+      prune_checkpoints(run_dir, keep);
+    };
   }
-  barrier();
+  if (cfg_.train.async_checkpoint) {
+    if (!writer_) writer_ = std::make_unique<CheckpointWriter>(world_.get(), opts_.generation);
+    writer_->start(step, staging, std::move(snap), publish);
+  } else {
+    if (rank_ == 0) begin_checkpoint(run_dir, step);
+    barrier();
+    write_shard(staging, snap);
+    barrier();
+    if (publish) publish();
+    barrier();
+  }
+  checkpoint_pause_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ++checkpoints_saved_;
+}
+
+void Trainer::finish_saves() {
+  if (!writer_) return;
+  writer_->wait();
+  // Rank 0 returns from its wait only after publishing, so past this barrier every rank may read
+  // the checkpoint (a plan switch resumes from it) or leave.
+  if (world_) world_->all().barrier();
 }
 
 void Trainer::publish_rank_stats(const TrainResult& r) {
@@ -619,6 +642,8 @@ TrainResult Trainer::run() {
   ensure_writable_dir(cfg_.output.dir);
   std::unique_ptr<Metrics> metrics;
   if (lead) {
+    // Before any rank can save (that needs this rank in the first step's reductions).
+    remove_stale_staging(cfg_.output.dir);
     write_file_atomic(cfg_.output.dir + "/config.yaml", cfg_.to_yaml());
     plan_->save(cfg_.output.dir + "/plan.json");
     metrics = std::make_unique<Metrics>(cfg_.output.dir, cfg_.output.tensorboard, opts_.resume.empty() ? -1 : start_step_);
@@ -803,6 +828,9 @@ TrainResult Trainer::run() {
 
     if (next_plan) {
       save(rec.step);
+      finish_saves();
+      result.checkpoints = checkpoints_saved_;
+      result.checkpoint_pause_s = checkpoint_pause_s_;
       result.checkpoint = cfg_.output.dir + "/checkpoints/" + step_name(rec.step);
       result.next_plan = next_plan;
       if (!quiet && stderr_is_tty()) progress.finish();
@@ -812,14 +840,20 @@ TrainResult Trainer::run() {
       save(rec.step);
       result.checkpoint = cfg_.output.dir + "/checkpoints/" + step_name(rec.step);
       if (!last && rejoin_requested()) {
+        finish_saves();
         if (lead) log_info("a device is back (elastic launch): stopping at the checkpoint of step " + std::to_string(rec.step) +
                            " so the job starts again with it");
         result.stopped_for_rejoin = true;
+        result.checkpoints = checkpoints_saved_;
+        result.checkpoint_pause_s = checkpoint_pause_s_;
         if (!quiet && stderr_is_tty()) progress.finish();
         return result;
       }
     }
   }
+  finish_saves();
+  result.checkpoints = checkpoints_saved_;
+  result.checkpoint_pause_s = checkpoint_pause_s_;
   publish_rank_stats(result);
   if (lead && cfg_.lora.enabled() && !result.checkpoint.empty()) {
     write_peft_adapter(result.checkpoint, cfg_.output.dir + "/adapter");  // what a PEFT user loads

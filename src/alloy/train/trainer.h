@@ -19,6 +19,7 @@
 #include "alloy/data/windows.h"
 #include "alloy/model/transformer.h"
 #include "alloy/pipeline/executor.h"
+#include "alloy/train/checkpoint_writer.h"
 #include "alloy/train/optimizer.h"
 
 namespace alloy::dist {
@@ -78,6 +79,8 @@ struct TrainResult {
   // Set when run() stopped at a checkpoint because an elastic launcher has a device to take back
   // (ALLOY_REJOIN_FILE): `alloy train` exits with dist::kExitRejoin and is started again with it.
   bool stopped_for_rejoin = false;
+  int64_t checkpoints = 0;          // saved by this invocation
+  double checkpoint_pause_s = 0;    // the training thread's time in them (the rest was written in the background)
 };
 
 // Intra-op threads for LibTorch and OpenBLAS; 0 = leave the defaults.
@@ -103,7 +106,8 @@ class Trainer {
                                                   int64_t mbs) const;
   double all_sum(double v);
   bool rejoin_requested();  // collective: an elastic launcher asks the job to stop at this checkpoint
-  void save(int64_t step);
+  void save(int64_t step);   // the snapshot now; the files in the background (train.async_checkpoint)
+  void finish_saves();       // every rank: the save in flight is published before this returns
   void load(const std::string& dir, bool with_optimizer);
   void build_groups();
   void plan_shards();
@@ -146,6 +150,10 @@ class Trainer {
   int64_t start_step_ = 0;
   std::string base_;  // where the frozen base came from (LoRA checkpoints name it)
   int64_t heap_before_model_ = 0;  // heap in use before this rank built its slice (model memory is measured above it)
+  double checkpoint_pause_s_ = 0;  // the training thread's time in save(), all saves
+  int64_t checkpoints_saved_ = 0;
+  // Last: destroyed first, so a save in flight finishes while everything it was copied from exists.
+  std::unique_ptr<CheckpointWriter> writer_;
 };
 
 }  // namespace alloy::train
