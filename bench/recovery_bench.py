@@ -7,7 +7,13 @@ local ranks) with a checkpoint every few steps; once it is past a checkpoint, on
 ranks resumed (the "resumed from" line), and when the first step after the restart is written to
 metrics.jsonl ("training again"). Repeated --rounds times; median and worst. Goal: under 15 s.
 
-  /usr/bin/python3 bench/recovery_bench.py [--emulate examples/cluster-3dev.yaml] [--rounds 3]
+Two kinds of failure, each measured --rounds times in one invocation:
+  restart  the killed rank's device is still there: every rank starts again (--max-restarts 1).
+  replan   the device is gone for good (--emulate: `alloy emu down` its host; else --device-check
+           reports it missing): after --rejoin-timeout the two survivors re-plan (--plan auto on
+           examples/cluster-3dev.yaml) and resume without it.
+
+  /usr/bin/python3 bench/recovery_bench.py [--emulate examples/cluster-3dev.yaml] [--rounds 3] [--modes restart replan]
 """
 import argparse
 import json
@@ -31,8 +37,8 @@ def rows(out):
     return metrics_rows(out)
 
 
-def one_round(alloy, pool, work, k, kill_rank, steps, interval):
-    out = os.path.join(work, f"run{k}")
+def one_round(alloy, pool, work, k, kill_rank, steps, interval, mode="restart", rejoin_timeout=2, emulated=False):
+    out = os.path.join(work, f"{mode}{k}")
     shutil.rmtree(out, ignore_errors=True)
     cfg = out + ".yaml"
     with open(os.path.join(REPO, "examples", "demo-gpt2.yaml")) as f:
@@ -42,7 +48,17 @@ def one_round(alloy, pool, work, k, kill_rank, steps, interval):
     sets = ["--set", f"output.dir={out}", "--set", f"train.steps={steps}", "--set", f"train.checkpoint_interval={interval}",
             "--set", "train.eval_interval=0", "--set", "train.eval_batches=0", "--set", "output.tensorboard=false",
             "--set", f"data.prefix={os.path.join(work, 'data', 'fortunes')}"]
-    cmd = [alloy, "launch", *pool, "--max-restarts", "1", "--", alloy, "train", "--config", cfg, *sets]
+    gone = os.path.join(work, f"gone-{kill_rank}")
+    if os.path.exists(gone):
+        os.unlink(gone)
+    elastic = []
+    if mode == "replan":
+        elastic = ["--rejoin-timeout", str(rejoin_timeout)]
+        if not emulated:
+            elastic += ["--device-check", f"test ! -e {work}/gone-{{rank}}"]
+        sets += ["--plan", "auto", "--cluster", os.path.join(REPO, "examples", "cluster-3dev.yaml"),
+                 "--set", "train.replan_step=0"]
+    cmd = [alloy, "launch", *pool, "--max-restarts", "1", *elastic, "--", alloy, "train", "--config", cfg, *sets]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
     lines = []
@@ -56,6 +72,8 @@ def one_round(alloy, pool, work, k, kill_rank, steps, interval):
                 stamps["stopped"] = now
             if "restart 1 of 1" in line:
                 stamps["restarting"] = now
+            if "continuing on" in line:
+                stamps["without_device"] = now
             if "resuming from" in line or re.search(r"resumed from .* at step", line):
                 stamps.setdefault("resumed", now)
     t = threading.Thread(target=reader, daemon=True)
@@ -65,10 +83,17 @@ def one_round(alloy, pool, work, k, kill_rank, steps, interval):
     while p.poll() is None and time.time() < deadline:
         n = len(rows(out))
         if killed_at is None and n >= interval + 2:
-            pid = rank_pid(cfg, kill_rank)
-            if pid:
-                os.kill(pid, signal.SIGKILL)
+            if mode == "replan" and emulated:
+                host = f"h{kill_rank}"  # examples/cluster-3dev.yaml: device i on host hi
                 killed_at, kill_step = time.time(), n
+                subprocess.run([alloy, "emu", "down", host], check=True, capture_output=True)
+            else:
+                pid = rank_pid(cfg, kill_rank)
+                if pid:
+                    if mode == "replan":
+                        open(gone, "w").close()
+                    os.kill(pid, signal.SIGKILL)
+                    killed_at, kill_step = time.time(), n
         if killed_at is not None and "resumed" in stamps and "again" not in stamps:
             # The restarted job cuts metrics.jsonl back to the checkpoint's step, then appends:
             # training again once a row past that step appears after the cut.
@@ -81,11 +106,17 @@ def one_round(alloy, pool, work, k, kill_rank, steps, interval):
         time.sleep(0.02)
     p.wait()
     t.join(timeout=5)
+    if mode == "replan" and emulated:
+        subprocess.run([alloy, "emu", "up", f"h{kill_rank}"], capture_output=True)
     if p.returncode != 0 or killed_at is None or "again" not in stamps:
         sys.stderr.write("".join(lines[-40:]))
-        raise SystemExit(f"round {k}: the job did not recover (exit {p.returncode})")
-    return {"killed_after_step": kill_step, "resumed_from_step": (kill_step // interval) * interval,
-            **{f"{key}_s": stamps[key] - killed_at for key in ("stopped", "restarting", "resumed", "again") if key in stamps}}
+        raise SystemExit(f"round {k} ({mode}): the job did not recover (exit {p.returncode})")
+    if mode == "replan" and "without_device" not in stamps:
+        sys.stderr.write("".join(lines[-40:]))
+        raise SystemExit(f"round {k} ({mode}): the job recovered but not without the device")
+    return {"mode": mode, "killed_after_step": kill_step, "resumed_from_step": (kill_step // interval) * interval,
+            **{f"{key}_s": stamps[key] - killed_at
+               for key in ("stopped", "restarting", "without_device", "resumed", "again") if key in stamps}}
 
 
 def main():
@@ -95,7 +126,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--interval", type=int, default=4, help="checkpoint every N steps")
-    ap.add_argument("--kill-rank", type=int, default=1)
+    ap.add_argument("--kill-rank", type=int, default=2)
+    ap.add_argument("--modes", nargs="+", default=["restart", "replan"], choices=["restart", "replan"])
+    ap.add_argument("--rejoin-timeout", type=float, default=2.0, help="replan: seconds the launcher waits for the device")
     a = ap.parse_args()
     alloy = os.path.join(a.build, "alloy")
     pool = ["--emulate", a.emulate] if a.emulate else ["--nproc", "3"]
@@ -103,19 +136,25 @@ def main():
     try:
         subprocess.run([alloy, "data", "prepare", "--input", "/usr/share/games/fortunes", "--output",
                         os.path.join(work, "data", "fortunes")], check=True, capture_output=True)
-        results = []
-        for k in range(a.rounds):
-            r = one_round(alloy, pool, work, k, a.kill_rank, a.steps, a.interval)
-            results.append(r)
-            print(f"[recovery] round {k + 1}/{a.rounds}: killed rank {a.kill_rank} after step {r['killed_after_step']}; "
-                  f"failure seen +{r.get('stopped_s', float('nan')):.1f} s, all stopped and restarting +{r.get('restarting_s', float('nan')):.1f} s, resumed from step {r['resumed_from_step']} "
-                  f"+{r['resumed_s']:.1f} s, training again +{r['again_s']:.1f} s", flush=True)
-        again = [r["again_s"] for r in results]
-        summary = {"pool": pool, "model": "examples/demo-gpt2.yaml", "rounds": results,
-                   "again_s_median": statistics.median(again), "again_s_worst": max(again),
+        summary = {"pool": pool, "model": "examples/demo-gpt2.yaml", "rejoin_timeout_s": a.rejoin_timeout,
                    "machine": {"cores": os.cpu_count()}}
-        print(f"\nfailure -> training again: median {summary['again_s_median']:.1f} s, worst {summary['again_s_worst']:.1f} s "
-              f"(goal < 15 s: {'met' if summary['again_s_median'] < 15 else 'NOT met'})")
+        for mode in a.modes:
+            results = []
+            for k in range(a.rounds):
+                r = one_round(alloy, pool, work, k, a.kill_rank, a.steps, a.interval, mode, a.rejoin_timeout, bool(a.emulate))
+                results.append(r)
+                extra = (f", continuing without it +{r.get('without_device_s', float('nan')):.1f} s" if mode == "replan" else "")
+                print(f"[recovery] {mode} round {k + 1}/{a.rounds}: killed rank {a.kill_rank} after step {r['killed_after_step']}; "
+                      f"failure seen +{r.get('stopped_s', float('nan')):.1f} s, all stopped and restarting "
+                      f"+{r.get('restarting_s', float('nan')):.1f} s{extra}, resumed from step {r['resumed_from_step']} "
+                      f"+{r['resumed_s']:.1f} s, training again +{r['again_s']:.1f} s", flush=True)
+            again = [r["again_s"] for r in results]
+            summary[mode] = {"rounds": results, "again_s_median": statistics.median(again), "again_s_worst": max(again)}
+        for mode in a.modes:
+            m = summary[mode]
+            print(f"\n{mode}: failure -> training again: median {m['again_s_median']:.1f} s, worst {m['again_s_worst']:.1f} s "
+                  f"(goal < 15 s: {'met' if m['again_s_median'] < 15 else 'NOT met'})"
+                  + (f"; {a.rejoin_timeout:g} s of it is --rejoin-timeout" if mode == "replan" else ""))
         os.makedirs(os.path.join(REPO, "bench", "results"), exist_ok=True)
         path = os.path.join(REPO, "bench", "results", "recovery.json")
         with open(path + ".tmp", "w") as f:
