@@ -52,6 +52,8 @@ struct TrainArgs {
   double lora_alpha = 0, lora_dropout = -1;
   std::vector<std::string> lora_targets;
   std::string base_dtype;
+  // Megatron's precision flags.
+  bool bf16 = false, fp16 = false;
 };
 
 // The LoRA flags as --set lora.* overrides (after the user's --set).
@@ -171,6 +173,10 @@ void add_train_commands(CLI::App& app, Action& action) {
       ->check(CLI::ExistingFile);
   cmd->add_option("--set", a->sets, "Override a config key: --set section.key=value (repeatable)");
   cmd->add_flag("--resume", a->resume, "Resume from the latest checkpoint in output.dir");
+  auto* bf16 = cmd->add_flag("--bf16", a->bf16, "Mixed precision in bf16 (Megatron's flag; train.precision=bf16): fp32 weights, "
+                                                 "gradients and AdamW state");
+  cmd->add_flag("--fp16", a->fp16, "Mixed precision in fp16 with dynamic loss scaling (Megatron's flag; train.precision=fp16)")
+      ->excludes(bf16);
   cmd->add_option("--resume-from", a->resume_from, "Resume from this checkpoint or run directory");
   cmd->add_flag("--auto-resume", a->auto_resume,
                 "Resume from output.dir's last complete checkpoint if there is one, else start afresh (what a restarted "
@@ -264,6 +270,8 @@ void add_train_commands(CLI::App& app, Action& action) {
       for (auto& o : safusion_overrides(*a)) sets.push_back(o);
       for (auto& o : sharding_overrides(*a)) sets.push_back(o);
       for (auto& o : lora_overrides(*a)) sets.push_back(o);
+      if (a->bf16) sets.push_back("train.precision=bf16");
+      if (a->fp16) sets.push_back("train.precision=fp16");
       Config cfg = Config::load(a->config, sets);
       dist::Rendezvous rv = dist::resolve_rendezvous(a->rv);
       const SynerFuseArgs& sf = a->src.synerfuse;

@@ -109,6 +109,13 @@ const std::vector<Field>& schema() {
       ALLOY_INT(train, log_interval, "steps between log lines when not on a terminal"),
       ALLOY_INT(train, threads, "intra-op threads; 0 = all cores"),
       ALLOY_STR(train, device, "cpu | cuda | cuda:N"),
+      ALLOY_STR(train, precision, "fp32 | bf16 | fp16: mixed precision (autocast) with fp32 weights, gradients and AdamW state "
+                                  "(Megatron: --bf16, --fp16)"),
+      ALLOY_STR(train, loss_scaling, "auto (dynamic with fp16, off otherwise) | dynamic | off: the loss is multiplied by a "
+                                     "scale that halves when gradients overflow (the step is skipped) and doubles after "
+                                     "train.loss_scale_window finite steps"),
+      ALLOY_FLOAT(train, loss_scale_init, "dynamic loss scaling: the first scale (a power of two)"),
+      ALLOY_INT(train, loss_scale_window, "dynamic loss scaling: finite steps in a row before the scale doubles"),
       ALLOY_INT(train, zero_stage, "sharded data parallelism (ZeRO) of every group of ranks holding the same layers: 0 = full "
                                    "replicas, 1 = optimizer state sharded, 2 = gradients too, 3 = parameters too, gathered per "
                                    "layer (DeepSpeed's levels)"),
@@ -342,6 +349,14 @@ void Config::validate() const {
   if (t.log_interval < 1) fail("train.log_interval", "must be >= 1");
   if (t.threads < 0) fail("train.threads", "must be >= 0");
   if (t.device != "cpu" && t.device.rfind("cuda", 0) != 0) fail("train.device", "must be cpu, cuda or cuda:N");
+  if (t.precision != "fp32" && t.precision != "bf16" && t.precision != "fp16")
+    fail("train.precision", "unknown value '" + t.precision + "'; allowed: fp32, bf16, fp16");
+  if (t.precision != "fp32" && m.dtype != "float32") fail("train.precision", t.precision + " mixed precision needs model.dtype float32");
+  if (t.loss_scaling != "auto" && t.loss_scaling != "dynamic" && t.loss_scaling != "off")
+    fail("train.loss_scaling", "unknown value '" + t.loss_scaling + "'; allowed: auto, dynamic, off");
+  if (!(t.loss_scale_init >= 1) || std::isinf(t.loss_scale_init) || std::exp2(std::round(std::log2(t.loss_scale_init))) != t.loss_scale_init)
+    fail("train.loss_scale_init", "must be a power of two >= 1 (scaling by it is then exact)");
+  if (t.loss_scale_window < 1) fail("train.loss_scale_window", "must be >= 1");
   if (t.zero_stage < 0 || t.zero_stage > 3) fail("train.zero_stage", "must be 0, 1, 2 or 3, got " + std::to_string(t.zero_stage));
   (void)t.shard_shares();
   grad_sync.validate(w, "grad_sync");

@@ -60,6 +60,12 @@ struct TrainConfig {
   int64_t log_interval = 1;
   int64_t threads = 0;  // 0 = all cores (or what `alloy launch` assigns)
   std::string device = "cpu";  // cpu | cuda | cuda:N
+  // Mixed precision: the forward's matrix products (and what autocast puts beside them) in bf16
+  // or fp16, weights, gradients and AdamW state in fp32.
+  std::string precision = "fp32";     // fp32 | bf16 | fp16
+  std::string loss_scaling = "auto";  // auto (dynamic with fp16, off otherwise) | dynamic | off
+  double loss_scale_init = 65536.0;   // dynamic loss scaling's first scale (a power of two)
+  int64_t loss_scale_window = 2000;   // finite steps in a row after which the scale doubles
   int64_t zero_stage = 0;       // sharded data parallelism per holder set (dist/sharding.h): 0 | 1 | 2
   std::string shard_ratio;      // shares of each holder set's shards ("3,1"); empty = even
   bool recompute = false;       // every stage recomputes its blocks' activations in the backward

@@ -1,5 +1,7 @@
 #include "alloy/pipeline/executor.h"
 
+#include "alloy/model/precision.h"
+
 #include <ATen/core/grad_mode.h>
 #include <malloc.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -136,13 +138,17 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
         record("recv A" + std::to_string(m), "recv", t0);
         break;
       case ActionKind::Forward: {
-        at::Tensor out = slice_.forward(first() ? mbs[static_cast<size_t>(m)].inputs : st.input);
-        if (last()) {
-          at::Tensor ls = model::Transformer::loss_sum(out, mbs[static_cast<size_t>(m)].targets);
-          loss_sum += ls.item<double>();
-          st.output = ls / loss_divisor;
-        } else {
-          st.output = out;
+        {
+          model::AutocastScope amp(slice_.device(), precision);
+          at::Tensor out = slice_.forward(first() ? mbs[static_cast<size_t>(m)].inputs : st.input);
+          if (last()) {
+            at::Tensor ls = model::Transformer::loss_sum(out, mbs[static_cast<size_t>(m)].targets);
+            if (ls.scalar_type() != dt) ls = ls.to(dt);
+            loss_sum += ls.item<double>();
+            st.output = ls / loss_divisor;
+          } else {
+            st.output = out.scalar_type() == dt ? out : out.to(dt);
+          }
         }
         ++in_flight_;
         compute_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
@@ -192,9 +198,10 @@ double StageExecutor::forward_only(const std::vector<MicroBatch>& mbs) {
     at::Tensor x = first() ? mbs[m].inputs
                            : recv_tensor(links_.prev_rank, static_cast<int64_t>(m), kActHeader, {rows, cfg.seq_len, cfg.hidden},
                                          slice_.dtype());
+    model::AutocastScope amp(slice_.device(), precision);
     at::Tensor out = slice_.forward(x);
     if (last()) loss_sum += model::Transformer::loss_sum(out, mbs[m].targets).item<double>();
-    else send_tensor(links_.next_rank, static_cast<int64_t>(m), kActHeader, out);
+    else send_tensor(links_.next_rank, static_cast<int64_t>(m), kActHeader, out.scalar_type() == slice_.dtype() ? out : out.to(slice_.dtype()));
   }
   wait_sends();
   return loss_sum;

@@ -47,6 +47,9 @@ class StageExecutor {
   // Runs ACTIONS for one optimizer step. Every micro-batch loss is divided by LOSS_DIVISOR (the
   // tokens of the global batch). Arms REDUCER (if any) before the last backward. Returns the sum
   // of token losses computed here (non-zero on the last stage only).
+  // train.precision: forwards run under autocast in it; what crosses to the next stage is cast
+  // back to the slice's dtype, so messages keep their size and the residual stream its precision.
+  std::string precision = "fp32";
   double run(const std::vector<Action>& actions, const std::vector<MicroBatch>& mbs, double loss_divisor,
              dist::Reducer* reducer);
   // Forward only (validation): returns the sum of token losses on the last stage.

@@ -135,6 +135,10 @@ std::string publish_checkpoint(const std::string& run_dir, const CheckpointState
                       {"config", st.config.to_json()}};
   if (!st.plan.is_null()) j["plan"] = st.plan;
   if (!st.base.empty()) j["base"] = st.base;
+  if (st.loss_scale > 0) {
+    j["loss_scale"] = st.loss_scale;
+    j["loss_scale_good_steps"] = st.loss_scale_good_steps;
+  }
   // Every shard is complete by now (the ranks wrote theirs before the barrier that precedes this).
   j["files"] = file_manifest(tmp);
   write_file_atomic(tmp + "/state.json", j.dump(2) + "\n");

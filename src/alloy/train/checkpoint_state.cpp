@@ -1,5 +1,7 @@
 #include "alloy/train/checkpoint_state.h"
 
+#include <cmath>
+
 #include <climits>
 #include <cstdio>
 #include <filesystem>
@@ -108,6 +110,13 @@ CheckpointState read_checkpoint_state(const std::string& ckpt_dir) {
   if (j.contains("base")) {
     if (!j["base"].is_string()) throw InputError(file, "field 'base' must be a path (string)");
     st.base = j["base"].get<std::string>();
+  }
+  if (j.contains("loss_scale")) {
+    const auto& v = j["loss_scale"];
+    if (!v.is_number() || !(v.get<double>() >= 1) || std::isinf(v.get<double>()))
+      throw InputError(file, "field 'loss_scale' must be a finite number >= 1");
+    st.loss_scale = v.get<double>();
+    if (j.contains("loss_scale_good_steps")) st.loss_scale_good_steps = count("loss_scale_good_steps");
   }
   return st;
 }

@@ -24,6 +24,10 @@ struct CheckpointState {
   // LoRA runs save only what trains (the adapters): the frozen base comes from BASE again (the
   // run's --init-from: a safetensors file or checkpoint), or from the seed when it is empty.
   std::string base;
+  // Dynamic loss scaling's state (train.precision fp16): its scale (0 = not scaling) and the finite
+  // steps since it last changed, so a resumed run scales exactly as an uninterrupted one.
+  double loss_scale = 0;
+  int64_t loss_scale_good_steps = 0;
 };
 
 // Reads and validates state.json; throws InputError naming the file and field.

@@ -29,6 +29,7 @@
 #include "alloy/pipeline/schedule.h"
 #include "alloy/plan/planner.h"
 #include "alloy/train/checkpoint.h"
+#include "alloy/model/precision.h"
 #include "alloy/train/finetune.h"
 #include "alloy/train/metrics.h"
 
@@ -95,6 +96,11 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   cfg_.validate();
   configure_threads(cfg_.train.threads);
   device_ = at::Device(rank_device(cfg_));
+  {
+    const auto& t = cfg_.train;
+    const bool scaling = t.loss_scaling == "dynamic" || (t.loss_scaling == "auto" && t.precision == "fp16");
+    scaler_ = model::LossScaler(scaling, t.loss_scale_init, t.loss_scale_window);
+  }
   world_ = opts_.world;
   rank_ = world_ ? world_->rank() : 0;
   plan_ = opts_.plan ? opts_.plan : std::make_shared<Plan>(Plan::single_device(cfg_));
@@ -175,6 +181,10 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     if (pos_.stage + 1 < static_cast<int>(pl.stages.size())) links.next_rank = pl.stages[static_cast<size_t>(pos_.stage + 1)].ranks[0];
   }
   exec_ = std::make_unique<pipeline::StageExecutor>(*model_, links);
+  if (const std::string why = model::autocast_problem(device_, cfg_.train.precision); !why.empty())
+    throw InputError("train.precision", why);
+  exec_->precision = cfg_.train.precision;
+  if (!resume_dir.empty()) scaler_.restore(resumed.loss_scale, resumed.loss_scale_good_steps);
   if (world_) build_groups();
   if (!resume_dir.empty() && reducer_ && !reducer_->compressed().empty()) load_sync_state(resume_dir);
 }
@@ -489,6 +499,10 @@ void Trainer::save(int64_t step) {
   if (rank_ == 0) {
     CheckpointState cs{step, static_cast<uint64_t>(step * cfg_.train.global_batch), opt_->steps_taken(), cfg_, ws, plan_->to_json(),
                        cfg_.lora.enabled() ? base_ : std::string()};
+    if (scaler_.enabled()) {
+      cs.loss_scale = scaler_.scale();
+      cs.loss_scale_good_steps = scaler_.good_steps();
+    }
     const int64_t keep = cfg_.train.keep_checkpoints;
     publish = [run_dir, cs, keep]() {
       publish_checkpoint(run_dir, cs);
@@ -693,7 +707,8 @@ TrainResult Trainer::run() {
     // This pipeline's consecutive slice of the global batch, cut into its micro-batches.
     std::vector<uint64_t> samples = sampler_->take(static_cast<uint64_t>(step * gb + offset), static_cast<uint64_t>(mine));
     if (reducer_) reducer_->begin_step(step, t0);
-    double loss_local = exec_->run(actions, micro_batches(*train_, samples, pl.micro_batch_size), batch_tokens, reducer_.get());
+    double loss_local =
+        exec_->run(actions, micro_batches(*train_, samples, pl.micro_batch_size), batch_tokens / scaler_.scale(), reducer_.get());
     auto sync_t0 = std::chrono::steady_clock::now();
     const double phase_s = std::chrono::duration<double>(sync_t0 - t0).count();
     const dist::ReducerStats sync = reducer_ ? reducer_->finish() : dist::ReducerStats{};
@@ -735,12 +750,35 @@ TrainResult Trainer::run() {
                                      at::kDouble);
     c10::intrusive_ptr<c10d::Work> sync_fig_work;
     if (world_) sync_fig_work = world_->all().allreduce_sum(sync_fig);
-    const double grad_norm = std::sqrt(sums[1]);
-    clip_to(clipped, std::sqrt(sums[2]), t.grad_clip);
-    if (const double coef = clip_coef(std::sqrt(sums[2]), t.grad_clip); coef != 1.0)
+    // Dynamic loss scaling: the gradients are SCALE times the true ones. A non-finite norm (the
+    // same on every rank: it was all-reduced) skips the step; otherwise they are unscaled
+    // exactly (a power of two) before clipping.
+    const double scale = scaler_.scale();
+    const bool apply_step = scaler_.update(std::sqrt(sums[1]));
+    if (scale != 1.0 && apply_step) {
+      const double inv = 1.0 / scale;
+      for (auto* p : params)
+        if (p->tensor.grad().defined()) p->tensor.mutable_grad().mul_(inv);
       for (auto& spec : shard_specs_)
-        if (spec.grads.defined()) spec.grads.mul_(coef);  // ZeRO-3's gradients live in the shards
-    opt_->step(lr);
+        if (spec.grads.defined()) spec.grads.mul_(inv);
+      sums[1] *= inv * inv;
+      sums[2] *= inv * inv;
+    }
+    const double grad_norm = std::sqrt(sums[1]);
+    if (apply_step) {
+      clip_to(clipped, std::sqrt(sums[2]), t.grad_clip);
+      if (const double coef = clip_coef(std::sqrt(sums[2]), t.grad_clip); coef != 1.0)
+        for (auto& spec : shard_specs_)
+          if (spec.grads.defined()) spec.grads.mul_(coef);  // ZeRO-3's gradients live in the shards
+      opt_->step(lr);
+    } else {
+      for (auto& spec : shard_specs_)
+        if (spec.grads.defined()) spec.grads.zero_();
+      if (lead)
+        log_warn("step " + std::to_string(step + 1) + ": the gradients overflowed at loss scale 2^" +
+                 std::to_string(static_cast<int>(std::log2(scale))) + ": step skipped, the scale is now 2^" +
+                 std::to_string(static_cast<int>(std::log2(scaler_.scale()))));
+    }
     heap_peak = std::max(heap_peak, pipeline::heap_bytes_in_use());  // AdamW's state exists from its first step
     // Every parameter's, not only those AdamW updates here (under ZeRO a rank may own none of one);
     // before the gather, whose staging takes their place.
@@ -793,7 +831,12 @@ TrainResult Trainer::run() {
     }
 
     nlohmann::json j = {{"step", rec.step},         {"loss", rec.loss},     {"lr", rec.lr},
-                        {"grad_norm", rec.grad_norm}, {"step_s", rec.step_s}, {"tokens_per_s", rec.tokens_per_s}};
+                        {"grad_norm", std::isfinite(rec.grad_norm) ? nlohmann::json(rec.grad_norm) : nlohmann::json("inf")},
+                        {"step_s", rec.step_s}, {"tokens_per_s", rec.tokens_per_s}};
+    if (scaler_.enabled()) {
+      j["loss_scale"] = scale;
+      if (!apply_step) j["skipped"] = true;
+    }
     if (world_) j["grad_bytes"] = rec.grad_bytes;  // put on the wire by all ranks for gradient sync
     if (rec.grad_elements > 0) {
       j["grad_density"] = rec.grad_selected / rec.grad_elements;  // of the compressed sets' elements

@@ -17,6 +17,7 @@
 #include "alloy/core/plan.h"
 #include "alloy/data/sampler.h"
 #include "alloy/data/windows.h"
+#include "alloy/model/precision.h"
 #include "alloy/model/transformer.h"
 #include "alloy/pipeline/executor.h"
 #include "alloy/train/checkpoint_writer.h"
@@ -150,6 +151,7 @@ class Trainer {
   int64_t start_step_ = 0;
   std::string base_;  // where the frozen base came from (LoRA checkpoints name it)
   int64_t heap_before_model_ = 0;  // heap in use before this rank built its slice (model memory is measured above it)
+  model::LossScaler scaler_{false, 1.0, 1};  // train.loss_scaling (set in the constructor)
   double checkpoint_pause_s_ = 0;  // the training thread's time in save(), all saves
   int64_t checkpoints_saved_ = 0;
   // Last: destroyed first, so a save in flight finishes while everything it was copied from exists.
