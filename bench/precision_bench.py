@@ -20,7 +20,7 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "dist"))
-from distlib import metrics_rows  # noqa: E402
+from distlib import metrics_rows, write_json_atomic  # noqa: E402
 
 
 def run(alloy, work, name, precision, steps, threads, eval_interval):
@@ -93,11 +93,7 @@ def main():
             tps = "%.0f" % s["median_tokens_per_s"] if s else "refused"
             ratio = "%.2fx" % s["vs_fp32"] if s else ""
             print(f"{p:<10} {vl:>9} {dq:>8} {tps:>9} {ratio:>8}")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump(summary, f, indent=2)
-        os.replace(path + ".tmp", path)
-        print(f"wrote {path}")
+        write_json_atomic(path, summary)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -16,7 +16,6 @@ Two kinds of failure, each measured --rounds times in one invocation:
   /usr/bin/python3 bench/recovery_bench.py [--emulate examples/cluster-3dev.yaml] [--rounds 3] [--modes restart replan]
 """
 import argparse
-import json
 import os
 import re
 import shutil
@@ -30,7 +29,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "dist"))
-from distlib import metrics_rows, rank_pid  # noqa: E402
+from distlib import metrics_rows, rank_pid, write_json_atomic  # noqa: E402
 
 
 def rows(out):
@@ -155,12 +154,7 @@ def main():
             print(f"\n{mode}: failure -> training again: median {m['again_s_median']:.1f} s, worst {m['again_s_worst']:.1f} s "
                   f"(goal < 15 s: {'met' if m['again_s_median'] < 15 else 'NOT met'})"
                   + (f"; {a.rejoin_timeout:g} s of it is --rejoin-timeout" if mode == "replan" else ""))
-        os.makedirs(os.path.join(REPO, "bench", "results"), exist_ok=True)
-        path = os.path.join(REPO, "bench", "results", "recovery.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(summary, f, indent=2)
-        os.replace(path + ".tmp", path)
-        print(f"wrote {path}")
+        write_json_atomic(os.path.join(REPO, "bench", "results", "recovery.json"), summary)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -67,3 +67,23 @@ def rank_pid(config_path, rank):
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
     return None
+
+
+def popen_collect(cmd, env):
+    """Starts CMD with stdout+stderr merged; returns (process, list its lines are appended to)."""
+    import subprocess
+    import threading
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    threading.Thread(target=lambda: [lines.append(l) for l in p.stdout], daemon=True).start()
+    return p, lines
+
+
+def write_json_atomic(path, obj):
+    """Writes OBJ to PATH as indented JSON through a temporary file (readers never see half)."""
+    import json
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}")

@@ -17,12 +17,11 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from distlib import fresh_workdir_with_corpus, metrics_rows, rank_pid, sh  # noqa: E402
+from distlib import fresh_workdir_with_corpus, metrics_rows, popen_collect, rank_pid, sh  # noqa: E402
 
 STEPS = 40
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -60,9 +59,7 @@ def main():
     else:
         launch += ["--nproc", "3", "--device-check", f"test ! -e {work}/gone-{{rank}}"]
     cmd = launch + ["--", alloy, "train", "--config", cfg, "--plan", "auto", "--cluster", cluster, "--timeout", "30"]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    threading.Thread(target=lambda: [lines.append(l) for l in p.stdout], daemon=True).start()
+    p, lines = popen_collect(cmd, env)
 
     removed_at = back_at = None
     deadline = time.time() + 420

@@ -10,11 +10,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distlib import fresh_workdir_with_corpus, metrics_rows, plan  # noqa: E402
+from distlib import fresh_workdir_with_corpus, metrics_rows, plan, popen_collect  # noqa: E402
 
 STEPS = 30
 
@@ -49,9 +48,7 @@ output: {{dir: {out}, tensorboard: false}}
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     cmd = [alloy, "launch", "--emulate", cluster, "--no-cpu-limit", "--max-restarts", "1", "--", alloy, "train", "--config", cfg,
            "--plan", plan_path, "--timeout", "12", "--stall-seconds", "3"]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    threading.Thread(target=lambda: [lines.append(l) for l in p.stdout], daemon=True).start()
+    p, lines = popen_collect(cmd, env)
     cut = restored = False
     deadline = time.time() + 240
     while p.poll() is None and time.time() < deadline:
