@@ -52,6 +52,45 @@ TEST_P(ModelTest, SlicesHoldTheFullModelsWeightsAndChainToTheSameOutput) {
   EXPECT_TRUE(at::equal(y_full, y_chain));
 }
 
+TEST_P(ModelTest, HalfBlockSlicesHoldTheFullModelsWeightsAndChainToTheSameOutputAndGradients) {
+  // Units (half blocks) [0,5) -> [5,6) -> [6,8): 2.5 blocks, block 2's MLP half alone, block 3.
+  ModelConfig m = tiny(GetParam());
+  auto full = Transformer::full(m, 42);
+  Transformer a(m, LayerRange::for_units(0, 5, m.layers), 42);
+  Transformer b(m, LayerRange::for_units(5, 6, m.layers), 42);
+  Transformer c(m, LayerRange::for_units(6, 8, m.layers), 42);
+  std::map<std::string, int> holders;
+  for (auto* s : {&a, &b, &c})
+    for (auto* p : s->parameters()) {
+      auto* q = full->find(p->name);
+      ASSERT_NE(q, nullptr) << p->name;
+      EXPECT_TRUE(at::equal(p->tensor, q->tensor)) << p->name;
+      ++holders[p->name];
+    }
+  for (auto* q : full->parameters())  // GPT-2's head keeps its own copy of the tied wte when split
+    EXPECT_EQ(holders[q->name], q->name == "wte.weight" ? 2 : 1) << q->name << ": every parameter in exactly one slice";
+  const std::string mlp_w = GetParam() == "llama" ? "model.layers.2.mlp.down_proj.weight" : "h.2.mlp.c_proj.weight";
+  const std::string attn_w = GetParam() == "llama" ? "model.layers.2.self_attn.o_proj.weight" : "h.2.attn.c_proj.weight";
+  EXPECT_NE(a.find(attn_w), nullptr);
+  EXPECT_EQ(a.find(mlp_w), nullptr);
+  EXPECT_NE(b.find(mlp_w), nullptr);
+  EXPECT_EQ(b.find(attn_w), nullptr);
+  at::Tensor x = tokens(m, 2, 1);
+  at::Tensor y_full = full->forward(x);
+  at::Tensor y_chain = c.forward(b.forward(a.forward(x)));
+  EXPECT_TRUE(at::equal(y_full, y_chain));
+  // The same gradients, bit for bit: the halves run exactly the whole block's operations.
+  y_full.pow(2).sum().backward();
+  y_chain.pow(2).sum().backward();
+  for (auto* s : {&a, &b, &c})
+    for (auto* p : s->parameters()) {
+      if (p->name == "wte.weight") continue;  // tied: the runtime sums the two copies' gradients
+      EXPECT_TRUE(at::equal(p->tensor.grad(), full->find(p->name)->tensor.grad())) << p->name;
+    }
+  EXPECT_THROW(LayerRange::for_units(3, 3, m.layers), std::invalid_argument);
+  EXPECT_THROW(LayerRange::for_units(0, 9, m.layers), std::invalid_argument);
+}
+
 TEST_P(ModelTest, SeedDeterminesWeights) {
   ModelConfig m = tiny(GetParam());
   auto a = Transformer::full(m, 7), b = Transformer::full(m, 7), c = Transformer::full(m, 8);
@@ -199,12 +238,12 @@ TEST(Model, Float64ModelComputesInDouble) {
 TEST(Model, ParamNamesMatchWhatSlicesHold) {
   for (std::string arch : {"gpt2", "llama"}) {
     ModelConfig m = tiny(arch);
-    for (auto [b, e] : std::vector<std::pair<int64_t, int64_t>>{{0, 4}, {0, 1}, {1, 3}, {3, 4}}) {
-      auto range = LayerRange::for_blocks(b, e, m.layers);
+    for (auto [b, e] : std::vector<std::pair<int64_t, int64_t>>{{0, 8}, {0, 2}, {2, 6}, {6, 8}, {0, 3}, {3, 4}, {3, 6}, {5, 8}, {1, 2}}) {
+      auto range = LayerRange::for_units(b, e, m.layers);
       Transformer t(m, range, 1);
       std::vector<std::string> held;
       for (auto* p : t.parameters()) held.push_back(p->name);
-      EXPECT_EQ(held, alloy::model::param_names(m, range)) << arch << " [" << b << "," << e << ")";
+      EXPECT_EQ(held, alloy::model::param_names(m, range)) << arch << " units [" << b << "," << e << ")";
     }
   }
 }

@@ -264,9 +264,55 @@ TEST(Plan, ShardingEntriesRoundTripAndAreValidatedByField) {
   EXPECT_EQ(r.to_json()["version"], 2);
   EXPECT_TRUE(Plan::from_json(r.to_json(), "x").pipelines[0].stages[1].recompute);
   EXPECT_NE(r.describe().find("recompute"), std::string::npos);
-  auto v3 = j;
-  v3["version"] = 3;
-  EXPECT_THROW(Plan::from_json(v3, "x"), InputError);
+  auto v4 = j;
+  v4["version"] = 4;
+  EXPECT_THROW(Plan::from_json(v4, "x"), InputError);
+}
+
+TEST(Plan, HalfBlockStagesRoundTripAsVersion3AndValidateInUnits) {
+  // 4 blocks = 8 half-block units: a stage of 2.5 blocks and one of 1.5.
+  Plan p = Plan::from_json(nlohmann::json::parse(R"({"version": 3, "global_batch": 4, "pipelines": [
+      {"micro_batch_size": 2, "num_micro_batches": 2, "stages": [
+        {"ranks": [0], "units": [0, 5]}, {"ranks": [1], "units": [5, 8], "layers": [2, 4]}]}]})"),
+                           "x");
+  const auto& a = p.pipelines[0].stages[0];
+  const auto& b = p.pipelines[0].stages[1];
+  EXPECT_EQ(a.layer_begin, 0);
+  EXPECT_EQ(a.layer_end, 3);  // touches block 2 (its attention half)
+  EXPECT_TRUE(a.to_attention);
+  EXPECT_FALSE(a.from_mlp);
+  EXPECT_EQ(b.layer_begin, 2);
+  EXPECT_TRUE(b.from_mlp);
+  EXPECT_DOUBLE_EQ(a.blocks(), 2.5);
+  EXPECT_DOUBLE_EQ(b.blocks(), 1.5);
+  EXPECT_EQ(validate_error(p, 4), "");
+  EXPECT_EQ(p.to_json()["version"], 3);
+  EXPECT_EQ(p.to_json()["pipelines"][0]["stages"][0]["units"], nlohmann::json::array({0, 5}));
+  EXPECT_EQ(Plan::from_json(p.to_json(), "x").to_json(), p.to_json());
+  EXPECT_HAS(p.describe(), "units [0,5)");
+  // Whole-block plans keep version 1 and no "units".
+  Plan w = Plan::from_json(nlohmann::json::parse(R"({"global_batch": 4, "pipelines": [
+      {"micro_batch_size": 2, "num_micro_batches": 2, "stages": [{"ranks": [0], "units": [0, 4]}, {"ranks": [1], "layers": [2, 4]}]}]})"),
+                           "x");
+  EXPECT_EQ(w.to_json()["version"], 1);
+  EXPECT_FALSE(w.to_json()["pipelines"][0]["stages"][0].contains("units"));
+  // Gaps and overlaps are named in units once a boundary is inside a block.
+  Plan gap = p;
+  gap.pipelines[0].stages[1].set_units(6, 8);
+  EXPECT_HAS(validate_error(gap, 4), "stages[1].units: starts at unit 6 but the previous stage ended at 5 (a gap)");
+  Plan short_ = p;
+  short_.pipelines[0].stages[1].set_units(5, 7);
+  EXPECT_HAS(validate_error(short_, 4), "cover units [0, 7) (half blocks) but the model has 8 (model.layers)");
+  // "layers" beside "units" must name the blocks the units touch.
+  EXPECT_THROW(Plan::from_json(nlohmann::json::parse(R"({"global_batch": 4, "pipelines": [
+      {"micro_batch_size": 2, "num_micro_batches": 2, "stages": [{"ranks": [0], "units": [0, 5], "layers": [0, 2]},
+                                                                  {"ranks": [1], "units": [5, 8]}]}]})"),
+                               "x"),
+               InputError);
+  EXPECT_THROW(Plan::from_json(nlohmann::json::parse(R"({"global_batch": 4, "pipelines": [
+      {"micro_batch_size": 4, "num_micro_batches": 1, "stages": [{"ranks": [0], "units": [3, 3]}]}]})"),
+                               "x"),
+               InputError);
 }
 
 TEST(Plan, FromJsonDefaultsOptionalFields) {
@@ -290,7 +336,7 @@ TEST(Plan, FromJsonNamesTheBadField) {
     return "";
   };
   EXPECT_HAS(error_of(R"({"format": "other", "global_batch": 1, "pipelines": []})"), "field 'format' is \"other\"");
-  EXPECT_HAS(error_of(R"({"version": 3, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 and 2");
+  EXPECT_HAS(error_of(R"({"version": 4, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 3");
   EXPECT_HAS(error_of(R"({"pipelines": []})"), "plan.json: field 'global_batch' is missing or ill-typed");
   EXPECT_HAS(
       error_of(

@@ -80,6 +80,26 @@ for _name, _base, _flags in (
         ("zero3-pp2-hetero", "pp2x2-4x4-2x4", ["--zero-stage", "3", "--shard-ratio", "3", "1", "1", "2"])):
     LAYOUTS[_name] = LAYOUTS[_base][:4] + (_flags,)
 
+# Pipeline boundaries inside blocks (plan version 3, "units" in half blocks of 16): 5.5 + 2.5 blocks
+# beside a full replica (GPT-2, its tied embedding split between the pipeline's ends); LLaMA (GQA)
+# on 1.5 + 3.5 + 3; the first with ZeRO-2 at 3:1:2 and recomputation on top.
+
+
+def _units(layout, cuts):
+    """LAYOUT (a plan dict) with pipeline 0's stages cut at the half-block units CUTS."""
+    out = json.loads(json.dumps(layout))
+    out["version"] = 3
+    bounds = [0] + list(cuts) + [16]
+    for st, b, e in zip(out["pipelines"][0]["stages"], bounds, bounds[1:]):
+        st["units"] = [b, e]
+        st.pop("layers", None)
+    return out
+
+
+LAYOUTS["halves-mixed-11+5_and_16"] = ("gpt2", 24, _units(LAYOUTS["mixed-5+3_and_8"][2], [11]), 3)
+LAYOUTS["halves-llama-pp3-3+7+6"] = ("llama", 24, _units(plan(24, [(3, 8, [(0, 0, 1), (1, 1, 5), (2, 5, 8)])]), [3, 10]), 3)
+LAYOUTS["halves-zero2-recompute"] = LAYOUTS["halves-mixed-11+5_and_16"][:4] + (
+    ["--zero-stage", "2", "--shard-ratio", "3", "1", "2", "--recompute"],)
 
 # name: (layout above, or None for one rank training alone; device of each rank). Compared with
 # the one-device run on the CPU.

@@ -77,16 +77,23 @@ Plan::Position Plan::locate(int rank) const {
                                std::to_string(world_size()) + ")");
 }
 
+void StagePlan::set_units(int64_t begin, int64_t end) {
+  layer_begin = begin / 2;
+  layer_end = (end + 1) / 2;
+  from_mlp = begin % 2 != 0;
+  to_attention = end % 2 != 0;
+}
+
 std::string Plan::schedule_mismatch(const std::vector<int>& ranks) const {
   auto key = [&](int r) {
     const Position at = locate(r);
     const PipelinePlan& pl = pipelines[static_cast<size_t>(at.pipeline)];
     const StagePlan& st = pl.stages[static_cast<size_t>(at.stage)];
-    return std::make_tuple(st.layer_begin, st.layer_end, at.stage, pl.stages.size(), pl.num_micro_batches);
+    return std::make_tuple(st.unit_begin(), st.unit_end(), at.stage, pl.stages.size(), pl.num_micro_batches);
   };
   auto text = [&](int r) {
     const auto [b, e, s, n, m] = key(r);
-    return "rank " + std::to_string(r) + " runs blocks [" + std::to_string(b) + ", " + std::to_string(e) + ") as stage " +
+    return "rank " + std::to_string(r) + " runs units [" + std::to_string(b) + ", " + std::to_string(e) + ") as stage " +
            std::to_string(s) + " of " + std::to_string(n) + " with " + std::to_string(m) + " micro-batches";
   };
   for (int r : ranks)
@@ -119,16 +126,20 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
       fail(pf, "micro_batch_size x num_micro_batches, summed over the pipelines, overflows a 64-bit integer");
     sum_text += (sum_text.empty() ? "" : " + ") + std::to_string(pl.micro_batch_size) + "x" + std::to_string(pl.num_micro_batches);
     if (pl.stages.empty()) fail(pf + ".stages", "a pipeline needs at least one stage");
-    int64_t expect = 0;
+    int64_t expect = 0;  // in units (half blocks)
     for (size_t s = 0; s < pl.stages.size(); ++s) {
       const auto& st = pl.stages[s];
       std::string sf = pf + ".stages[" + std::to_string(s) + "]";
-      if (st.layer_begin != expect)
-        fail(sf + ".layers", "starts at block " + std::to_string(st.layer_begin) + " but the previous stage ended at " +
-                                 std::to_string(expect) + (st.layer_begin > expect ? " (a gap)" : " (an overlap)"));
-      if (st.layer_end <= st.layer_begin)
-        fail(sf + ".layers", "[" + std::to_string(st.layer_begin) + ", " + std::to_string(st.layer_end) + ") is empty");
-      expect = st.layer_end;
+      const bool split = st.splits_block() || expect % 2;
+      const std::string field = sf + (split ? ".units" : ".layers");
+      auto at = [&](int64_t u) { return std::to_string(split ? u : u / 2); };
+      if (st.unit_begin() != expect)
+        fail(field, std::string("starts at ") + (split ? "unit " : "block ") + at(st.unit_begin()) + " but the previous stage ended at " +
+                        at(expect) + (st.unit_begin() > expect ? " (a gap)" : " (an overlap)"));
+      if (st.unit_end() <= st.unit_begin())
+        fail(field, split ? "[" + std::to_string(st.unit_begin()) + ", " + std::to_string(st.unit_end()) + ") is empty"
+                          : "[" + std::to_string(st.layer_begin) + ", " + std::to_string(st.layer_end) + ") is empty");
+      expect = st.unit_end();
       if (st.ranks.empty()) fail(sf + ".ranks", "a stage needs a rank");
       if (st.ranks.size() > 1)
         fail(sf + ".ranks", "holds " + std::to_string(st.ranks.size()) +
@@ -139,9 +150,12 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
         seen[r] = sf;
       }
     }
-    if (expect != model.layers)
-      fail(pf + ".stages", "cover blocks [0, " + std::to_string(expect) + ") but the model has " +
-                               std::to_string(model.layers) + " (model.layers)");
+    if (expect != 2 * model.layers)
+      fail(pf + ".stages", (expect % 2 ? "cover units [0, " + std::to_string(expect) + ") (half blocks) but the model has " +
+                                             std::to_string(2 * model.layers)
+                                       : "cover blocks [0, " + std::to_string(expect / 2) + ") but the model has " +
+                                             std::to_string(model.layers)) +
+                               " (model.layers)");
   }
   if (total != global_batch)
     fail("global_batch", std::to_string(global_batch) + " != sum of micro_batch_size x num_micro_batches over pipelines (" +
@@ -176,10 +190,15 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
 nlohmann::json Plan::to_json() const {
   nlohmann::json j;
   j["format"] = "alloy-plan";
-  bool v2 = !sharding.empty();  // readers of version 1 know no sharding and no recomputation
+  // Each version is written only when the plan needs it: readers of version 1 know no sharding
+  // and no recomputation, readers of 2 no half-block stages.
+  bool v2 = !sharding.empty(), v3 = false;
   for (const auto& p : pipelines)
-    for (const auto& st : p.stages) v2 = v2 || st.recompute;
-  j["version"] = v2 ? 2 : 1;
+    for (const auto& st : p.stages) {
+      v2 = v2 || st.recompute;
+      v3 = v3 || st.splits_block();
+    }
+  j["version"] = v3 ? 3 : v2 ? 2 : 1;
   j["global_batch"] = global_batch;
   j["schedule"] = schedule;
   j["pipelines"] = nlohmann::json::array();
@@ -188,6 +207,7 @@ nlohmann::json Plan::to_json() const {
     pj["stages"] = nlohmann::json::array();
     for (const auto& s : p.stages) {
       nlohmann::json sj = {{"ranks", s.ranks}, {"layers", {s.layer_begin, s.layer_end}}};
+      if (s.splits_block()) sj["units"] = {s.unit_begin(), s.unit_end()};
       if (!s.device.empty()) sj["device"] = s.device;
       if (s.recompute) sj["recompute"] = true;
       pj["stages"].push_back(sj);
@@ -232,8 +252,8 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
   try {
     if (j.contains("format") && j["format"] != "alloy-plan")
       throw InputError(where, "field 'format' is " + j["format"].dump() + ", not \"alloy-plan\"");
-    if (j.contains("version") && j["version"] != 1 && j["version"] != 2)
-      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 and 2");
+    if (j.contains("version") && j["version"] != 1 && j["version"] != 2 && j["version"] != 3)
+      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 3");
     field = "global_batch";
     p.global_batch = whole<int64_t>(j.at("global_batch"));
     field = "schedule";
@@ -250,10 +270,27 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
         field = "pipelines[" + std::to_string(i) + "].stages[" + std::to_string(s) + "]";
         StagePlan st;
         st.ranks = whole_list<int>(sts[s].at("ranks"));
-        auto layers = whole_list<int64_t>(sts[s].at("layers"));
-        if (layers.size() != 2) throw InputError(where, field + ".layers: must be [begin, end)");
-        st.layer_begin = layers[0];
-        st.layer_end = layers[1];
+        if (sts[s].contains("units")) {
+          // Half-block units are what the stage holds; "layers" (the blocks it touches) must agree.
+          auto units = whole_list<int64_t>(sts[s].at("units"));
+          if (units.size() != 2) throw InputError(where, field + ".units: must be [begin, end) in half blocks");
+          if (units[0] < 0 || units[1] <= units[0] || units[1] > (int64_t{1} << 40))
+            throw InputError(where, field + ".units: [" + std::to_string(units[0]) + ", " + std::to_string(units[1]) +
+                                        ") is not a range of half blocks");
+          st.set_units(units[0], units[1]);
+          if (sts[s].contains("layers")) {
+            auto layers = whole_list<int64_t>(sts[s].at("layers"));
+            if (layers.size() != 2 || layers[0] != st.layer_begin || layers[1] != st.layer_end)
+              throw InputError(where, field + ".layers: must be [" + std::to_string(st.layer_begin) + ", " +
+                                          std::to_string(st.layer_end) + "], the blocks units [" + std::to_string(units[0]) +
+                                          ", " + std::to_string(units[1]) + ") touch");
+          }
+        } else {
+          auto layers = whole_list<int64_t>(sts[s].at("layers"));
+          if (layers.size() != 2) throw InputError(where, field + ".layers: must be [begin, end)");
+          st.layer_begin = layers[0];
+          st.layer_end = layers[1];
+        }
         st.device = sts[s].value("device", std::string());
         st.recompute = sts[s].value("recompute", false);
         pl.stages.push_back(st);
@@ -338,7 +375,11 @@ std::string Plan::describe() const {
         << " samples |";
     for (size_t s = 0; s < pl.stages.size(); ++s) {
       const auto& st = pl.stages[s];
-      out << (s ? " ->" : "") << " rank " << st.ranks[0] << " blocks [" << st.layer_begin << "," << st.layer_end << ")";
+      out << (s ? " ->" : "") << " rank " << st.ranks[0];
+      if (st.splits_block())
+        out << " units [" << st.unit_begin() << "," << st.unit_end() << ")";
+      else
+        out << " blocks [" << st.layer_begin << "," << st.layer_end << ")";
       if (!st.device.empty()) out << " (" << st.device << ")";
       if (st.recompute) out << " recompute";
     }

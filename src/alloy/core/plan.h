@@ -6,7 +6,8 @@
 //
 // Invariants (validate() checks them and names the offending field and values):
 //  - sum over pipelines of micro_batch_size * num_micro_batches == global_batch
-//  - every pipeline's stages cover blocks [0, model.layers) contiguously, in order, none empty
+//  - every pipeline's stages cover blocks [0, model.layers) contiguously, in order, none empty;
+//    a boundary may fall inside a block, between its attention and its MLP half (units below)
 //  - every rank 0..world-1 appears in exactly one stage of one pipeline
 //  - a stage has one rank (tensor parallelism inside a stage is not supported yet)
 //  - grad_sync's fields are valid (GradSyncConfig::validate); slow_links name ranks of the plan
@@ -27,6 +28,17 @@ struct StagePlan {
   int64_t layer_begin = 0, layer_end = 0;  // blocks [begin, end)
   std::string device;                      // optional: device name from the cluster spec
   bool recompute = false;                  // blocks recompute activations in the backward (version 2)
+  // Half-block boundaries (plan version 3): the stage starts with block layer_begin's MLP half
+  // (the previous stage ran its attention half) / ends after block layer_end - 1's attention half.
+  // layer_begin and layer_end always name every block the stage touches. In units (half blocks:
+  // unit 2b is block b's attention and residual add, 2b + 1 its MLP and residual add) the stage
+  // holds [unit_begin(), unit_end()).
+  bool from_mlp = false, to_attention = false;
+  int64_t unit_begin() const { return 2 * layer_begin + (from_mlp ? 1 : 0); }
+  int64_t unit_end() const { return 2 * layer_end - (to_attention ? 1 : 0); }
+  bool splits_block() const { return from_mlp || to_attention; }
+  void set_units(int64_t begin, int64_t end);
+  double blocks() const { return static_cast<double>(unit_end() - unit_begin()) / 2.0; }
 };
 
 struct PipelinePlan {

@@ -47,7 +47,7 @@ std::vector<int> HolderSet::leaders() const {
 SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model, const LoraConfig& lora) {
   for (const auto& pl : plan.pipelines)
     for (const auto& s : pl.stages)
-      for (const auto& n : model::param_names(model, lora, model::LayerRange::for_blocks(s.layer_begin, s.layer_end, model.layers)))
+      for (const auto& n : model::param_names(model, lora, model::LayerRange::for_units(s.unit_begin(), s.unit_end(), model.layers)))
         holders_[n].push_back(s.ranks[0]);
   std::set<std::vector<int>> distinct;
   for (auto& [n, r] : holders_) {

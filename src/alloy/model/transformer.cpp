@@ -28,6 +28,19 @@ LayerRange LayerRange::for_blocks(int64_t block_begin, int64_t block_end, int64_
   return {block_begin == 0 ? 0 : block_begin + 1, block_end == num_layers ? num_layers + 2 : block_end + 1};
 }
 
+LayerRange LayerRange::for_units(int64_t unit_begin, int64_t unit_end, int64_t num_layers) {
+  if (unit_begin < 0 || unit_end > 2 * num_layers || unit_begin >= unit_end)
+    throw std::invalid_argument("invalid unit range [" + std::to_string(unit_begin) + ", " + std::to_string(unit_end) +
+                                ") of " + std::to_string(2 * num_layers) + " half blocks");
+  // The embedding joins the stage holding unit 0, the head the one holding the last unit.
+  LayerRange r;
+  r.begin = unit_begin == 0 ? 0 : unit_begin / 2 + 1;
+  r.end = unit_end == 2 * num_layers ? num_layers + 2 : (unit_end + 1) / 2 + 1;
+  r.first_block_mlp_only = unit_begin % 2 != 0;
+  r.last_block_attn_only = unit_end % 2 != 0;
+  return r;
+}
+
 at::Tensor& Layer::add(std::string name, at::Tensor t, bool decay) {
   params_.push_back({std::move(name), std::move(t), decay});
   return params_.back().tensor;
@@ -149,10 +162,37 @@ class Gpt2Embedding : public Layer {
   at::Tensor* wte() { return &params_[0].tensor; }
 };
 
-class Gpt2Block : public Layer {
+// A block, or one of its halves: every block draws all its weights in the same order whichever
+// halves a slice keeps, so a half gets exactly the whole block's values; the other half's are
+// dropped before anything sees them.
+class BlockLayer : public Layer {
  public:
   bool is_block() const override { return true; }
-  Gpt2Block(const ModelConfig& c, int64_t i, Init& init, Shared* sh) : c_(c), sh_(sh) {
+  at::Tensor forward(const at::Tensor& x) override {
+    at::Tensor h = attn_ ? attention_half(x) : x;
+    return mlp_ ? mlp_half(h) : h;
+  }
+
+ protected:
+  // The block's first ATTN_PARAMS parameters are its attention half's.
+  void keep_halves(bool attn, bool mlp, size_t attn_params) {
+    attn_ = attn;
+    mlp_ = mlp;
+    if (!attn) params_.erase(params_.begin(), params_.begin() + static_cast<std::ptrdiff_t>(attn_params));
+    if (!mlp) params_.resize(attn_params);
+    mlp0_ = attn ? attn_params : 0;
+  }
+  virtual at::Tensor attention_half(const at::Tensor& x) = 0;
+  virtual at::Tensor mlp_half(const at::Tensor& x) = 0;
+  size_t mlp0_ = 0;  // index of the MLP half's first parameter
+
+ private:
+  bool attn_ = true, mlp_ = true;
+};
+
+class Gpt2Block : public BlockLayer {
+ public:
+  Gpt2Block(const ModelConfig& c, int64_t i, Init& init, Shared* sh, bool attn, bool mlp) : c_(c), sh_(sh) {
     in_out_ = true;
     std::string p = "h." + std::to_string(i) + ".";
     int64_t H = c.hidden, F = c.ffn_resolved();
@@ -169,8 +209,11 @@ class Gpt2Block : public Layer {
     add(p + "mlp.c_fc.bias", init.fill({F}, 0.0), false);
     add(p + "mlp.c_proj.weight", init.normal({F, H}, proj_std), true);
     add(p + "mlp.c_proj.bias", init.fill({H}, 0.0), false);
+    keep_halves(attn, mlp, 6);
   }
-  at::Tensor forward(const at::Tensor& x) override {
+
+ protected:
+  at::Tensor attention_half(const at::Tensor& x) override {
     const auto& P = params_;
     int64_t B = x.size(0), T = x.size(1), H = c_.hidden, nh = c_.heads, hd = c_.head_dim();
     auto h = at::layer_norm(x, {H}, P[0].tensor, P[1].tensor, c_.norm_eps);
@@ -180,10 +223,15 @@ class Gpt2Block : public Layer {
     auto qkv = project(2, h.reshape({B * T, H}), &P[3].tensor).view({B, T, 3, nh, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
     auto y = attention(qkv[0], qkv[1], qkv[2], sh_->causal_mask(T, x.device()));
     y = y.transpose(1, 2).reshape({B * T, H});
-    auto out = x + project(4, y, &P[5].tensor).view({B, T, H});
-    auto h2 = at::layer_norm(out, {H}, P[6].tensor, P[7].tensor, c_.norm_eps).reshape({B * T, H});
-    auto f = at::gelu(project(8, h2, &P[9].tensor), "tanh");
-    return out + project(10, f, &P[11].tensor).view({B, T, H});
+    return x + project(4, y, &P[5].tensor).view({B, T, H});
+  }
+  at::Tensor mlp_half(const at::Tensor& x) override {
+    const auto& P = params_;
+    const size_t m = mlp0_;
+    int64_t B = x.size(0), T = x.size(1), H = c_.hidden;
+    auto h2 = at::layer_norm(x, {H}, P[m].tensor, P[m + 1].tensor, c_.norm_eps).reshape({B * T, H});
+    auto f = at::gelu(project(m + 2, h2, &P[m + 3].tensor), "tanh");
+    return x + project(m + 4, f, &P[m + 5].tensor).view({B, T, H});
   }
 
  private:
@@ -233,10 +281,9 @@ class LlamaEmbedding : public Layer {
   at::Tensor forward(const at::Tensor& ids) override { return at::embedding(params_[0].tensor, ids); }
 };
 
-class LlamaBlock : public Layer {
+class LlamaBlock : public BlockLayer {
  public:
-  bool is_block() const override { return true; }
-  LlamaBlock(const ModelConfig& c, int64_t i, Init& init, Shared* sh) : c_(c), sh_(sh) {
+  LlamaBlock(const ModelConfig& c, int64_t i, Init& init, Shared* sh, bool attn, bool mlp) : c_(c), sh_(sh) {
     std::string p = "model.layers." + std::to_string(i) + ".";
     int64_t H = c.hidden, hd = c.head_dim(), nh = c.heads, nkv = c.kv_heads_resolved(), F = c.ffn_resolved();
     add(p + "input_layernorm.weight", init.fill({H}, 1.0), false);
@@ -248,10 +295,13 @@ class LlamaBlock : public Layer {
     add(p + "mlp.gate_proj.weight", init.normal({F, H}, c.init_std), true);
     add(p + "mlp.up_proj.weight", init.normal({F, H}, c.init_std), true);
     add(p + "mlp.down_proj.weight", init.normal({H, F}, c.init_std), true);
+    keep_halves(attn, mlp, 5);
   }
-  at::Tensor forward(const at::Tensor& x) override {
+
+ protected:
+  at::Tensor attention_half(const at::Tensor& x) override {
     const auto& P = params_;
-    int64_t B = x.size(0), T = x.size(1), H = c_.hidden, nh = c_.heads, nkv = c_.kv_heads_resolved(), hd = c_.head_dim();
+    int64_t B = x.size(0), T = x.size(1), nh = c_.heads, nkv = c_.kv_heads_resolved(), hd = c_.head_dim();
     sh_->rope(T, x.device());
     auto h = rms_norm(x, P[0].tensor, c_.norm_eps);
     auto q = project(1, h).view({B, T, nh, hd}).transpose(1, 2);
@@ -267,10 +317,14 @@ class LlamaBlock : public Layer {
       v = v.unsqueeze(2).expand({B, nkv, rep, T, hd}).reshape({B, nh, T, hd});
     }
     auto y = attention(q, k, v, sh_->causal_mask(T, x.device())).transpose(1, 2).reshape({B, T, nh * hd});
-    auto out = x + project(4, y);
-    auto h2 = rms_norm(out, P[5].tensor, c_.norm_eps);
-    auto m = at::silu(project(6, h2)) * project(7, h2);
-    return out + project(8, m);
+    return x + project(4, y);
+  }
+  at::Tensor mlp_half(const at::Tensor& x) override {
+    const auto& P = params_;
+    const size_t m = mlp0_;
+    auto h2 = rms_norm(x, P[m].tensor, c_.norm_eps);
+    auto g = at::silu(project(m + 1, h2)) * project(m + 2, h2);
+    return x + project(m + 3, g);
   }
 
  private:
@@ -301,7 +355,10 @@ struct SharedHolder {
 
 Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed)
     : cfg_(cfg), range_(range), dtype_(dtype_of(cfg)) {
-  if (range.begin < 0 || range.end > cfg.layers + 2 || range.begin >= range.end)
+  if (range.begin < 0 || range.end > cfg.layers + 2 || range.begin >= range.end ||
+      (range.first_block_mlp_only && (range.begin == 0 || range.begin > cfg.layers)) ||
+      (range.last_block_attn_only && (range.end == cfg.layers + 2 || range.end <= 1)) ||
+      (range.first_block_mlp_only && range.last_block_attn_only && range.end - range.begin == 1))
     throw std::invalid_argument("invalid layer range");
   shared_ = std::make_shared<SharedHolder>();
   shared_->s.cfg = &cfg_;
@@ -325,9 +382,9 @@ Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed
       else
         layers_.push_back(std::make_unique<Gpt2Head>(cfg_, init, wte, layer_seed(seed, 0)));
     } else if (llama) {
-      layers_.push_back(std::make_unique<LlamaBlock>(cfg_, pos - 1, init, sh));
+      layers_.push_back(std::make_unique<LlamaBlock>(cfg_, pos - 1, init, sh, range.holds_attention(pos), range.holds_mlp(pos)));
     } else {
-      layers_.push_back(std::make_unique<Gpt2Block>(cfg_, pos - 1, init, sh));
+      layers_.push_back(std::make_unique<Gpt2Block>(cfg_, pos - 1, init, sh, range.holds_attention(pos), range.holds_mlp(pos)));
     }
   }
   for (auto* p : parameters()) p->tensor.requires_grad_(true);
@@ -394,18 +451,19 @@ std::vector<std::string> param_names(const ModelConfig& m, LayerRange range) {
         out.insert(out.end(), {"ln_f.weight", "ln_f.bias"});
         if (range.begin != 0) out.push_back("wte.weight");
       }
-    } else if (llama) {
-      std::string p = "model.layers." + std::to_string(pos - 1) + ".";
-      for (const char* n : {"input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                            "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-                            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"})
-        out.push_back(p + n);
     } else {
-      std::string p = "h." + std::to_string(pos - 1) + ".";
-      for (const char* n : {"ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
-                            "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
-                            "mlp.c_proj.weight", "mlp.c_proj.bias"})
-        out.push_back(p + n);
+      static const std::vector<const char*> llama_names = {
+          "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+          "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+          "mlp.down_proj.weight"};
+      static const std::vector<const char*> gpt2_names = {
+          "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
+          "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"};
+      const auto& names = llama ? llama_names : gpt2_names;
+      const size_t attn_params = llama ? 5 : 6;  // the attention half's names come first
+      const std::string p = (llama ? "model.layers." : "h.") + std::to_string(pos - 1) + ".";
+      for (size_t k = range.holds_attention(pos) ? 0 : attn_params; k < (range.holds_mlp(pos) ? names.size() : attn_params); ++k)
+        out.push_back(p + names[k]);
     }
   }
   return out;

@@ -100,13 +100,23 @@ class Layer {
   std::map<size_t, Adapter> adapters_;
 };
 
-// A contiguous slice [begin, end) of layer positions.
+// A contiguous slice [begin, end) of layer positions, whose first and last blocks may be halves:
+// a block splits between its attention half (norm, attention, residual add) and its MLP half
+// (norm, MLP, residual add), the residual stream being the one tensor that crosses.
 struct LayerRange {
   int64_t begin = 0, end = 0;
+  bool first_block_mlp_only = false;   // the block at position BEGIN holds its MLP half only
+  bool last_block_attn_only = false;   // the block at position END - 1 holds its attention half only
   static LayerRange full(const ModelConfig& m) { return {0, m.layers + 2}; }
   // Blocks [block_begin, block_end) as a pipeline stage counts them: the embedding joins the stage
   // that holds block 0 and the head the stage that holds the last block.
   static LayerRange for_blocks(int64_t block_begin, int64_t block_end, int64_t num_layers);
+  // Half-block units [unit_begin, unit_end) of 2 * num_layers (unit 2b: block b's attention half,
+  // 2b + 1: its MLP half), the embedding and head joining as above.
+  static LayerRange for_units(int64_t unit_begin, int64_t unit_end, int64_t num_layers);
+  // Which halves the block at position POS holds (both for an inner block).
+  bool holds_attention(int64_t pos) const { return !(first_block_mlp_only && pos == begin); }
+  bool holds_mlp(int64_t pos) const { return !(last_block_attn_only && pos == end - 1); }
   bool has_embedding() const { return begin == 0; }
   bool has_head(const ModelConfig& m) const { return end == m.layers + 2; }
 };

@@ -135,7 +135,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   // the device, recomputation; then sharding (plan_shards, build_groups) over what trains.
   heap_before_model_ = pipeline::heap_bytes_in_use();
   model_ = std::make_unique<model::Transformer>(
-      cfg_.model, model::LayerRange::for_blocks(st.layer_begin, st.layer_end, cfg_.model.layers),
+      cfg_.model, model::LayerRange::for_units(st.unit_begin(), st.unit_end(), cfg_.model.layers),
       static_cast<uint64_t>(cfg_.train.seed));
   std::string resume_dir;
   CheckpointState resumed;
@@ -558,6 +558,7 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
                        {"pipeline", pos_.pipeline},
                        {"stage", pos_.stage},
                        {"layers", {st.layer_begin, st.layer_end}},
+                       {"units", {st.unit_begin(), st.unit_end()}},
                        {"step_s_median", median(step_s)},
                        {"compute_s_median", median(compute_s)},
                        {"sync_wait_s_median", median(sync_s)},
