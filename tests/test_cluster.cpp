@@ -767,7 +767,18 @@ TEST(Profile, JsonRoundTrip) {
   EXPECT_EQ(q.to_json(), p.to_json());
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-profile");
-  EXPECT_EQ(j["version"], 5);
+  EXPECT_EQ(j["version"], 6);
+  // The halves' shares round-trip and are optional (0: unknown).
+  {
+    Profile c = p;
+    c.devices.at("cpu-full").attn_share_fwd = 0.55;
+    c.devices.at("cpu-full").attn_share_bwd = 0.6;
+    Profile d = Profile::from_json(c.to_json(), "p.json");
+    EXPECT_EQ(d.devices.at("cpu-full").attn_share_fwd, 0.55);
+    EXPECT_EQ(d.devices.at("cpu-full").attn_share_bwd, 0.6);
+    EXPECT_EQ(d.devices.at("cpu-quarter").attn_share_fwd, 0.0);
+    EXPECT_EQ(d.to_json(), c.to_json());
+  }
   // Version 1 (lines without points) still reads.
   {
     nlohmann::json v1 = j;
@@ -892,8 +903,9 @@ TEST(Profile, ValidationErrorsNameFileAndField) {
   };
   EXPECT_HAS(with([](auto& j) { j["format"] = "alloy-plan"; }), "p.json: format: \"alloy-plan\", not \"alloy-profile\"");
   EXPECT_HAS(with([](auto& j) { j.erase("format"); }), "p.json: format: is missing");
-  EXPECT_HAS(with([](auto& j) { j["version"] = 6; }), "p.json: version: 6; this Alloy reads versions 1 to 5");
-  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 5");
+  EXPECT_HAS(with([](auto& j) { j["version"] = 7; }), "p.json: version: 7; this Alloy reads versions 1 to 6");
+  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 6");
+  EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["attn_share_fwd"] = 1.5; }), "p.json: devices.cpu-full.attn_share_fwd: must be in (0, 1)");
   EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["step_noise"] = -0.1; }), "p.json: devices.cpu-full.step_noise: must be in [0, 1)");
   EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["codecs"] = {{"dcg", {{"encode_s_per_elem", 1e-9}, {"decode_s_per_elem", 1e-9}}}}; }),
              "p.json: devices.cpu-full.codecs.dcg: is not a compression method");

@@ -199,6 +199,75 @@ TEST(CostModel, TwoStagePipelineExactStepTime) {
   }
 }
 
+TEST(CostModel, HalfBlockStagesPriceEachHalfByItsMeasuredShare) {
+  Profile p = base_profile(2);
+  p.model.seq_len = 4;
+  p.model.hidden = 8;
+  p.devices["t"] = flat(1.0, 2.0, 0, 0);
+  p.devices["t"].attn_share_fwd = 0.25;  // the attention half's share of a block's forward
+  p.devices["t"].attn_share_bwd = 0.75;
+  ClusterSpec c = two_hosts(100, 0);
+  Plan plan;
+  plan.global_batch = 1;
+  plan.pipelines.push_back({1, 1, {stage(0, 0, 0, "a"), stage(1, 0, 0, "b")}});
+  plan.pipelines[0].stages[0].set_units(0, 3);  // block 0 and block 1's attention half
+  plan.pipelines[0].stages[1].set_units(3, 4);  // block 1's MLP half
+  PlanCost pc = simulate_plan(plan, c, p);
+  ASSERT_EQ(pc.stages.size(), 2u);
+  EXPECT_NEAR(pc.stages[0].forward_s, 1.25, 1e-12);
+  EXPECT_NEAR(pc.stages[0].backward_s, 2 * 1.75, 1e-12);
+  EXPECT_NEAR(pc.stages[1].forward_s, 0.75, 1e-12);
+  EXPECT_NEAR(pc.stages[1].backward_s, 2 * 0.25, 1e-12);
+  EXPECT_EQ(pc.stages[0].unit_end, 3);
+  EXPECT_EQ(pc.stages[1].layer_begin, 1);
+  // Every parameter byte is held once: the two halves of block 1 add up to a block.
+  EXPECT_NEAR(pc.stages[0].param_bytes + pc.stages[1].param_bytes,
+              2 * p.memory.param_bytes_per_block + p.memory.param_bytes_embed + p.memory.param_bytes_head, 1e-3);
+  EXPECT_GT(pc.stages[1].param_bytes, p.memory.param_bytes_head);
+  // Without measured shares the model's shapes decide; a whole-block plan is priced as before.
+  p.devices["t"].attn_share_fwd = p.devices["t"].attn_share_bwd = 0;
+  PlanCost shapes = simulate_plan(plan, c, p);
+  EXPECT_GT(shapes.stages[1].forward_s, 0.0);
+  EXPECT_LT(shapes.stages[1].forward_s, 1.0);
+  EXPECT_NEAR(shapes.stages[0].forward_s + shapes.stages[1].forward_s, 2.0, 1e-12);
+  plan.pipelines[0].stages[0].set_units(0, 2);
+  plan.pipelines[0].stages[1].set_units(2, 4);
+  PlanCost whole = simulate_plan(plan, c, p);
+  EXPECT_EQ(whole.stages[0].forward_s, 1.0);
+  EXPECT_EQ(whole.stages[1].forward_s, 1.0);
+}
+
+TEST(Search, RefineUnitsMovesABoundaryInsideABlockWhenThatBalancesAPipeline) {
+  // Three blocks on two equal devices: whole blocks split 2:1; halves split 1.5:1.5.
+  Profile p = base_profile(3);
+  p.devices["t"] = flat(1.0, 2.0, 0, 0);
+  p.devices["t"].attn_share_fwd = p.devices["t"].attn_share_bwd = 0.5;
+  ClusterSpec c = two_hosts(100, 0);
+  SearchResult r;
+  r.strategy = "alloy";
+  r.plan.global_batch = 4;
+  r.plan.pipelines.push_back({1, 4, {stage(0, 0, 2, "a"), stage(1, 2, 3, "b")}});
+  r.cost = simulate_plan(r.plan, c, p);
+  const double before = r.cost.step_s;
+  SearchOptions o;
+  o.global_batch = 4;
+  refine_units(r, c, p, o);
+  ASSERT_EQ(r.plan.pipelines[0].stages.size(), 2u);
+  EXPECT_EQ(r.plan.pipelines[0].stages[0].unit_end(), 3);
+  EXPECT_EQ(r.plan.pipelines[0].stages[1].unit_begin(), 3);
+  EXPECT_LT(r.cost.step_s, before * 0.95);  // 25 s -> 22.5 s
+  EXPECT_EQ(r.cost.step_s, simulate_plan(r.plan, c, p).step_s);
+  EXPECT_EQ(r.plan.predicted["step_s"], r.cost.step_s);
+  ASSERT_FALSE(r.notes.empty());
+  EXPECT_NE(r.notes.back().find("inside blocks"), std::string::npos) << r.notes.back();
+  // Already balanced: nothing moves, no note.
+  SearchResult again = r;
+  again.notes.clear();
+  refine_units(again, c, p, o);
+  EXPECT_EQ(again.plan.to_json(), r.plan.to_json());
+  EXPECT_TRUE(again.notes.empty());
+}
+
 TEST(CostModel, DataParallelOverASlowLinkExposesSync) {
   Profile p = base_profile(2);
   p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);

@@ -31,6 +31,15 @@ std::string gb(double bytes) {
   return o.str();
 }
 
+}  // namespace
+
+std::string blocks_text(int64_t unit_begin, int64_t unit_end) {
+  auto at = [](int64_t u) { return std::to_string(u / 2) + (u % 2 ? ".5" : ""); };
+  return "[" + at(unit_begin) + "," + at(unit_end) + ")";
+}
+
+namespace {
+
 std::string sharding_text(const StageCost& sc) {
   if (sc.zero_stage == 0 && !sc.recompute) return "";
   std::ostringstream o;
@@ -119,6 +128,27 @@ CostContext::CostContext(const ClusterSpec& cluster, const Profile& profile) : c
   }
   embed_rest_ = mem.param_bytes_embed - wte_;
   head_rest_ = mem.param_bytes_head - wte_;
+
+  {
+    // A block's halves by shape. Compute: multiply-adds per token (the attention's scores and
+    // weighted sum over the whole sequence, as the runtime computes them); parameters: counts.
+    const double H = static_cast<double>(m.hidden), T = static_cast<double>(m.seq_len), F = static_cast<double>(m.ffn_resolved());
+    const double q = static_cast<double>(m.heads * m.head_dim()), kv = static_cast<double>(m.kv_heads_resolved() * m.head_dim());
+    double attn_flops, mlp_flops, attn_params, mlp_params;
+    if (m.arch == "llama") {
+      attn_flops = H * (2 * q + 2 * kv) + 2 * T * q;
+      mlp_flops = 3 * H * F;
+      attn_params = H + H * (2 * q + 2 * kv);
+      mlp_params = H + 3 * H * F;
+    } else {
+      attn_flops = 4 * H * H + 2 * T * H;
+      mlp_flops = 2 * H * F;
+      attn_params = 4 * H * H + 6 * H;
+      mlp_params = 2 * H * F + F + 3 * H;
+    }
+    if (attn_flops > 0 && mlp_flops > 0) attn_compute_share_ = attn_flops / (attn_flops + mlp_flops);
+    if (attn_params > 0 && mlp_params > 0) attn_param_share_ = attn_params / (attn_params + mlp_params);
+  }
 
   std::vector<int> all(cluster.devices.size());
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
@@ -317,7 +347,21 @@ double CostContext::bucket_s(const SyncShape& s, double bytes, int64_t* collecti
   return t + region + exchange(s.leaders) + bcast;
 }
 
-double CostContext::forward_s(int type, int64_t blocks, bool first, bool last, int64_t m) const {
+double CostContext::blocks_in(int64_t ub, int64_t ue, double attn_share) {
+  if (ue <= ub) return 0;
+  double lone = 0;
+  if (ub % 2 != 0) lone += 1 - attn_share, ++ub;          // starts with an MLP half
+  if (ue % 2 != 0 && ue > ub) lone += attn_share, --ue;   // ends with an attention half
+  return static_cast<double>((ue - ub) / 2) + lone;
+}
+
+double CostContext::attention_share(int type, bool forward) const {
+  const DeviceProfile& d = *type_profile_[static_cast<size_t>(type)];
+  const double measured = forward ? d.attn_share_fwd : d.attn_share_bwd;
+  return measured > 0 ? measured : attn_compute_share_;
+}
+
+double CostContext::forward_s(int type, double blocks, bool first, bool last, int64_t m) const {
   const DeviceProfile& d = *type_profile_[static_cast<size_t>(type)];
   const double x = static_cast<double>(m);
   double t = static_cast<double>(blocks) * d.block_fwd.at(x);
@@ -326,7 +370,7 @@ double CostContext::forward_s(int type, int64_t blocks, bool first, bool last, i
   return t;
 }
 
-double CostContext::backward_s(int type, int64_t blocks, bool first, bool last, int64_t m) const {
+double CostContext::backward_s(int type, double blocks, bool first, bool last, int64_t m) const {
   const DeviceProfile& d = *type_profile_[static_cast<size_t>(type)];
   const double x = static_cast<double>(m);
   double t = static_cast<double>(blocks) * d.block_bwd.at(x);
@@ -344,7 +388,7 @@ double CostContext::p2p_s(int host_a, int host_b, int64_t m) const {
   return lat_[i] + message_bytes(m) / bw_[i];
 }
 
-double CostContext::param_bytes(int64_t blocks, bool first, bool last) const {
+double CostContext::param_bytes(double blocks, bool first, bool last) const {
   double b = static_cast<double>(blocks) * profile_->memory.param_bytes_per_block;
   if (first) b += embed_rest_;
   if (last) b += head_rest_;
@@ -352,13 +396,13 @@ double CostContext::param_bytes(int64_t blocks, bool first, bool last) const {
   return b;
 }
 
-double CostContext::frozen_bytes(int64_t blocks, bool first, bool last) const {
+double CostContext::frozen_bytes(double blocks, bool first, bool last) const {
   const MemoryProfile& mem = profile_->memory;
   return static_cast<double>(blocks) * mem.frozen_bytes_per_block + (first ? mem.frozen_bytes_embed : 0.0) +
          (last ? mem.frozen_bytes_head : 0.0);
 }
 
-double CostContext::act_bytes_per_sample(int64_t blocks, bool first, bool last) const {
+double CostContext::act_bytes_per_sample(double blocks, bool first, bool last) const {
   const MemoryProfile& mem = profile_->memory;
   double b = static_cast<double>(blocks) * mem.act_bytes_per_sample_block;
   if (first) b += mem.act_bytes_per_sample_embed;
@@ -424,8 +468,11 @@ double CostContext::allreduce_s(const Ring& r, double bytes, double bucket_bytes
 double CostContext::unit_bytes(int u) const {
   const int L = static_cast<int>(layers());
   if (u == 0) return head_rest_;
-  if (u <= L) return profile_->memory.param_bytes_per_block;
-  if (u == L + 1) return embed_rest_;
+  if (u <= 2 * L) {
+    const double block = profile_->memory.param_bytes_per_block, attn = attn_param_share_ * block;
+    return (2 * L - u) % 2 == 0 ? attn : block - attn;
+  }
+  if (u == 2 * L + 1) return embed_rest_;
   return wte_;
 }
 
@@ -449,26 +496,26 @@ std::vector<CostContext::SyncSet> CostContext::sync_sets(const std::vector<std::
     for (const auto& h : p)
       if (h.last) ids.push_back(h.id);
   add(0);
-  std::vector<size_t> at(pipelines.size(), 0);  // each pipeline's stage holding the current block
+  std::vector<size_t> at(pipelines.size(), 0);  // each pipeline's stage holding the current half block
   for (size_t p = 0; p < pipelines.size(); ++p) at[p] = pipelines[p].empty() ? 0 : pipelines[p].size() - 1;
-  for (int64_t l = L - 1; l >= 0; --l) {
+  for (int64_t h = 2 * L - 1; h >= 0; --h) {
     ids.clear();
     for (size_t p = 0; p < pipelines.size(); ++p) {
-      while (at[p] > 0 && pipelines[p][at[p]].begin > l) --at[p];
+      while (at[p] > 0 && pipelines[p][at[p]].begin > h) --at[p];
       if (!pipelines[p].empty()) ids.push_back(pipelines[p][at[p]].id);
     }
-    add(block_unit(l));
+    add(half_unit(h));
   }
   ids.clear();
   for (const auto& p : pipelines)
     for (const auto& h : p)
       if (h.first) ids.push_back(h.id);
-  add(static_cast<int>(L) + 1);
+  add(embed_unit());
   ids.clear();
   for (const auto& p : pipelines)
     for (const auto& h : p)
       if (h.first || h.last) ids.push_back(h.id);
-  add(static_cast<int>(L) + 2);
+  add(wte_unit());
   return out;
 }
 
@@ -478,12 +525,12 @@ MicroBatchCost CostContext::unit_ready(int type, int64_t begin, int64_t end, boo
   MicroBatchCost c;
   auto add = [&](const MicroBatchCost& x, double k) { c.add(x, k); };
   if (last) add(d.head_bwd, 1);
-  if (u == 0 || (u == L + 2 && !first)) return c;  // head rest; tied wte on a stage without the embedding
-  if (u <= L) {
-    add(d.block_bwd, static_cast<double>(end - (L - u)));
+  if (u == 0 || (u == 2 * L + 2 && !first)) return c;  // head rest; tied wte on a stage without the embedding
+  if (u <= 2 * L) {  // the backward has run from the stage's end down to this half
+    add(d.block_bwd, blocks_in(2 * L - u, end, attention_share(type, false)));
     return c;
   }
-  add(d.block_bwd, static_cast<double>(end - begin));
+  add(d.block_bwd, blocks_in(begin, end, attention_share(type, false)));
   add(d.embed_bwd, 1);
   return c;
 }
@@ -559,15 +606,16 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       const StagePlan& st = pl.stages[static_cast<size_t>(s)];
       const int d = dev_of[static_cast<size_t>(st.ranks[0])];
       const bool first = s == 0, last = s + 1 == S;
-      const int64_t blocks = st.layer_end - st.layer_begin;
+      const int type = ctx.type_of(d);
+      const int64_t ub = st.unit_begin(), ue = st.unit_end();
       const detail::RankShard& rs = shard[static_cast<size_t>(st.ranks[0])];
       const auto [gf, gb3] = rs.zero == 3 ? detail::zero3_exposed_s(ctx, rs, ctx.type_of(d), st.layer_begin, st.layer_end, first, last,
                                                                      st.recompute, m)
                                           : std::pair<double, double>{0, 0};
       gather_s[static_cast<size_t>(st.ranks[0])] = static_cast<double>(M) * (gf + gb3);
-      costs.forward.push_back(ctx.forward_s(ctx.type_of(d), blocks, first, last, m) + gf);
-      costs.backward.push_back(ctx.backward_s(ctx.type_of(d), blocks, first, last, m) + gb3 +
-                               (st.recompute ? ctx.forward_s(ctx.type_of(d), blocks, false, false, m) : 0.0));
+      costs.forward.push_back(ctx.forward_units_s(type, ub, ue, first, last, m) + gf);
+      costs.backward.push_back(ctx.backward_units_s(type, ub, ue, first, last, m) + gb3 +
+                               (st.recompute ? ctx.forward_units_s(type, ub, ue, false, false, m) : 0.0));
       if (!last) {
         const int next = dev_of[static_cast<size_t>(pl.stages[static_cast<size_t>(s + 1)].ranks[0])];
         costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m));
@@ -603,21 +651,24 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       sc.host = ctx.host_name(ctx.host_of(d));
       sc.layer_begin = st.layer_begin;
       sc.layer_end = st.layer_end;
+      sc.unit_begin = st.unit_begin();
+      sc.unit_end = st.unit_end();
       sc.forward_s = static_cast<double>(M) * costs.forward[static_cast<size_t>(s)];
       sc.backward_s = static_cast<double>(M) * costs.backward[static_cast<size_t>(s)];
       sc.p2p_s = p2p[static_cast<size_t>(s)];
       sc.bubble_s = std::max(0.0, sim.makespan - sc.forward_s - sc.backward_s);
       sc.phase_end_s = phase_end[static_cast<size_t>(r)];
       sc.peak_in_flight = sim.peak_in_flight[static_cast<size_t>(s)];
-      const int64_t blocks = st.layer_end - st.layer_begin;
+      const double blocks = ctx.compute_blocks(st.unit_begin(), st.unit_end());
+      const double param_blocks = ctx.param_blocks(st.unit_begin(), st.unit_end());
       const detail::RankShard& rs = shard[static_cast<size_t>(r)];
-      sc.param_bytes = ctx.param_bytes(blocks, first, last);
+      sc.param_bytes = ctx.param_bytes(param_blocks, first, last);
       sc.recompute = st.recompute;
       sc.zero_stage = rs.zero;
       sc.shard = rs.shard;
       sc.activation_bytes = static_cast<double>(sc.peak_in_flight * m) * ctx.act_bytes_per_sample(blocks, first, last, st.recompute) +
                             ctx.working_bytes(blocks, m, st.recompute);
-      sc.weight_bytes = sc.param_bytes - rs.weights_saved + ctx.frozen_bytes(blocks, first, last);
+      sc.weight_bytes = sc.param_bytes - rs.weights_saved + ctx.frozen_bytes(param_blocks, first, last);
       sc.grad_bytes = sc.param_bytes - rs.grads_saved;
       sc.optimizer_bytes = (ctx.state_bytes_per_param_byte() - 2) * (sc.param_bytes - rs.optimizer_saved);
       sc.gathered_bytes = rs.gathered;
@@ -727,8 +778,8 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     if (!sc.fits) {
       const double over = sc.memory_bytes - sc.memory_capacity_bytes;
       std::ostringstream o;
-      o << "device '" << sc.device << "' (rank " << sc.rank << ", pipeline " << sc.pipeline << " stage " << sc.stage << ", blocks ["
-        << sc.layer_begin << "," << sc.layer_end << ")) needs " << gb(sc.memory_bytes) << " (" << static_cast<int64_t>(sc.memory_bytes)
+      o << "device '" << sc.device << "' (rank " << sc.rank << ", pipeline " << sc.pipeline << " stage " << sc.stage << ", blocks "
+        << blocks_text(sc.unit_begin, sc.unit_end) << ") needs " << gb(sc.memory_bytes) << " (" << static_cast<int64_t>(sc.memory_bytes)
         << " bytes: weights+gradients+AdamW " << gb(sc.state_bytes) << sharding_text(sc) << ", sync buckets and sent messages " << gb(sc.bucket_bytes)
         << (sc.gathered_bytes > 0 ? ", gathered layers " + gb(sc.gathered_bytes) : std::string()) << ", activations "
         << gb(sc.activation_bytes) << " for " << sc.peak_in_flight << " micro-batch" << (sc.peak_in_flight == 1 ? "" : "es") << " of "
@@ -788,6 +839,7 @@ nlohmann::json PlanCost::to_json() const {
                               {"type", s.type},
                               {"host", s.host},
                               {"layers", {s.layer_begin, s.layer_end}},
+                              {"units", {s.unit_begin, s.unit_end}},
                               {"forward_s", s.forward_s},
                               {"backward_s", s.backward_s},
                               {"p2p_s", s.p2p_s},

@@ -103,7 +103,8 @@ namespace alloy::plan {
 struct StageCost {
   int pipeline = 0, stage = 0, rank = 0;
   std::string device, type, host;
-  int64_t layer_begin = 0, layer_end = 0;
+  int64_t layer_begin = 0, layer_end = 0;  // the blocks the stage touches
+  int64_t unit_begin = 0, unit_end = 0;    // the half blocks it holds
   double forward_s = 0, backward_s = 0;  // all micro-batches of the step
   double p2p_s = 0;        // transfer time of the messages this stage sends (overlaps compute)
   double bubble_s = 0;     // idle time inside the pipeline phase: pipeline makespan - compute
@@ -166,6 +167,9 @@ struct PlanCost {
   nlohmann::json to_json() const;
 };
 
+// "[0,2.5)": half-block units [UNIT_BEGIN, UNIT_END) as blocks, halves as .5.
+std::string blocks_text(int64_t unit_begin, int64_t unit_end);
+
 // E[max_i X_i] for independent normal X_i given as (mean, standard deviation): exact for two,
 // Clark's (1961) moment matching folded in ascending order of mean beyond that.
 double expected_max(std::vector<std::pair<double, double>> mean_sd);
@@ -193,8 +197,25 @@ class CostContext {
   int64_t layers() const { return profile_->model.layers; }
 
   // One micro-batch of M samples through BLOCKS blocks plus the embedding (FIRST) / head (LAST).
-  double forward_s(int type, int64_t blocks, bool first, bool last, int64_t m) const;
-  double backward_s(int type, int64_t blocks, bool first, bool last, int64_t m) const;
+  // BLOCKS may be fractional: a stage whose ends are half blocks (compute_blocks).
+  double forward_s(int type, double blocks, bool first, bool last, int64_t m) const;
+  double backward_s(int type, double blocks, bool first, bool last, int64_t m) const;
+  // Half-block units [UNIT_BEGIN, UNIT_END) as blocks: whole blocks count 1, a lone attention half
+  // its share of a block's compute (or parameters), a lone MLP half the rest. The shares follow
+  // from the model's shapes (multiply-adds for compute, parameter counts for bytes); whole-block
+  // ranges give exact integers, so block-granular callers get the same numbers as before.
+  // The compute shares are each device type's measured ones (the profile's attn_share_fwd/bwd)
+  // where it has them; compute_blocks (memory: activations) uses the shapes' estimate.
+  double compute_blocks(int64_t unit_begin, int64_t unit_end) const { return blocks_in(unit_begin, unit_end, attn_compute_share_); }
+  double param_blocks(int64_t unit_begin, int64_t unit_end) const { return blocks_in(unit_begin, unit_end, attn_param_share_); }
+  double attention_share(int type, bool forward) const;
+  // forward_s / backward_s of a stage holding units [UNIT_BEGIN, UNIT_END).
+  double forward_units_s(int type, int64_t unit_begin, int64_t unit_end, bool first, bool last, int64_t m) const {
+    return forward_s(type, blocks_in(unit_begin, unit_end, attention_share(type, true)), first, last, m);
+  }
+  double backward_units_s(int type, int64_t unit_begin, int64_t unit_end, bool first, bool last, int64_t m) const {
+    return backward_s(type, blocks_in(unit_begin, unit_end, attention_share(type, false)), first, last, m);
+  }
   // Seconds per sample through the whole model at micro-batch M (forward + backward): a type's speed.
   double full_model_s_per_sample(int type, int64_t m) const;
   // One activation (or gradient) message of M samples between two hosts.
@@ -204,12 +225,12 @@ class CostContext {
   double link_latency_s(int host_a, int host_b) const { return lat_[idx(host_a, host_b)]; }
 
   // Parameter bytes of a stage, activation bytes per sample kept for backward, and the tied wte.
-  double param_bytes(int64_t blocks, bool first, bool last) const;
+  double param_bytes(double blocks, bool first, bool last) const;
   // LoRA's frozen base held by a stage (weights only: no gradients, optimizer state or sync).
-  double frozen_bytes(int64_t blocks, bool first, bool last) const;
-  double act_bytes_per_sample(int64_t blocks, bool first, bool last) const;
+  double frozen_bytes(double blocks, bool first, bool last) const;
+  double act_bytes_per_sample(double blocks, bool first, bool last) const;
   // With whole-block recomputation: each block keeps its input only (embedding and head as before).
-  double act_bytes_per_sample(int64_t blocks, bool first, bool last, bool recompute) const;
+  double act_bytes_per_sample(double blocks, bool first, bool last, bool recompute) const;
   // One block's saved tensors per sample: what a recomputing block holds during its backward.
   double block_act_bytes_per_sample() const { return profile_->memory.act_bytes_per_sample_block; }
   // A block's backward at micro-batch M holds gradients of its intermediate tensors about as large
@@ -220,7 +241,7 @@ class CostContext {
   double send_buffer_bytes(bool first, bool last, int64_t mbs, int64_t m) const {
     return static_cast<double>((first ? 0 : 1) + (last ? 0 : 1)) * static_cast<double>(mbs) * message_bytes(m);
   }
-  double working_bytes(int64_t blocks, int64_t m, bool recompute) const {
+  double working_bytes(double blocks, int64_t m, bool recompute) const {
     return blocks > 0 ? (recompute ? 2.0 : 1.0) * static_cast<double>(m) * block_act_bytes_per_sample() : 0.0;
   }
   double dtype_bytes() const { return dtype_bytes_; }
@@ -301,13 +322,17 @@ class CostContext {
   // Parameter units and their holders. A stage of a pipeline, seen by the sync computation.
   struct Holder {
     int id;                  // rank (simulate_plan) or device (search)
-    int64_t begin, end;      // blocks
+    int64_t begin, end;      // half-block units (2 * blocks for a whole-block stage)
     bool first, last;
   };
   // Parameter units in backward order, the order the reducer fills buckets: 0 head rest,
-  // 1..L blocks L-1..0, L+1 embedding rest, L+2 tied wte (0 bytes when untied).
-  int num_units() const { return static_cast<int>(layers()) + 3; }
-  int block_unit(int64_t block) const { return static_cast<int>(layers() - block); }
+  // 1..2L half blocks (the last block's MLP half, its attention half, ..., block 0's attention
+  // half), 2L+1 embedding rest, 2L+2 tied wte (0 bytes when untied).
+  int num_units() const { return 2 * static_cast<int>(layers()) + 3; }
+  // The unit of half block HALF (2b: block b's attention half, 2b + 1 its MLP half).
+  int half_unit(int64_t half) const { return static_cast<int>(2 * layers() - half); }
+  int embed_unit() const { return 2 * static_cast<int>(layers()) + 1; }
+  int wte_unit() const { return 2 * static_cast<int>(layers()) + 2; }
   double unit_bytes(int u) const;
   // Distinct holder sets with two or more members, their units (ascending, with bytes) and the
   // bytes they sync, summed in unit order so every caller gets the same number.
@@ -317,7 +342,7 @@ class CostContext {
     std::vector<std::pair<int, double>> units;
   };
   std::vector<SyncSet> sync_sets(const std::vector<std::vector<Holder>>& pipelines) const;
-  // How long after the start of its last backward a stage (TYPE, blocks [BEGIN, END), FIRST,
+  // How long after the start of its last backward a stage (TYPE, units [BEGIN, END), FIRST,
   // LAST) has unit U's gradients final, as a function of the micro-batch size.
   MicroBatchCost unit_ready(int type, int64_t begin, int64_t end, bool first, bool last, int u) const;
   // The reducer's buckets of one set: units (ascending) packed up to CAP bytes; a unit over CAP
@@ -330,11 +355,12 @@ class CostContext {
   void buckets(const SyncShape& s, const std::vector<std::pair<int, double>>& units, double cap, std::vector<Bucket>* out) const;
   // The last gradient of a stage is final this long after its last backward starts: the backward's end.
   MicroBatchCost backward_end(int type, int64_t begin, int64_t end, bool first, bool last) const {
-    return unit_ready(type, begin, end, first, last, first ? static_cast<int>(layers()) + 1 : block_unit(begin));
+    return unit_ready(type, begin, end, first, last, first ? embed_unit() : half_unit(begin));
   }
 
  private:
   size_t idx(int a, int b) const { return static_cast<size_t>(a) * hosts_.size() + static_cast<size_t>(b); }
+  static double blocks_in(int64_t unit_begin, int64_t unit_end, double attn_share);
   const ClusterSpec* cluster_;
   const Profile* profile_;
   std::vector<std::string> types_, hosts_;
@@ -347,6 +373,7 @@ class CostContext {
   double powersgd_ratio_ = 1;
   double act_message_bytes_ = 0, dtype_bytes_ = 4;
   double wte_ = 0, embed_rest_ = 0, head_rest_ = 0;
+  double attn_compute_share_ = 0.5, attn_param_share_ = 0.5;
   bool tied_ = false, relief_ = false;
   double world_allreduce_s_ = 0;
 };

@@ -6,7 +6,7 @@
 
 namespace alloy::plan {
 
-double CostContext::act_bytes_per_sample(int64_t blocks, bool first, bool last, bool recompute) const {
+double CostContext::act_bytes_per_sample(double blocks, bool first, bool last, bool recompute) const {
   if (!recompute) return act_bytes_per_sample(blocks, first, last);
   const MemoryProfile& mem = profile_->memory;
   double b = static_cast<double>(blocks) * act_message_bytes_;  // each block's input
@@ -38,7 +38,7 @@ std::vector<std::vector<CostContext::Holder>> plan_holders(const Plan& plan) {
   for (size_t p = 0; p < plan.pipelines.size(); ++p) {
     const auto& stages = plan.pipelines[p].stages;
     for (size_t s = 0; s < stages.size(); ++s)
-      holders[p].push_back({stages[s].ranks[0], stages[s].layer_begin, stages[s].layer_end, s == 0, s + 1 == stages.size()});
+      holders[p].push_back({stages[s].ranks[0], stages[s].unit_begin(), stages[s].unit_end(), s == 0, s + 1 == stages.size()});
   }
   return holders;
 }
@@ -96,24 +96,23 @@ std::vector<RankShard> rank_shards(const Plan& plan, const CostContext& ctx, con
 
 std::pair<double, double> zero3_exposed_s(const CostContext& ctx, const RankShard& rs, int type, int64_t begin, int64_t end, bool first,
                                           bool last, bool recompute, int64_t m) {
-  const int L = static_cast<int>(ctx.layers());
   auto g = [&](int u) { return rs.unit_gather_s[static_cast<size_t>(u)]; };
   // The runtime's layers in forward order: embedding (with a tied wte), blocks, head.
   std::vector<double> gather, fwd, bwd;
   if (first) {
-    gather.push_back(g(L + 1) + g(L + 2));
+    gather.push_back(g(ctx.embed_unit()) + g(ctx.wte_unit()));
     fwd.push_back(ctx.forward_s(type, 0, true, false, m));
     bwd.push_back(ctx.backward_s(type, 0, true, false, m));
   }
   const double block_fwd = ctx.forward_s(type, 1, false, false, m);
   const double block_bwd = ctx.backward_s(type, 1, false, false, m) + (recompute ? block_fwd : 0.0);
   for (int64_t l = begin; l < end; ++l) {
-    gather.push_back(g(ctx.block_unit(l)));
+    gather.push_back(g(ctx.half_unit(2 * l)) + g(ctx.half_unit(2 * l + 1)));  // a half this rank lacks gathers nothing
     fwd.push_back(block_fwd);
     bwd.push_back(block_bwd);
   }
   if (last) {
-    gather.push_back(g(0) + (first ? 0.0 : g(L + 2)));
+    gather.push_back(g(0) + (first ? 0.0 : g(ctx.wte_unit())));
     fwd.push_back(ctx.forward_s(type, 0, false, true, m));
     bwd.push_back(ctx.backward_s(type, 0, false, true, m));
   }

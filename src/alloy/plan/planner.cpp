@@ -64,6 +64,7 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
   SearchOptions options = in_options;
   auto run = [&](const SearchOptions& o) {
     SearchResult x = search(cluster, profile, o);  // errors here are the user's: nothing fits
+    if (x.strategy == "alloy" && o.split_blocks) refine_units(x, cluster, profile, o);
     if (x.strategy == "alloy") tune_buckets(x, cluster, profile);
     return x;
   };
@@ -91,6 +92,7 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
       o.strategy = s;
       try {
         r.baselines.push_back(search(cluster, profile, o));
+        if (s == std::string("alloy") && o.split_blocks) refine_units(r.baselines.back(), cluster, profile, o);
         if (s == std::string("alloy")) tune_buckets(r.baselines.back(), cluster, profile);
       } catch (const std::exception& e) {
         r.failed.push_back(s + ": " + e.what());
@@ -133,8 +135,8 @@ std::string PlanReport::text() const {
   o << "  rank  device            blocks    fwd+bwd      p2p   bubble  sync(exposed)  memory / capacity\n";
   for (const auto& s : c.stages) {
     char line[256];
-    std::snprintf(line, sizeof line, "  %4d  %-16s  [%2lld,%2lld)  %9s %8s %8s  %13s  %s / %s%s\n", s.rank, s.device.c_str(),
-                  static_cast<long long>(s.layer_begin), static_cast<long long>(s.layer_end), ms(s.forward_s + s.backward_s).c_str(),
+    std::snprintf(line, sizeof line, "  %4d  %-16s  %-8s  %9s %8s %8s  %13s  %s / %s%s\n", s.rank, s.device.c_str(),
+                  blocks_text(s.unit_begin, s.unit_end).c_str(), ms(s.forward_s + s.backward_s).c_str(),
                   ms(s.p2p_s).c_str(), ms(s.bubble_s).c_str(), ms(s.sync_exposed_s).c_str(), mem(s.memory_bytes).c_str(),
                   s.memory_capacity_bytes > 0 ? mem(s.memory_capacity_bytes).c_str() : "unknown", s.fits ? "" : "  DOES NOT FIT");
     o << line;

@@ -17,8 +17,9 @@ using nlohmann::json;
 const char* const kFormat = "alloy-profile";
 // Version 2 added each compute cost's measured points; version 3 the gradient codecs' costs
 // ("codecs" per device type); version 4 each type's step_noise; version 5 LoRA ("lora" and the
-// frozen base's bytes in "memory"). Versions 1 to 4 still read.
-constexpr int kVersion = 5;
+// frozen base's bytes in "memory"); version 6 each type's attn_share_fwd/bwd (the halves of a
+// block). Versions 1 to 5 still read.
+constexpr int kVersion = 6;
 
 // The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
 struct CostField {
@@ -204,6 +205,8 @@ nlohmann::json Profile::to_json() const {
     for (const auto& f : kCostFields) dj[f.key] = cost_json(d.*(f.member));
     dj["optimizer_s_per_param"] = d.optimizer_s_per_param;
     dj["step_noise"] = d.step_noise;
+    if (d.attn_share_fwd > 0) dj["attn_share_fwd"] = d.attn_share_fwd;
+    if (d.attn_share_bwd > 0) dj["attn_share_bwd"] = d.attn_share_bwd;
     if (!d.codecs.empty()) {
       json cj = json::object();
       for (const auto& [m, c] : d.codecs) cj[m] = {{"encode_s_per_elem", c.encode_s_per_elem}, {"decode_s_per_elem", c.decode_s_per_elem}};
@@ -247,7 +250,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
 
   const json& devs = rd.object(j, "devices", "devices");
   if (devs.empty()) rd.fail("devices", "the profile has no device types");
-  std::set<std::string> dev_keys{"optimizer_s_per_param", "step_noise", "codecs"};
+  std::set<std::string> dev_keys{"optimizer_s_per_param", "step_noise", "codecs", "attn_share_fwd", "attn_share_bwd"};
   for (const auto& f : kCostFields) dev_keys.insert(f.key);
   for (const auto& kv : devs.items()) {
     const std::string f = "devices." + kv.key();
@@ -262,6 +265,11 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
       d.step_noise = rd.number(kv.value(), "step_noise", f + ".step_noise");
       // A spread of a whole step's size per second would be a stall, not noise.
       if (!(d.step_noise >= 0 && d.step_noise < 1)) rd.fail(f + ".step_noise", "must be in [0, 1) (relative spread of one second of compute)");
+    }
+    for (auto [key, member] : {std::pair{"attn_share_fwd", &DeviceProfile::attn_share_fwd}, std::pair{"attn_share_bwd", &DeviceProfile::attn_share_bwd}}) {
+      if (!kv.value().contains(key)) continue;
+      d.*member = rd.number(kv.value(), key, f + "." + key);
+      if (!(d.*member > 0 && d.*member < 1)) rd.fail(f + "." + key, "must be in (0, 1) (the attention half's share of a block's time)");
     }
     if (kv.value().contains("codecs")) {
       const json& cs = rd.object(kv.value(), "codecs", f + ".codecs");
@@ -392,6 +400,7 @@ std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
     DeviceProfile d{scale(base.block_fwd), scale(base.block_bwd), scale(base.embed_fwd),
                     scale(base.embed_bwd), scale(base.head_fwd),  scale(base.head_bwd), base.optimizer_s_per_param * s, base.step_noise, {}};
     for (const auto& [m, c] : base.codecs) d.codecs[m] = {c.encode_s_per_elem * s, c.decode_s_per_elem * s};
+    d.attn_share_fwd = base.attn_share_fwd, d.attn_share_bwd = base.attn_share_bwd;  // a ratio: speed cancels
     p.devices[type] = d;
     notes.push_back("device type " + type + ": estimated from " + ref + " scaled by speed hints (" + std::to_string(hint(type)) +
                     " vs " + std::to_string(hint(ref)) + ")");

@@ -49,6 +49,10 @@ struct DeviceProfile {
   // 0: steady (old profiles, or a device that measured none).
   double step_noise = 0;
   std::map<std::string, CodecCost> codecs;  // by grad_sync.compression method; empty in old profiles
+  // A block's attention half's share of the block's forward / backward time (the MLP half takes
+  // the rest), timed on one half of each at the largest micro-batch size: what a pipeline
+  // boundary inside a block moves. 0: not measured (older profiles), the model's shapes decide.
+  double attn_share_fwd = 0, attn_share_bwd = 0;
 };
 
 struct LinkProfile {

@@ -258,6 +258,25 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
   d.head_fwd = measured(xs, hf), d.head_bwd = measured(xs, hb);
   d.step_noise = pooled_step_noise(noise_figures({&te, &tb, &th}));
 
+  // The halves of a block, one of each (block 1's attention, block 0's MLP: neither slice holds
+  // the embedding or the head), at the largest size: their shares of a block's time.
+  if (L >= 2) {
+    model::Transformer attn(model, model::LayerRange::for_units(2, 3, L), 1), mlp(model, model::LayerRange::for_units(1, 2, L), 1);
+    for (auto* t : {&attn, &mlp}) {
+      t->apply_lora(o.lora, 1);
+      t->to(dev);
+    }
+    const int64_t m = o.micro_batch_sizes.back();
+    std::vector<double> af, ab, mf, mb;
+    for (int r = 0; r < rounds; ++r) {
+      const FwdBwd a = time_slice(attn, m, window, false, false, dev), b = time_slice(mlp, m, window, false, false, dev);
+      af.push_back(a.fwd), ab.push_back(a.bwd), mf.push_back(b.fwd), mb.push_back(b.bwd);
+    }
+    const double a_f = median(af), a_b = median(ab), m_f = median(mf), m_b = median(mb);
+    if (a_f > 0 && m_f > 0) d.attn_share_fwd = a_f / (a_f + m_f);
+    if (a_b > 0 && m_b > 0) d.attn_share_bwd = a_b / (a_b + m_b);
+  }
+
   // The optimizer step (AdamW + clipping's norm) per parameter, on one block's parameters.
   {
     train::AdamW opt(block.trainable(), {});

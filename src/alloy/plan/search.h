@@ -73,6 +73,8 @@ struct SearchOptions {
   // Internal (set by search() for that second search): memory checked against what sharding and
   // recomputation could at best bring it down to (CostContext::memory_floor_bytes).
   bool memory_relief = false;
+  // make_plan refines the alloy strategy's plan with boundaries inside blocks (refine_units).
+  bool split_blocks = true;
 
   std::vector<int64_t> candidate_micro_batches() const;  // sorted ascending, validated
 };
@@ -96,6 +98,17 @@ SearchResult search(const ClusterSpec& cluster, const Profile& profile, const Se
 // to 1 MiB and keeps the fastest when it gains over 0.2%, noting the change. Applied after the
 // search, so search() stays comparable with exhaustive() at a fixed cap.
 void tune_buckets(SearchResult& result, const ClusterSpec& cluster, const Profile& profile);
+
+// Pipeline boundaries inside blocks, between a block's attention and MLP halves: from RESULT's
+// plan (whole blocks), moves one boundary by half a block at a time while simulate_plan predicts
+// a gain over 0.2%, and notes the change. This is how a stage comes to hold 2.5 blocks, so that a
+// small model splits between unlike devices as their speeds ask. Plans with sharding entries are
+// left as they are (their entries name holder sets, which such a move changes). Applied after
+// the search (search() itself stays whole-block, comparable with exhaustive()) when
+// SearchOptions::split_blocks is on.
+// The batch split is re-chosen for each move (calibrate.h's rebalance, among OPTIONS' micro-batch
+// sizes), since a pipeline whose stages balance better may take more of the batch.
+void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
 
 // The reference: walks every configuration of the search space (every set partition, every
 // permutation, every split, every schedule; for each, the best batch split by an exact min-max DP

@@ -224,7 +224,7 @@ void Evaluator::compute_sync(const Layout& L) {
     for (size_t s = 0; s < rep.dev.size(); ++s) {
       const size_t d = static_cast<size_t>(rep.dev[s]);
       syncp_[d].clear(), bucket_[d] = 0, encode_[d] = 0;
-      stage_[d] = {rep.dev[s], begin, begin + rep.blocks[s], s == 0, s + 1 == rep.dev.size()};
+      stage_[d] = {rep.dev[s], 2 * begin, 2 * (begin + rep.blocks[s]), s == 0, s + 1 == rep.dev.size()};
       begin += rep.blocks[s];
     }
   }
@@ -310,10 +310,11 @@ void Evaluator::collect_sets_masks(const Layout& L) {
       mask |= 1ULL << rep.dev[at_[r]];
       --left_[r];
     }
-    add(mask, ctx_.block_unit(l));
+    add(mask, ctx_.half_unit(2 * l + 1));  // the block's MLP half, then its attention half
+    add(mask, ctx_.half_unit(2 * l));
   }
-  add(first, Lb + 1);
-  add(first | last, Lb + 2);
+  add(first, ctx_.embed_unit());
+  add(first | last, ctx_.wte_unit());
   for (size_t i = 0; i < nsets_; ++i) {
     SetInfo st;
     for (uint64_t m = masks_[i]; m; m &= m - 1) st.devs.push_back(__builtin_ctzll(m));

@@ -1,0 +1,87 @@
+// The search's last phase: pipeline boundaries inside blocks (plan/search.h, refine_units).
+#include <cstdint>
+#include <map>
+#include <sstream>
+#include <string>
+
+#include "alloy/plan/calibrate.h"
+#include "alloy/plan/cost_model.h"
+#include "alloy/plan/search.h"
+
+namespace alloy::plan {
+
+namespace {
+
+std::string layout_text(const Plan& plan) {
+  std::string out;
+  for (const auto& pl : plan.pipelines) {
+    if (pl.stages.size() < 2) continue;
+    if (!out.empty()) out += "; ";
+    for (size_t s = 0; s < pl.stages.size(); ++s)
+      out += (s ? " -> " : "") + (pl.stages[s].device.empty() ? "rank " + std::to_string(pl.stages[s].ranks[0]) : pl.stages[s].device) +
+             " " + blocks_text(pl.stages[s].unit_begin(), pl.stages[s].unit_end());
+  }
+  return out;
+}
+
+}  // namespace
+
+void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
+  // Sharding entries name holder sets, which a boundary inside a block changes.
+  if (!result.plan.sharding.empty()) return;
+  const double before = result.cost.step_s;
+  Plan best = result.plan;
+  PlanCost best_cost = result.cost;
+  // Hill-climbing by half blocks from the search's whole-block optimum: each round moves the one
+  // boundary that gains most. Every move is priced by simulate_plan, the model that ranked the
+  // layouts, so a move is kept only where the model sees a gain beyond its rounding (0.2%).
+  for (int round = 0; round < 4 * static_cast<int>(profile.model.layers); ++round) {
+    Plan round_best;
+    PlanCost round_cost = best_cost;
+    bool found = false;
+    for (size_t p = 0; p < best.pipelines.size(); ++p)
+      for (size_t s = 0; s + 1 < best.pipelines[p].stages.size(); ++s)
+        for (int delta : {-1, 1}) {
+          Plan cand = best;
+          StagePlan& a = cand.pipelines[p].stages[s];
+          StagePlan& b = cand.pipelines[p].stages[s + 1];
+          const int64_t cut = a.unit_end() + delta;
+          if (cut <= a.unit_begin() || cut >= b.unit_end()) continue;  // a stage would be empty
+          a.set_units(a.unit_begin(), cut);
+          b.set_units(cut, b.unit_end());
+          PlanCost c = simulate_plan(cand, cluster, profile);
+          if (cand.pipelines.size() > 1) {
+            // A pipeline whose stages balance better may take more of the batch: the split is
+            // re-chosen for the new boundaries (rebalance with every pipeline as predicted).
+            std::map<int, double> phase;
+            for (size_t q = 0; q < cand.pipelines.size(); ++q)
+              for (const auto& st : cand.pipelines[q].stages) phase[st.ranks[0]] = c.pipelines[q].phase_s;
+            Rebalance rb = rebalance(cand, cluster, profile, phase, options, 0.0);
+            if (rb.change) {
+              PlanCost rc = simulate_plan(rb.plan, cluster, profile);
+              if (rc.fits && rc.step_s < c.step_s) cand = std::move(rb.plan), c = rc;
+            }
+          }
+          if (c.fits && c.step_s < round_cost.step_s * (1 - 2e-3)) round_best = std::move(cand), round_cost = c, found = true;
+        }
+    if (!found) break;
+    best = std::move(round_best);
+    best_cost = round_cost;
+  }
+  if (best_cost.step_s >= before) return;
+  std::ostringstream o;
+  o.precision(4);
+  o << "pipeline boundaries inside blocks (" << layout_text(best) << "; micro-batches";
+  for (const auto& pl : best.pipelines) o << " " << pl.micro_batch_size << "x" << pl.num_micro_batches;
+  o << "): predicted " << best_cost.step_s * 1e3 << " ms instead of "
+    << before * 1e3 << " ms with whole blocks";
+  result.notes.push_back(o.str());
+  const std::string strategy = result.plan.predicted.is_object() ? result.plan.predicted.value("strategy", result.strategy) : result.strategy;
+  result.plan = best;
+  result.cost = best_cost;
+  result.plan.predicted = best_cost.to_json();
+  result.plan.predicted["strategy"] = strategy;
+  result.search_step_s = best_cost.step_s;
+}
+
+}  // namespace alloy::plan
