@@ -92,7 +92,11 @@ std::string link_label(const plan::Link& l) {
   return number(l.bandwidth_gbps) + " Gbit/s, " + number(l.latency_ms) + " ms";
 }
 
-std::string range(int64_t b, int64_t e) { return "[" + std::to_string(b) + ", " + std::to_string(e) + ")"; }
+// Half-block units [B, E) as blocks: "[0, 2.5)".
+std::string range(int64_t b, int64_t e) {
+  auto at = [](int64_t u) { return std::to_string(u / 2) + (u % 2 ? ".5" : ""); };
+  return "[" + at(b) + ", " + at(e) + ")";
+}
 
 std::string rank_list(const std::vector<int>& ranks) {
   std::string s;
@@ -260,8 +264,8 @@ Picture build(const DiagramInput& in) {
         n.group = static_cast<int>(p);
         if (!st.device.empty()) n.lines.push_back(st.device);
       }
-      bool head = in.num_layers > 0 ? st.layer_end == in.num_layers : s + 1 == pl.stages.size();
-      n.lines.push_back("blocks " + range(st.layer_begin, st.layer_end) + (st.layer_begin == 0 ? " + embedding" : "") +
+      bool head = in.num_layers > 0 ? st.unit_end() == 2 * in.num_layers : s + 1 == pl.stages.size();
+      n.lines.push_back("blocks " + range(st.unit_begin(), st.unit_end()) + (st.unit_begin() == 0 ? " + embedding" : "") +
                         (head ? " + head" : ""));
       n.lines.push_back(std::to_string(pl.micro_batch_size) + " samples x " + std::to_string(pl.num_micro_batches) +
                         " micro-batches");
@@ -272,8 +276,9 @@ Picture build(const DiagramInput& in) {
       node_of[p].push_back(static_cast<int>(pic.nodes.size()));
       pic.nodes.push_back(n);
     }
-    if (in.num_layers > 0 && !pl.stages.empty() && pl.stages.back().layer_end != in.num_layers)
-      problems.push_back("pipeline " + std::to_string(p) + " ends at block " + std::to_string(pl.stages.back().layer_end) +
+    if (in.num_layers > 0 && !pl.stages.empty() && pl.stages.back().unit_end() != 2 * in.num_layers)
+      problems.push_back("pipeline " + std::to_string(p) + " ends at block " + std::to_string(pl.stages.back().unit_end() / 2) +
+                         (pl.stages.back().unit_end() % 2 ? ".5" : "") +
                          ", the model has " + std::to_string(in.num_layers));
   }
   if (cl) {
@@ -298,7 +303,7 @@ Picture build(const DiagramInput& in) {
       for (size_t b = 0; b < plan.pipelines[p].stages.size(); ++b) {
         const auto& sa = plan.pipelines[p - 1].stages[a];
         const auto& sb = plan.pipelines[p].stages[b];
-        int64_t lo = std::max(sa.layer_begin, sb.layer_begin), hi = std::min(sa.layer_end, sb.layer_end);
+        int64_t lo = std::max(sa.unit_begin(), sb.unit_begin()), hi = std::min(sa.unit_end(), sb.unit_end());
         if (lo < hi) pic.syncs.push_back({node_of[p - 1][a], node_of[p][b], "sync " + range(lo, hi)});
       }
 
@@ -331,8 +336,8 @@ Picture build(const DiagramInput& in) {
   std::set<int64_t> cuts;
   for (const auto& pl : plan.pipelines)
     for (const auto& st : pl.stages) {
-      cuts.insert(st.layer_begin);
-      cuts.insert(st.layer_end);
+      cuts.insert(st.unit_begin());
+      cuts.insert(st.unit_end());
     }
   std::vector<int64_t> bounds(cuts.begin(), cuts.end());
   std::vector<std::pair<std::pair<int64_t, int64_t>, std::vector<int>>> groups;  // [lo, hi) -> ranks
@@ -340,7 +345,7 @@ Picture build(const DiagramInput& in) {
     std::vector<int> ranks;
     for (const auto& pl : plan.pipelines)
       for (const auto& st : pl.stages)
-        if (st.layer_begin <= bounds[i] && bounds[i + 1] <= st.layer_end) ranks.insert(ranks.end(), st.ranks.begin(), st.ranks.end());
+        if (st.unit_begin() <= bounds[i] && bounds[i + 1] <= st.unit_end()) ranks.insert(ranks.end(), st.ranks.begin(), st.ranks.end());
     std::sort(ranks.begin(), ranks.end());
     if (!groups.empty() && groups.back().second == ranks && groups.back().first.second == bounds[i])
       groups.back().first.second = bounds[i + 1];
@@ -352,7 +357,7 @@ Picture build(const DiagramInput& in) {
     if (ranks.size() < 2) continue;
     any_sync = true;
     pic.note.push_back("gradient sync, blocks " + range(r.first, r.second) + (r.first == 0 ? " + embedding" : "") +
-                       (r.second == blocks ? " + head" : "") + ": ranks " + rank_list(ranks));
+                       (r.second == 2 * blocks ? " + head" : "") + ": ranks " + rank_list(ranks));
   }
   if (!any_sync) pic.note.push_back("no gradient sync between ranks (no block is held twice)");
   // Repeated in the note because in a dense picture a label can sit nearer another host's bar.
