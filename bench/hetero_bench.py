@@ -6,9 +6,12 @@ Every figure is measured side by side in one invocation on the same emulated poo
 device):
   1. efficiency: tokens/s of the pool under Alloy's plan / the sum of each device's tokens/s training
      on its own, (a) all devices at once side by side (the machine's memory bandwidth shared as in
-     the pool) and (b) each alone on an idle machine; pool and (a) alternate over --rounds
+     the pool) and (b) each alone on an idle machine; pool and (a) alternate over --rounds (3):
+     the median round and the worst are reported, each round's pool against its own (a)
   2. plans: Alloy's plan vs `uniform` vs `proportional` vs PyTorch DDP with equal per-rank batches
-  3. predictions: predicted vs measured step time (and per-stage compute) for each Alloy-run plan
+  3. predictions: predicted vs measured step time (and per-stage compute) for each Alloy-run plan;
+     Alloy's prediction is the one made from the last calibration of its run (the re-plan that
+     measured every device's speed), said as such, with the profile's own beside it
 Writes bench/results/hetero.json, hetero.png (throughput) and hetero-predictions.png (gnuplot).
 
   --demo   the README's main job: profile, plan (diagram), each device alone, train the plan with
@@ -64,6 +67,10 @@ class Runner:
         self.config = os.path.abspath(a.config)
         self.work = os.path.abspath(a.work)
         self.steps = a.steps
+        # The side-by-side runs and the rounds after the first (the plan fixed, no re-planning):
+        # timed steps enough for a median, fewer than the first round's in the demo (10 minutes).
+        self.round_steps = a.round_steps or (max(20, a.steps // 2) if a.demo else a.steps)
+        self.alone_steps = 6 if a.demo else max(6, a.steps // 4)
         self.timed_after = a.timed_after
         # Runs of one device on its own train batches of at most 48: a device's tokens/s does not depend
         # on the global batch beyond its optimizer step (0.2-0.3% of a 48-sample step here), and a larger batch
@@ -131,7 +138,7 @@ class Runner:
             with open(path, "w") as f:
                 f.write(f"name: alone-{d['name']}\ndevices:\n  - {{name: {d['name']}, host: {d['host']}, kind: {d['kind']}, "
                         f"type: {d['type']}, memory_gb: {d['memory_gb']}, speed: {d['speed']}}}\n")
-            r = self.train(f"alone-{d['name']}", None, max(6, self.steps // 4), cluster=path,
+            r = self.train(f"alone-{d['name']}", None, self.alone_steps, cluster=path,
                            extra=["--set", f"train.global_batch={self.single_batch}"])
             res[d["name"]] = r["tokens_per_s"]
             log(f"{d['name']} alone (speed {d['speed']}): {r['tokens_per_s']:.0f} tokens/s")
@@ -144,7 +151,7 @@ class Runner:
         maxs = max(float(d["speed"]) for d in devices)
         cases, outs = [], {}
         for d in devices:
-            steps = max(6, round(self.steps * float(d["speed"]) / maxs))
+            steps = max(6, round(self.round_steps * float(d["speed"]) / maxs))
             out = os.path.join(self.work, "runs", f"side-{d['name']}")
             shutil.rmtree(out, ignore_errors=True)
             outs[d["name"]] = out
@@ -211,26 +218,39 @@ def predicted_of(plan_path):
     return json.load(open(plan_path)).get("predicted", {})
 
 
-def report_predictions(name, plan_path, run):
-    """Predicted vs measured for the plan that ran the measured steps: after a re-plan, the run's own
-    plan.json (predicted with the calibrated profile); the profile's prediction of the first plan and
-    the calibration are kept beside it."""
+def latest_prediction(plan_path, run):
+    """The step predicted for the plan that ran the measured steps, from the latest figures the run
+    had: the last re-plan's calibration when there was one (it measured every device type's speed;
+    a switched plan or split was predicted with those speeds, a kept plan re-predicted with them),
+    else the profile's. Returns (seconds, what it is from, the profile's own prediction)."""
     events = (run.get("replan") or {}).get("replans", [])
-    if any(e["switched"] for e in events):
-        plan_path = os.path.join(run["out"], "plan.json")
-    pred = predicted_of(plan_path)
-    ps = pred.get("step_s", float("nan"))
+    profile_s = predicted_of(plan_path).get("step_s", float("nan"))
+    if not events:
+        return profile_s, "the profile", profile_s
+    e = events[-1]
+    if any(x["switched"] or x.get("rebalance", {}).get("switched") for x in events):
+        first = predicted_of(plan_path).get("step_s", float("nan"))
+        if not (e["switched"] or e.get("rebalance", {}).get("switched")):
+            return e["running_plan_calibrated_s"], f"the last calibration (step {e['step']})", first
+        return predicted_of(os.path.join(run["out"], "plan.json")).get("step_s", float("nan")), \
+            f"the re-plan at step {e['step']} (calibrated)", first
+    return e["running_plan_calibrated_s"], f"the last calibration (step {e['step']})", profile_s
+
+
+def report_predictions(name, plan_path, run):
+    """Predicted vs measured for the plan that ran the measured steps, the prediction taken from the
+    latest calibration the run made (latest_prediction); the profile's prediction of the first
+    plan and every calibration are kept beside it."""
+    events = (run.get("replan") or {}).get("replans", [])
+    own = os.path.join(run["out"], "plan.json")  # the plan the measured steps ran, per stage
+    pred = predicted_of(own if os.path.exists(own) else plan_path)
+    ps, source, profile_s = latest_prediction(plan_path, run)
     err = (run["step_s"] - ps) / ps if ps else float("nan")
-    log(f"{name}: predicted {ps * 1e3:.0f} ms/step, measured {run['step_s'] * 1e3:.0f} ms/step ({100 * err:+.1f}%)")
-    extra = {}
-    if events and not events[-1]["switched"]:
-        # The last calibration re-predicted the running plan with the speeds the run measured.
-        cs = events[-1]["running_plan_calibrated_s"]
-        extra.update(last_calibration_predicted_step_s=cs, last_calibration_relative_error=(run["step_s"] - cs) / cs)
-        log(f"{name}: predicted from the last calibration (step {events[-1]['step']}): {cs * 1e3:.0f} ms/step "
-            f"({100 * extra['last_calibration_relative_error']:+.1f}%)")
+    log(f"{name}: predicted {ps * 1e3:.0f} ms/step (from {source}), measured {run['step_s'] * 1e3:.0f} ms/step ({100 * err:+.1f}%)")
+    extra = dict(prediction_from=source, profile_predicted_step_s=profile_s,
+                 profile_relative_error=(run["step_s"] - profile_s) / profile_s if profile_s else float("nan"))
     if events:
-        extra = dict(replans=[dict(step=e["step"], switched=e["switched"], factors=e["factors"],
+        extra.update(replans=[dict(step=e["step"], switched=e["switched"], factors=e["factors"],
                                    running_plan_predicted_s=e["running_plan_predicted_s"],
                                    running_plan_calibrated_s=e["running_plan_calibrated_s"],
                                    best_calibrated_s=e["best_calibrated_s"],
@@ -261,6 +281,20 @@ def report_predictions(name, plan_path, run):
                            measured_compute_s=compute, predicted_sync_exposed_s=s["sync_exposed_s"],
                            measured_sync_wait_s=wait))
     return dict(predicted_step_s=ps, measured_step_s=run["step_s"], relative_error=err, stages=stages, **extra)
+
+
+def round_figures(runs, sides, predicted_s):
+    """Per round (the pool's run and the devices side by side right before it): the pool's share of
+    the side-by-side sum and its step against PREDICTED_S; the median round and the worst."""
+    rounds = []
+    for r, sd in zip(runs, sides):
+        total = sum(sd.values())
+        rounds.append(dict(tokens_per_s=r["tokens_per_s"], side_by_side_sum=total, efficiency=r["tokens_per_s"] / total,
+                           step_s=r["step_s"], relative_error=(r["step_s"] - predicted_s) / predicted_s))
+    eff = [x["efficiency"] for x in rounds]
+    err = [x["relative_error"] for x in rounds]
+    return dict(rounds=rounds, efficiency_median=statistics.median(eff), efficiency_worst=min(eff),
+                relative_error_median=statistics.median(err), relative_error_worst=max(err, key=abs))
 
 
 def plan_layout(path):
@@ -306,8 +340,12 @@ def main():
     ap.add_argument("--timed-after", type=int, default=2,
                     help="time the steps after this one (a lossy run: past grad_sync.dense_steps, whose steps sync exactly)")
     ap.add_argument("--demo", action="store_true")
+    ap.add_argument("--round-steps", type=int, default=None,
+                    help="steps of the rounds after the first and of the side-by-side runs (default --steps; "
+                         "with --demo half of it, at least 20)")
     ap.add_argument("--rounds", type=int, default=None,
-                    help="runs of Alloy's plan and of the devices side by side, alternating (median kept); default 2, 1 with --demo")
+                    help="rounds of the devices side by side, then Alloy's plan on the pool; the median round and the "
+                         "worst are reported (default 3)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="config override for every Alloy plan and run, e.g. grad_sync.compression=dgc (repeatable)")
     ap.add_argument("--out", default=None,
@@ -315,7 +353,7 @@ def main():
                          "hetero-<cluster file's stem> for another cluster)")
     a = ap.parse_args()
     if a.rounds is None:
-        a.rounds = 1 if a.demo else 2
+        a.rounds = 3
     if a.out is None:
         stem = os.path.splitext(os.path.basename(a.cluster))[0]
         a.out = "hetero" if stem == "cluster-3dev" else "hetero-" + stem
@@ -331,7 +369,7 @@ def main():
     prof = R.profile()
     diagram = os.path.join(R.work, "plan.svg")
     log("planning (Alloy's plan, with the baselines' predictions for comparison)")
-    alloy_plan = R.plan("alloy", prof, diagram=diagram, show=True)
+    R.plan("alloy", prof, diagram=diagram, show=True)
     R.run([R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", prof, "--no-compare",
            "-o", os.path.join(R.work, "plan-alloy-copy.json"), "--diagram", os.path.join(R.work, "plan.png")] + R.sets)
     log(f"diagram: {diagram} and {os.path.join(R.work, 'plan.png')}")
@@ -351,20 +389,25 @@ def main():
     for k in range(1, a.rounds):
         # The same plan again (no second calibration), to average out the VM's slow spells.
         log(f"round {k + 1} of {a.rounds}: the pool and the devices side by side again")
-        extra_rounds.append((R.train(f"alloy-{k + 1}", final_plan, a.steps), R.side_by_side(devices)))
+        extra_rounds.append((R.train(f"alloy-{k + 1}", final_plan, R.round_steps), R.side_by_side(devices)))
     round_tps = [main_run["tokens_per_s"]] + [r["tokens_per_s"] for r, _ in extra_rounds]
+    runs = [main_run] + [r for r, _ in extra_rounds]
+    sides = [side] + [sd for _, sd in extra_rounds]
+    first_run = main_run
+    predicted_s = latest_prediction(os.path.join(R.work, "plan-alloy.json"), first_run)[0]
+    by_round = round_figures(runs, sides, predicted_s)
     if extra_rounds:
-        runs = [main_run] + [r for r, _ in extra_rounds]
-        sides = [side] + [sd for _, sd in extra_rounds]
         main_run = dict(main_run, tokens_per_s=statistics.median(r["tokens_per_s"] for r in runs),
                         step_s=statistics.median(r["step_s"] for r in runs))
         side = {n: statistics.median(sd[n] for sd in sides) for n in side}
-        log("pool tokens/s per round: " + ", ".join(f"{r['tokens_per_s']:.0f}" for r in runs) +
-            "; side-by-side sums: " + ", ".join(f"{sum(sd.values()):.0f}" for sd in sides) + " (medians used)")
+        log("per round: " + "; ".join(f"pool {x['tokens_per_s']:.0f} tokens/s of {x['side_by_side_sum']:.0f} side by side "
+                                      f"({x['efficiency']:.2f}), step {x['step_s'] * 1e3:.0f} ms ({100 * x['relative_error']:+.1f}%)"
+                                      for x in by_round["rounds"]))
     results = [dict(name="alloy", tokens_per_s=main_run["tokens_per_s"], step_s=main_run["step_s"],
                     plan=plan_layout(final_plan),
-                    rounds_tokens_per_s=round_tps,
-                    prediction=report_predictions("alloy plan", final_plan, main_run))]
+                    rounds_tokens_per_s=round_tps, by_round=by_round,
+                    prediction=report_predictions("alloy plan", os.path.join(R.work, "plan-alloy.json"),
+                                                  dict(first_run, step_s=by_round["rounds"][0]["step_s"])))]
     if not a.demo:
         calibrated = os.path.join(main_run["out"], "profile-calibrated.json")
         for strategy in ("uniform", "proportional"):
@@ -387,7 +430,8 @@ def main():
     total_alone = sum(alone.values())
     total_side = sum(side.values())
     eff = main_run["tokens_per_s"] / total_alone
-    eff_side = main_run["tokens_per_s"] / total_side
+    # The median round's ratio (each round's pool against the side-by-side run beside it in time).
+    eff_side = results[0]["by_round"]["efficiency_median"]
     print()
     print("=" * 72)
     rows = main_run["rows"]
@@ -402,18 +446,28 @@ def main():
         print(f"  pool, {r['name']:<12} {r['tokens_per_s']:9.0f}   ({100 * r['tokens_per_s'] / total_side:.0f}% of the sum beside, "
               f"{100 * r['tokens_per_s'] / total_alone:.0f}% of the sum alone"
               + (f", {r['tokens_per_s'] / results[-1]['tokens_per_s']:.2f}x DDP" if not a.demo and r is not results[-1] else "") + ")")
-    print(f"heterogeneous efficiency, pool / sum of the devices each training on its own beside the others: {eff_side:.2f}")
+    print(f"heterogeneous efficiency, pool / sum of the devices each training on its own beside the others: {eff_side:.2f}"
+          + (" (median round)" if len(results[0]["by_round"]["rounds"]) > 1 else ""))
     print(f"                          pool / sum of the devices each alone on an idle machine:           {eff:.2f}")
     print("  (the first is what a scheduler can reach here: the pool's devices share this machine's memory")
     print("   bandwidth as separate machines would not; the second counts that against Alloy too)")
+    br = results[0]["by_round"]
+    if len(br["rounds"]) > 1:
+        print(f"rounds ({len(br['rounds'])}, the pool's run and the devices side by side alternating): pool / side-by-side sum "
+              + ", ".join(f"{x['efficiency']:.2f}" for x in br["rounds"])
+              + f"; median {br['efficiency_median']:.2f}, worst {br['efficiency_worst']:.2f}")
+        print(f"  step against the prediction from {results[0]['prediction']['prediction_from']}: "
+              + ", ".join(f"{100 * x['relative_error']:+.1f}%" for x in br["rounds"])
+              + f"; median {100 * br['relative_error_median']:+.1f}%, worst {100 * br['relative_error_worst']:+.1f}%")
     for r in results:
         if "prediction" in r:
             p = r["prediction"]
-            print(f"predicted vs measured step, {r['name']}: {p['predicted_step_s'] * 1e3:.0f} ms vs "
+            print(f"predicted vs measured step, {r['name']}"
+                  + (" (first round)" if r is results[0] and len(br["rounds"]) > 1 else "")
+                  + f": {p['predicted_step_s'] * 1e3:.0f} ms (from {p['prediction_from']}) vs "
                   f"{p['measured_step_s'] * 1e3:.0f} ms ({100 * p['relative_error']:+.1f}%)"
-                  + (" after re-planning" if any(e["switched"] for e in p.get("replans", [])) else "")
-                  + (f"; from the last calibration: {p['last_calibration_predicted_step_s'] * 1e3:.0f} ms "
-                     f"({100 * p['last_calibration_relative_error']:+.1f}%)" if "last_calibration_predicted_step_s" in p else "")
+                  + (f"; the profile's own prediction {p['profile_predicted_step_s'] * 1e3:.0f} ms "
+                     f"({100 * p['profile_relative_error']:+.1f}%)" if p.get("prediction_from") != "the profile" else "")
                   + (f"; with the speeds Alloy's run measured: {p['calibrated_predicted_step_s'] * 1e3:.0f} ms "
                      f"({100 * p['calibrated_relative_error']:+.1f}%)" if "calibrated_predicted_step_s" in p else ""))
     print(f"(all measured in this run, {time.time() - t0:.0f} s, on {platform.node()}, {os.cpu_count()} cores)")
@@ -421,6 +475,8 @@ def main():
                config_overrides=a.set or [],
                config=os.path.relpath(R.config, REPO), machine=f"{platform.node()} {os.cpu_count()} cores",
                alone_tokens_per_s=alone, side_by_side_tokens_per_s=side, single_device_global_batch=R.single_batch, efficiency=eff_side, efficiency_vs_idle_alone=eff,
+               efficiency_median_round=br["efficiency_median"], efficiency_worst_round=br["efficiency_worst"],
+               prediction_error_median_round=br["relative_error_median"], prediction_error_worst_round=br["relative_error_worst"],
                results=results)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     name = "hetero-demo.json" if a.demo else a.out + ".json"
