@@ -1077,3 +1077,19 @@ TEST(Calibrate, RebalanceMovesSamplesFromAPipelineSlowerThanPredicted) {
   Replan plain = replan(r.plan, c, calibrate(r.plan, c, p, compute), o, 0.05);
   EXPECT_FALSE(plain.split.has_value() || plain.change) << plain.text;
 }
+
+TEST(Report, PredictedVsMeasuredSaysWhichCalibrationItComparesWith) {
+  nlohmann::json plan_pred = {{"step_s", 1.9}, {"per_stage", nlohmann::json::array({{{"rank", 0}, {"device", "fast"}, {"forward_s", 0.5},
+                                                                                      {"backward_s", 1.0}, {"sync_exposed_s", 0.1}}})}};
+  nlohmann::json calibrated = plan_pred;
+  calibrated["step_s"] = 2.0;
+  calibrated["calibrated_after_step"] = 6;
+  nlohmann::json ranks = nlohmann::json::array({{{"rank", 0}, {"compute_s_median", 1.6}, {"sync_wait_s_median", 0.05}}});
+  const std::string plain = predicted_vs_measured(plan_pred, ranks, 2.1);
+  EXPECT_NE(plain.find("predicted 1900.0 ms, measured 2100.0 ms (+10.5%)"), std::string::npos) << plain;
+  EXPECT_EQ(plain.find("calibration"), std::string::npos) << plain;
+  const std::string cal = predicted_vs_measured(calibrated, ranks, 2.1, &plan_pred);
+  EXPECT_NE(cal.find("measured up to step 6, the last calibration"), std::string::npos) << cal;
+  EXPECT_NE(cal.find("predicted 2000.0 ms, measured 2100.0 ms (+5.0%)"), std::string::npos) << cal;
+  EXPECT_NE(cal.find("before calibrating 1900.0 ms (+10.5%)"), std::string::npos) << cal;
+}

@@ -187,15 +187,22 @@ std::string PlanReport::text() const {
   return o.str();
 }
 
-std::string predicted_vs_measured(const nlohmann::json& pred, const nlohmann::json& ranks, double measured_step_s) {
+std::string predicted_vs_measured(const nlohmann::json& pred, const nlohmann::json& ranks, double measured_step_s,
+                                  const nlohmann::json* earlier) {
   if (!pred.is_object() || !pred.contains("per_stage")) return "";
   std::map<int, nlohmann::json> by_rank;
   for (const auto& r : ranks) by_rank[r.value("rank", -1)] = r;
   std::ostringstream o;
   const double ps = pred.value("step_s", 0.0);
-  o << "predicted vs measured (median over steps):\n";
-  o << "  step time: predicted " << ms(ps) << ", measured " << ms(measured_step_s) << " ("
-    << fmt("%+.1f%%", ps > 0 ? 100.0 * (measured_step_s - ps) / ps : 0.0) << ")\n";
+  auto off = [&](double p) { return fmt("%+.1f%%", p > 0 ? 100.0 * (measured_step_s - p) / p : 0.0); };
+  o << "predicted vs measured (median over steps";
+  if (pred.contains("calibrated_after_step"))
+    o << "; predicted with the speeds measured up to step " << pred["calibrated_after_step"].get<int64_t>() << ", the last calibration";
+  o << "):\n";
+  o << "  step time: predicted " << ms(ps) << ", measured " << ms(measured_step_s) << " (" << off(ps) << ")";
+  if (earlier && earlier->is_object() && earlier->contains("step_s"))
+    o << "; the plan's prediction before calibrating " << ms(earlier->value("step_s", 0.0)) << " (" << off(earlier->value("step_s", 0.0)) << ")";
+  o << "\n";
   o << "  rank  device            compute pred   compute meas   sync wait pred  sync wait meas\n";
   for (const auto& s : pred["per_stage"]) {
     int rank = s.value("rank", -1);

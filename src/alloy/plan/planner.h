@@ -45,7 +45,10 @@ PlanReport evaluate_plan(const Plan& plan, const std::string& where, const Model
                          const Profile& profile, const PlanReport& searched);
 
 // Table of predicted (PLAN_PREDICTED: PlanCost::to_json) against measured (RANKS: the run's
-// ranks.json) step time per stage; MEASURED_STEP_S is the job's median step time.
-std::string predicted_vs_measured(const nlohmann::json& plan_predicted, const nlohmann::json& ranks, double measured_step_s);
+// ranks.json) step time per stage; MEASURED_STEP_S is the job's median step time. A prediction
+// with "calibrated_after_step" says it comes from that calibration; EARLIER (the plan's own,
+// from the profile) is then shown beside it.
+std::string predicted_vs_measured(const nlohmann::json& plan_predicted, const nlohmann::json& ranks, double measured_step_s,
+                                  const nlohmann::json* earlier = nullptr);
 
 }  // namespace alloy::plan

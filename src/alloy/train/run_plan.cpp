@@ -117,6 +117,7 @@ Plan equal_data_parallel(const Config& cfg, int n) {
 struct Replanning {
   AutoPlan ap;
   nlohmann::json events = nlohmann::json::array();
+  std::shared_ptr<nlohmann::json> calibrated = std::make_shared<nlohmann::json>();  // TrainOptions::calibrated_prediction
 };
 
 std::shared_ptr<Plan> replan_from_measured(Replanning& st, const Config& cfg, int64_t from, int64_t to,
@@ -146,6 +147,10 @@ std::shared_ptr<Plan> replan_from_measured(Replanning& st, const Config& cfg, in
                       {"switched", rp.split->change}};
   if (rp.change) e["plan"] = rp.plan.to_json();
   st.events.push_back(e);
+  // What the final report compares the measured step with: the running plan (kept, switched to or
+  // rebalanced) as predicted with the speeds just measured.
+  *st.calibrated = rp.change ? rp.plan.predicted : rp.current.to_json();
+  if (st.calibrated->is_object()) (*st.calibrated)["calibrated_after_step"] = to;
   // The speeds this run measured, for `alloy plan --profile` (a later job on the same pool, or
   // predicting other plans with them).
   cal.profile.save(cfg.output.dir + "/profile-calibrated.json");
@@ -298,6 +303,7 @@ TrainResult train_with_replanning(const Config& cfg, TrainOptions o, const Resol
   int64_t measured_from = 2;
   if (rp.autoplan && o.world && cfg.train.replan_step > 0) {
     replanning->ap = *rp.autoplan;
+    o.calibrated_prediction = replanning->calibrated;
     o.replan_at = cfg.train.replan_step;
     o.replan = [replanning, &cfg, &o, &measured_from](const std::map<int, double>& measured, const std::map<int, double>& phase) {
       return replan_from_measured(*replanning, cfg, measured_from, o.replan_at, measured, phase);

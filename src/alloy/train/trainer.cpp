@@ -595,8 +595,12 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
   }
   if (rank_ == 0) {
     write_file_atomic(cfg_.output.dir + "/ranks.json", all.dump(2) + "\n");
+    const bool calibrated = opts_.calibrated_prediction && opts_.calibrated_prediction->is_object();
     if (!plan_->predicted.is_null() && !opts_.quiet)
-      std::fprintf(stderr, "%s", plan::predicted_vs_measured(plan_->predicted, all, median(step_s)).c_str());
+      std::fprintf(stderr, "%s",
+                   plan::predicted_vs_measured(calibrated ? *opts_.calibrated_prediction : plan_->predicted, all, median(step_s),
+                                               calibrated ? &plan_->predicted : nullptr)
+                       .c_str());
   }
 }
 

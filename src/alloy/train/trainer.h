@@ -50,6 +50,10 @@ struct TrainOptions {
   // Called on rank 0 with each rank's median compute and median phase (step start to its last
   // schedule action) over the steps since the last plan started; returns the plan to switch to.
   std::function<std::shared_ptr<Plan>(const std::map<int, double>& compute, const std::map<int, double>& phase)> replan;
+  // Rank 0: the running plan's step as the last calibration predicted it (PlanCost::to_json with
+  // "calibrated_after_step"), filled by REPLAN's caller; the final report compares the measured
+  // step with it (and with the plan's own prediction beside it). Shared across re-plans.
+  std::shared_ptr<nlohmann::json> calibrated_prediction;
   // Tags this trainer's store keys and process groups: a later Trainer in the same World (after a
   // re-plan) must not meet the keys the earlier one left behind.
   std::string generation;
