@@ -171,7 +171,8 @@ def activations_shrank(plain, recomputed):
 
 
 def reshard(alloy, work, env, baselines):
-    """10 steps under ZeRO-2 with 3:1:2 shards in a 2-stage pipeline beside a full replica, then a
+    """10 steps under ZeRO-2 with 3:1:2 shards in a 2-stage pipeline cut inside a block (5.5 + 2.5
+    blocks) beside a full replica, then a
     resume under another layout (three full replicas, ZeRO-1, even shards) for steps 11-20: the
     losses follow the uninterrupted one-device run."""
     arch, gb = "gpt2", 24
@@ -182,7 +183,7 @@ def reshard(alloy, work, env, baselines):
     base = baselines[(arch, gb)]
     runs = []
     for name, layout, flags, resume in (
-            ("reshard-a", "mixed-5+3_and_8", ["--zero-stage", "2", "--shard-ratio", "3", "1", "2",
+            ("reshard-a", "halves-mixed-11+5_and_16", ["--zero-stage", "2", "--shard-ratio", "3", "1", "2",
                                              "--set", "train.checkpoint_interval=10"], None),
             ("reshard-b", "dp3-4x3-3x2-1x6", ["--zero-stage", "1"], "reshard-a/checkpoints/step_00000010")):
         out = os.path.join(work, name)

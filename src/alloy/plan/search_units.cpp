@@ -1,4 +1,5 @@
 // The search's last phase: pipeline boundaries inside blocks (plan/search.h, refine_units).
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <sstream>
@@ -11,6 +12,8 @@
 namespace alloy::plan {
 
 namespace {
+
+constexpr size_t kRebalanceUpTo = 4;
 
 std::string layout_text(const Plan& plan) {
   std::string out;
@@ -35,7 +38,11 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
   // Hill-climbing by half blocks from the search's whole-block optimum: each round moves the one
   // boundary that gains most. Every move is priced by simulate_plan, the model that ranked the
   // layouts, so a move is kept only where the model sees a gain beyond its rounding (0.2%).
-  for (int round = 0; round < 4 * static_cast<int>(profile.model.layers); ++round) {
+  // Bounded by the search's time budget: each move costs a simulation (and a rebalance, which
+  // simulates the plan once per sample moved, so only for a few pipelines).
+  const auto t0 = std::chrono::steady_clock::now();
+  auto out_of_time = [&]() { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > options.time_budget_s; };
+  for (int round = 0; round < 4 * static_cast<int>(profile.model.layers) && !out_of_time(); ++round) {
     Plan round_best;
     PlanCost round_cost = best_cost;
     bool found = false;
@@ -50,7 +57,7 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
           a.set_units(a.unit_begin(), cut);
           b.set_units(cut, b.unit_end());
           PlanCost c = simulate_plan(cand, cluster, profile);
-          if (cand.pipelines.size() > 1) {
+          if (cand.pipelines.size() > 1 && cand.pipelines.size() <= kRebalanceUpTo) {
             // A pipeline whose stages balance better may take more of the batch: the split is
             // re-chosen for the new boundaries (rebalance with every pipeline as predicted).
             std::map<int, double> phase;
