@@ -8,7 +8,7 @@
 #   thread:            TSan, in build-tsan/, over the tests that run Alloy's own threads: the
 #                      reducer's communication thread, the pipeline executor's send/receive
 #                      threads, the heartbeat and stall watchers and the async checkpoint writer
-#                      (ctest -L threads). LibTorch, Gloo and OpenMP are not instrumented, so
+#                      (ctest -L threads, then three pipeline/replica layouts of dist.parity). LibTorch, Gloo and OpenMP are not instrumented, so
 #                      races inside them are suppressed (scripts/tsan.supp says which and why);
 #                      races in Alloy's code are not.
 #
@@ -42,3 +42,9 @@ extra=()
 [ "$kind" = thread ] && extra=(-L threads)
 echo "[sanitize] running the tests under $kind"
 ctest --test-dir "$dir" --output-on-failure -j"$jobs" --timeout 2400 "${extra[@]}" "$@"
+if [ "$kind" = thread ] && [ $# -eq 0 ]; then
+  # The executor's send/receive threads in pipelines (one cut inside a block), the reducer's beside
+  # them in a replica, and ZeRO-2's owner reduces: three parity layouts of dist.parity under TSan.
+  echo "[sanitize] pipeline and replica layouts of dist.parity under thread"
+  /usr/bin/python3 tests/dist/test_parity.py "$dir/alloy" "$dir/tsan_parity" pp2-6+2-1f1b mixed-5+3_and_8 halves-zero2-recompute
+fi
