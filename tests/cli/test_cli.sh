@@ -215,7 +215,9 @@ for k, v in big.items():
         v = dict(v, fixed_s=8 * v["fixed_s"], per_sample_s=8 * v["per_sample_s"])
         if "points" in v:
             v["points"] = [[m, 8 * t] for m, t in v["points"]]
-    if not isinstance(v, dict) and k != "step_noise":  # the noise is relative: a slower device need not be noisier
+    # Ratios stay: the noise is relative (a slower device need not be noisier), and so is the
+    # attention half's share of a block.
+    if not isinstance(v, dict) and k not in ("step_noise", "attn_share_fwd", "attn_share_bwd"):
         v = 8 * v
     slow[k] = v
 p["devices"]["cpu-small"] = slow
