@@ -63,15 +63,6 @@ std::string rank_device(const Config& cfg) {
 }
 
 namespace {
-// VmHWM of /proc/self/status (bytes); 0 where there is none.
-int64_t peak_rss_bytes() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  return 0;
-}
-
 std::string join(const std::vector<int>& v, const char* sep) {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + std::to_string(v[i]);
@@ -530,120 +521,6 @@ void Trainer::finish_saves() {
   // Rank 0 returns from its wait only after publishing, so past this barrier every rank may read
   // the checkpoint (a plan switch resumes from it) or leave.
   if (world_) world_->all().barrier();
-}
-
-void Trainer::publish_rank_stats(const TrainResult& r) {
-  // Per-rank figures (measured time per step in compute and waiting for gradient sync, peak
-  // activation memory) go to rank 0 through the store and into OUTPUT/ranks.json, so a user can
-  // see each stage's share without collecting logs from every host.
-  if (r.steps.empty()) return;
-  std::vector<double> step_s, compute_s, sync_s, phase_s;
-  for (size_t i = r.steps.size() > 3 ? 1 : 0; i < r.steps.size(); ++i) {  // the first step warms up
-    step_s.push_back(r.steps[i].step_s);
-    compute_s.push_back(r.steps[i].compute_s);
-    sync_s.push_back(r.steps[i].sync_wait_s);
-    phase_s.push_back(r.steps[i].phase_s);
-  }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  const auto& st = plan_->pipelines[static_cast<size_t>(pos_.pipeline)].stages[static_cast<size_t>(pos_.stage)];
-  // As allocated between steps: ZeRO-3 keeps only its shards then.
-  int64_t param_bytes = zero3_ ? zero3_->shard_bytes() : 0;
-  for (const auto* p : static_cast<const model::Transformer&>(*model_).parameters())
-    param_bytes += p->quant ? p->storage_bytes() : static_cast<int64_t>(p->tensor.storage().nbytes());
-  nlohmann::json me = {{"rank", rank_},
-                       {"device", device_.str()},
-                       {"pipeline", pos_.pipeline},
-                       {"stage", pos_.stage},
-                       {"layers", {st.layer_begin, st.layer_end}},
-                       {"units", {st.unit_begin(), st.unit_end()}},
-                       {"step_s_median", median(step_s)},
-                       {"compute_s_median", median(compute_s)},
-                       {"sync_wait_s_median", median(sync_s)},
-                       {"phase_s_median", median(phase_s)},
-                       {"peak_activation_bytes", r.peak_activation_bytes},
-                       // Model state as allocated (ZeRO shrinks the optimizer's share) and the
-                       // process's peak resident memory.
-                       {"param_bytes", param_bytes},
-                       {"grad_bytes", r.peak_grad_bytes},
-                       {"optimizer_state_bytes", opt_->state_bytes()},
-                       {"peak_gathered_param_bytes", zero3_ ? zero3_->peak_gathered_bytes() : 0},
-                       {"peak_rss_bytes", peak_rss_bytes()},
-                       {"model_memory_bytes", r.peak_model_memory_bytes},
-                       {"peak_in_flight_micro_batches", r.peak_in_flight}};
-  // Every step's figures too: the medians hide drift (a rank slow in the first steps only), and
-  // re-planning decides from the first steps.
-  nlohmann::json per_step = nlohmann::json::array();
-  for (const auto& s : r.steps) per_step.push_back({s.step_s, s.compute_s, s.sync_wait_s});
-  me["steps_step_compute_syncwait_s"] = per_step;
-  nlohmann::json all = nlohmann::json::array();
-  if (!world_) {
-    all.push_back(me);
-  } else {
-    std::string s = me.dump();
-    const std::string prefix = "alloy/" + opts_.generation + "rankstats/";
-    world_->store().set(prefix + std::to_string(rank_), std::vector<uint8_t>(s.begin(), s.end()));
-    if (rank_ != 0) return;
-    for (int q = 0; q < world_->size(); ++q) {
-      std::string key = prefix + std::to_string(q);
-      world_->store().wait({key});
-      auto b = world_->store().get(key);
-      all.push_back(nlohmann::json::parse(std::string(b.begin(), b.end())));
-    }
-  }
-  if (rank_ == 0) {
-    write_file_atomic(cfg_.output.dir + "/ranks.json", all.dump(2) + "\n");
-    const bool calibrated = opts_.calibrated_prediction && opts_.calibrated_prediction->is_object();
-    if (!plan_->predicted.is_null() && !opts_.quiet)
-      std::fprintf(stderr, "%s",
-                   plan::predicted_vs_measured(calibrated ? *opts_.calibrated_prediction : plan_->predicted, all, median(step_s),
-                                               calibrated ? &plan_->predicted : nullptr)
-                       .c_str());
-  }
-}
-
-std::shared_ptr<Plan> Trainer::replan_now(const TrainResult& r) {
-  // Medians of the steps after the first (it warms up allocators and caches); the lower middle:
-  // a stall only raises times.
-  auto lower_median = [&](double StepRecord::*field) {
-    std::vector<double> v;
-    for (size_t i = r.steps.size() > 1 ? 1 : 0; i < r.steps.size(); ++i) v.push_back(r.steps[i].*field);
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[(v.size() - 1) / 2];
-  };
-  const double mine = lower_median(&StepRecord::compute_s), my_phase = lower_median(&StepRecord::phase_s);
-  const std::string prefix = "alloy/" + opts_.generation + "replan/";
-  auto& store = world_->store();
-  auto put = [&](const std::string& k, const std::string& s) { store.set(prefix + k, std::vector<uint8_t>(s.begin(), s.end())); };
-  auto get = [&](const std::string& k) {
-    store.wait({prefix + k});
-    auto b = store.get(prefix + k);
-    return std::string(b.begin(), b.end());
-  };
-  put("compute/" + std::to_string(rank_), std::to_string(mine));
-  put("phase/" + std::to_string(rank_), std::to_string(my_phase));
-  std::string decision;
-  if (rank_ == 0) {
-    std::map<int, double> measured, phase;
-    for (int q = 0; q < world_->size(); ++q) {
-      measured[q] = std::stod(get("compute/" + std::to_string(q)));
-      phase[q] = std::stod(get("phase/" + std::to_string(q)));
-    }
-    try {
-      auto next = opts_.replan ? opts_.replan(measured, phase) : nullptr;
-      if (next) decision = next->to_json().dump();
-    } catch (const std::exception& e) {
-      log_warn(std::string("re-planning failed, the running plan stays: ") + e.what());
-    }
-    put("decision", decision.empty() ? "keep" : decision);
-  } else {
-    decision = get("decision");
-    if (decision == "keep") decision.clear();
-  }
-  if (decision.empty()) return nullptr;
-  return std::make_shared<Plan>(Plan::from_json(nlohmann::json::parse(decision), "the re-planned layout from rank 0"));
 }
 
 TrainResult Trainer::run() {
