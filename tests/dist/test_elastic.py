@@ -15,6 +15,7 @@ usage: test_elastic.py ALLOY WORKDIR [emulated|check]
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +26,13 @@ from distlib import fresh_workdir_with_corpus, metrics_rows, popen_collect, rank
 
 STEPS = 40
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+
+
+def signal_quietly(pid, sig):
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def config(work, out):
@@ -77,10 +85,23 @@ def main():
         # Back once the two survivors have trained two steps of their own.
         resumed = [int(l.rsplit(" ", 1)[1]) for l in lines if "resumed from" in l and " at step " in l]
         if removed_at is not None and back_at is None and resumed and n >= resumed[0] + 2:
-            if mode == "emulated":
-                subprocess.run([alloy, "emu", "up", "h2"], check=True, capture_output=True)
-            else:
-                os.unlink(gone)
+            # The survivors are paused until the launcher has seen the device back: two devices train a
+            # step in ~0.1 s, so without the pause the job could reach its last checkpoint before the
+            # launcher's next look (once a second), and nothing would be left to rejoin (CI saw this).
+            survivors = [pid for pid in (rank_pid(cfg, 0), rank_pid(cfg, 1)) if pid]
+            for pid in survivors:
+                signal_quietly(pid, signal.SIGSTOP)
+            try:
+                if mode == "emulated":
+                    subprocess.run([alloy, "emu", "up", "h2"], check=True, capture_output=True)
+                else:
+                    os.unlink(gone)
+                seen = time.time() + 20
+                while time.time() < seen and not any("is available again" in l for l in lines):
+                    time.sleep(0.05)
+            finally:
+                for pid in survivors:
+                    signal_quietly(pid, signal.SIGCONT)
             back_at = n
         time.sleep(0.05)
     if p.poll() is None:
