@@ -101,6 +101,36 @@ LAYOUTS["halves-llama-pp3-3+7+6"] = ("llama", 24, _units(plan(24, [(3, 8, [(0, 0
 LAYOUTS["halves-zero2-recompute"] = LAYOUTS["halves-mixed-11+5_and_16"][:4] + (
     ["--zero-stage", "2", "--shard-ratio", "3", "1", "2", "--recompute"],)
 
+# Tensor parallelism (plan version 4): a stage's ranks split the heads (tp_split, MLP columns in
+# the same ratio), evenly and unevenly; GQA (8 heads, 4 key/value heads: whole groups per rank);
+# inside a pipeline, with a pipeline of two TP stages, and beside a replica without TP (whose
+# gradients sum with the pieces'), that one with ZeRO-1 across the pieces' holders too.
+
+
+def _tp(gb, pipelines, schedule="1f1b"):
+    """pipelines: [(mbs, nmb, [(ranks, begin, end, tp_split or None), ...]), ...]"""
+    p = {"format": "alloy-plan", "version": 4, "global_batch": gb, "schedule": schedule, "pipelines": []}
+    for m, n, stages in pipelines:
+        sts = []
+        for ranks, b, e, split in stages:
+            st = {"ranks": ranks, "layers": [b, e]}
+            if split:
+                st["tp_split"] = split
+            sts.append(st)
+        p["pipelines"].append({"micro_batch_size": m, "num_micro_batches": n, "stages": sts})
+    return p
+
+
+LAYOUTS["tp2-even"] = ("gpt2", 24, _tp(24, [(4, 6, [([0, 1], 0, 8, None)])]), 2)
+LAYOUTS["tp2-3:1"] = ("gpt2", 24, _tp(24, [(4, 6, [([0, 1], 0, 8, [3, 1])])]), 2)
+LAYOUTS["tp3-2:1:1"] = ("gpt2", 24, _tp(24, [(4, 6, [([0, 1, 2], 0, 8, [2, 1, 1])])]), 3)
+LAYOUTS["tp2-llama-gqa-6:2"] = ("llama-gqa", 24, _tp(24, [(4, 6, [([0, 1], 0, 8, [6, 2])])]), 2)
+LAYOUTS["tp3-llama-gqa-even"] = ("llama-gqa", 24, _tp(24, [(4, 6, [([0, 1, 2], 0, 8, [4, 2, 2])])]), 3)
+LAYOUTS["tp2-in-pp2"] = ("gpt2", 24, _tp(24, [(4, 6, [([0, 1], 0, 5, [3, 1]), ([2], 5, 8, None)])]), 3)
+LAYOUTS["tp-pp-tp-llama"] = ("llama-gqa", 24, _tp(24, [(4, 6, [([0, 1], 0, 3, [2, 6]), ([2, 3], 3, 8, [4, 4])])]), 4)
+LAYOUTS["tp2-beside-replica"] = ("gpt2", 24, _tp(24, [(4, 4, [([0, 1], 0, 8, [3, 1])]), (2, 4, [([2], 0, 8, None)])]), 3)
+LAYOUTS["tp2-beside-replica-zero1"] = LAYOUTS["tp2-beside-replica"] + (["--zero-stage", "1"],)
+
 # name: (layout above, or None for one rank training alone; device of each rank). Compared with
 # the one-device run on the CPU.
 DEVICE_LAYOUTS = {
@@ -116,8 +146,10 @@ RTOL_GPU = 1e-4
 
 def config(work, arch, gb, out):
     path = os.path.join(work, f"{arch}-{gb}.yaml")
+    # llama-gqa: 8 heads reading 4 key/value heads (tensor-parallel splits keep whole groups)
+    heads = "heads: 8, kv_heads: 4" if arch == "llama-gqa" else "heads: 4"
     with open(path, "w") as f:
-        f.write(f"""model: {{arch: {arch}, layers: 8, hidden: 32, heads: 4, seq_len: 32, vocab_size: 257}}
+        f.write(f"""model: {{arch: {arch.replace("-gqa", "")}, layers: 8, hidden: 32, {heads}, seq_len: 32, vocab_size: 257}}
 data: {{prefix: {work}/data/corpus}}
 train: {{steps: {STEPS}, global_batch: {gb}, lr: 2e-3, warmup: 3, eval_interval: 10, eval_batches: 1, threads: 1}}
 output: {{dir: {out}, tensorboard: false}}
@@ -159,6 +191,28 @@ def shares_followed(out, flags):
     return ok
 
 
+def tp_split_held(out, single, layout):
+    """Each rank of a tensor-parallel stage holding the whole model keeps only its heads' pieces:
+    less than the one-device model, and more where it has more heads."""
+    def bytes_of(d):
+        with open(os.path.join(d, "ranks.json")) as f:
+            return {r["rank"]: r["param_bytes"] for r in json.load(f)}
+    whole, held = bytes_of(single)[0], bytes_of(out)
+    ok = True
+    for pl in layout["pipelines"]:
+        for st in pl["stages"]:
+            if len(st["ranks"]) < 2 or st["layers"] != [0, 8]:
+                continue
+            split = st.get("tp_split") or [1] * len(st["ranks"])
+            got = [held[r] for r in st["ranks"]]
+            good = all(b < whole for b in got) and all(
+                (got[i] > got[j]) == (split[i] > split[j]) for i in range(len(got)) for j in range(len(got)) if i != j)
+            ok = ok and good
+            print(f"     ranks {st['ranks']} heads {split}: parameter bytes {got} (one device: {whole})"
+                  f"{'' if good else '  <- not split as asked'}")
+    return ok
+
+
 def activations_shrank(plain, recomputed):
     """Recomputation keeps each block's input only: every rank's peak activation memory falls."""
     def peaks(d):
@@ -170,41 +224,46 @@ def activations_shrank(plain, recomputed):
     return all(y < x for x, y in zip(a, b))
 
 
-def reshard(alloy, work, env, baselines):
-    """10 steps under ZeRO-2 with 3:1:2 shards in a 2-stage pipeline cut inside a block (5.5 + 2.5
-    blocks) beside a full replica, then a
-    resume under another layout (three full replicas, ZeRO-1, even shards) for steps 11-20: the
-    losses follow the uninterrupted one-device run."""
+RESHARD_CHAINS = {
+    # steps 1-10 under ZeRO-2 with 3:1:2 shards in a 2-stage pipeline cut inside a block (5.5 + 2.5
+    # blocks) beside a full replica, then steps 11-20 on three full replicas, ZeRO-1, even shards
+    "reshard": [("reshard-a", "halves-mixed-11+5_and_16", ["--zero-stage", "2", "--shard-ratio", "3", "1", "2"], 10),
+                ("reshard-b", "dp3-4x3-3x2-1x6", ["--zero-stage", "1"], 20)],
+    # tensor parallelism in and out: a 3:1 TP stage in a pipeline (1-10), two replicas without TP
+    # (11-15), a 2:1:1 TP group (16-20)
+    "reshard-tp": [("reshard-tp-a", "tp2-in-pp2", [], 10), ("reshard-tp-b", "dp2-6x2-2x6", [], 15),
+                   ("reshard-tp-c", "tp3-2:1:1", [], 20)],
+}
+
+
+def reshard(alloy, work, env, baselines, chain):
+    """A run resumed under other layouts, each from its predecessor's checkpoint: the losses follow
+    the uninterrupted one-device run."""
     arch, gb = "gpt2", 24
     if (arch, gb) not in baselines:
         out = os.path.join(work, f"single-{arch}-{gb}")
         sh([alloy, "train", "--config", config(work, arch, gb, out)], env=env)
         baselines[(arch, gb)] = losses(out)
     base = baselines[(arch, gb)]
-    runs = []
-    for name, layout, flags, resume in (
-            ("reshard-a", "halves-mixed-11+5_and_16", ["--zero-stage", "2", "--shard-ratio", "3", "1", "2",
-                                             "--set", "train.checkpoint_interval=10"], None),
-            ("reshard-b", "dp3-4x3-3x2-1x6", ["--zero-stage", "1"], "reshard-a/checkpoints/step_00000010")):
+    got, resume, begin, what = [], None, 0, []
+    for name, layout, flags, end in RESHARD_CHAINS[chain]:
         out = os.path.join(work, name)
         _, _, layout_plan, world = LAYOUTS[layout][:4]
         plan_path = os.path.join(work, name + ".json")
         with open(plan_path, "w") as f:
             json.dump(layout_plan, f)
         cmd = [alloy, "launch", "--nproc", str(world), "--threads-per-rank", "1", "--", alloy, "train", "--config",
-               config(work, arch, gb, out), "--timeout", "120", "--plan", plan_path] + flags
+               config(work, arch, gb, out), "--timeout", "120", "--plan", plan_path, "--set", f"train.checkpoint_interval={end}"] + flags
         if resume:
-            cmd += ["--resume-from", os.path.join(work, resume)]
+            cmd += ["--resume-from", resume]
         sh(cmd, env=env)
-        runs.append(losses(out))
-    a = [r for r in runs[0] if r[0] <= 10]
-    b = runs[1]
-    got = a + b
+        got += [r for r in losses(out) if begin < r[0] <= end]
+        resume, begin = os.path.join(out, "checkpoints", f"step_{end:08d}"), end
+        what.append(f"{layout} {' '.join(flags)}".strip())
     ok = [r[0] for r in got] == list(range(1, STEPS + 1))
     worst = max(abs(l - bl) / abs(bl) for (_, l, _), (_, bl, _) in zip(got, base))
     ok = ok and worst <= RTOL
-    print(f"{'ok  ' if ok else 'FAIL'} reshard            steps 1-10 ZeRO-2 3:1:2 pipeline+replica, 11-20 ZeRO-1 on 3 "
-          f"replicas: worst relative loss difference {worst:.2e}", flush=True)
+    print(f"{'ok  ' if ok else 'FAIL'} {chain:<18} {' -> '.join(what)}: worst relative loss difference {worst:.2e}", flush=True)
     return ok
 
 
@@ -220,7 +279,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     baselines = {}
     failures = 0
-    for name in [w for w in wanted if w != "reshard"]:
+    for name in [w for w in wanted if w not in RESHARD_CHAINS]:
         devices, rtol, extra_flags = [], RTOL, []
         if on_devices:
             base_name, devices = DEVICE_LAYOUTS[name]
@@ -269,15 +328,17 @@ def main():
         ok = ok and worst <= rtol
         if name.startswith("zero") and "-dp" in name and ("--shard-ratio" in extra_flags or name.startswith("zero3")):
             ok = shares_followed(out, extra_flags) and ok
+        if name.startswith("tp") and isinstance(layout, dict):
+            ok = tp_split_held(out, os.path.join(work, f"single-{arch}-{gb}"), layout) and ok
         if name == "recompute-pp2" and os.path.exists(os.path.join(work, "pp2-6+2-1f1b", "ranks.json")):
             ok = activations_shrank(os.path.join(work, "pp2-6+2-1f1b"), out) and ok
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name:<18} world {world}: {len(got)} steps, worst relative loss difference {worst:.2e}"
               f" (first {got[0][1]:.4f}, last {got[-1][1]:.4f})", flush=True)
-    if not on_devices and (not args or "reshard" in args):
-        ok = reshard(alloy, work, env, baselines)
-        failures += not ok
-        wanted = wanted + ["reshard"] if "reshard" not in wanted else wanted
+    for chain in RESHARD_CHAINS:
+        if not on_devices and (not args or chain in args):
+            failures += not reshard(alloy, work, env, baselines, chain)
+            wanted = wanted + [chain] if chain not in wanted else wanted
     print(f"{len(wanted) - failures} passed, {failures} failed")
     return 1 if failures else 0
 

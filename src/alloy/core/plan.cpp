@@ -72,9 +72,74 @@ Plan::Position Plan::locate(int rank) const {
   for (size_t p = 0; p < pipelines.size(); ++p)
     for (size_t s = 0; s < pipelines[p].stages.size(); ++s)
       for (int r : pipelines[p].stages[s].ranks)
-        if (r == rank) return {static_cast<int>(p), static_cast<int>(s)};
+        if (r == rank) {
+          const auto& rs = pipelines[p].stages[s].ranks;
+          return {static_cast<int>(p), static_cast<int>(s), static_cast<int>(std::find(rs.begin(), rs.end(), r) - rs.begin())};
+        }
   throw InputError("plan", "rank " + std::to_string(rank) + " does not appear in the plan (world size " +
                                std::to_string(world_size()) + ")");
+}
+
+std::vector<int64_t> even_tp_split(const ModelConfig& model, int n) {
+  // Heads go in whole key/value groups (GQA: REP query heads read one key/value head).
+  const int64_t kv = model.kv_heads_resolved(), rep = model.heads / std::max<int64_t>(kv, 1);
+  if (n < 1 || kv < n) return {};
+  std::vector<int64_t> out;
+  for (int i = 0; i < n; ++i) out.push_back((kv / n + (i < kv % n ? 1 : 0)) * rep);
+  return tp_split_problem(model, out).empty() ? out : std::vector<int64_t>{};
+}
+
+std::string tp_split_problem(const ModelConfig& model, const std::vector<int64_t>& split) {
+  auto text = [](const std::vector<int64_t>& v) {
+    std::string s;
+    for (size_t i = 0; i < v.size(); ++i) s += (i ? " " : "") + std::to_string(v[i]);
+    return s;
+  };
+  auto suggest = [&]() {
+    const auto even = even_tp_split(model, static_cast<int>(split.size()));
+    return even.empty() ? std::string(" (no split over ") + std::to_string(split.size()) + " ranks divides it)"
+                        : " (e.g. tp_split " + text(even) + ")";
+  };
+  const int64_t H = model.heads, kv = model.kv_heads_resolved(), F = model.ffn_resolved();
+  int64_t sum = 0;
+  for (int64_t h : split) {
+    if (h < 1) return "every rank needs at least one head, got " + text(split) + suggest();
+    sum += h;
+  }
+  if (sum != H) return "heads " + text(split) + " sum to " + std::to_string(sum) + ", the model has " + std::to_string(H) + suggest();
+  if (F % H != 0)
+    return "the MLP's " + std::to_string(F) + " columns do not divide by the " + std::to_string(H) +
+           " heads, so they cannot follow the heads' split";
+  const int64_t rep = H / kv;
+  int64_t at = 0;
+  for (int64_t h : split) {
+    at += h;
+    if (at % rep != 0)
+      return "with " + std::to_string(kv) + " key/value heads each serves " + std::to_string(rep) +
+             " query heads, and heads " + text(split) + " cut a group" + suggest();
+  }
+  return "";
+}
+
+std::vector<int64_t> StagePlan::tp_heads(int64_t heads) const {
+  if (!tp_split.empty()) return tp_split;
+  const int64_t n = static_cast<int64_t>(ranks.size());
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < n; ++i) out.push_back(heads / n + (i < heads % n ? 1 : 0));
+  return out;
+}
+
+std::vector<int64_t> StagePlan::tp_bounds(int64_t heads) const {
+  std::vector<int64_t> b{0};
+  for (int64_t h : tp_heads(heads)) b.push_back(b.back() + h);
+  return b;
+}
+
+bool Plan::has_tensor_parallel() const {
+  for (const auto& p : pipelines)
+    for (const auto& s : p.stages)
+      if (s.ranks.size() > 1) return true;
+  return false;
 }
 
 void StagePlan::set_units(int64_t begin, int64_t end) {
@@ -141,9 +206,19 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
                           : "[" + std::to_string(st.layer_begin) + ", " + std::to_string(st.layer_end) + ") is empty");
       expect = st.unit_end();
       if (st.ranks.empty()) fail(sf + ".ranks", "a stage needs a rank");
-      if (st.ranks.size() > 1)
-        fail(sf + ".ranks", "holds " + std::to_string(st.ranks.size()) +
-                                " ranks; tensor parallelism inside a stage is not supported yet, give each rank its own stage or pipeline");
+      if (!st.tp_split.empty() && st.tp_split.size() != st.ranks.size())
+        fail(sf + ".tp_split", "has " + std::to_string(st.tp_split.size()) + " entries for " + std::to_string(st.ranks.size()) + " ranks");
+      if (st.ranks.size() > 1) {
+        if (st.tp_split.empty() && model.heads % static_cast<int64_t>(st.ranks.size()) != 0) {
+          const auto even = even_tp_split(model, st.tp());
+          std::string alt;
+          for (size_t k = 0; k < even.size(); ++k) alt += (k ? ", " : "") + std::to_string(even[k]);
+          fail(sf + ".ranks", std::to_string(model.heads) + " heads do not split evenly over " + std::to_string(st.ranks.size()) +
+                                  " tensor-parallel ranks" + (alt.empty() ? "" : ": give tp_split [" + alt + "]"));
+        }
+        if (const std::string why = tp_split_problem(model, st.tp_heads(model.heads)); !why.empty())
+          fail(sf + (st.tp_split.empty() ? ".ranks" : ".tp_split"), why);
+      }
       for (int r : st.ranks) {
         if (r < 0) fail(sf + ".ranks", "rank " + std::to_string(r) + " is negative");
         if (seen.count(r)) fail(sf + ".ranks", "rank " + std::to_string(r) + " already appears in " + seen[r]);
@@ -192,13 +267,13 @@ nlohmann::json Plan::to_json() const {
   j["format"] = "alloy-plan";
   // Each version is written only when the plan needs it: readers of version 1 know no sharding
   // and no recomputation, readers of 2 no half-block stages.
-  bool v2 = !sharding.empty(), v3 = false;
+  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel();
   for (const auto& p : pipelines)
     for (const auto& st : p.stages) {
       v2 = v2 || st.recompute;
       v3 = v3 || st.splits_block();
     }
-  j["version"] = v3 ? 3 : v2 ? 2 : 1;
+  j["version"] = v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
   j["global_batch"] = global_batch;
   j["schedule"] = schedule;
   j["pipelines"] = nlohmann::json::array();
@@ -210,6 +285,7 @@ nlohmann::json Plan::to_json() const {
       if (s.splits_block()) sj["units"] = {s.unit_begin(), s.unit_end()};
       if (!s.device.empty()) sj["device"] = s.device;
       if (s.recompute) sj["recompute"] = true;
+      if (!s.tp_split.empty()) sj["tp_split"] = s.tp_split;
       pj["stages"].push_back(sj);
     }
     j["pipelines"].push_back(pj);
@@ -252,8 +328,8 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
   try {
     if (j.contains("format") && j["format"] != "alloy-plan")
       throw InputError(where, "field 'format' is " + j["format"].dump() + ", not \"alloy-plan\"");
-    if (j.contains("version") && j["version"] != 1 && j["version"] != 2 && j["version"] != 3)
-      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 3");
+    if (j.contains("version") && j["version"] != 1 && j["version"] != 2 && j["version"] != 3 && j["version"] != 4)
+      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 4");
     field = "global_batch";
     p.global_batch = whole<int64_t>(j.at("global_batch"));
     field = "schedule";
@@ -293,6 +369,7 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
         }
         st.device = sts[s].value("device", std::string());
         st.recompute = sts[s].value("recompute", false);
+        if (sts[s].contains("tp_split")) st.tp_split = whole_list<int64_t>(sts[s].at("tp_split"));
         pl.stages.push_back(st);
       }
       p.pipelines.push_back(pl);
@@ -375,7 +452,17 @@ std::string Plan::describe() const {
         << " samples |";
     for (size_t s = 0; s < pl.stages.size(); ++s) {
       const auto& st = pl.stages[s];
-      out << (s ? " ->" : "") << " rank " << st.ranks[0];
+      out << (s ? " ->" : "");
+      if (st.ranks.size() == 1) {
+        out << " rank " << st.ranks[0];
+      } else {
+        out << " ranks ";
+        for (size_t k = 0; k < st.ranks.size(); ++k) out << (k ? "+" : "") << st.ranks[k];
+        out << " (tp";
+        if (!st.tp_split.empty())
+          for (size_t k = 0; k < st.tp_split.size(); ++k) out << (k ? ":" : " heads ") << st.tp_split[k];
+        out << ")";
+      }
       if (st.splits_block())
         out << " units [" << st.unit_begin() << "," << st.unit_end() << ")";
       else

@@ -9,7 +9,9 @@
 //  - every pipeline's stages cover blocks [0, model.layers) contiguously, in order, none empty;
 //    a boundary may fall inside a block, between its attention and its MLP half (units below)
 //  - every rank 0..world-1 appears in exactly one stage of one pipeline
-//  - a stage has one rank (tensor parallelism inside a stage is not supported yet)
+//  - a stage with several ranks is a tensor-parallel group: tp_split gives each rank's attention
+//    heads (empty: even), summing to model.heads; MLP columns follow the same ratio, GQA key/value
+//    heads too (each rank's heads must cover whole key/value groups)
 //  - grad_sync's fields are valid (GradSyncConfig::validate); slow_links name ranks of the plan
 // Layer indices count transformer blocks; the embedding lives with the stage holding block 0 and
 // the head (final norm, logits, loss) with the stage holding the last block, as in Megatron.
@@ -39,7 +41,21 @@ struct StagePlan {
   bool splits_block() const { return from_mlp || to_attention; }
   void set_units(int64_t begin, int64_t end);
   double blocks() const { return static_cast<double>(unit_end() - unit_begin()) / 2.0; }
+  // Tensor parallelism (plan version 4): with several RANKS, the attention heads each holds, in
+  // rank order (empty: split evenly). tp_heads resolves it; tp_bounds gives the head boundaries
+  // (0, h0, h0 + h1, ..., heads).
+  std::vector<int64_t> tp_split;
+  int tp() const { return static_cast<int>(ranks.size()); }
+  std::vector<int64_t> tp_heads(int64_t heads) const;
+  std::vector<int64_t> tp_bounds(int64_t heads) const;
 };
+
+// Why SPLIT (heads per rank) cannot divide MODEL's attention heads, MLP columns and key/value
+// heads exactly, with a split that would work; empty when it can.
+std::string tp_split_problem(const ModelConfig& model, const std::vector<int64_t>& split);
+// The most even split of MODEL's heads over N ranks that divides exactly (each rank a whole number
+// of key/value groups); empty when there is none.
+std::vector<int64_t> even_tp_split(const ModelConfig& model, int n);
 
 struct PipelinePlan {
   int64_t micro_batch_size = 1;
@@ -75,6 +91,7 @@ struct Plan {
   // Where a rank sits; throws if the rank is not in the plan.
   struct Position {
     int pipeline = -1, stage = -1;
+    int tp_rank = 0;  // index among the stage's ranks (tensor parallelism)
   };
   Position locate(int rank) const;
   // Why RANKS do not run the same schedule (the same blocks at the same stage position of
@@ -91,6 +108,7 @@ struct Plan {
   static Plan from_json(const nlohmann::json& j, const std::string& where);
   static Plan load(const std::string& path);
   void save(const std::string& path) const;  // atomic
+  bool has_tensor_parallel() const;
   // One line per pipeline, e.g. "pipeline 0: 6 x 4 samples | rank 0 blocks [0,6) -> rank 1 [6,8)".
   std::string describe() const;
 

@@ -5,6 +5,7 @@
 
 #include "alloy/core/components.h"
 #include "alloy/core/error.h"
+#include "alloy/dist/tensor_parallel.h"
 #include "alloy/model/transformer.h"
 
 namespace alloy::dist {
@@ -45,10 +46,15 @@ std::vector<int> HolderSet::leaders() const {
 }
 
 SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model, const LoraConfig& lora) {
+  const bool tp = plan.has_tensor_parallel();
   for (const auto& pl : plan.pipelines)
     for (const auto& s : pl.stages)
-      for (const auto& n : model::param_names(model, lora, model::LayerRange::for_units(s.unit_begin(), s.unit_end(), model.layers)))
-        holders_[n].push_back(s.ranks[0]);
+      for (int r : s.ranks) {
+        const model::TpLayout layout = tp ? tp_layout(plan, model, r) : model::TpLayout{};
+        for (const auto& n : model::param_names(model, lora, model::LayerRange::for_units(s.unit_begin(), s.unit_end(), model.layers),
+                                                tp ? &layout : nullptr))
+          holders_[n].push_back(r);
+      }
   std::set<std::vector<int>> distinct;
   for (auto& [n, r] : holders_) {
     std::sort(r.begin(), r.end());

@@ -9,6 +9,7 @@
 
 #include "alloy/model/lora.h"
 #include "alloy/model/recompute.h"
+#include "alloy/model/tensor_parallel.h"
 
 namespace alloy::model {
 
@@ -186,13 +187,73 @@ class BlockLayer : public Layer {
   virtual at::Tensor mlp_half(const at::Tensor& x) = 0;
   size_t mlp0_ = 0;  // index of the MLP half's first parameter
 
+  // Tensor parallelism (tensor_parallel.h): after keep_halves, stores the split parameters of
+  // BLOCK as the pieces TP gives for it (those within this rank's heads) and makes w() / proj()
+  // see logical parameters: what the code indexes as parameter I may be several pieces.
+  void split_for_tp(const TpLayout* tp, int64_t block, const ModelConfig& c) {
+    h0_ = 0, h1_ = c.heads, cfg_ = &c;
+    if (!tp || !tp->splits(block)) return;
+    if (tp->head_end > 0) h0_ = tp->head_begin, h1_ = tp->head_end, comm_ = tp->comm;
+    const auto& bounds = tp->pieces.at(block);
+    std::vector<Param> out;
+    for (auto& p : params_) {
+      Logical L;
+      L.kind = tp_param(p.name);
+      if (L.kind.kind == TpKind::None) {
+        L.idx = {out.size()};
+        out.push_back(std::move(p));
+      } else {
+        for (size_t j = 0; j + 1 < bounds.size(); ++j) {
+          if (bounds[j] < h0_ || bounds[j + 1] > h1_) continue;
+          if (L.bounds.empty()) L.bounds.push_back(bounds[j]);
+          L.bounds.push_back(bounds[j + 1]);
+          L.idx.push_back(out.size());
+          out.push_back({piece_name(p.name, bounds[j], bounds[j + 1]), tp_cut(p.tensor, L.kind, bounds[j], bounds[j + 1], c), p.decay});
+        }
+      }
+      logical_.push_back(std::move(L));
+    }
+    params_ = std::move(out);
+  }
+  // Logical parameter I's values (its pieces joined when it has several).
+  at::Tensor w(size_t i) const {
+    if (logical_.empty()) return params_[i].tensor;
+    const Logical& L = logical_[i];
+    if (L.idx.size() == 1) return params_[L.idx[0]].tensor;
+    std::vector<at::Tensor> ps;
+    for (size_t j : L.idx) ps.push_back(params_[j].tensor);
+    return tp_join(ps, L.bounds, L.kind, *cfg_);
+  }
+  at::Tensor proj(size_t i, const at::Tensor& x, const at::Tensor* bias) const {
+    if (logical_.empty()) return project(i, x, bias);
+    if (logical_[i].idx.size() == 1) return project(logical_[i].idx[0], x, bias);
+    const at::Tensor W = w(i);
+    if (in_out_) return bias ? at::addmm(*bias, x, W) : at::mm(x, W);
+    return bias ? at::linear(x, W, *bias) : at::linear(x, W);
+  }
+  // The row-parallel product of I, summed over the group, plus BIAS (added once, after the sum).
+  at::Tensor proj_summed(size_t i, const at::Tensor& x, const at::Tensor* bias) const {
+    if (!comm_) return proj(i, x, bias);
+    at::Tensor y = tp_exit(proj(i, x, nullptr), comm_);
+    return bias ? y + *bias : y;
+  }
+  int64_t h0_ = 0, h1_ = 0;  // the heads this slice computes
+  TpComm* comm_ = nullptr;   // its tensor-parallel group, if any
+
  private:
+  struct Logical {
+    std::vector<size_t> idx;      // into params_
+    std::vector<int64_t> bounds;  // head boundaries of the pieces
+    TpParam kind;
+  };
+  std::vector<Logical> logical_;  // empty: no pieces, parameter I is params_[I]
+  const ModelConfig* cfg_ = nullptr;
   bool attn_ = true, mlp_ = true;
 };
 
 class Gpt2Block : public BlockLayer {
  public:
-  Gpt2Block(const ModelConfig& c, int64_t i, Init& init, Shared* sh, bool attn, bool mlp) : c_(c), sh_(sh) {
+  Gpt2Block(const ModelConfig& c, int64_t i, Init& init, Shared* sh, bool attn, bool mlp, const TpLayout* tp) : c_(c), sh_(sh) {
     in_out_ = true;
     std::string p = "h." + std::to_string(i) + ".";
     int64_t H = c.hidden, F = c.ffn_resolved();
@@ -210,28 +271,29 @@ class Gpt2Block : public BlockLayer {
     add(p + "mlp.c_proj.weight", init.normal({F, H}, proj_std), true);
     add(p + "mlp.c_proj.bias", init.fill({H}, 0.0), false);
     keep_halves(attn, mlp, 6);
+    split_for_tp(tp, i, c);
   }
 
  protected:
   at::Tensor attention_half(const at::Tensor& x) override {
-    const auto& P = params_;
-    int64_t B = x.size(0), T = x.size(1), H = c_.hidden, nh = c_.heads, hd = c_.head_dim();
-    auto h = at::layer_norm(x, {H}, P[0].tensor, P[1].tensor, c_.norm_eps);
+    int64_t B = x.size(0), T = x.size(1), H = c_.hidden, nh = h1_ - h0_, hd = c_.head_dim();
+    auto h = tp_enter(at::layer_norm(x, {H}, w(0), w(1), c_.norm_eps), comm_);
     // HF's Conv1D: y = x @ W + b with W stored [in, out].
     // unbind, not qkv[i]: select's backward writes each gradient into a zeroed full-size tensor
     // and adds the three; unbind's backward is one stack.
-    auto qkv = project(2, h.reshape({B * T, H}), &P[3].tensor).view({B, T, 3, nh, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
+    const at::Tensor b_qkv = w(3), b_out = w(5);
+    auto qkv = proj(2, h.reshape({B * T, H}), &b_qkv).view({B, T, 3, nh, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
     auto y = attention(qkv[0], qkv[1], qkv[2], sh_->causal_mask(T, x.device()));
-    y = y.transpose(1, 2).reshape({B * T, H});
-    return x + project(4, y, &P[5].tensor).view({B, T, H});
+    y = y.transpose(1, 2).reshape({B * T, nh * hd});
+    return x + proj_summed(4, y, &b_out).view({B, T, H});
   }
   at::Tensor mlp_half(const at::Tensor& x) override {
-    const auto& P = params_;
     const size_t m = mlp0_;
     int64_t B = x.size(0), T = x.size(1), H = c_.hidden;
-    auto h2 = at::layer_norm(x, {H}, P[m].tensor, P[m + 1].tensor, c_.norm_eps).reshape({B * T, H});
-    auto f = at::gelu(project(m + 2, h2, &P[m + 3].tensor), "tanh");
-    return x + project(m + 4, f, &P[m + 5].tensor).view({B, T, H});
+    auto h2 = tp_enter(at::layer_norm(x, {H}, w(m), w(m + 1), c_.norm_eps).reshape({B * T, H}), comm_);
+    const at::Tensor b_fc = w(m + 3), b_out = w(m + 5);
+    auto f = at::gelu(proj(m + 2, h2, &b_fc), "tanh");
+    return x + proj_summed(m + 4, f, &b_out).view({B, T, H});
   }
 
  private:
@@ -283,7 +345,7 @@ class LlamaEmbedding : public Layer {
 
 class LlamaBlock : public BlockLayer {
  public:
-  LlamaBlock(const ModelConfig& c, int64_t i, Init& init, Shared* sh, bool attn, bool mlp) : c_(c), sh_(sh) {
+  LlamaBlock(const ModelConfig& c, int64_t i, Init& init, Shared* sh, bool attn, bool mlp, const TpLayout* tp) : c_(c), sh_(sh) {
     std::string p = "model.layers." + std::to_string(i) + ".";
     int64_t H = c.hidden, hd = c.head_dim(), nh = c.heads, nkv = c.kv_heads_resolved(), F = c.ffn_resolved();
     add(p + "input_layernorm.weight", init.fill({H}, 1.0), false);
@@ -296,17 +358,18 @@ class LlamaBlock : public BlockLayer {
     add(p + "mlp.up_proj.weight", init.normal({F, H}, c.init_std), true);
     add(p + "mlp.down_proj.weight", init.normal({H, F}, c.init_std), true);
     keep_halves(attn, mlp, 5);
+    split_for_tp(tp, i, c);
   }
 
  protected:
   at::Tensor attention_half(const at::Tensor& x) override {
-    const auto& P = params_;
-    int64_t B = x.size(0), T = x.size(1), nh = c_.heads, nkv = c_.kv_heads_resolved(), hd = c_.head_dim();
+    // This slice's heads (all without tensor parallelism); whole key/value groups (plan.h).
+    int64_t B = x.size(0), T = x.size(1), nh = h1_ - h0_, nkv = nh * c_.kv_heads_resolved() / c_.heads, hd = c_.head_dim();
     sh_->rope(T, x.device());
-    auto h = rms_norm(x, P[0].tensor, c_.norm_eps);
-    auto q = project(1, h).view({B, T, nh, hd}).transpose(1, 2);
-    auto k = project(2, h).view({B, T, nkv, hd}).transpose(1, 2);
-    auto v = project(3, h).view({B, T, nkv, hd}).transpose(1, 2);
+    auto h = tp_enter(rms_norm(x, w(0), c_.norm_eps), comm_);
+    auto q = proj(1, h, nullptr).view({B, T, nh, hd}).transpose(1, 2);
+    auto k = proj(2, h, nullptr).view({B, T, nkv, hd}).transpose(1, 2);
+    auto v = proj(3, h, nullptr).view({B, T, nkv, hd}).transpose(1, 2);
     q = q * sh_->cos + rotate_half(q) * sh_->sin;
     k = k * sh_->cos + rotate_half(k) * sh_->sin;
     if (nkv != nh) {
@@ -317,14 +380,13 @@ class LlamaBlock : public BlockLayer {
       v = v.unsqueeze(2).expand({B, nkv, rep, T, hd}).reshape({B, nh, T, hd});
     }
     auto y = attention(q, k, v, sh_->causal_mask(T, x.device())).transpose(1, 2).reshape({B, T, nh * hd});
-    return x + project(4, y);
+    return x + proj_summed(4, y, nullptr);
   }
   at::Tensor mlp_half(const at::Tensor& x) override {
-    const auto& P = params_;
     const size_t m = mlp0_;
-    auto h2 = rms_norm(x, P[m].tensor, c_.norm_eps);
-    auto g = at::silu(project(m + 1, h2)) * project(m + 2, h2);
-    return x + project(m + 3, g);
+    auto h2 = tp_enter(rms_norm(x, w(m), c_.norm_eps), comm_);
+    auto g = at::silu(proj(m + 1, h2, nullptr)) * proj(m + 2, h2, nullptr);
+    return x + proj_summed(m + 3, g, nullptr);
   }
 
  private:
@@ -353,7 +415,7 @@ struct SharedHolder {
   Shared s;
 };
 
-Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed)
+Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed, const TpLayout* tp)
     : cfg_(cfg), range_(range), dtype_(dtype_of(cfg)) {
   if (range.begin < 0 || range.end > cfg.layers + 2 || range.begin >= range.end ||
       (range.first_block_mlp_only && (range.begin == 0 || range.begin > cfg.layers)) ||
@@ -382,12 +444,15 @@ Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed
       else
         layers_.push_back(std::make_unique<Gpt2Head>(cfg_, init, wte, layer_seed(seed, 0)));
     } else if (llama) {
-      layers_.push_back(std::make_unique<LlamaBlock>(cfg_, pos - 1, init, sh, range.holds_attention(pos), range.holds_mlp(pos)));
+      layers_.push_back(std::make_unique<LlamaBlock>(cfg_, pos - 1, init, sh, range.holds_attention(pos), range.holds_mlp(pos), tp));
     } else {
-      layers_.push_back(std::make_unique<Gpt2Block>(cfg_, pos - 1, init, sh, range.holds_attention(pos), range.holds_mlp(pos)));
+      layers_.push_back(std::make_unique<Gpt2Block>(cfg_, pos - 1, init, sh, range.holds_attention(pos), range.holds_mlp(pos), tp));
     }
   }
-  for (auto* p : parameters()) p->tensor.requires_grad_(true);
+  for (auto* p : parameters()) {
+    p->tensor.requires_grad_(true);
+    pieces_ = pieces_ || p->name.find('#') != std::string::npos;
+  }
   tied_in_slice_ = wte && range.has_head(cfg_);
   rebuild_uses();
 }
@@ -437,8 +502,15 @@ std::vector<const Param*> Transformer::parameters() const {
   return out;
 }
 
-std::vector<std::string> param_names(const ModelConfig& m, LayerRange range) {
+std::vector<std::string> param_names(const ModelConfig& m, LayerRange range, const TpLayout* tp) {
   std::vector<std::string> out;
+  auto push = [&](int64_t block, const std::string& name) {
+    if (!tp || !tp->splits(block) || tp_param(name).kind == TpKind::None) return out.push_back(name);
+    const auto& b = tp->pieces.at(block);
+    const int64_t h0 = tp->head_end > 0 ? tp->head_begin : 0, h1 = tp->head_end > 0 ? tp->head_end : m.heads;
+    for (size_t j = 0; j + 1 < b.size(); ++j)
+      if (b[j] >= h0 && b[j + 1] <= h1) out.push_back(piece_name(name, b[j], b[j + 1]));
+  };
   const bool llama = m.arch == "llama";
   for (int64_t pos = range.begin; pos < range.end; ++pos) {
     if (pos == 0) {
@@ -463,7 +535,7 @@ std::vector<std::string> param_names(const ModelConfig& m, LayerRange range) {
       const size_t attn_params = llama ? 5 : 6;  // the attention half's names come first
       const std::string p = (llama ? "model.layers." : "h.") + std::to_string(pos - 1) + ".";
       for (size_t k = range.holds_attention(pos) ? 0 : attn_params; k < (range.holds_mlp(pos) ? names.size() : attn_params); ++k)
-        out.push_back(p + names[k]);
+        push(pos - 1, p + names[k]);
     }
   }
   return out;
@@ -492,6 +564,8 @@ void Transformer::to(const at::Device& device) {
 
 void Transformer::apply_lora(const LoraConfig& l, uint64_t seed) {
   if (!l.enabled() || lora_) return;
+  if (pieces_)
+    throw std::invalid_argument("LoRA with tensor parallelism is not built: fine-tune on a plan whose stages have one rank each");
   const auto modules = lora_modules(cfg_, l);  // validates the targets
   const std::set<std::string> wanted(modules.begin(), modules.end());
   const double scale = l.alpha / static_cast<double>(l.rank);
@@ -557,8 +631,8 @@ std::vector<std::pair<std::string, at::Tensor>> Transformer::merged_weights() co
   return out;
 }
 
-std::vector<std::string> param_names(const ModelConfig& m, const LoraConfig& l, LayerRange range) {
-  auto names = param_names(m, range);
+std::vector<std::string> param_names(const ModelConfig& m, const LoraConfig& l, LayerRange range, const TpLayout* tp) {
+  auto names = param_names(m, range, tp);
   if (!l.enabled()) return names;
   const auto modules = lora_modules(m, l);
   const std::set<std::string> wanted(modules.begin(), modules.end());

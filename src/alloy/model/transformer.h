@@ -21,6 +21,7 @@
 namespace alloy::model {
 
 struct QuantizedWeight;
+struct TpLayout;
 
 struct Param {
   std::string name;  // HuggingFace name
@@ -125,7 +126,9 @@ struct SharedHolder;
 
 class Transformer {
  public:
-  Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed);
+  // TP (not owned, read during construction; null: no tensor parallelism) splits the blocks it
+  // names into pieces, of which this slice keeps its heads' (model/tensor_parallel.h).
+  Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed, const TpLayout* tp = nullptr);
   static std::unique_ptr<Transformer> full(const ModelConfig& cfg, uint64_t seed) {
     return std::make_unique<Transformer>(cfg, LayerRange::full(cfg), seed);
   }
@@ -136,6 +139,7 @@ class Transformer {
   // blocks' projection weights stored as L.base_dtype. Call after the base weights are loaded.
   void apply_lora(const LoraConfig& l, uint64_t seed);
   bool has_lora() const { return lora_; }
+  bool has_tp_pieces() const { return pieces_; }
   // Parameters that train (all of them without LoRA, the adapters with it).
   std::vector<Param*> trainable();
   // The base weights with every adapter folded in (name -> values), adapters left out: what
@@ -177,6 +181,7 @@ class Transformer {
   std::shared_ptr<SharedHolder> shared_;  // causal mask and RoPE tables, cached per length
   bool recompute_ = false;
   bool lora_ = false;
+  bool pieces_ = false;  // some parameters are tensor-parallel pieces
   bool tied_in_slice_ = false;  // a GPT-2 head reading the embedding's wte of the same slice
   LayerHooks* hooks_ = nullptr;
   std::vector<std::vector<Param*>> uses_;
@@ -186,10 +191,10 @@ class Transformer {
 at::ScalarType dtype_of(const ModelConfig& m);
 // The parameter names a slice holds, without building it (every rank needs every stage's names
 // to know which ranks share which parameters).
-std::vector<std::string> param_names(const ModelConfig& m, LayerRange range);
+std::vector<std::string> param_names(const ModelConfig& m, LayerRange range, const TpLayout* tp = nullptr);
 // The same with LoRA's adapter parameters (each block's after its own), and those that train:
 // every name without LoRA, the adapters with it.
-std::vector<std::string> param_names(const ModelConfig& m, const LoraConfig& l, LayerRange range);
+std::vector<std::string> param_names(const ModelConfig& m, const LoraConfig& l, LayerRange range, const TpLayout* tp = nullptr);
 bool trains(const LoraConfig& l, const std::string& param_name);
 uint64_t layer_seed(uint64_t seed, int64_t position);
 

@@ -60,6 +60,12 @@ void StageExecutor::send_tensor(int dst, int64_t mb, int kind, const at::Tensor&
   sends_.emplace_back(links_.group->send(data, dst, tag_of(mb, kind + 1)), data);
 }
 
+void StageExecutor::send_to(const std::vector<int>& targets, int fallback, int64_t mb, int kind, const at::Tensor& t) {
+  if (targets.empty()) return send_tensor(fallback, mb, kind, t);
+  for (int dst : targets)
+    if (dst >= 0) send_tensor(dst, mb, kind, t);
+}
+
 StageExecutor::PostedRecv StageExecutor::post_recv(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype) {
   PostedRecv r;
   r.src = src, r.mb = mb, r.kind = kind;
@@ -153,7 +159,7 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
           if (last()) {
             at::Tensor ls = model::Transformer::loss_sum(out, mbs[static_cast<size_t>(m)].targets);
             if (ls.scalar_type() != dt) ls = ls.to(dt);
-            loss_sum += ls.item<double>();
+            if (counts_loss) loss_sum += ls.item<double>();
             st.output = ls / loss_divisor;
           } else {
             st.output = out.scalar_type() == dt ? out : out.to(dt);
@@ -166,7 +172,7 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
         break;
       }
       case ActionKind::SendActivation:
-        send_tensor(links_.next_rank, m, kActHeader, st.output);
+        send_to(links_.send_next, links_.next_rank, m, kActHeader, st.output);
         record("send A" + std::to_string(m), "send", t0);
         break;
       case ActionKind::RecvGrad:
@@ -185,7 +191,7 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
         break;
       }
       case ActionKind::SendGrad:
-        send_tensor(links_.prev_rank, m, kGradHeader, st.input.grad());
+        send_to(links_.send_prev, links_.prev_rank, m, kGradHeader, st.input.grad());
         st.input = at::Tensor();
         record("send G" + std::to_string(m), "send", t0);
         break;
@@ -209,8 +215,12 @@ double StageExecutor::forward_only(const std::vector<MicroBatch>& mbs) {
                                          slice_.dtype());
     model::AutocastScope amp(slice_.device(), precision);
     at::Tensor out = slice_.forward(x);
-    if (last()) loss_sum += model::Transformer::loss_sum(out, mbs[m].targets).item<double>();
-    else send_tensor(links_.next_rank, static_cast<int64_t>(m), kActHeader, out.scalar_type() == slice_.dtype() ? out : out.to(slice_.dtype()));
+    if (last()) {
+      if (counts_loss) loss_sum += model::Transformer::loss_sum(out, mbs[m].targets).item<double>();
+    } else {
+      send_to(links_.send_next, links_.next_rank, static_cast<int64_t>(m), kActHeader,
+              out.scalar_type() == slice_.dtype() ? out : out.to(slice_.dtype()));
+    }
   }
   wait_sends();
   return loss_sum;

@@ -38,6 +38,11 @@ struct StageLinks {
   dist::Group* group = nullptr;  // carries the point-to-point messages; null for a 1-stage pipeline
   int prev_rank = -1;            // global ranks of the neighbouring stages; -1 at the ends
   int next_rank = -1;
+  // Tensor parallelism: a stage's ranks all compute the same activations and input gradients, so
+  // its first rank alone sends, to every rank of the neighbouring stage, and each rank receives
+  // from the neighbour's first rank (PREV_RANK / NEXT_RANK). Empty: send to PREV_RANK / NEXT_RANK
+  // (one rank per stage); {-1}: this rank sends nothing.
+  std::vector<int> send_prev, send_next;
 };
 
 class StageExecutor {
@@ -50,6 +55,9 @@ class StageExecutor {
   // train.precision: forwards run under autocast in it; what crosses to the next stage is cast
   // back to the slice's dtype, so messages keep their size and the residual stream its precision.
   std::string precision = "fp32";
+  // Whether run() and forward_only() return this stage's loss (false on all but the first rank of a
+  // tensor-parallel last stage: the group computes one loss).
+  bool counts_loss = true;
   double run(const std::vector<Action>& actions, const std::vector<MicroBatch>& mbs, double loss_divisor,
              dist::Reducer* reducer);
   // Forward only (validation): returns the sum of token losses on the last stage.
@@ -86,6 +94,7 @@ class StageExecutor {
   PostedRecv post_recv(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype);
   at::Tensor finish_recv(PostedRecv& r, at::IntArrayRef shape, at::ScalarType dtype);
   void send_tensor(int dst, int64_t mb, int kind, const at::Tensor& t);
+  void send_to(const std::vector<int>& targets, int fallback, int64_t mb, int kind, const at::Tensor& t);
   void wait_sends();
   void record(const std::string& name, const char* stream, std::chrono::steady_clock::time_point t0);
   void sample_memory();

@@ -7,8 +7,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <memory>
 
 #include "alloy/core/error.h"
+#include "alloy/model/tensor_parallel.h"
 #include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
 #include "alloy/core/log.h"
@@ -228,13 +230,52 @@ std::map<std::string, at::Tensor> read_checkpoint_tensors(const std::string& ckp
   std::map<std::string, at::Tensor> out;
   auto files = shards(ckpt_dir, "model");
   if (files.empty()) throw InputError(ckpt_dir, "holds no model*.safetensors");
+  std::map<std::string, std::vector<std::string>> pieces;  // whole name -> its pieces' names
   for (const auto& path : files) {
     auto f = model::SafetensorsFile::open(path);
-    for (const auto& n : f.names())
-      if (keep(n)) out[n] = model::read_tensor(f, n);
+    for (const auto& n : f.names()) {
+      std::string base;
+      int64_t h0 = 0, h1 = 0;
+      if (model::parse_piece(n, &base, &h0, &h1)) {
+        if (keep(base)) out[n] = model::read_tensor(f, n), pieces[base].push_back(n);
+      } else if (keep(n)) {
+        out[n] = model::read_tensor(f, n);
+      }
+    }
+  }
+  // A tensor-parallel run's pieces are joined: readers see whole parameters under their names.
+  if (!pieces.empty()) {
+    const ModelConfig model = read_checkpoint_state(ckpt_dir).config.model;
+    std::vector<std::string> names;
+    for (const auto& [n, t] : out) names.push_back(n);
+    auto lookup = [&](const std::string& n) {
+      auto it = out.find(n);
+      return it == out.end() ? at::Tensor() : it->second;
+    };
+    for (const auto& [base, ns] : pieces) {
+      at::Tensor whole = model::tp_resolve(base, lookup, names, model);
+      if (!whole.defined()) throw InputError(ckpt_dir, "the tensor-parallel pieces of '" + base + "' do not cover its heads");
+      out[base] = whole;
+    }
+    for (const auto& [base, ns] : pieces)
+      for (const auto& n : ns) out.erase(n);
   }
   return out;
 }
+
+namespace {
+at::Tensor resolve_tp_tensor(const std::string& ckpt_dir, const std::vector<model::SafetensorsFile>& files, const std::string& name) {
+  std::vector<std::string> names;
+  for (const auto& f : files)
+    for (const auto& n : f.names()) names.push_back(n);
+  auto lookup = [&](const std::string& n) {
+    for (const auto& f : files)
+      if (f.has(n)) return model::read_tensor(f, n);
+    return at::Tensor();
+  };
+  return model::tp_resolve(name, lookup, names, read_checkpoint_state(ckpt_dir).config.model);
+}
+}  // namespace
 
 void load_params(const std::string& ckpt_dir, const std::vector<model::Param*>& params) {
   at::NoGradGuard ng;
@@ -245,7 +286,16 @@ void load_params(const std::string& ckpt_dir, const std::vector<model::Param*>& 
     const model::SafetensorsFile* src = nullptr;
     for (const auto& f : files)
       if (f.has(p->name)) src = &f;
-    if (!src) throw InputError(ckpt_dir, "no shard holds tensor '" + p->name + "' (is this a checkpoint of another model?)");
+    if (!src) {
+      // Tensor parallelism: the checkpoint may hold this piece's whole parameter, or other pieces.
+      at::Tensor t = resolve_tp_tensor(ckpt_dir, files, p->name);
+      if (!t.defined()) throw InputError(ckpt_dir, "no shard holds tensor '" + p->name + "' (is this a checkpoint of another model?)");
+      if (t.sizes() != p->tensor.sizes())
+        throw InputError(ckpt_dir, "tensor '" + p->name + "' made from its tensor-parallel pieces has shape " +
+                                       std::string(c10::str(t.sizes())) + ", the model needs " + std::string(c10::str(p->tensor.sizes())));
+      p->tensor.copy_(t);
+      continue;
+    }
     const auto& info = src->info(p->name);
     if (at::IntArrayRef(info.shape) != p->tensor.sizes())
       throw InputError(src->path(), "tensor '" + p->name + "' has shape " + std::string(c10::str(at::IntArrayRef(info.shape))) +
@@ -267,6 +317,23 @@ void load_optimizer(const std::string& ckpt_dir, AdamW& opt, int64_t optimizer_s
       at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle to the global generator
       gen.set_state(model::read_tensor(st, "rng.cpu"));
     }
+  }
+  // Tensor parallelism: state stored for other pieces (or whole where this run holds pieces, or the
+  // reverse) is joined and cut to what this run holds. Not for ZeRO slices of pieces: those need
+  // the same layout.
+  std::vector<std::string> names;
+  for (const auto& [n, t] : all) names.push_back(n);
+  auto lookup = [&](const std::string& n) {
+    auto it = all.find(n);
+    return it == all.end() ? at::Tensor() : it->second;
+  };
+  std::unique_ptr<ModelConfig> model;
+  for (const auto& [key, t] : opt.state()) {
+    const std::string want = key.substr(0, key.find('@'));
+    const auto sliced = all.lower_bound(want + "@");
+    if (all.count(want) || (sliced != all.end() && sliced->first.rfind(want + "@", 0) == 0)) continue;
+    if (!model) model = std::make_unique<ModelConfig>(read_checkpoint_state(ckpt_dir).config.model);
+    if (at::Tensor r = model::tp_resolve(want, lookup, names, *model); r.defined()) all[want] = r;
   }
   opt.load_state(all, optimizer_steps, ckpt_dir);
 }

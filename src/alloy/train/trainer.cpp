@@ -23,6 +23,7 @@
 #include "alloy/dist/sharding.h"
 #include "alloy/dist/sync_layout.h"
 #include "alloy/dist/world.h"
+#include "alloy/dist/tensor_parallel.h"
 #include "alloy/dist/zero3.h"
 #include "alloy/model/lora.h"
 #include "alloy/model/weights.h"
@@ -125,9 +126,22 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   // re-reads the base its checkpoint names), LoRA (adapters, frozen and maybe quantized base),
   // the device, recomputation; then sharding (plan_shards, build_groups) over what trains.
   heap_before_model_ = pipeline::heap_bytes_in_use();
+  if (plan_->has_tensor_parallel()) {
+    if (cfg_.lora.enabled())
+      throw InputError("plan", "LoRA with tensor parallelism is not built: fine-tune on a plan whose stages have one rank each");
+    tp_ = std::make_unique<model::TpLayout>(dist::tp_layout(*plan_, cfg_.model, rank_));
+    // Every rank is in at most one stage, so the groups are created in plan order without waiting
+    // on each other.
+    if (st.tp() > 1) {
+      std::string name = opts_.generation + "tp";
+      for (int r : st.ranks) name += "-" + std::to_string(r);
+      tp_comm_ = std::make_unique<dist::GroupTpComm>(world_->new_group(name, st.ranks));
+      tp_->comm = tp_comm_.get();
+    }
+  }
   model_ = std::make_unique<model::Transformer>(
       cfg_.model, model::LayerRange::for_units(st.unit_begin(), st.unit_end(), cfg_.model.layers),
-      static_cast<uint64_t>(cfg_.train.seed));
+      static_cast<uint64_t>(cfg_.train.seed), tp_.get());
   std::string resume_dir;
   CheckpointState resumed;
   if (!opts_.resume.empty()) {
@@ -146,6 +160,12 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   model_->apply_lora(cfg_.lora, static_cast<uint64_t>(cfg_.train.seed));
   model_->to(device_);
   model_->set_recompute(cfg_.train.recompute || st.recompute);
+  if (pos_.tp_rank > 0) {
+    // What the group holds whole (norms, row-parallel biases, embedding, head) gets the same
+    // gradient on each of its ranks; the first rank's alone joins the sum over holders.
+    for (auto* p : model_->trainable())
+      if (p->name.find('#') == std::string::npos) p->tensor.register_hook([](const at::Tensor& g) { return at::zeros_like(g); });
+  }
   sync_ = std::make_unique<dist::SyncLayout>(*plan_, cfg_.model, cfg_.lora);
   plan_shards();
 
@@ -170,11 +190,21 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     links.group = &world_->all();
     if (pos_.stage > 0) links.prev_rank = pl.stages[static_cast<size_t>(pos_.stage - 1)].ranks[0];
     if (pos_.stage + 1 < static_cast<int>(pl.stages.size())) links.next_rank = pl.stages[static_cast<size_t>(pos_.stage + 1)].ranks[0];
+    if (plan_->has_tensor_parallel()) {
+      // The first rank of a stage sends to every rank of its neighbours; the others send nothing.
+      if (pos_.tp_rank > 0) {
+        links.send_prev = links.send_next = {-1};
+      } else {
+        if (pos_.stage > 0) links.send_prev = pl.stages[static_cast<size_t>(pos_.stage - 1)].ranks;
+        if (links.next_rank >= 0) links.send_next = pl.stages[static_cast<size_t>(pos_.stage + 1)].ranks;
+      }
+    }
   }
   exec_ = std::make_unique<pipeline::StageExecutor>(*model_, links);
   if (const std::string why = model::autocast_problem(device_, cfg_.train.precision); !why.empty())
     throw InputError("train.precision", why);
   exec_->precision = cfg_.train.precision;
+  exec_->counts_loss = pos_.tp_rank == 0;
   if (!resume_dir.empty()) scaler_.restore(resumed.loss_scale, resumed.loss_scale_good_steps);
   if (world_) build_groups();
   if (!resume_dir.empty() && reducer_ && !reducer_->compressed().empty()) load_sync_state(resume_dir);
@@ -210,6 +240,10 @@ void Trainer::plan_shards() {
       throw InputError(entry ? "plan" : "train.zero_stage", "sharding the group of ranks " + join(ranks, ",") +
                                                               ", which grad_sync compresses (" + plan_->grad_sync.compression +
                                                               "), is not built yet: shard it or compress it");
+    if (stage == 3 && tp_)
+      throw InputError(entry ? "plan" : "train.zero_stage", "ZeRO-3 with tensor parallelism is not built (the group's pieces "
+                                                              "would be gathered per layer): use stage 1 or 2 for ranks " +
+                                                              join(ranks, ","));
     if (stage == 3) {
       const std::string why = plan_->schedule_mismatch(ranks);
       if (!why.empty() && entry)

@@ -30,6 +30,7 @@ class Reducer;
 class Sharding;
 class Zero3;
 class SyncLayout;
+class GroupTpComm;
 }  // namespace alloy::dist
 
 namespace alloy::train {
@@ -129,6 +130,10 @@ class Trainer {
   at::Device device_{at::kCPU};
   std::unique_ptr<data::TokenWindows> train_, valid_;
   std::unique_ptr<data::GlobalBatchSampler> sampler_;
+  // Tensor parallelism (model/tensor_parallel.h): this rank's pieces and heads, and its stage's
+  // group (null when the stage has one rank). Declared before the model, which points into them.
+  std::unique_ptr<model::TpLayout> tp_;
+  std::unique_ptr<dist::GroupTpComm> tp_comm_;
   std::unique_ptr<model::Transformer> model_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<dist::SyncLayout> sync_;  // parameter -> holders, holder sets (from the plan)

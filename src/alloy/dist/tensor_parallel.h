@@ -1,0 +1,31 @@
+#pragma once
+// Tensor parallelism from the Plan: which pieces every block is stored in, which heads a rank
+// computes, and the group's sum over c10d (model/tensor_parallel.h has the layers' side).
+#include <memory>
+
+#include "alloy/core/plan.h"
+#include "alloy/model/tensor_parallel.h"
+
+namespace alloy::dist {
+
+class Group;
+
+// RANK's layout under PLAN (comm left null): the pieces of every block a tensor-parallel stage
+// touches (the union of the boundaries of all such stages, so every holder stores the same
+// pieces), and RANK's heads when its stage is a tensor-parallel group.
+model::TpLayout tp_layout(const Plan& plan, const ModelConfig& model, int rank);
+
+// The group's SUM all-reduce, waited for with the world's timeout. Reduced-precision tensors
+// (autocast) are summed in fp32: Gloo has no bf16 sum, and a sum of partial products is the
+// place where precision is lost.
+class GroupTpComm : public model::TpComm {
+ public:
+  explicit GroupTpComm(std::shared_ptr<Group> group) : group_(std::move(group)) {}
+  void allreduce_sum(at::Tensor& t) override;
+  Group& group() { return *group_; }
+
+ private:
+  std::shared_ptr<Group> group_;
+};
+
+}  // namespace alloy::dist

@@ -1,0 +1,183 @@
+#include "alloy/model/tensor_parallel.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <set>
+
+namespace alloy::model {
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Elements of the split dimension per head of K, for the whole parameter.
+int64_t per_head(TpParam k, const ModelConfig& c) {
+  switch (k.kind) {
+    case TpKind::Qkv:
+    case TpKind::Heads:
+      return c.head_dim();
+    case TpKind::KvHeads:
+      return c.head_dim() * c.kv_heads_resolved() / c.heads;  // whole only at key/value group edges
+    case TpKind::Ffn:
+      return c.ffn_resolved() / c.heads;
+    case TpKind::None:
+      break;
+  }
+  return 0;
+}
+
+int64_t offset_of(TpParam k, int64_t h, const ModelConfig& c) {
+  if (k.kind == TpKind::KvHeads) return h * c.kv_heads_resolved() / c.heads * c.head_dim();
+  return h * per_head(k, c);
+}
+
+// T with dimension DIM of size 3n seen as (3, n): GPT-2's c_attn keeps Q, K and V side by side.
+at::Tensor as_qkv(const at::Tensor& t, int dim) {
+  std::vector<int64_t> s(t.sizes().begin(), t.sizes().end());
+  const int64_t n = s[static_cast<size_t>(dim)] / 3;
+  s[static_cast<size_t>(dim)] = n;
+  s.insert(s.begin() + dim, 3);
+  return t.reshape(s);
+}
+
+at::Tensor merge_qkv(const at::Tensor& t, int dim) {
+  std::vector<int64_t> s(t.sizes().begin(), t.sizes().end());
+  s[static_cast<size_t>(dim)] *= s[static_cast<size_t>(dim) + 1];
+  s.erase(s.begin() + dim + 1);
+  return t.reshape(s);
+}
+
+struct TpEnter : torch::autograd::Function<TpEnter> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, TpComm* comm) {
+    ctx->saved_data["comm"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(comm));
+    return x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto* comm = reinterpret_cast<TpComm*>(static_cast<intptr_t>(ctx->saved_data["comm"].toInt()));
+    at::Tensor g = grads[0].contiguous().clone();
+    comm->allreduce_sum(g);
+    return {g, at::Tensor()};
+  }
+};
+
+struct TpExit : torch::autograd::Function<TpExit> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& y, TpComm* comm) {
+    at::Tensor s = y.contiguous().clone();
+    comm->allreduce_sum(s);
+    return s;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+}  // namespace
+
+TpParam tp_param(const std::string& name) {
+  if (name.find('#') != std::string::npos) return {};
+  static const std::vector<std::pair<std::string, TpParam>> table = {
+      // GPT-2 (Conv1D weights [in, out])
+      {".attn.c_attn.weight", {TpKind::Qkv, 1}},
+      {".attn.c_attn.bias", {TpKind::Qkv, 0}},
+      {".attn.c_proj.weight", {TpKind::Heads, 0}},
+      {".mlp.c_fc.weight", {TpKind::Ffn, 1}},
+      {".mlp.c_fc.bias", {TpKind::Ffn, 0}},
+      {".mlp.c_proj.weight", {TpKind::Ffn, 0}},
+      // LLaMA (nn.Linear weights [out, in])
+      {".self_attn.q_proj.weight", {TpKind::Heads, 0}},
+      {".self_attn.k_proj.weight", {TpKind::KvHeads, 0}},
+      {".self_attn.v_proj.weight", {TpKind::KvHeads, 0}},
+      {".self_attn.o_proj.weight", {TpKind::Heads, 1}},
+      {".mlp.gate_proj.weight", {TpKind::Ffn, 0}},
+      {".mlp.up_proj.weight", {TpKind::Ffn, 0}},
+      {".mlp.down_proj.weight", {TpKind::Ffn, 1}},
+  };
+  for (const auto& [suffix, k] : table)
+    if (ends_with(name, suffix)) return k;
+  return {};
+}
+
+std::string piece_name(const std::string& name, int64_t h0, int64_t h1) {
+  return name + "#h" + std::to_string(h0) + "-" + std::to_string(h1);
+}
+
+bool parse_piece(const std::string& name, std::string* base, int64_t* h0, int64_t* h1) {
+  const size_t at = name.rfind("#h");
+  if (at == std::string::npos) return false;
+  const std::string range = name.substr(at + 2);
+  const size_t dash = range.find('-');
+  if (dash == std::string::npos || dash == 0 || dash + 1 >= range.size() ||
+      range.find_first_not_of("0123456789-") != std::string::npos || range.size() > 12)
+    return false;
+  *base = name.substr(0, at);
+  *h0 = std::stoll(range.substr(0, dash));
+  *h1 = std::stoll(range.substr(dash + 1));
+  return *h0 < *h1 && tp_param(*base).kind != TpKind::None;
+}
+
+at::Tensor tp_cut(const at::Tensor& full, TpParam k, int64_t h0, int64_t h1, const ModelConfig& c) {
+  const int64_t lo = offset_of(k, h0, c), len = offset_of(k, h1, c) - lo;
+  if (k.kind == TpKind::Qkv) return merge_qkv(as_qkv(full, k.dim).narrow(k.dim + 1, lo, len).contiguous(), k.dim);
+  return full.narrow(k.dim, lo, len).contiguous();
+}
+
+at::Tensor tp_join(const std::vector<at::Tensor>& pieces, const std::vector<int64_t>&, TpParam k, const ModelConfig&) {
+  if (pieces.size() == 1) return pieces.front();
+  if (k.kind != TpKind::Qkv) return at::cat(pieces, k.dim);
+  std::vector<at::Tensor> parts;
+  for (const auto& p : pieces) parts.push_back(as_qkv(p, k.dim));
+  return merge_qkv(at::cat(parts, k.dim + 1), k.dim);
+}
+
+at::Tensor tp_resolve(const std::string& name, const std::function<at::Tensor(const std::string&)>& lookup,
+                      const std::vector<std::string>& names, const ModelConfig& c) {
+  if (at::Tensor t = lookup(name); t.defined()) return t;
+  std::string base = name;
+  int64_t h0 = 0, h1 = c.heads;
+  const bool want_piece = parse_piece(name, &base, &h0, &h1);
+  const TpParam k = tp_param(base);
+  if (k.kind == TpKind::None) return {};
+  at::Tensor whole = lookup(base);
+  if (!whole.defined()) {
+    // Pieces of BASE as stored: they may come from several layouts (a checkpoint holds one), so
+    // take the boundaries that chain from head 0 to the last.
+    std::map<int64_t, std::pair<int64_t, std::string>> from;  // h0 -> (h1, name)
+    for (const auto& n : names) {
+      std::string b;
+      int64_t a = 0, e = 0;
+      if (parse_piece(n, &b, &a, &e) && b == base) from.emplace(a, std::make_pair(e, n));
+    }
+    std::vector<at::Tensor> parts;
+    std::vector<int64_t> bounds{0};
+    while (bounds.back() < c.heads) {
+      auto it = from.find(bounds.back());
+      if (it == from.end()) return {};
+      parts.push_back(lookup(it->second.second));
+      if (!parts.back().defined()) return {};
+      bounds.push_back(it->second.first);
+    }
+    whole = tp_join(parts, bounds, k, c);
+  }
+  return want_piece ? tp_cut(whole, k, h0, h1, c) : whole;
+}
+
+at::Tensor tp_enter(const at::Tensor& x, TpComm* comm) {
+  if (!comm || !at::GradMode::is_enabled() || !x.requires_grad()) return x;
+  return TpEnter::apply(x, comm);
+}
+
+at::Tensor tp_exit(const at::Tensor& y, TpComm* comm) {
+  if (!comm) return y;
+  if (!at::GradMode::is_enabled()) {
+    at::Tensor s = y.contiguous().clone();
+    comm->allreduce_sum(s);
+    return s;
+  }
+  return TpExit::apply(y, comm);
+}
+
+}  // namespace alloy::model

@@ -1,0 +1,78 @@
+#pragma once
+// Tensor parallelism inside a block (Megatron's layout, split unevenly by heads):
+//   attention: QKV (GQA: Q, K, V) column-parallel by heads, the output projection row-parallel;
+//   MLP: up (and gate) column-parallel, down row-parallel, its columns split in the heads' ratio.
+// A rank holding heads [h0, h1) computes its heads' attention and its share of the MLP columns;
+// the partial outputs of the two row-parallel projections are summed over the group (tp_exit), and
+// the gradient of the input the group shares is summed in the backward (tp_enter). Norms and the
+// row-parallel biases are held whole by every rank of the group; the bias is added once, after the
+// sum.
+//
+// Pieces: in a block that any stage of the plan splits, every holder stores each split parameter
+// as pieces along the union of all the plan's head boundaries for that block, named
+// "NAME#hA-B" (heads [A, B)). So a piece is one parameter to everything that works by name (the
+// gradient sync's holder sets, ZeRO, AdamW, checkpoints): a rank with heads [0, 3) of group split
+// 3:1 and a replica without tensor parallelism beside it both hold "h.0.attn.c_attn.weight#h0-3"
+// and sum its gradient as any other parameter's. A holder whose range spans several pieces joins
+// them for its product (the joined tensor has exactly the whole parameter's values).
+// Checkpoints stay layout-independent: a reader joins pieces into the whole tensor and cuts the
+// range it needs (tp_resolve).
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "alloy/core/config.h"
+
+namespace alloy::model {
+
+// The group's sum, as the model sees it (dist/tensor_parallel.h implements it over c10d).
+class TpComm {
+ public:
+  virtual ~TpComm() = default;
+  virtual void allreduce_sum(at::Tensor& t) = 0;
+};
+
+// What one rank's slice stores and computes.
+struct TpLayout {
+  // Block index -> head boundaries of its pieces (0, ..., heads). Blocks absent keep whole
+  // parameters under their plain names.
+  std::map<int64_t, std::vector<int64_t>> pieces;
+  int64_t head_begin = 0, head_end = 0;  // this rank's heads; head_end 0: all of them
+  TpComm* comm = nullptr;                // the stage's group; null: the stage has one rank
+  bool splits(int64_t block) const { return pieces.count(block) != 0; }
+};
+
+// How a parameter splits: by its HuggingFace name's suffix.
+enum class TpKind { None, Qkv, Heads, KvHeads, Ffn };
+struct TpParam {
+  TpKind kind = TpKind::None;
+  int dim = 0;  // the dimension that splits
+};
+TpParam tp_param(const std::string& name);
+
+std::string piece_name(const std::string& name, int64_t h0, int64_t h1);
+// NAME is a piece: its whole parameter's name and its heads.
+bool parse_piece(const std::string& name, std::string* base, int64_t* h0, int64_t* h1);
+
+// Heads [H0, H1)'s part of the whole parameter FULL (contiguous).
+at::Tensor tp_cut(const at::Tensor& full, TpParam k, int64_t h0, int64_t h1, const ModelConfig& c);
+// Consecutive pieces (heads [bounds[i], bounds[i + 1])) joined into heads [bounds.front(), bounds.back()).
+at::Tensor tp_join(const std::vector<at::Tensor>& pieces, const std::vector<int64_t>& bounds, TpParam k, const ModelConfig& c);
+
+// The tensor a checkpoint reader wants under NAME (a whole parameter or a piece), from what the
+// checkpoint has: NAME itself, or the whole tensor cut to the piece, or pieces joined (and cut).
+// LOOKUP returns the stored tensor or an undefined one; NAMES lists what is stored. Undefined when
+// it cannot be made.
+at::Tensor tp_resolve(const std::string& name, const std::function<at::Tensor(const std::string&)>& lookup,
+                      const std::vector<std::string>& names, const ModelConfig& c);
+
+// Megatron's f and g: identity forward and the group's sum backward (before a column-parallel
+// product), and the group's sum forward and identity backward (after a row-parallel one). With a
+// null COMM both are the identity.
+at::Tensor tp_enter(const at::Tensor& x, TpComm* comm);
+at::Tensor tp_exit(const at::Tensor& y, TpComm* comm);
+
+}  // namespace alloy::model
