@@ -127,13 +127,10 @@ TEST(Plan, MissingRankIsNamed) {
   EXPECT_HAS(validate_error(p, 8), "ranks must be 0..2 with none missing; rank 2 is missing");
 }
 
-TEST(Plan, NegativeAndMultiRankStagesAreRejected) {
+TEST(Plan, NegativeAndEmptyRankListsAreRejected) {
   Plan p = sample_plan();
   p.pipelines[1].stages[0].ranks = {-1};
   EXPECT_HAS(validate_error(p, 8), "rank -1 is negative");
-  p = sample_plan();
-  p.pipelines[1].stages[0].ranks = {2, 3};
-  EXPECT_HAS(validate_error(p, 8), "holds 2 ranks; tensor parallelism inside a stage is not supported");
   p = sample_plan();
   p.pipelines[1].stages[0].ranks = {};
   EXPECT_HAS(validate_error(p, 8), "pipelines[1].stages[0].ranks: a stage needs a rank");
@@ -264,8 +261,8 @@ TEST(Plan, ShardingEntriesRoundTripAndAreValidatedByField) {
   EXPECT_EQ(r.to_json()["version"], 2);
   EXPECT_TRUE(Plan::from_json(r.to_json(), "x").pipelines[0].stages[1].recompute);
   EXPECT_NE(r.describe().find("recompute"), std::string::npos);
-  auto v4 = j;
-  v4["version"] = 4;
+  auto v4 = j;  // a version this Alloy does not know
+  v4["version"] = 5;
   EXPECT_THROW(Plan::from_json(v4, "x"), InputError);
 }
 
@@ -315,6 +312,63 @@ TEST(Plan, HalfBlockStagesRoundTripAsVersion3AndValidateInUnits) {
                InputError);
 }
 
+namespace {
+alloy::ModelConfig heads_model(int64_t heads, int64_t kv_heads) {
+  alloy::ModelConfig m = model_with(8);
+  m.arch = "llama";
+  m.heads = heads;
+  m.kv_heads = kv_heads;
+  m.hidden = heads * 16;
+  m.ffn = heads * 24;
+  return m;
+}
+}  // namespace
+
+TEST(Plan, TensorParallelStagesRoundTripAsVersion4AndCheckTheirSplit) {
+  Plan p = sample_plan();
+  p.pipelines[1].stages[0].ranks = {2, 3};
+  p.pipelines[1].stages[0].tp_split = {6, 2};
+  const auto m = heads_model(8, 4);
+  EXPECT_NO_THROW(p.validate(m, "p.json"));
+  EXPECT_TRUE(p.has_tensor_parallel());
+  EXPECT_EQ(p.world_size(), 4);
+  EXPECT_EQ(p.locate(3).tp_rank, 1);
+  EXPECT_EQ(p.locate(2).tp_rank, 0);
+  EXPECT_EQ(p.to_json()["version"], 4);
+  EXPECT_EQ(Plan::from_json(p.to_json(), "x").to_json(), p.to_json());
+  EXPECT_HAS(p.describe(), "ranks 2+3 (tp heads 6:2)");
+  EXPECT_EQ(p.pipelines[1].stages[0].tp_bounds(8), (std::vector<int64_t>{0, 6, 8}));
+  auto err = [&](const alloy::ModelConfig& model) {
+    try {
+      p.validate(model, "p.json");
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  // GQA: 8 heads on 4 key/value heads come in groups of 2, and 5:3 cuts one; the error says a split that works.
+  p.pipelines[1].stages[0].tp_split = {5, 3};
+  EXPECT_HAS(err(m), "pipelines[1].stages[0].tp_split: with 4 key/value heads each serves 2 query heads, and heads 5 3 cut a group (e.g. tp_split 4 4)");
+  p.pipelines[1].stages[0].tp_split = {6, 1};
+  EXPECT_HAS(err(m), "heads 6 1 sum to 7, the model has 8");
+  p.pipelines[1].stages[0].tp_split = {6, 0};
+  EXPECT_HAS(err(m), "every rank needs at least one head");
+  p.pipelines[1].stages[0].tp_split = {6, 1, 1};
+  EXPECT_HAS(err(m), "tp_split: has 3 entries for 2 ranks");
+  // Even by default; 4 heads over 3 ranks do not split evenly, and the error gives a split.
+  p.pipelines[1].stages[0].ranks = {2, 3, 4};
+  p.pipelines[1].stages[0].tp_split.clear();
+  EXPECT_HAS(err(heads_model(4, 0)), "4 heads do not split evenly over 3 tensor-parallel ranks: give tp_split [2, 1, 1]");
+  p.pipelines[1].stages[0].tp_split = {2, 1, 1};
+  EXPECT_EQ(err(heads_model(4, 0)), "");
+  // MLP columns must follow the heads.
+  auto odd = heads_model(4, 0);
+  odd.ffn = 30;
+  EXPECT_HAS(err(odd), "the MLP's 30 columns do not divide by the 4 heads");
+  EXPECT_EQ(alloy::even_tp_split(heads_model(8, 4), 3), (std::vector<int64_t>{4, 2, 2}));
+  EXPECT_TRUE(alloy::even_tp_split(heads_model(8, 2), 3).empty());  // 2 key/value groups cannot feed 3 ranks
+}
+
 TEST(Plan, FromJsonDefaultsOptionalFields) {
   Plan p = Plan::from_json(nlohmann::json::parse(R"({"global_batch": 4,
       "pipelines": [{"micro_batch_size": 2, "num_micro_batches": 2, "stages": [{"ranks": [0], "layers": [0, 4]}]}]})"),
@@ -336,7 +390,7 @@ TEST(Plan, FromJsonNamesTheBadField) {
     return "";
   };
   EXPECT_HAS(error_of(R"({"format": "other", "global_batch": 1, "pipelines": []})"), "field 'format' is \"other\"");
-  EXPECT_HAS(error_of(R"({"version": 4, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 3");
+  EXPECT_HAS(error_of(R"({"version": 5, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 4");
   EXPECT_HAS(error_of(R"({"pipelines": []})"), "plan.json: field 'global_batch' is missing or ill-typed");
   EXPECT_HAS(
       error_of(

@@ -282,10 +282,29 @@ TEST(SynerFuse, ScalarsMustBePositive) {
              "--micro-batch-size must be >= 1, got 0 (or give --micro-batch-size-per-dp)");
 }
 
-TEST(SynerFuse, TensorParallelismIsRejectedClearly) {
-  SynerFuseArgs a = alloy::parse_synerfuse_args(kReadmeDp);
-  a.tensor_model_parallel_size = 2;
-  EXPECT_HAS(sf_error(a), "--tensor-model-parallel-size 2: Alloy has no tensor parallelism");
+TEST(SynerFuse, TensorParallelGroupsAreConsecutiveRanksPerStage) {
+  // Megatron's order, TP innermost: 2 pipelines x 2 stages x TP 2 = 8 ranks.
+  SynerFuseArgs a = alloy::parse_synerfuse_args({"--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                                                 "--tensor-model-parallel-size", "2", "--tp-split", "3", "1",
+                                                 "--hetero-pipeline-stages", "1", "5", "1", "3", "--global-batch-size", "16",
+                                                 "--micro-batch-size", "2", "--world-size", "8"});
+  a.num_attention_heads = 4;
+  Plan p = alloy::plan_from_synerfuse(a);
+  ASSERT_EQ(p.pipelines.size(), 2u);
+  EXPECT_EQ(p.pipelines[1].stages[0].ranks, (std::vector<int>{4, 5}));
+  EXPECT_EQ(p.pipelines[1].stages[1].ranks, (std::vector<int>{6, 7}));
+  EXPECT_EQ(p.pipelines[0].stages[1].tp_split, (std::vector<int64_t>{3, 1}));
+  EXPECT_EQ(p.pipelines[0].stages[1].layer_begin, 5);
+  EXPECT_EQ(p.world_size(), 8);
+  a.world_size = 6;
+  EXPECT_HAS(sf_error(a), "world size 6 is not a multiple of --pipeline-model-parallel-size 2 x --tensor-model-parallel-size 2");
+  a.world_size = 8;
+  a.tp_split = {3, 1, 1};
+  EXPECT_HAS(sf_error(a), "--tp-split 3 1 1 gives 3 ranks' heads, but --tensor-model-parallel-size is 2");
+  a.tp_split = {2, 1};
+  EXPECT_HAS(sf_error(a), "heads 2 1 sum to 3, the model has 4");
+  a.tensor_model_parallel_size = 0;
+  EXPECT_HAS(sf_error(a), "--tensor-model-parallel-size must be >= 1, got 0");
 }
 
 TEST(SynerFuse, WorldSizeMustMatch) {

@@ -216,6 +216,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
       if (pa->from_synerfuse) {
         SynerFuseArgs sf = parse_synerfuse_args(extras);
         if (sf.num_layers <= 0) sf.num_layers = cfg.model.layers;
+        if (!pa->config.empty()) sf.num_attention_heads = cfg.model.heads;
         if (sf.global_batch_size <= 0) sf.global_batch_size = cfg.train.global_batch;
         if (sf.micro_batch_size <= 0) sf.micro_batch_size = default_micro_batch(cfg, sf, 0);
         p = plan_from_synerfuse(sf);

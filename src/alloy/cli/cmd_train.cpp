@@ -200,7 +200,12 @@ void add_train_commands(CLI::App& app, Action& action) {
   auto* g_sf = "SynerFuse / Megatron flags (instead of a plan)";
   cmd->add_option("--num-layers", a->src.synerfuse.num_layers, "Transformer blocks (must match model.layers)")->group(g_sf);
   cmd->add_option("--pipeline-model-parallel-size", a->src.synerfuse.pipeline_model_parallel_size, "Pipeline stages")->group(g_sf);
-  cmd->add_option("--tensor-model-parallel-size", a->src.synerfuse.tensor_model_parallel_size, "Only 1 is supported")->group(g_sf);
+  cmd->add_option("--tensor-model-parallel-size", a->src.synerfuse.tensor_model_parallel_size,
+                  "Ranks per stage, splitting each block's heads and MLP columns (Megatron's tensor parallelism)")
+      ->group(g_sf);
+  cmd->add_option("--tp-split", a->src.synerfuse.tp_split,
+                  "h0 h1 ...: attention heads per rank of a tensor-parallel stage, e.g. 3 1 (default: even)")
+      ->group(g_sf);
   cmd->add_option("--global-batch-size", a->src.synerfuse.global_batch_size, "Overrides train.global_batch")->group(g_sf);
   cmd->add_option("--micro-batch-size", a->src.synerfuse.micro_batch_size, "Uniform micro-batch size")->group(g_sf);
   cmd->add_option("--hetero-pipeline-stages", a->src.synerfuse.hetero_pipeline_stages, "n0 l00 l01 ... n1 l10 ...: layers per stage")

@@ -286,6 +286,7 @@ nlohmann::json Plan::to_json() const {
       if (!s.device.empty()) sj["device"] = s.device;
       if (s.recompute) sj["recompute"] = true;
       if (!s.tp_split.empty()) sj["tp_split"] = s.tp_split;
+      if (s.devices.size() > 1) sj["devices"] = s.devices;
       pj["stages"].push_back(sj);
     }
     j["pipelines"].push_back(pj);
@@ -370,6 +371,13 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
         st.device = sts[s].value("device", std::string());
         st.recompute = sts[s].value("recompute", false);
         if (sts[s].contains("tp_split")) st.tp_split = whole_list<int64_t>(sts[s].at("tp_split"));
+        if (sts[s].contains("devices")) {
+          st.devices = sts[s].at("devices").get<std::vector<std::string>>();
+          if (st.devices.size() != st.ranks.size())
+            throw InputError(where, field + ".devices: names " + std::to_string(st.devices.size()) + " devices for " +
+                                        std::to_string(st.ranks.size()) + " ranks");
+          if (st.device.empty() && !st.devices.empty()) st.device = st.devices.front();
+        }
         pl.stages.push_back(st);
       }
       p.pipelines.push_back(pl);
@@ -463,11 +471,16 @@ std::string Plan::describe() const {
           for (size_t k = 0; k < st.tp_split.size(); ++k) out << (k ? ":" : " heads ") << st.tp_split[k];
         out << ")";
       }
+      if (st.devices.size() > 1) {
+        out << " (";
+        for (size_t k = 0; k < st.devices.size(); ++k) out << (k ? "+" : "") << st.devices[k];
+        out << ")";
+      }
       if (st.splits_block())
         out << " units [" << st.unit_begin() << "," << st.unit_end() << ")";
       else
         out << " blocks [" << st.layer_begin << "," << st.layer_end << ")";
-      if (!st.device.empty()) out << " (" << st.device << ")";
+      if (!st.device.empty() && st.devices.size() < 2) out << " (" << st.device << ")";
       if (st.recompute) out << " recompute";
     }
     out << "\n";

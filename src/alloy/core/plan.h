@@ -45,6 +45,7 @@ struct StagePlan {
   // rank order (empty: split evenly). tp_heads resolves it; tp_bounds gives the head boundaries
   // (0, h0, h0 + h1, ..., heads).
   std::vector<int64_t> tp_split;
+  std::vector<std::string> devices;  // optional: each rank's device (DEVICE is the first's)
   int tp() const { return static_cast<int>(ranks.size()); }
   std::vector<int64_t> tp_heads(int64_t heads) const;
   std::vector<int64_t> tp_bounds(int64_t heads) const;

@@ -157,6 +157,7 @@ SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv) {
       {"--hetero-pipeline-stages", &a.hetero_pipeline_stages},
       {"--micro-batch-size-per-dp", &a.micro_batch_size_per_dp},
       {"--num-micro-batches-per-dp", &a.num_micro_batches_per_dp},
+      {"--tp-split", &a.tp_split},
   };
   const std::set<std::string> switches = {"--use-tp-pp-dp-mapping"};
 
@@ -199,10 +200,11 @@ SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv) {
 
 Plan plan_from_synerfuse(const SynerFuseArgs& a) {
   if (a.num_layers < 1) sf_fail("--num-layers must be >= 1, got " + str(a.num_layers));
-  if (a.tensor_model_parallel_size != 1)
-    sf_fail("--tensor-model-parallel-size " + str(a.tensor_model_parallel_size) +
-            ": Alloy has no tensor parallelism (one rank per stage); use 1 and spend the ranks on pipeline stages or "
-            "data-parallel pipelines");
+  const int64_t tp = a.tensor_model_parallel_size;
+  if (tp < 1) sf_fail("--tensor-model-parallel-size must be >= 1, got " + str(tp));
+  if (!a.tp_split.empty() && static_cast<int64_t>(a.tp_split.size()) != tp)
+    sf_fail("--tp-split " + join(a.tp_split, " ") + " gives " + str(static_cast<int64_t>(a.tp_split.size())) +
+            " ranks' heads, but --tensor-model-parallel-size is " + str(tp));
   const int64_t pp = a.pipeline_model_parallel_size;
   if (pp < 1) sf_fail("--pipeline-model-parallel-size must be >= 1, got " + str(pp));
   if (a.global_batch_size < 1) sf_fail("--global-batch-size must be >= 1, got " + str(a.global_batch_size));
@@ -222,10 +224,12 @@ Plan plan_from_synerfuse(const SynerFuseArgs& a) {
   std::string dp_text = str(dp) + " (--data-parallel-size)";
   if (dp == 0) {
     if (a.world_size > 0) {
-      if (a.world_size % pp != 0)
-        sf_fail("world size " + str(a.world_size) + " is not a multiple of --pipeline-model-parallel-size " + str(pp));
-      dp = a.world_size / pp;
-      dp_text = str(dp) + " (world size " + str(a.world_size) + " / --pipeline-model-parallel-size " + str(pp) + ")";
+      if (a.world_size % (pp * tp) != 0)
+        sf_fail("world size " + str(a.world_size) + " is not a multiple of --pipeline-model-parallel-size " + str(pp) +
+                " x --tensor-model-parallel-size " + str(tp));
+      dp = a.world_size / (pp * tp);
+      dp_text = str(dp) + " (world size " + str(a.world_size) + " / --pipeline-model-parallel-size " + str(pp) +
+                (tp > 1 ? " / --tensor-model-parallel-size " + str(tp) : "") + ")";
     } else if (mbs_groups) {
       dp = mbs_groups->total;
       dp_text = str(dp) + " (the group sizes of --micro-batch-size-per-dp)";
@@ -237,10 +241,11 @@ Plan plan_from_synerfuse(const SynerFuseArgs& a) {
       dp_text = "1";
     }
   }
-  const int64_t world = mul(pp, dp, "--pipeline-model-parallel-size x data-parallel size");
+  const int64_t world = mul(mul(pp, dp, "--pipeline-model-parallel-size x data-parallel size"), tp,
+                            "x --tensor-model-parallel-size");
   if (a.world_size > 0 && a.world_size != world)
     sf_fail("world size " + str(a.world_size) + " != --pipeline-model-parallel-size " + str(pp) +
-            " x data-parallel size " + str(dp) + " x --tensor-model-parallel-size 1 = " + str(world));
+            " x data-parallel size " + str(dp) + " x --tensor-model-parallel-size " + str(tp) + " = " + str(world));
   // The plan holds a pipeline per data-parallel index and a stage per rank: past this many ranks a
   // typo (--data-parallel-size 2000000000) would exhaust memory before any check could name it.
   constexpr int64_t kMaxRanks = int64_t{1} << 16;
@@ -292,13 +297,25 @@ Plan plan_from_synerfuse(const SynerFuseArgs& a) {
     int64_t begin = 0;
     for (int64_t s = 0; s < pp; ++s) {
       const int64_t end = begin + layers[static_cast<size_t>(s)];
-      pl.stages.push_back({{static_cast<int>(d * pp + s)}, begin, end, ""});
+      StagePlan st;
+      for (int64_t t = 0; t < tp; ++t) st.ranks.push_back(static_cast<int>((d * pp + s) * tp + t));
+      st.layer_begin = begin, st.layer_end = end;
+      if (tp > 1) st.tp_split = a.tp_split;
+      pl.stages.push_back(std::move(st));
       begin = end;
     }
     plan.pipelines.push_back(std::move(pl));
   }
   ModelConfig model;
   model.layers = a.num_layers;
+  // The heads' split is checked against the model where it is known (the trainer checks it again
+  // with the whole config); otherwise against what the flags imply.
+  int64_t heads_given = 0;
+  for (int64_t h : a.tp_split) heads_given += h;
+  model.heads = a.num_attention_heads > 0 ? a.num_attention_heads : heads_given > 0 ? heads_given : tp;
+  model.kv_heads = 0;
+  model.hidden = model.heads * 64;
+  model.ffn = 0;
   plan.validate(model, kSynerFuse);
   return plan;
 }
@@ -568,7 +585,7 @@ int64_t default_micro_batch(const Config& cfg, const SynerFuseArgs& a, int64_t w
   if (cfg.train.micro_batch > 0) return cfg.train.micro_batch;
   const int64_t pp = std::max<int64_t>(1, a.pipeline_model_parallel_size);
   int64_t dp = a.data_parallel_size;
-  if (dp <= 0 && world_size > 0) dp = std::max<int64_t>(1, world_size / pp);
+  if (dp <= 0 && world_size > 0) dp = std::max<int64_t>(1, world_size / (pp * std::max<int64_t>(1, a.tensor_model_parallel_size)));
   if (dp <= 0) dp = 1;
   const int64_t gb = a.global_batch_size > 0 ? a.global_batch_size : cfg.train.global_batch;
   int64_t per_replica = std::max<int64_t>(1, gb / dp);

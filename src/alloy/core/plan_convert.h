@@ -12,6 +12,9 @@
 //   stage s of pipeline d is rank d*pp + s.
 // So consecutive ranks form one pipeline, and a `n0 mbs0 n1 mbs1 ...` group list assigns mbs0 to
 // data-parallel indices 0..n0-1 (ranks 0..n0*pp-1), mbs1 to the next n1 indices, and so on.
+// With --tensor-model-parallel-size tp each stage is a tensor-parallel group of tp consecutive
+// ranks (Megatron's tp-pp-dp order, TP innermost): stage s of pipeline d holds ranks
+// (d*pp + s)*tp .. +tp-1, splitting the heads as --tp-split says (Alloy's flag; even by default).
 // Every pipeline gets the same --hetero-pipeline-stages split, because SynerFuse cannot express
 // anything else; a hand-written Alloy plan may give each pipeline its own split.
 // Alloy accepts some inputs SynerFuse's own checks refuse, because each still names one valid
@@ -35,7 +38,9 @@ namespace alloy {
 struct SynerFuseArgs {
   int64_t num_layers = 0;                         // --num-layers
   int64_t pipeline_model_parallel_size = 1;       // --pipeline-model-parallel-size
-  int64_t tensor_model_parallel_size = 1;         // --tensor-model-parallel-size (only 1 is supported)
+  int64_t tensor_model_parallel_size = 1;         // --tensor-model-parallel-size: ranks per stage
+  std::vector<int64_t> tp_split;                  // --tp-split h0 h1 ... (Alloy's): heads per rank of a stage; empty = even
+  int64_t num_attention_heads = 0;                // the model's heads (set by the caller; 0 = only what tp_split says)
   int64_t global_batch_size = 0;                  // --global-batch-size
   int64_t micro_batch_size = 0;                   // --micro-batch-size (used when no per-dp list is given)
   int64_t data_parallel_size = 0;                 // --data-parallel-size (Alloy's); 0 = world / pp if the world

@@ -561,6 +561,52 @@ void CostContext::buckets(const SyncShape& s, const std::vector<std::pair<int, d
 }
 
 // ---------------------------------------------------------------------------------------------
+// Tensor-parallel stages
+
+namespace {
+
+// Rank K's share of a tensor-parallel stage's heads (1 for a stage of one rank).
+double tp_share(const StagePlan& st, const ModelConfig& model, size_t k) {
+  if (st.tp() < 2) return 1.0;
+  return static_cast<double>(st.tp_heads(model.heads)[k]) / static_cast<double>(model.heads);
+}
+
+struct TpStageTime {
+  double forward_s = 0, backward_s = 0, comm_s = 0;  // per micro-batch
+};
+
+// One micro-batch through a tensor-parallel stage: every rank computes its heads' share of the
+// blocks and all of the embedding and head (held whole), and the group waits for its slowest
+// member at each of the two sums per block (one per half block) forward and one backward: the
+// members' compute is a max, the sums are added, all on the critical path.
+TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, const StagePlan& st, const std::vector<int>& dev_of,
+                          bool first, bool last, int64_t m) {
+  const int64_t ub = st.unit_begin(), ue = st.unit_end();
+  TpStageTime t;
+  std::vector<int> devs;
+  for (size_t k = 0; k < st.ranks.size(); ++k) {
+    const int d = dev_of[static_cast<size_t>(st.ranks[k])];
+    devs.push_back(d);
+    const int type = ctx.type_of(d);
+    const double f = tp_share(st, model, k);
+    const double fb = ctx.forward_units_s(type, ub, ue, false, false, m), bb = ctx.backward_units_s(type, ub, ue, false, false, m);
+    const double fe = ctx.forward_units_s(type, ub, ue, first, last, m) - fb, be = ctx.backward_units_s(type, ub, ue, first, last, m) - bb;
+    t.forward_s = std::max(t.forward_s, f * fb + fe);
+    t.backward_s = std::max(t.backward_s, f * bb + be + (st.recompute ? f * fb : 0.0));
+  }
+  std::sort(devs.begin(), devs.end(), [&](int a, int b) { return ctx.ring_less(a, a, b, b); });
+  const double elt = model.dtype == "float64" ? 8.0 : 4.0;
+  const double bytes = static_cast<double>(m * model.seq_len * model.hidden) * elt;
+  const double one = ctx.allreduce_s(ctx.ring(devs), bytes, std::numeric_limits<double>::infinity());
+  t.comm_s = 2.0 * static_cast<double>(ue - ub) * one;
+  t.forward_s += static_cast<double>(ue - ub) * one;
+  t.backward_s += static_cast<double>(ue - ub) * one;
+  return t;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
 // simulate_plan
 
 PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profile& profile) {
@@ -581,11 +627,19 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
         for (const auto& x : cluster.devices) names.push_back(x.name);
         throw InputError("plan", f + ": no device '" + st.device + "' in the cluster (devices: " + join(names) + ")");
       }
-      auto [it, fresh] = rank_on_device.emplace(d, st.ranks[0]);
-      if (!fresh)
-        throw InputError("plan", f + ": device '" + st.device + "' already runs rank " + std::to_string(it->second) +
-                                     "; the cost model puts one rank on a device");
-      dev_of[static_cast<size_t>(st.ranks[0])] = d;
+      if (st.tp() > 1 && st.devices.size() != st.ranks.size())
+        throw InputError("plan", "pipelines[" + std::to_string(p) + "].stages[" + std::to_string(s) +
+                                     "].devices: a tensor-parallel stage needs each rank's device for the cost model");
+      for (size_t k = 0; k < st.ranks.size(); ++k) {
+        const std::string& name = st.tp() > 1 ? st.devices[k] : st.device;
+        const int dk = st.tp() > 1 ? cluster.device_index(name) : d;
+        if (dk < 0) throw InputError("plan", f + "s: no device '" + name + "' in the cluster");
+        auto [it, fresh] = rank_on_device.emplace(dk, st.ranks[k]);
+        if (!fresh)
+          throw InputError("plan", f + ": device '" + name + "' already runs rank " + std::to_string(it->second) +
+                                       "; the cost model puts one rank on a device");
+        dev_of[static_cast<size_t>(st.ranks[k])] = dk;
+      }
     }
 
   // The holder sets first: sharding changes the stages' compute (ZeRO-3's gathers) and memory.
@@ -597,6 +651,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
   std::vector<double> last_bwd_start(static_cast<size_t>(W), 0), phase_end(static_cast<size_t>(W), 0);
   std::vector<size_t> stage_of_rank(static_cast<size_t>(W), 0);
   std::vector<double> gather_s(static_cast<size_t>(W), 0);
+  std::map<std::pair<size_t, int64_t>, double> tp_comm;  // (pipeline, stage) -> the step's TP sums
   for (size_t p = 0; p < plan.pipelines.size(); ++p) {
     const PipelinePlan& pl = plan.pipelines[p];
     const int64_t S = static_cast<int64_t>(pl.stages.size()), M = pl.num_micro_batches, m = pl.micro_batch_size;
@@ -613,9 +668,16 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
                                                                      st.recompute, m)
                                           : std::pair<double, double>{0, 0};
       gather_s[static_cast<size_t>(st.ranks[0])] = static_cast<double>(M) * (gf + gb3);
-      costs.forward.push_back(ctx.forward_units_s(type, ub, ue, first, last, m) + gf);
-      costs.backward.push_back(ctx.backward_units_s(type, ub, ue, first, last, m) + gb3 +
-                               (st.recompute ? ctx.forward_units_s(type, ub, ue, false, false, m) : 0.0));
+      if (st.tp() > 1) {
+        const TpStageTime t = tp_stage_time(ctx, profile.model, st, dev_of, first, last, m);
+        costs.forward.push_back(t.forward_s + gf);
+        costs.backward.push_back(t.backward_s + gb3);
+        tp_comm[{p, s}] = static_cast<double>(M) * t.comm_s;
+      } else {
+        costs.forward.push_back(ctx.forward_units_s(type, ub, ue, first, last, m) + gf);
+        costs.backward.push_back(ctx.backward_units_s(type, ub, ue, first, last, m) + gb3 +
+                                 (st.recompute ? ctx.forward_units_s(type, ub, ue, false, false, m) : 0.0));
+      }
       if (!last) {
         const int next = dev_of[static_cast<size_t>(pl.stages[static_cast<size_t>(s + 1)].ranks[0])];
         costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m));
@@ -660,21 +722,39 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       sc.phase_end_s = phase_end[static_cast<size_t>(r)];
       sc.peak_in_flight = sim.peak_in_flight[static_cast<size_t>(s)];
       const double blocks = ctx.compute_blocks(st.unit_begin(), st.unit_end());
-      const double param_blocks = ctx.param_blocks(st.unit_begin(), st.unit_end());
+      // A tensor-parallel rank holds its heads' share of the blocks (norms and biases aside).
+      // Memory is checked on the member likeliest not to fit: the largest share for its capacity.
+      size_t mem_k = 0;
+      for (size_t k = 1; k < st.ranks.size(); ++k) {
+        auto need = [&](size_t j) {
+          const double cap = ctx.capacity_bytes(dev_of[static_cast<size_t>(st.ranks[j])]);
+          return tp_share(st, profile.model, j) / (cap > 0 ? cap : 1e30);
+        };
+        if (need(k) > need(mem_k)) mem_k = k;
+      }
+      const int mem_dev = dev_of[static_cast<size_t>(st.ranks[mem_k])];
+      const double param_blocks = ctx.param_blocks(st.unit_begin(), st.unit_end()) * tp_share(st, profile.model, mem_k);
+      if (st.tp() > 1) {
+        sc.tp = st.tp();
+        sc.tp_comm_s = tp_comm[{p, s}];
+      }
       const detail::RankShard& rs = shard[static_cast<size_t>(r)];
       sc.param_bytes = ctx.param_bytes(param_blocks, first, last);
       sc.recompute = st.recompute;
       sc.zero_stage = rs.zero;
       sc.shard = rs.shard;
-      sc.activation_bytes = static_cast<double>(sc.peak_in_flight * m) * ctx.act_bytes_per_sample(blocks, first, last, st.recompute) +
-                            ctx.working_bytes(blocks, m, st.recompute);
+      // Under tensor parallelism a block's saved tensors split with its heads but for the residual
+      // stream's (block input, the two norms' outputs, the summed outputs: about a fifth of them).
+      const double act_blocks = st.tp() > 1 ? blocks * (0.2 + 0.8 * tp_share(st, profile.model, mem_k)) : blocks;
+      sc.activation_bytes = static_cast<double>(sc.peak_in_flight * m) * ctx.act_bytes_per_sample(act_blocks, first, last, st.recompute) +
+                            ctx.working_bytes(act_blocks, m, st.recompute);
       sc.weight_bytes = sc.param_bytes - rs.weights_saved + ctx.frozen_bytes(param_blocks, first, last);
       sc.grad_bytes = sc.param_bytes - rs.grads_saved;
       sc.optimizer_bytes = (ctx.state_bytes_per_param_byte() - 2) * (sc.param_bytes - rs.optimizer_saved);
       sc.gathered_bytes = rs.gathered;
       sc.gather_s = gather_s[static_cast<size_t>(r)];
       sc.param_gather_s = rs.param_gather_s;
-      sc.memory_capacity_bytes = ctx.capacity_bytes(d);
+      sc.memory_capacity_bytes = ctx.capacity_bytes(mem_dev);
       sc.optimizer_s = ctx.optimizer_s(ctx.type_of(d), sc.param_bytes - rs.optimizer_saved);
       stage_of_rank[static_cast<size_t>(r)] = pc.stages.size();
       pc.stages.push_back(sc);

@@ -107,6 +107,8 @@ struct StageCost {
   int64_t unit_begin = 0, unit_end = 0;    // the half blocks it holds
   double forward_s = 0, backward_s = 0;  // all micro-batches of the step
   double p2p_s = 0;        // transfer time of the messages this stage sends (overlaps compute)
+  int tp = 1;              // ranks of a tensor-parallel stage (the figures here are its first rank's)
+  double tp_comm_s = 0;    // all micro-batches: the group's sums, forward and backward (on the critical path)
   double bubble_s = 0;     // idle time inside the pipeline phase: pipeline makespan - compute
   double phase_end_s = 0;  // end of this stage's last backward
   double sync_s = 0;       // longest all-reduce among the holder sets this rank is in

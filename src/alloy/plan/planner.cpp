@@ -1,5 +1,7 @@
 #include "alloy/plan/planner.h"
 
+#include <limits>
+
 #include <algorithm>
 #include <cstdio>
 #include <map>
@@ -63,9 +65,21 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
   PlanReport r;
   SearchOptions options = in_options;
   auto run = [&](const SearchOptions& o) {
-    SearchResult x = search(cluster, profile, o);  // errors here are the user's: nothing fits
+    SearchResult x;
+    try {
+      x = search(cluster, profile, o);  // errors here are the user's: nothing fits
+    } catch (const InputError&) {
+      // Nothing fits one rank per stage: a tensor-parallel group holds a share of each block.
+      if (o.strategy != "alloy" || !o.tensor_parallel) throw;
+      x.strategy = "alloy";
+      x.cost.step_s = std::numeric_limits<double>::infinity();
+      consider_tensor_parallel(x, cluster, profile, o);
+      if (x.plan.pipelines.empty()) throw;
+      return x;
+    }
     if (x.strategy == "alloy" && o.split_blocks) refine_units(x, cluster, profile, o);
     if (x.strategy == "alloy") tune_buckets(x, cluster, profile);
+    if (x.strategy == "alloy" && o.tensor_parallel) consider_tensor_parallel(x, cluster, profile, o);
     return x;
   };
   r.chosen = run(options);
@@ -94,6 +108,7 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
         r.baselines.push_back(search(cluster, profile, o));
         if (s == std::string("alloy") && o.split_blocks) refine_units(r.baselines.back(), cluster, profile, o);
         if (s == std::string("alloy")) tune_buckets(r.baselines.back(), cluster, profile);
+        if (s == std::string("alloy") && o.tensor_parallel) consider_tensor_parallel(r.baselines.back(), cluster, profile, o);
       } catch (const std::exception& e) {
         r.failed.push_back(s + ": " + e.what());
       }

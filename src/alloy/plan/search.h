@@ -75,6 +75,8 @@ struct SearchOptions {
   bool memory_relief = false;
   // make_plan refines the alloy strategy's plan with boundaries inside blocks (refine_units).
   bool split_blocks = true;
+  // make_plan tries groups of devices as tensor-parallel stages (consider_tensor_parallel).
+  bool tensor_parallel = true;
 
   std::vector<int64_t> candidate_micro_batches() const;  // sorted ascending, validated
 };
@@ -109,6 +111,23 @@ void tune_buckets(SearchResult& result, const ClusterSpec& cluster, const Profil
 // The batch split is re-chosen for each move (calibrate.h's rebalance, among OPTIONS' micro-batch
 // sizes), since a pipeline whose stages balance better may take more of the batch.
 void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
+
+// Tensor parallelism: groups of 2 to 4 devices (pools of up to kTensorParallelMaxDevices; those
+// joined by the fastest links first, at most kTensorParallelMaxGroups of them, within the time
+// budget) each tried as one tensor-parallel stage. For a group, the whole search runs on the pool
+// with the group as one composite device (its members' combined speed, as if its heads split
+// in proportion to their speeds, plus the group's sums on its links per block; embedding and head
+// at its slowest member's speed, since every member computes them); the composite's stages then
+// become tensor-parallel stages with the valid head splits nearest the speeds, each priced by
+// simulate_plan on the real pool. RESULT's plan is replaced when the best is predicted more than
+// kTensorParallelMinGain faster; either way a note says what the best group predicted. A group
+// spanning a thin link pays for its sums there and loses to pipelines, which send one activation
+// per micro-batch instead of four sums per block. Applied by make_plan after refine_units and
+// tune_buckets when SearchOptions::tensor_parallel is on; plans with sharding entries are kept.
+constexpr int kTensorParallelMaxDevices = 8;
+constexpr int kTensorParallelMaxGroups = 24;
+constexpr double kTensorParallelMinGain = 0.02;
+void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
 
 // The reference: walks every configuration of the search space (every set partition, every
 // permutation, every split, every schedule; for each, the best batch split by an exact min-max DP

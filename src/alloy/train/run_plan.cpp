@@ -200,7 +200,7 @@ void record_membership(const Config& cfg, const ResolvedPlan& rp, int world_size
 
 bool synerfuse_given(const SynerFuseArgs& a) {
   return !a.hetero_pipeline_stages.empty() || !a.micro_batch_size_per_dp.empty() || !a.num_micro_batches_per_dp.empty() ||
-         a.pipeline_model_parallel_size > 1;
+         a.pipeline_model_parallel_size > 1 || a.tensor_model_parallel_size > 1 || !a.tp_split.empty();
 }
 
 std::vector<int> elastic_members() {
@@ -263,6 +263,9 @@ ResolvedPlan resolve_plan(const Config& cfg, const PlanSources& src, int world_s
   } else if (synerfuse_given(src.synerfuse)) {
     SynerFuseArgs sf = src.synerfuse;
     sf.num_layers = cfg.model.layers;
+    sf.num_attention_heads = cfg.model.heads;
+    if (sf.tensor_model_parallel_size == 1 && !sf.tp_split.empty())
+      sf.tensor_model_parallel_size = static_cast<int64_t>(sf.tp_split.size());  // --tp-split alone says how many
     sf.global_batch_size = cfg.train.global_batch;
     if (sf.micro_batch_size <= 0) sf.micro_batch_size = default_micro_batch(cfg, sf, world_size);
     sf.world_size = world_size;

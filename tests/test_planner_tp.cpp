@@ -1,0 +1,140 @@
+// The planner and the cost model with tensor-parallel stages (plan/search.h, consider_tensor_parallel).
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "alloy/core/error.h"
+#include "alloy/plan/cost_model.h"
+#include "alloy/plan/planner.h"
+#include "alloy/plan/search.h"
+#include "planner_fixtures.h"
+
+using namespace alloy;
+using namespace alloy::plan;
+using namespace alloy::plan::testing;
+
+namespace {
+
+Plan one_stage(const std::vector<int>& ranks, const std::vector<std::string>& devices, std::vector<int64_t> split, int64_t layers,
+               int64_t mbs, int64_t nmb) {
+  Plan p;
+  p.global_batch = mbs * nmb;
+  PipelinePlan pl;
+  pl.micro_batch_size = mbs;
+  pl.num_micro_batches = nmb;
+  StagePlan st{ranks, 0, layers, devices.front()};
+  if (ranks.size() > 1) st.devices = devices, st.tp_split = std::move(split);
+  pl.stages.push_back(st);
+  p.pipelines.push_back(pl);
+  return p;
+}
+
+ClusterSpec pair_and_far(double memory_gb) {
+  ClusterSpec c;
+  c.devices = {device("a0", "box", "fast", memory_gb), device("a1", "box", "fast", memory_gb), device("b", "far", "slow", memory_gb)};
+  c.intra_host = {40.0, 0.02};
+  c.default_link = {0.1, 5.0};
+  return c;
+}
+
+Profile pair_profile(int64_t layers) {
+  Profile p = base_profile(layers, "gpt2");
+  p.devices["fast"] = dev_profile(1.0);
+  p.devices["slow"] = dev_profile(2.0);
+  return p;
+}
+
+}  // namespace
+
+TEST(TensorParallelCost, AStageSplitsItsBlocksComputeAndPaysForItsSums) {
+  ClusterSpec c = pair_and_far(0);
+  Profile prof = pair_profile(4);
+  const PlanCost alone = simulate_plan(one_stage({0}, {"a0"}, {}, 4, 2, 4), c, prof);
+  const PlanCost pair = simulate_plan(one_stage({0, 1}, {"a0", "a1"}, {2, 2}, 4, 2, 4), c, prof);
+  ASSERT_EQ(pair.stages.size(), 1u);
+  EXPECT_EQ(pair.stages[0].tp, 2);
+  EXPECT_GT(pair.stages[0].tp_comm_s, 0);
+  // Half the blocks' compute each, the embedding and head whole, plus the sums.
+  EXPECT_LT(pair.stages[0].forward_s, alone.stages[0].forward_s);
+  EXPECT_GT(pair.stages[0].forward_s, alone.stages[0].forward_s / 2);
+  EXPECT_LT(pair.stages[0].param_bytes, alone.stages[0].param_bytes);
+  // The same pair across the thin link pays for its sums there.
+  const PlanCost far = simulate_plan(one_stage({0, 1}, {"a0", "b"}, {2, 2}, 4, 2, 4), c, prof);
+  EXPECT_GT(far.stages[0].tp_comm_s, 20 * pair.stages[0].tp_comm_s);
+  // Unlike members: the split that follows their speeds (the slow one half as fast) beats the even one.
+  ClusterSpec mixed = c;
+  mixed.devices[2].host = "box";
+  const PlanCost even = simulate_plan(one_stage({0, 1}, {"a0", "b"}, {2, 2}, 4, 2, 4), mixed, prof);
+  const PlanCost follows = simulate_plan(one_stage({0, 1}, {"a0", "b"}, {3, 1}, 4, 2, 4), mixed, prof);
+  EXPECT_LT(follows.step_s, even.step_s);
+  // Every member's device is needed.
+  Plan missing = one_stage({0, 1}, {"a0", "a1"}, {2, 2}, 4, 2, 4);
+  missing.pipelines[0].stages[0].devices.clear();
+  EXPECT_THROW(simulate_plan(missing, c, prof), InputError);
+}
+
+TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
+  // Four equal devices, a pair on one machine and two behind thin links; none holds the whole
+  // model (2-3 blocks of 4 at most), the batch is small. A pipeline over the pair idles in its
+  // fill and drain; as one tensor-parallel stage it computes each micro-batch together and sums
+  // over its fast link. Embedding and head are cheap beside a block (each member computes them).
+  ClusterSpec c;
+  c.devices = {device("a0", "box", "fast", 0.012), device("a1", "box", "fast", 0.012), device("c0", "h1", "fast", 0.012),
+               device("c1", "h2", "fast", 0.012)};
+  c.intra_host = {40.0, 0.02};
+  c.default_link = {0.1, 5.0};
+  Profile prof = base_profile(4, "gpt2");
+  prof.memory.param_bytes_embed = prof.memory.param_bytes_head = 2e5;
+  prof.devices["fast"] = dev_profile(1.0);
+  for (auto* f : {&prof.devices["fast"].head_fwd, &prof.devices["fast"].head_bwd, &prof.devices["fast"].embed_fwd,
+                  &prof.devices["fast"].embed_bwd})
+    *f = {f->fixed_s * 0.1, f->per_sample_s * 0.1};
+  SearchOptions o;
+  o.global_batch = 4;
+  o.micro_batch_sizes = {1};
+  PlanReport r = make_plan(c, prof, o, false);
+  int tp_stages = 0;
+  for (const auto& pl : r.chosen.plan.pipelines)
+    for (const auto& st : pl.stages)
+      if (st.tp() > 1) {
+        ++tp_stages;
+        EXPECT_EQ(st.devices, (std::vector<std::string>{"a0", "a1"})) << r.text();
+        EXPECT_EQ(st.ranks, (std::vector<int>{0, 1}));
+      }
+  EXPECT_EQ(tp_stages, 1) << r.text();
+  EXPECT_NO_THROW(r.chosen.plan.validate(prof.model, "chosen"));
+  EXPECT_NEAR(r.chosen.cost.step_s, simulate_plan(r.chosen.plan, c, prof).step_s, 1e-12);
+  bool noted = false;
+  for (const auto& n : r.chosen.notes) noted = noted || n.find("tensor parallelism: a0+a1 as one stage") != std::string::npos;
+  EXPECT_TRUE(noted) << r.text();
+  // Without tensor parallelism the same search is predicted slower.
+  o.tensor_parallel = false;
+  EXPECT_GT(make_plan(c, prof, o, false).chosen.cost.step_s, r.chosen.cost.step_s);
+}
+
+TEST(TensorParallelPlanner, KeepsGroupsInsideARegionOfTheTwoRegionPool) {
+  ClusterSpec c = ClusterSpec::load(std::string(ALLOY_EXAMPLES_DIR) + "/cluster-2region.yaml");
+  Profile prof = base_profile(4, "gpt2");
+  prof.devices["cpu-half"] = dev_profile(1.0);
+  prof.devices["cpu-quarter"] = dev_profile(2.0);
+  for (double mem : {0.0, 0.019}) {
+    for (auto& d : c.devices) d.memory_gb = mem;
+    SearchOptions o;
+    o.global_batch = 4;
+    o.micro_batch_sizes = {1};
+    PlanReport r = make_plan(c, prof, o, false);
+    for (const auto& pl : r.chosen.plan.pipelines)
+      for (const auto& st : pl.stages)
+        if (st.tp() > 1) {
+          std::set<char> regions;
+          for (const auto& d : st.devices) regions.insert(d[0]);  // eu-* / us-*
+          EXPECT_EQ(regions.size(), 1u) << r.text();
+        }
+  }
+  // A group across the thin link loses to the same group inside a region.
+  const PlanCost inside = simulate_plan(one_stage({0, 1}, {"eu-a", "eu-b"}, {2, 2}, 4, 1, 4), c, prof);
+  const PlanCost across = simulate_plan(one_stage({0, 1}, {"eu-a", "us-a"}, {2, 2}, 4, 1, 4), c, prof);
+  EXPECT_GT(across.step_s, 2 * inside.step_s);
+}
