@@ -289,3 +289,13 @@ TEST(Diagram, NullPlanThrows) {
 }
 
 }  // namespace
+
+TEST_F(Fixture, TensorParallelGroupsShowTheirHeadsAndDevices) {
+  // Pipeline 1 becomes a tensor-parallel pair: "mid" and "spare" split the heads 3:1.
+  plan.pipelines[1].stages[0].ranks = {2, 3};
+  plan.pipelines[1].stages[0].tp_split = {3, 1};
+  plan.pipelines[1].stages[0].devices = {"mid", "spare"};
+  const std::string d = alloy::viz::to_dot(in);
+  EXPECT_TRUE(contains(d, "ranks 2, 3</b><br/>tensor parallel x2, heads 3:1: mid + spare")) << d;
+  EXPECT_TRUE(contains(alloy::viz::to_mermaid(in), "tensor parallel x2, heads 3:1: mid + spare"));
+}

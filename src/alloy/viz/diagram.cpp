@@ -238,6 +238,14 @@ Picture build(const DiagramInput& in) {
       n.id = "s" + std::to_string(p) + "_" + std::to_string(s);
       n.pipeline = static_cast<int>(p);
       n.lines.push_back(ranks_heading(st.ranks));
+      if (st.ranks.size() > 1) {
+        // A tensor-parallel group: its heads per rank, and every member's device.
+        std::string heads, names;
+        for (size_t k2 = 0; k2 < st.tp_split.size(); ++k2) heads += (k2 ? ":" : "") + std::to_string(st.tp_split[k2]);
+        for (size_t k2 = 0; k2 < st.devices.size(); ++k2) names += (k2 ? " + " : "") + st.devices[k2];
+        n.lines.push_back("tensor parallel x" + std::to_string(st.ranks.size()) + (heads.empty() ? " (even heads)" : ", heads " + heads) +
+                          (names.empty() ? "" : ": " + names));
+      }
       if (cl) {
         n.lines.push_back("pipeline " + std::to_string(p) + ", stage " + std::to_string(s));
         int d = st.device.empty() ? -1 : cl->device_index(st.device);
