@@ -129,6 +129,9 @@ LAYOUTS["tp3-llama-gqa-even"] = ("llama-gqa", 24, _tp(24, [(4, 6, [([0, 1, 2], 0
 LAYOUTS["tp2-in-pp2"] = ("gpt2", 24, _tp(24, [(4, 6, [([0, 1], 0, 5, [3, 1]), ([2], 5, 8, None)])]), 3)
 LAYOUTS["tp-pp-tp-llama"] = ("llama-gqa", 24, _tp(24, [(4, 6, [([0, 1], 0, 3, [2, 6]), ([2, 3], 3, 8, [4, 4])])]), 4)
 LAYOUTS["tp2-beside-replica"] = ("gpt2", 24, _tp(24, [(4, 4, [([0, 1], 0, 8, [3, 1])]), (2, 4, [([2], 0, 8, None)])]), 3)
+LAYOUTS["synerfuse-tp2-pp2"] = ("gpt2", 24, ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                                             "--tensor-model-parallel-size", "2", "--tp-split", "3", "1",
+                                             "--hetero-pipeline-stages", "1", "5", "1", "3", "--micro-batch-size", "4"], 4)
 LAYOUTS["tp2-beside-replica-zero1"] = LAYOUTS["tp2-beside-replica"] + (["--zero-stage", "1"],)
 
 # name: (layout above, or None for one rank training alone; device of each rank). Compared with

@@ -27,6 +27,7 @@ struct PlanArgs {
   std::string shard_plan, config, output, cluster, profile, strategy = "alloy", diagram, evaluate;
   double time_budget_s = 2.0;
   bool no_compare = false;
+  std::string tensor_parallel = "on";
   std::vector<std::string> sets;
   int64_t global_batch = 0, micro_batch = 0, layers = 0;
 };
@@ -183,6 +184,10 @@ void add_dist_commands(CLI::App& app, Action& action) {
       ->group(g)->capture_default_str();
   plan->add_option("--diagram", pa->diagram, "Draw the plan: FILE.svg | .png | .pdf (Graphviz) | .mmd (Mermaid) | .dot")->group(g);
   plan->add_flag("--no-compare", pa->no_compare, "Do not plan the other strategies for comparison")->group(g);
+  plan->add_option("--tensor-parallel", pa->tensor_parallel,
+                   "on: the alloy strategy also tries groups of devices as tensor-parallel stages (kept where predicted "
+                   "faster); off: one rank per stage")
+      ->group(g)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   plan->add_option("--evaluate", pa->evaluate,
                    "Predict a given plan (hand-written or converted) on the cluster instead of searching one; "
                    "the strategies' plans are shown beside it")
@@ -252,6 +257,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         so.time_budget_s = pa->time_budget_s;
         so.ptafm_stages = ptafm_stages;
         so.grad_sync = cfg.grad_sync;
+        so.tensor_parallel = pa->tensor_parallel == "on";
         auto report = plan::make_plan(spec, prof, so, !pa->no_compare);
         if (!pa->evaluate.empty()) {
           Plan given = Plan::load(pa->evaluate);

@@ -1,0 +1,143 @@
+#!/usr/bin/python3
+"""Tensor parallelism on an emulated pool, side by side in one invocation: even TP vs uneven TP vs
+Alloy's pipeline-only plan vs the planner's best plan with TP allowed.
+
+On one profile of the pool (`alloy profile` under `alloy launch --emulate`):
+  even-tp      every device in one tensor-parallel stage, the heads split evenly
+  uneven-tp    the same group, the heads split nearest the devices' measured speeds
+  pipeline     `alloy plan --tensor-parallel off`: pipelines and replicas, one rank per stage
+  best         `alloy plan` (TP allowed): what --plan auto would run
+each predicted (`alloy plan --evaluate`) and trained for --steps with the plan fixed (no
+re-planning), measured as the median step after --timed-after. Reports per plan the measured and
+predicted step and the error, and whether the planner's choice is the fastest measured (or within 5%
+of it). Writes bench/results/tp.json (or tp-<cluster stem>.json).
+
+usage: /usr/bin/python3 bench/tp_bench.py [--build build] [--cluster examples/cluster-3dev.yaml]
+           [--config examples/demo-gpt2.yaml] [--global-batch 48] [--steps 8] [--timed-after 2]
+"""
+import argparse
+import json
+import os
+import platform
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import hetero_bench as hb  # noqa: E402
+
+
+def log(msg):
+    print(f"[tp] {msg}", flush=True)
+
+
+def speeds_split(heads, kv_heads, speeds):
+    """The split of HEADS over the devices nearest SPEEDS, in whole key/value groups, each >= 1 group."""
+    rep = heads // kv_heads
+    groups = kv_heads
+    raw = [s / sum(speeds) * groups for s in speeds]
+    out = [max(1, int(round(x))) for x in raw]
+    while sum(out) > groups:
+        i = max(range(len(out)), key=lambda k: out[k] - raw[k])
+        out[i] -= 1
+    while sum(out) < groups:
+        i = min(range(len(out)), key=lambda k: out[k] - raw[k])
+        out[i] += 1
+    return [x * rep for x in out]
+
+
+def tp_plan(path, devices, split, gb, mbs, layers):
+    plan = {"format": "alloy-plan", "version": 4, "global_batch": gb, "schedule": "1f1b",
+            "pipelines": [{"micro_batch_size": mbs, "num_micro_batches": gb // mbs,
+                           "stages": [{"ranks": list(range(len(devices))), "layers": [0, layers],
+                                       "devices": [d["name"] for d in devices], "tp_split": split}]}]}
+    with open(path, "w") as f:
+        json.dump(plan, f, indent=2)
+    return path
+
+
+def layout(path):
+    p = json.load(open(path))
+    out = []
+    for pl in p["pipelines"]:
+        st = []
+        for s in pl["stages"]:
+            who = "+".join(s.get("devices") or [s.get("device", "?")])
+            heads = ":".join(str(h) for h in s.get("tp_split", []))
+            rng = s.get("units") or s["layers"]
+            st.append(f"{who}{' tp ' + heads if heads else ''} [{rng[0]},{rng[1]})" + (" units" if "units" in s else ""))
+        out.append(f"{pl['micro_batch_size']}x{pl['num_micro_batches']}: " + " -> ".join(st))
+    return "; ".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default=os.path.join(REPO, "build"))
+    ap.add_argument("--cluster", default=os.path.join(REPO, "examples", "cluster-3dev.yaml"))
+    ap.add_argument("--config", default=os.path.join(REPO, "examples", "demo-gpt2.yaml"))
+    ap.add_argument("--work", default=os.path.join(REPO, "runs", "tp"))
+    ap.add_argument("--global-batch", type=int, default=48)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--timed-after", type=int, default=2)
+    a = ap.parse_args()
+    sets = [f"train.global_batch={a.global_batch}", f"train.micro_batch={a.micro_batch}", "train.replan_step=0"]
+    R = hb.Runner(argparse.Namespace(build=a.build, cluster=a.cluster, config=a.config, work=a.work, steps=a.steps,
+                                     round_steps=None, demo=False, timed_after=a.timed_after, set=sets))
+    if os.path.abspath(a.config) == os.path.join(REPO, "examples", "demo-gpt2.yaml") and not os.path.exists(
+            os.path.join(REPO, "data", "fortunes_train.idx")):
+        R.run([R.alloy, "data", "prepare", "--input", "/usr/share/games/fortunes", "--output", "data/fortunes"])
+    devices = hb.cluster_devices(R.alloy, R.cluster)
+    model = hb.model_of(R.config)
+    heads = int(model["heads"])
+    kv = int(model.get("kv_heads", 0) or heads)
+    prof = R.profile()
+    plans = {}
+    base = [R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", prof, "--no-compare"] + R.sets
+    for name, extra in (("pipeline", ["--tensor-parallel", "off"]), ("best", [])):
+        out = os.path.join(R.work, f"plan-{name}.json")
+        r = R.run(base + extra + ["-o", out])
+        plans[name] = out
+        notes = [l.strip() for l in r.stdout.splitlines() if "tensor parallelism" in l]
+        log(f"{name}: {layout(out)}" + (f" ({notes[0]})" if notes else ""))
+    speeds = [float(d["speed"]) for d in devices]
+    for name, split in (("even-tp", speeds_split(heads, kv, [1.0] * len(devices))), ("uneven-tp", speeds_split(heads, kv, speeds))):
+        raw = tp_plan(os.path.join(R.work, f"plan-{name}-raw.json"), devices, split, a.global_batch, a.micro_batch,
+                      int(model["layers"]))
+        out = os.path.join(R.work, f"plan-{name}.json")
+        R.run(base + ["--evaluate", raw, "-o", out])
+        plans[name] = out
+        log(f"{name}: {layout(out)}")
+    results = []
+    for name in ("even-tp", "uneven-tp", "pipeline", "best"):
+        pred = hb.predicted_of(plans[name]).get("step_s", float("nan"))
+        log(f"training {a.steps} steps of {name}")
+        run = R.train(f"tp-{name}", plans[name], a.steps)
+        err = (run["step_s"] - pred) / pred
+        log(f"{name}: measured {run['step_s'] * 1e3:.0f} ms/step, predicted {pred * 1e3:.0f} ms ({100 * err:+.1f}%), "
+            f"{run['tokens_per_s']:.0f} tokens/s")
+        results.append(dict(name=name, plan=layout(plans[name]), measured_step_s=run["step_s"], predicted_step_s=pred,
+                            relative_error=err, tokens_per_s=run["tokens_per_s"]))
+    fastest = min(results, key=lambda x: x["measured_step_s"])
+    best = next(x for x in results if x["name"] == "best")
+    within = best["measured_step_s"] <= 1.05 * fastest["measured_step_s"]
+    log("plan          measured    predicted    error   layout")
+    for x in results:
+        log(f"{x['name']:<12} {x['measured_step_s'] * 1e3:8.0f} ms {x['predicted_step_s'] * 1e3:8.0f} ms "
+            f"{100 * x['relative_error']:+6.1f}%   {x['plan']}")
+    log(f"the planner's choice (best) measured {best['measured_step_s'] * 1e3:.0f} ms; the fastest, {fastest['name']}, "
+        f"{fastest['measured_step_s'] * 1e3:.0f} ms: {'within 5%' if within else 'NOT within 5%'}")
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
+    stem = os.path.splitext(os.path.basename(a.cluster))[0]
+    path = os.path.join(HERE, "results", "tp.json" if stem == "cluster-3dev" else f"tp-{stem}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(machine=dict(cpu=cpu, cores=os.cpu_count()), cluster=os.path.relpath(a.cluster, REPO),
+                       config=os.path.relpath(a.config, REPO), global_batch=a.global_batch, steps=a.steps,
+                       results=results, best_within_5_percent_of_fastest=within), f, indent=2)
+    log(f"wrote {path}")
+    return 0 if within else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
