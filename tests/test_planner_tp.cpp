@@ -41,8 +41,9 @@ ClusterSpec pair_and_far(double memory_gb) {
 
 Profile pair_profile(int64_t layers) {
   Profile p = base_profile(layers, "gpt2");
-  p.devices["fast"] = dev_profile(1.0);
-  p.devices["slow"] = dev_profile(2.0);
+  // Blocks of 45 ms forward per sample pair: enough work for a group's sums (at least kTpSumFloorS each) to pay.
+  p.devices["fast"] = dev_profile(10.0);
+  p.devices["slow"] = dev_profile(20.0);
   return p;
 }
 
@@ -62,7 +63,10 @@ TEST(TensorParallelCost, AStageSplitsItsBlocksComputeAndPaysForItsSums) {
   EXPECT_LT(pair.stages[0].param_bytes, alone.stages[0].param_bytes);
   // The same pair across the thin link pays for its sums there.
   const PlanCost far = simulate_plan(one_stage({0, 1}, {"a0", "b"}, {2, 2}, 4, 2, 4), c, prof);
-  EXPECT_GT(far.stages[0].tp_comm_s, 20 * pair.stages[0].tp_comm_s);
+  EXPECT_GT(far.stages[0].tp_comm_s, 3 * pair.stages[0].tp_comm_s);
+  // However small, a sum costs at least the floor: 8 half blocks forward and backward, the
+  // embedding's, the head's and the loss's three, for 4 micro-batches.
+  EXPECT_GE(pair.stages[0].tp_comm_s, 4 * (16 + 1 + 1 + 3) * kTpSumFloorS - 1e-12);
   // Unlike members: the split that follows their speeds (the slow one half as fast) beats the even one.
   ClusterSpec mixed = c;
   mixed.devices[2].host = "box";
@@ -87,7 +91,7 @@ TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
   c.default_link = {0.1, 5.0};
   Profile prof = base_profile(4, "gpt2");
   prof.memory.param_bytes_embed = prof.memory.param_bytes_head = 2e5;
-  prof.devices["fast"] = dev_profile(1.0);
+  prof.devices["fast"] = dev_profile(10.0);
   for (auto* f : {&prof.devices["fast"].head_fwd, &prof.devices["fast"].head_bwd, &prof.devices["fast"].embed_fwd,
                   &prof.devices["fast"].embed_bwd})
     *f = {f->fixed_s * 0.1, f->per_sample_s * 0.1};

@@ -20,8 +20,23 @@ model::TpLayout tp_layout(const Plan& plan, const ModelConfig& model, int rank) 
         if (st.ranks[k] == rank) out.head_begin = b[k], out.head_end = b[k + 1];
     }
   for (const auto& [blk, s] : bounds) out.pieces[blk] = std::vector<int64_t>(s.begin(), s.end());
+  // The vocabulary's rows, for the stages holding the embedding or the head: in the heads' ratio.
+  std::set<int64_t> rows;
+  for (const auto& pl : plan.pipelines)
+    for (const auto& st : pl.stages) {
+      if (st.tp() < 2 || (st.unit_begin() != 0 && st.unit_end() != 2 * model.layers)) continue;
+      std::vector<int64_t> b;
+      for (int64_t h : st.tp_bounds(model.heads)) b.push_back(model.vocab_size * h / model.heads);
+      rows.insert(b.begin(), b.end());
+      for (size_t k = 0; k < st.ranks.size(); ++k)
+        if (st.ranks[k] == rank) out.vocab_begin = b[k], out.vocab_end = b[k + 1];
+    }
+  if (!rows.empty()) out.vocab_pieces.assign(rows.begin(), rows.end());
   return out;
 }
+
+int GroupTpComm::size() const { return group_->size(); }
+int GroupTpComm::rank() const { return group_->rank(); }
 
 void GroupTpComm::allreduce_sum(at::Tensor& t) {
   const bool narrow = t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble;

@@ -22,6 +22,8 @@ class GroupTpComm : public model::TpComm {
  public:
   explicit GroupTpComm(std::shared_ptr<Group> group) : group_(std::move(group)) {}
   void allreduce_sum(at::Tensor& t) override;
+  int size() const override;
+  int rank() const override;
   Group& group() { return *group_; }
 
  private:

@@ -25,12 +25,14 @@ int64_t per_head(TpParam k, const ModelConfig& c) {
     case TpKind::Ffn:
       return c.ffn_resolved() / c.heads;
     case TpKind::None:
+    case TpKind::Vocab:
       break;
   }
   return 0;
 }
 
 int64_t offset_of(TpParam k, int64_t h, const ModelConfig& c) {
+  if (k.kind == TpKind::Vocab) return h;  // rows
   if (k.kind == TpKind::KvHeads) return h * c.kv_heads_resolved() / c.heads * c.head_dim();
   return h * per_head(k, c);
 }
@@ -95,6 +97,10 @@ TpParam tp_param(const std::string& name) {
       {".mlp.gate_proj.weight", {TpKind::Ffn, 0}},
       {".mlp.up_proj.weight", {TpKind::Ffn, 0}},
       {".mlp.down_proj.weight", {TpKind::Ffn, 1}},
+      // the vocabulary's rows: GPT-2's (tied) wte, LLaMA's embedding and head
+      {"wte.weight", {TpKind::Vocab, 0}},
+      {"model.embed_tokens.weight", {TpKind::Vocab, 0}},
+      {"lm_head.weight", {TpKind::Vocab, 0}},
   };
   for (const auto& [suffix, k] : table)
     if (ends_with(name, suffix)) return k;
@@ -102,12 +108,13 @@ TpParam tp_param(const std::string& name) {
 }
 
 std::string piece_name(const std::string& name, int64_t h0, int64_t h1) {
-  return name + "#h" + std::to_string(h0) + "-" + std::to_string(h1);
+  return name + (tp_param(name).kind == TpKind::Vocab ? "#v" : "#h") + std::to_string(h0) + "-" + std::to_string(h1);
 }
 
 bool parse_piece(const std::string& name, std::string* base, int64_t* h0, int64_t* h1) {
-  const size_t at = name.rfind("#h");
-  if (at == std::string::npos) return false;
+  const size_t at = name.rfind('#');
+  if (at == std::string::npos || at + 1 >= name.size() || (name[at + 1] != 'h' && name[at + 1] != 'v')) return false;
+  const bool vocab = name[at + 1] == 'v';
   const std::string range = name.substr(at + 2);
   const size_t dash = range.find('-');
   if (dash == std::string::npos || dash == 0 || dash + 1 >= range.size() ||
@@ -116,13 +123,15 @@ bool parse_piece(const std::string& name, std::string* base, int64_t* h0, int64_
   *base = name.substr(0, at);
   *h0 = std::stoll(range.substr(0, dash));
   *h1 = std::stoll(range.substr(dash + 1));
-  return *h0 < *h1 && tp_param(*base).kind != TpKind::None;
+  const TpKind k = tp_param(*base).kind;
+  return *h0 < *h1 && k != TpKind::None && (k == TpKind::Vocab) == vocab;
 }
 
 at::Tensor tp_cut(const at::Tensor& full, TpParam k, int64_t h0, int64_t h1, const ModelConfig& c) {
   const int64_t lo = offset_of(k, h0, c), len = offset_of(k, h1, c) - lo;
-  if (k.kind == TpKind::Qkv) return merge_qkv(as_qkv(full, k.dim).narrow(k.dim + 1, lo, len).contiguous(), k.dim);
-  return full.narrow(k.dim, lo, len).contiguous();
+  // A copy, never a view: a piece must not keep the whole parameter's storage alive.
+  if (k.kind == TpKind::Qkv) return merge_qkv(as_qkv(full, k.dim).narrow(k.dim + 1, lo, len).clone(at::MemoryFormat::Contiguous), k.dim);
+  return full.narrow(k.dim, lo, len).clone(at::MemoryFormat::Contiguous);
 }
 
 at::Tensor tp_join(const std::vector<at::Tensor>& pieces, const std::vector<int64_t>&, TpParam k, const ModelConfig&) {
@@ -137,7 +146,7 @@ at::Tensor tp_resolve(const std::string& name, const std::function<at::Tensor(co
                       const std::vector<std::string>& names, const ModelConfig& c) {
   if (at::Tensor t = lookup(name); t.defined()) return t;
   std::string base = name;
-  int64_t h0 = 0, h1 = c.heads;
+  int64_t h0 = 0, h1 = 0;
   const bool want_piece = parse_piece(name, &base, &h0, &h1);
   const TpParam k = tp_param(base);
   if (k.kind == TpKind::None) return {};
@@ -153,7 +162,8 @@ at::Tensor tp_resolve(const std::string& name, const std::function<at::Tensor(co
     }
     std::vector<at::Tensor> parts;
     std::vector<int64_t> bounds{0};
-    while (bounds.back() < c.heads) {
+    const int64_t end = k.kind == TpKind::Vocab ? c.vocab_size : c.heads;
+    while (bounds.back() < end) {
       auto it = from.find(bounds.back());
       if (it == from.end()) return {};
       parts.push_back(lookup(it->second.second));
@@ -163,6 +173,59 @@ at::Tensor tp_resolve(const std::string& name, const std::function<at::Tensor(co
     whole = tp_join(parts, bounds, k, c);
   }
   return want_piece ? tp_cut(whole, k, h0, h1, c) : whole;
+}
+
+namespace {
+
+struct VocabParallelLoss : torch::autograd::Function<VocabParallelLoss> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, int64_t v0,
+                            TpComm* comm) {
+    at::NoGradGuard ng;
+    const int64_t Vl = logits.size(-1);
+    const at::Tensor lf = logits.reshape({-1, Vl}).to(at::kFloat);
+    const at::Tensor t = targets.reshape({-1}).to(lf.device());
+    const int64_t N = lf.size(0), n = comm->size();
+    // The rows' maxima over the whole vocabulary: each member's in its own row, summed.
+    at::Tensor maxima = at::zeros({n, N}, lf.options());
+    maxima[comm->rank()].copy_(std::get<0>(lf.max(1)));
+    comm->allreduce_sum(maxima);
+    const at::Tensor M = std::get<0>(maxima.max(0));
+    at::Tensor e = at::exp(lf - M.unsqueeze(1));
+    at::Tensor S = e.sum(1);
+    comm->allreduce_sum(S);
+    const at::Tensor local = t - v0;
+    const at::Tensor mine = (local >= 0) & (local < Vl);
+    const at::Tensor idx = local.clamp(0, Vl - 1);
+    at::Tensor target_logit = lf.gather(1, idx.unsqueeze(1)).squeeze(1) * mine.to(at::kFloat);
+    comm->allreduce_sum(target_logit);
+    const at::Tensor valid = (t >= 0).to(at::kFloat);
+    const at::Tensor loss = ((at::log(S) + M - target_logit) * valid).sum();
+    ctx->save_for_backward({e / S.unsqueeze(1), idx, mine, valid});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    ctx->saved_data["shape"] = logits.sizes().vec();
+    return loss.to(logits.scalar_type());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor g = saved[0].clone();
+    g.scatter_add_(1, saved[1].unsqueeze(1), -saved[2].to(at::kFloat).unsqueeze(1));
+    g.mul_(saved[3].unsqueeze(1) * grads[0].to(at::kFloat));
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {g.to(dtype).reshape(ctx->saved_data["shape"].toIntVector()), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor vocab_parallel_embedding(const at::Tensor& w, const at::Tensor& ids, int64_t v0, TpComm* comm) {
+  const at::Tensor local = ids - v0;
+  const at::Tensor mine = (local >= 0) & (local < w.size(0));
+  at::Tensor e = at::embedding(w, local.clamp(0, w.size(0) - 1)) * mine.unsqueeze(-1).to(w.scalar_type());
+  return tp_exit(e, comm);
+}
+
+at::Tensor vocab_parallel_loss_sum(const at::Tensor& logits, const at::Tensor& targets, int64_t v0, TpComm* comm) {
+  return VocabParallelLoss::apply(logits, targets, v0, comm);
 }
 
 at::Tensor tp_enter(const at::Tensor& x, TpComm* comm) {

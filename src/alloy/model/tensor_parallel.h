@@ -33,6 +33,8 @@ class TpComm {
  public:
   virtual ~TpComm() = default;
   virtual void allreduce_sum(at::Tensor& t) = 0;
+  virtual int size() const = 0;
+  virtual int rank() const = 0;  // within the group
 };
 
 // What one rank's slice stores and computes.
@@ -43,18 +45,24 @@ struct TpLayout {
   int64_t head_begin = 0, head_end = 0;  // this rank's heads; head_end 0: all of them
   TpComm* comm = nullptr;                // the stage's group; null: the stage has one rank
   bool splits(int64_t block) const { return pieces.count(block) != 0; }
+  // Vocabulary-parallel embedding and head: the vocabulary rows' piece boundaries (0, ...,
+  // vocab_size; empty: whole), and this rank's rows (vocab_end 0: all of them).
+  std::vector<int64_t> vocab_pieces;
+  int64_t vocab_begin = 0, vocab_end = 0;
+  bool splits_vocab() const { return !vocab_pieces.empty(); }
 };
 
 // How a parameter splits: by its HuggingFace name's suffix.
-enum class TpKind { None, Qkv, Heads, KvHeads, Ffn };
+enum class TpKind { None, Qkv, Heads, KvHeads, Ffn, Vocab };
 struct TpParam {
   TpKind kind = TpKind::None;
   int dim = 0;  // the dimension that splits
 };
 TpParam tp_param(const std::string& name);
 
+// "NAME#hA-B" (heads) or, for the vocabulary's rows, "NAME#vA-B".
 std::string piece_name(const std::string& name, int64_t h0, int64_t h1);
-// NAME is a piece: its whole parameter's name and its heads.
+// NAME is a piece: its whole parameter's name and its heads (rows for the vocabulary).
 bool parse_piece(const std::string& name, std::string* base, int64_t* h0, int64_t* h1);
 
 // Heads [H0, H1)'s part of the whole parameter FULL (contiguous).
@@ -74,5 +82,14 @@ at::Tensor tp_resolve(const std::string& name, const std::function<at::Tensor(co
 // null COMM both are the identity.
 at::Tensor tp_enter(const at::Tensor& x, TpComm* comm);
 at::Tensor tp_exit(const at::Tensor& y, TpComm* comm);
+
+// Vocabulary-parallel embedding: the rows [V0, V0 + W.size(0)) of the embedding W looked up,
+// other ids giving zeros, summed over the group: every member gets the whole embedding.
+at::Tensor vocab_parallel_embedding(const at::Tensor& w, const at::Tensor& ids, int64_t v0, TpComm* comm);
+// Vocabulary-parallel cross-entropy: LOGITS [..., Vl] are this member's columns [V0, V0 + Vl) of
+// the whole logits; the sum of the token cross-entropies (targets < 0 ignored) of the whole
+// vocabulary, the same on every member, by three sums over the group (the rows' maxima, their
+// exponentials' sums, the target logits). Backward: softmax minus one-hot in this member's columns.
+at::Tensor vocab_parallel_loss_sum(const at::Tensor& logits, const at::Tensor& targets, int64_t v0, TpComm* comm);
 
 }  // namespace alloy::model

@@ -47,6 +47,32 @@ at::Tensor& Layer::add(std::string name, at::Tensor t, bool decay) {
   return params_.back().tensor;
 }
 
+void Layer::split_vocab(size_t i, const TpLayout* tp, const ModelConfig& c) {
+  vocab_idx_ = {i};
+  if (!tp || !tp->splits_vocab()) return;
+  const int64_t a = tp->vocab_end > 0 ? tp->vocab_begin : 0, b = tp->vocab_end > 0 ? tp->vocab_end : c.vocab_size;
+  vocab_v0_ = a;
+  vocab_comm_ = tp->vocab_end > 0 ? tp->comm : nullptr;
+  const Param whole = params_[i];
+  const TpParam k = tp_param(whole.name);
+  std::vector<Param> pieces;
+  const auto& bounds = tp->vocab_pieces;
+  for (size_t j = 0; j + 1 < bounds.size(); ++j)
+    if (bounds[j] >= a && bounds[j + 1] <= b)
+      pieces.push_back({piece_name(whole.name, bounds[j], bounds[j + 1]), tp_cut(whole.tensor, k, bounds[j], bounds[j + 1], c), whole.decay});
+  params_.erase(params_.begin() + static_cast<std::ptrdiff_t>(i));
+  params_.insert(params_.begin() + static_cast<std::ptrdiff_t>(i), pieces.begin(), pieces.end());
+  vocab_idx_.clear();
+  for (size_t j = 0; j < pieces.size(); ++j) vocab_idx_.push_back(i + j);
+}
+
+at::Tensor Layer::vocab_rows() const {
+  if (vocab_idx_.size() == 1) return params_[vocab_idx_[0]].tensor;
+  std::vector<at::Tensor> ps;
+  for (size_t j : vocab_idx_) ps.push_back(params_[j].tensor);
+  return at::cat(ps, 0);
+}
+
 at::Tensor Param::value() const { return quant ? quant->dequantize() : tensor; }
 int64_t Param::numel() const { return quant ? quant->numel() : tensor.numel(); }
 int64_t Param::storage_bytes() const {
@@ -149,18 +175,23 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return at::bmm(att, v3).view({B, nh, T, hd});
 }
 
+// Token ids through the embedding rows a layer holds: the group's sum under vocabulary parallelism.
+at::Tensor embed(const Layer& l, const at::Tensor& ids) {
+  if (l.vocab_comm()) return vocab_parallel_embedding(l.vocab_rows(), ids, l.vocab_first_row(), l.vocab_comm());
+  return at::embedding(l.vocab_rows(), ids);
+}
+
 class Gpt2Embedding : public Layer {
  public:
-  Gpt2Embedding(const ModelConfig& c, Init& init) {
+  Gpt2Embedding(const ModelConfig& c, Init& init, const TpLayout* tp) {
     add("wte.weight", init.normal({c.vocab_size, c.hidden}, c.init_std), true);
     add("wpe.weight", init.normal({c.seq_len, c.hidden}, c.init_std), true);
+    split_vocab(0, tp, c);
   }
   at::Tensor forward(const at::Tensor& ids) override {
     int64_t T = ids.size(1);
-    return at::embedding(params_[0].tensor, ids) + params_[1].tensor.narrow(0, 0, T);
+    return embed(*this, ids) + params_.back().tensor.narrow(0, 0, T);  // wpe stays last
   }
-  // Stable once construction is over: params_ never grows afterwards.
-  at::Tensor* wte() { return &params_[0].tensor; }
 };
 
 // A block, or one of its halves: every block draws all its weights in the same order whichever
@@ -306,24 +337,26 @@ class Gpt2Head : public Layer {
   // When the embedding is in the same slice the head reads its wte (tied); otherwise it keeps its
   // own copy, drawn from the embedding's generator so it starts identical, and the runtime keeps
   // the two copies' gradients summed.
-  Gpt2Head(const ModelConfig& c, Init& init, at::Tensor* tied_wte, uint64_t embedding_seed) : c_(c), tied_(tied_wte) {
+  Gpt2Head(const ModelConfig& c, Init& init, const Layer* tied, uint64_t embedding_seed, const TpLayout* tp) : c_(c), tied_(tied) {
     add("ln_f.weight", init.fill({c.hidden}, 1.0), false);
     add("ln_f.bias", init.fill({c.hidden}, 0.0), false);
     if (!tied_) {
       Init emb(embedding_seed, init_dtype(c));
       add("wte.weight", emb.normal({c.vocab_size, c.hidden}, c.init_std), true);
+      split_vocab(2, tp, c);
     }
   }
   at::Tensor forward(const at::Tensor& x) override {
-    auto h = at::layer_norm(x, {c_.hidden}, params_[0].tensor, params_[1].tensor, c_.norm_eps);
-    const at::Tensor& wte = tied_ ? *tied_ : params_[2].tensor;
-    return at::matmul(h, wte.t());
+    const Layer& rows = tied_ ? *tied_ : *this;
+    auto h = tp_enter(at::layer_norm(x, {c_.hidden}, params_[0].tensor, params_[1].tensor, c_.norm_eps), rows.vocab_comm());
+    return at::matmul(h, rows.vocab_rows().t());
   }
   static at::ScalarType init_dtype(const ModelConfig& c) { return dtype_of(c); }
+  const Layer& vocab_layer() const { return tied_ ? *tied_ : *this; }
 
  private:
   const ModelConfig& c_;
-  at::Tensor* tied_;
+  const Layer* tied_;
 };
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -337,10 +370,11 @@ at::Tensor rotate_half(const at::Tensor& x) {
 
 class LlamaEmbedding : public Layer {
  public:
-  LlamaEmbedding(const ModelConfig& c, Init& init) {
+  LlamaEmbedding(const ModelConfig& c, Init& init, const TpLayout* tp) {
     add("model.embed_tokens.weight", init.normal({c.vocab_size, c.hidden}, c.init_std), true);
+    split_vocab(0, tp, c);
   }
-  at::Tensor forward(const at::Tensor& ids) override { return at::embedding(params_[0].tensor, ids); }
+  at::Tensor forward(const at::Tensor& ids) override { return embed(*this, ids); }
 };
 
 class LlamaBlock : public BlockLayer {
@@ -396,12 +430,13 @@ class LlamaBlock : public BlockLayer {
 
 class LlamaHead : public Layer {
  public:
-  LlamaHead(const ModelConfig& c, Init& init) : c_(c) {
+  LlamaHead(const ModelConfig& c, Init& init, const TpLayout* tp) : c_(c) {
     add("model.norm.weight", init.fill({c.hidden}, 1.0), false);
     add("lm_head.weight", init.normal({c.vocab_size, c.hidden}, c.init_std), true);
+    split_vocab(1, tp, c);
   }
   at::Tensor forward(const at::Tensor& x) override {
-    return at::linear(rms_norm(x, params_[0].tensor, c_.norm_eps), params_[1].tensor);
+    return at::linear(tp_enter(rms_norm(x, params_[0].tensor, c_.norm_eps), vocab_comm()), vocab_rows());
   }
 
  private:
@@ -426,23 +461,22 @@ Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed
   shared_->s.cfg = &cfg_;
   shared_->s.dtype = dtype_;
   Shared* sh = &shared_->s;
-  at::Tensor* wte = nullptr;
+  const Layer* wte = nullptr;  // the embedding layer, whose rows a tied GPT-2 head in the slice reads
   for (int64_t pos = range.begin; pos < range.end; ++pos) {
     Init init(layer_seed(seed, pos), dtype_);
     bool llama = cfg_.arch == "llama";
     if (pos == 0) {
       if (llama) {
-        layers_.push_back(std::make_unique<LlamaEmbedding>(cfg_, init));
+        layers_.push_back(std::make_unique<LlamaEmbedding>(cfg_, init, tp));
       } else {
-        auto e = std::make_unique<Gpt2Embedding>(cfg_, init);
-        wte = e->wte();
-        layers_.push_back(std::move(e));
+        layers_.push_back(std::make_unique<Gpt2Embedding>(cfg_, init, tp));
+        wte = layers_.back().get();
       }
     } else if (pos == cfg_.layers + 1) {
       if (llama)
-        layers_.push_back(std::make_unique<LlamaHead>(cfg_, init));
+        layers_.push_back(std::make_unique<LlamaHead>(cfg_, init, tp));
       else
-        layers_.push_back(std::make_unique<Gpt2Head>(cfg_, init, wte, layer_seed(seed, 0)));
+        layers_.push_back(std::make_unique<Gpt2Head>(cfg_, init, wte, layer_seed(seed, 0), tp));
     } else if (llama) {
       layers_.push_back(std::make_unique<LlamaBlock>(cfg_, pos - 1, init, sh, range.holds_attention(pos), range.holds_mlp(pos), tp));
     } else {
@@ -463,7 +497,8 @@ void Transformer::rebuild_uses() {
     uses_.emplace_back();
     for (auto& p : l->params()) uses_.back().push_back(&p);
   }
-  if (tied_in_slice_) uses_.back().push_back(&layers_.front()->params().front());  // the tied head reads wte
+  if (tied_in_slice_)  // the tied head reads wte (its pieces)
+    for (size_t j : layers_.front()->vocab_params()) uses_.back().push_back(&layers_.front()->params()[j]);
 }
 
 at::Tensor Transformer::forward(const at::Tensor& x) {
@@ -481,6 +516,13 @@ at::Tensor Transformer::forward(const at::Tensor& x) {
     }
   }
   return h;
+}
+
+at::Tensor Transformer::loss(const at::Tensor& logits, const at::Tensor& targets) const {
+  const Layer* head = range_.has_head(cfg_) ? layers_.back().get() : nullptr;
+  const Layer* rows = head && tied_in_slice_ ? layers_.front().get() : head;
+  if (rows && rows->vocab_comm()) return vocab_parallel_loss_sum(logits, targets, rows->vocab_first_row(), rows->vocab_comm());
+  return loss_sum(logits, targets);
 }
 
 at::Tensor Transformer::loss_sum(const at::Tensor& logits, const at::Tensor& targets) {
@@ -505,6 +547,13 @@ std::vector<const Param*> Transformer::parameters() const {
 std::vector<std::string> param_names(const ModelConfig& m, LayerRange range, const TpLayout* tp) {
   std::vector<std::string> out;
   auto push = [&](int64_t block, const std::string& name) {
+    if (tp && tp->splits_vocab() && tp_param(name).kind == TpKind::Vocab) {
+      const auto& b = tp->vocab_pieces;
+      const int64_t v0 = tp->vocab_end > 0 ? tp->vocab_begin : 0, v1 = tp->vocab_end > 0 ? tp->vocab_end : m.vocab_size;
+      for (size_t j = 0; j + 1 < b.size(); ++j)
+        if (b[j] >= v0 && b[j + 1] <= v1) out.push_back(piece_name(name, b[j], b[j + 1]));
+      return;
+    }
     if (!tp || !tp->splits(block) || tp_param(name).kind == TpKind::None) return out.push_back(name);
     const auto& b = tp->pieces.at(block);
     const int64_t h0 = tp->head_end > 0 ? tp->head_begin : 0, h1 = tp->head_end > 0 ? tp->head_end : m.heads;
@@ -514,14 +563,19 @@ std::vector<std::string> param_names(const ModelConfig& m, LayerRange range, con
   const bool llama = m.arch == "llama";
   for (int64_t pos = range.begin; pos < range.end; ++pos) {
     if (pos == 0) {
-      if (llama) out.push_back("model.embed_tokens.weight");
-      else out.insert(out.end(), {"wte.weight", "wpe.weight"});
+      if (llama) {
+        push(-1, "model.embed_tokens.weight");
+      } else {
+        push(-1, "wte.weight");
+        out.push_back("wpe.weight");
+      }
     } else if (pos == m.layers + 1) {
       if (llama) {
-        out.insert(out.end(), {"model.norm.weight", "lm_head.weight"});
+        out.push_back("model.norm.weight");
+        push(-1, "lm_head.weight");
       } else {
         out.insert(out.end(), {"ln_f.weight", "ln_f.bias"});
-        if (range.begin != 0) out.push_back("wte.weight");
+        if (range.begin != 0) push(-1, "wte.weight");
       }
     } else {
       static const std::vector<const char*> llama_names = {

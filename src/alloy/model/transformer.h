@@ -22,6 +22,7 @@ namespace alloy::model {
 
 struct QuantizedWeight;
 struct TpLayout;
+class TpComm;
 
 struct Param {
   std::string name;  // HuggingFace name
@@ -83,6 +84,12 @@ class Layer {
   // undefined tensor when W has no adapter.
   at::Tensor adapter_delta(size_t w) const;
   bool projection_in_out() const { return in_out_; }
+  // The vocabulary rows this layer holds of its embedding / output matrix (its pieces joined under
+  // vocabulary parallelism), their first row, and the group that holds the others (null: none).
+  at::Tensor vocab_rows() const;
+  int64_t vocab_first_row() const { return vocab_v0_; }
+  TpComm* vocab_comm() const { return vocab_comm_; }
+  const std::vector<size_t>& vocab_params() const { return vocab_idx_; }
 
  protected:
   at::Tensor& add(std::string name, at::Tensor t, bool decay);
@@ -92,6 +99,12 @@ class Layer {
   at::Tensor project(size_t w, const at::Tensor& x, const at::Tensor* bias = nullptr) const;
   std::vector<Param> params_;
   bool in_out_ = false;
+  // Makes params_[I] (a vocabulary-row matrix) this layer's vocab_rows: in place, or replaced by
+  // TP's pieces within this rank's rows (model/tensor_parallel.h).
+  void split_vocab(size_t i, const TpLayout* tp, const ModelConfig& c);
+  std::vector<size_t> vocab_idx_;
+  int64_t vocab_v0_ = 0;
+  TpComm* vocab_comm_ = nullptr;
 
  private:
   struct Adapter {
@@ -153,6 +166,8 @@ class Transformer {
   // Sum (not mean) of the token cross-entropies: callers divide by the tokens of the global batch
   // so micro-batches and replicas of any size add up to the one-device loss.
   static at::Tensor loss_sum(const at::Tensor& logits, const at::Tensor& targets);
+  // The same for this slice's logits, which under vocabulary parallelism are its member's columns.
+  at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets) const;
 
   // Unique parameters in layer order (a tied head contributes nothing when the embedding is in
   // the same slice).

@@ -157,7 +157,7 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
           model::AutocastScope amp(slice_.device(), precision);
           at::Tensor out = slice_.forward(first() ? mbs[static_cast<size_t>(m)].inputs : st.input);
           if (last()) {
-            at::Tensor ls = model::Transformer::loss_sum(out, mbs[static_cast<size_t>(m)].targets);
+            at::Tensor ls = slice_.loss(out, mbs[static_cast<size_t>(m)].targets);
             if (ls.scalar_type() != dt) ls = ls.to(dt);
             if (counts_loss) loss_sum += ls.item<double>();
             st.output = ls / loss_divisor;
@@ -216,7 +216,9 @@ double StageExecutor::forward_only(const std::vector<MicroBatch>& mbs) {
     model::AutocastScope amp(slice_.device(), precision);
     at::Tensor out = slice_.forward(x);
     if (last()) {
-      if (counts_loss) loss_sum += model::Transformer::loss_sum(out, mbs[m].targets).item<double>();
+      // Every member computes it: under vocabulary parallelism the loss is a collective.
+      const double l = slice_.loss(out, mbs[m].targets).item<double>();
+      if (counts_loss) loss_sum += l;
     } else {
       send_to(links_.send_next, links_.next_rank, static_cast<int64_t>(m), kActHeader,
               out.scalar_type() == slice_.dtype() ? out : out.to(slice_.dtype()));

@@ -575,10 +575,15 @@ struct TpStageTime {
   double forward_s = 0, backward_s = 0, comm_s = 0;  // per micro-batch
 };
 
+// kTpSumFloorS: a sum of the group costs at least this, however small: Gloo's all-reduce on a CPU,
+// plus the wait for the last member to arrive. Measured on the emulated pool (examples/cluster-tp.yaml, two
+// ranks on one host under CPU quotas): 1.6 ms per sum beyond the link model's figure; the link
+// model alone had put a TP pair's step at half what it measured.
 // One micro-batch through a tensor-parallel stage: every rank computes its heads' share of the
-// blocks and all of the embedding and head (held whole), and the group waits for its slowest
-// member at each of the two sums per block (one per half block) forward and one backward: the
-// members' compute is a max, the sums are added, all on the critical path.
+// blocks and of the embedding and head (their vocabulary rows split in the heads' ratio), and the
+// group waits for its slowest member at each sum: one per half block forward and one backward,
+// the embedding's (forward) and the head's (backward), and the vocabulary-parallel loss's three
+// (forward). The members' compute is a max, the sums are added, all on the critical path.
 TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, const StagePlan& st, const std::vector<int>& dev_of,
                           bool first, bool last, int64_t m) {
   const int64_t ub = st.unit_begin(), ue = st.unit_end();
@@ -591,16 +596,21 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
     const double f = tp_share(st, model, k);
     const double fb = ctx.forward_units_s(type, ub, ue, false, false, m), bb = ctx.backward_units_s(type, ub, ue, false, false, m);
     const double fe = ctx.forward_units_s(type, ub, ue, first, last, m) - fb, be = ctx.backward_units_s(type, ub, ue, first, last, m) - bb;
-    t.forward_s = std::max(t.forward_s, f * fb + fe);
-    t.backward_s = std::max(t.backward_s, f * bb + be + (st.recompute ? f * fb : 0.0));
+    t.forward_s = std::max(t.forward_s, f * (fb + fe));
+    t.backward_s = std::max(t.backward_s, f * (bb + be) + (st.recompute ? f * fb : 0.0));
   }
   std::sort(devs.begin(), devs.end(), [&](int a, int b) { return ctx.ring_less(a, a, b, b); });
   const double elt = model.dtype == "float64" ? 8.0 : 4.0;
   const double bytes = static_cast<double>(m * model.seq_len * model.hidden) * elt;
-  const double one = ctx.allreduce_s(ctx.ring(devs), bytes, std::numeric_limits<double>::infinity());
-  t.comm_s = 2.0 * static_cast<double>(ue - ub) * one;
-  t.forward_s += static_cast<double>(ue - ub) * one;
-  t.backward_s += static_cast<double>(ue - ub) * one;
+  const CostContext::Ring ring = ctx.ring(devs);
+  const double one = std::max(kTpSumFloorS, ctx.allreduce_s(ring, bytes, std::numeric_limits<double>::infinity()));
+  const double small = std::max(kTpSumFloorS, ctx.allreduce_s(ring, static_cast<double>(m * model.seq_len) * 4.0 * 2.0,
+                                                              std::numeric_limits<double>::infinity()));
+  const double units = static_cast<double>(ue - ub);
+  const double fwd = units * one + (first ? one : 0.0) + (last ? 3 * small : 0.0), bwd = units * one + (last ? one : 0.0);
+  t.comm_s = fwd + bwd;
+  t.forward_s += fwd;
+  t.backward_s += bwd;
   return t;
 }
 

@@ -100,6 +100,9 @@
 
 namespace alloy::plan {
 
+// The least a tensor-parallel group's sum costs (cost_model.cpp says where it was measured).
+constexpr double kTpSumFloorS = 1.5e-3;
+
 struct StageCost {
   int pipeline = 0, stage = 0, rank = 0;
   std::string device, type, host;

@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <map>
@@ -44,7 +43,7 @@ MicroBatchCost from_points(const std::vector<double>& ms, const std::vector<doub
 
 // The group G as one device: its heads split in proportion to its members' speeds (the ideal the
 // real split is rounded to), so a block takes the members' combined time plus the group's four
-// sums (two forward, two backward); embedding and head are held whole, so the slowest member's.
+// sums (two forward, two backward); embedding and head split their vocabulary rows the same way.
 DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster, const CostContext& ctx, const std::vector<int>& g,
                                 const std::vector<int64_t>& sizes) {
   std::vector<const DeviceProfile*> dp;
@@ -59,8 +58,8 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
   auto combine = [&](MicroBatchCost DeviceProfile::*f, bool split, double sums) {
     std::vector<double> ts;
     for (double m : ms) {
-      const double comm = sums * ctx.allreduce_s(r, m * static_cast<double>(prof.model.seq_len * prof.model.hidden) * elt,
-                                                 std::numeric_limits<double>::infinity());
+      const double comm = sums * std::max(kTpSumFloorS, ctx.allreduce_s(r, m * static_cast<double>(prof.model.seq_len * prof.model.hidden) * elt,
+                                                                       std::numeric_limits<double>::infinity()));
       double rate = 0, slowest = 0;
       for (const auto* p : dp) {
         const double t = (p->*f).at(m);
@@ -74,10 +73,10 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
   DeviceProfile out = *dp.front();
   out.block_fwd = combine(&DeviceProfile::block_fwd, true, 2);
   out.block_bwd = combine(&DeviceProfile::block_bwd, true, 2);
-  out.embed_fwd = combine(&DeviceProfile::embed_fwd, false, 0);
-  out.embed_bwd = combine(&DeviceProfile::embed_bwd, false, 0);
-  out.head_fwd = combine(&DeviceProfile::head_fwd, false, 0);
-  out.head_bwd = combine(&DeviceProfile::head_bwd, false, 0);
+  out.embed_fwd = combine(&DeviceProfile::embed_fwd, true, 1);
+  out.embed_bwd = combine(&DeviceProfile::embed_bwd, true, 0);
+  out.head_fwd = combine(&DeviceProfile::head_fwd, true, 1);  // the loss's three sums are small
+  out.head_bwd = combine(&DeviceProfile::head_bwd, true, 1);
   double opt_rate = 0, fwd_share = 0, bwd_share = 0;
   for (const auto* p : dp) {
     opt_rate += p->optimizer_s_per_param > 0 ? 1.0 / p->optimizer_s_per_param : 0.0;
@@ -200,8 +199,7 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
     SearchResult sub;
     try {
       sub = search(reduced, aug, o);
-    } catch (const std::exception& e) {
-      if (std::getenv("ALLOY_DEBUG_TP")) std::fprintf(stderr, "tp %s: search: %s\n", joined(names, "+").c_str(), e.what());
+    } catch (const std::exception&) {
       continue;  // nothing fits with this group: the others may
     }
     if (!sub.plan.sharding.empty()) continue;
@@ -234,8 +232,6 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
       } catch (const std::exception&) {
         continue;
       }
-      if (std::getenv("ALLOY_DEBUG_TP"))
-        std::fprintf(stderr, "tp %s: %s step %.1f ms fits %d\n", joined(names, "+").c_str(), p.describe().c_str(), c.step_s * 1e3, c.fits);
       if (!c.fits) continue;
       if (c.step_s < best.step_s) best = {g, c.step_s, p, c};
     }
