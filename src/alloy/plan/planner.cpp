@@ -155,6 +155,9 @@ std::string PlanReport::text() const {
                   ms(s.p2p_s).c_str(), ms(s.bubble_s).c_str(), ms(s.sync_exposed_s).c_str(), mem(s.memory_bytes).c_str(),
                   s.memory_capacity_bytes > 0 ? mem(s.memory_capacity_bytes).c_str() : "unknown", s.fits ? "" : "  DOES NOT FIT");
     o << line;
+    if (s.tp > 1)
+      o << "        tensor parallel x" << s.tp << ": compute of the slowest member, memory of the member likeliest not to fit; "
+        << "the group's sums take " << ms(s.tp_comm_s) << " of the compute\n";
     if (s.zero_stage > 0 || s.recompute)
       o << "        " << (s.zero_stage > 0 ? fmt("ZeRO-%.0f", static_cast<double>(s.zero_stage)) + fmt(" share %.3g", s.shard) : std::string())
         << (s.zero_stage > 0 && s.recompute ? ", " : "") << (s.recompute ? "recomputes" : "") << ": weights " << mem(s.weight_bytes)
