@@ -10,6 +10,7 @@
 #include "alloy/core/error.h"
 #include "alloy/pipeline/schedule.h"
 #include "alloy/plan/cost_sharding.h"
+#include "alloy/plan/cost_tp.h"
 #include "alloy/plan/sync_scope.h"
 
 namespace alloy::plan {
@@ -561,62 +562,6 @@ void CostContext::buckets(const SyncShape& s, const std::vector<std::pair<int, d
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-parallel stages
-
-namespace {
-
-// Rank K's share of a tensor-parallel stage's heads (1 for a stage of one rank).
-double tp_share(const StagePlan& st, const ModelConfig& model, size_t k) {
-  if (st.tp() < 2) return 1.0;
-  return static_cast<double>(st.tp_heads(model.heads)[k]) / static_cast<double>(model.heads);
-}
-
-struct TpStageTime {
-  double forward_s = 0, backward_s = 0, comm_s = 0;  // per micro-batch
-};
-
-// kTpSumFloorS: a sum of the group costs at least this, however small: Gloo's all-reduce on a CPU,
-// plus the wait for the last member to arrive. Measured on the emulated pool (examples/cluster-tp.yaml, two
-// ranks on one host under CPU quotas): 1.6 ms per sum beyond the link model's figure; the link
-// model alone had put a TP pair's step at half what it measured.
-// One micro-batch through a tensor-parallel stage: every rank computes its heads' share of the
-// blocks and of the embedding and head (their vocabulary rows split in the heads' ratio), and the
-// group waits for its slowest member at each sum: one per half block forward and one backward,
-// the embedding's (forward) and the head's (backward), and the vocabulary-parallel loss's three
-// (forward). The members' compute is a max, the sums are added, all on the critical path.
-TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, const StagePlan& st, const std::vector<int>& dev_of,
-                          bool first, bool last, int64_t m) {
-  const int64_t ub = st.unit_begin(), ue = st.unit_end();
-  TpStageTime t;
-  std::vector<int> devs;
-  for (size_t k = 0; k < st.ranks.size(); ++k) {
-    const int d = dev_of[static_cast<size_t>(st.ranks[k])];
-    devs.push_back(d);
-    const int type = ctx.type_of(d);
-    const double f = tp_share(st, model, k);
-    const double fb = ctx.forward_units_s(type, ub, ue, false, false, m), bb = ctx.backward_units_s(type, ub, ue, false, false, m);
-    const double fe = ctx.forward_units_s(type, ub, ue, first, last, m) - fb, be = ctx.backward_units_s(type, ub, ue, first, last, m) - bb;
-    t.forward_s = std::max(t.forward_s, f * (fb + fe));
-    t.backward_s = std::max(t.backward_s, f * (bb + be) + (st.recompute ? f * fb : 0.0));
-  }
-  std::sort(devs.begin(), devs.end(), [&](int a, int b) { return ctx.ring_less(a, a, b, b); });
-  const double elt = model.dtype == "float64" ? 8.0 : 4.0;
-  const double bytes = static_cast<double>(m * model.seq_len * model.hidden) * elt;
-  const CostContext::Ring ring = ctx.ring(devs);
-  const double one = std::max(kTpSumFloorS, ctx.allreduce_s(ring, bytes, std::numeric_limits<double>::infinity()));
-  const double small = std::max(kTpSumFloorS, ctx.allreduce_s(ring, static_cast<double>(m * model.seq_len) * 4.0 * 2.0,
-                                                              std::numeric_limits<double>::infinity()));
-  const double units = static_cast<double>(ue - ub);
-  const double fwd = units * one + (first ? one : 0.0) + (last ? 3 * small : 0.0), bwd = units * one + (last ? one : 0.0);
-  t.comm_s = fwd + bwd;
-  t.forward_s += fwd;
-  t.backward_s += bwd;
-  return t;
-}
-
-}  // namespace
-
-// ---------------------------------------------------------------------------------------------
 // simulate_plan
 
 PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profile& profile) {
@@ -679,7 +624,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
                                           : std::pair<double, double>{0, 0};
       gather_s[static_cast<size_t>(st.ranks[0])] = static_cast<double>(M) * (gf + gb3);
       if (st.tp() > 1) {
-        const TpStageTime t = tp_stage_time(ctx, profile.model, st, dev_of, first, last, m);
+        const detail::TpStageTime t = detail::tp_stage_time(ctx, profile.model, st, dev_of, first, last, m);
         costs.forward.push_back(t.forward_s + gf);
         costs.backward.push_back(t.backward_s + gb3);
         tp_comm[{p, s}] = static_cast<double>(M) * t.comm_s;
@@ -738,12 +683,12 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       for (size_t k = 1; k < st.ranks.size(); ++k) {
         auto need = [&](size_t j) {
           const double cap = ctx.capacity_bytes(dev_of[static_cast<size_t>(st.ranks[j])]);
-          return tp_share(st, profile.model, j) / (cap > 0 ? cap : 1e30);
+          return detail::tp_share(st, profile.model, j) / (cap > 0 ? cap : 1e30);
         };
         if (need(k) > need(mem_k)) mem_k = k;
       }
       const int mem_dev = dev_of[static_cast<size_t>(st.ranks[mem_k])];
-      const double param_blocks = ctx.param_blocks(st.unit_begin(), st.unit_end()) * tp_share(st, profile.model, mem_k);
+      const double param_blocks = ctx.param_blocks(st.unit_begin(), st.unit_end()) * detail::tp_share(st, profile.model, mem_k);
       if (st.tp() > 1) {
         sc.tp = st.tp();
         sc.tp_comm_s = tp_comm[{p, s}];
@@ -755,7 +700,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       sc.shard = rs.shard;
       // Under tensor parallelism a block's saved tensors split with its heads but for the residual
       // stream's (block input, the two norms' outputs, the summed outputs: about a fifth of them).
-      const double act_blocks = st.tp() > 1 ? blocks * (0.2 + 0.8 * tp_share(st, profile.model, mem_k)) : blocks;
+      const double act_blocks = st.tp() > 1 ? blocks * (0.2 + 0.8 * detail::tp_share(st, profile.model, mem_k)) : blocks;
       sc.activation_bytes = static_cast<double>(sc.peak_in_flight * m) * ctx.act_bytes_per_sample(act_blocks, first, last, st.recompute) +
                             ctx.working_bytes(act_blocks, m, st.recompute);
       sc.weight_bytes = sc.param_bytes - rs.weights_saved + ctx.frozen_bytes(param_blocks, first, last);

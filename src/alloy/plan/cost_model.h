@@ -100,7 +100,10 @@
 
 namespace alloy::plan {
 
-// The least a tensor-parallel group's sum costs (cost_model.cpp says where it was measured).
+// The least a tensor-parallel group's sum costs, however small: Gloo's all-reduce on a CPU plus
+// the wait for the last member. Measured on the emulated pool (examples/cluster-tp.yaml, two ranks
+// on one host under CPU quotas): 1.6 ms per sum beyond the link model's figure, which alone had
+// put a TP pair's step at half what it measured (bench/README, "Tensor parallelism").
 constexpr double kTpSumFloorS = 1.5e-3;
 
 struct StageCost {

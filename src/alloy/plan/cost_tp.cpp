@@ -1,0 +1,50 @@
+// The cost model's tensor-parallel stages (cost_tp.h).
+#include "alloy/plan/cost_tp.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace alloy::plan::detail {
+
+double tp_share(const StagePlan& st, const ModelConfig& model, size_t k) {
+  if (st.tp() < 2) return 1.0;
+  return static_cast<double>(st.tp_heads(model.heads)[k]) / static_cast<double>(model.heads);
+}
+
+// One micro-batch through a tensor-parallel stage: every rank computes its heads' share of the
+// blocks and of the embedding and head (their vocabulary rows split in the heads' ratio), and the
+// group waits for its slowest member at each sum: one per half block forward and one backward,
+// the embedding's (forward) and the head's (backward), and the vocabulary-parallel loss's three
+// (forward). The members' compute is a max, the sums are added, all on the critical path; each
+// sum costs at least kTpSumFloorS (cost_model.h).
+TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, const StagePlan& st, const std::vector<int>& dev_of,
+                          bool first, bool last, int64_t m) {
+  const int64_t ub = st.unit_begin(), ue = st.unit_end();
+  TpStageTime t;
+  std::vector<int> devs;
+  for (size_t k = 0; k < st.ranks.size(); ++k) {
+    const int d = dev_of[static_cast<size_t>(st.ranks[k])];
+    devs.push_back(d);
+    const int type = ctx.type_of(d);
+    const double f = tp_share(st, model, k);
+    const double fb = ctx.forward_units_s(type, ub, ue, false, false, m), bb = ctx.backward_units_s(type, ub, ue, false, false, m);
+    const double fe = ctx.forward_units_s(type, ub, ue, first, last, m) - fb, be = ctx.backward_units_s(type, ub, ue, first, last, m) - bb;
+    t.forward_s = std::max(t.forward_s, f * (fb + fe));
+    t.backward_s = std::max(t.backward_s, f * (bb + be) + (st.recompute ? f * fb : 0.0));
+  }
+  std::sort(devs.begin(), devs.end(), [&](int a, int b) { return ctx.ring_less(a, a, b, b); });
+  const double elt = model.dtype == "float64" ? 8.0 : 4.0;
+  const double bytes = static_cast<double>(m * model.seq_len * model.hidden) * elt;
+  const CostContext::Ring ring = ctx.ring(devs);
+  const double one = std::max(kTpSumFloorS, ctx.allreduce_s(ring, bytes, std::numeric_limits<double>::infinity()));
+  const double small = std::max(kTpSumFloorS, ctx.allreduce_s(ring, static_cast<double>(m * model.seq_len) * 4.0 * 2.0,
+                                                              std::numeric_limits<double>::infinity()));
+  const double units = static_cast<double>(ue - ub);
+  const double fwd = units * one + (first ? one : 0.0) + (last ? 3 * small : 0.0), bwd = units * one + (last ? one : 0.0);
+  t.comm_s = fwd + bwd;
+  t.forward_s += fwd;
+  t.backward_s += bwd;
+  return t;
+}
+
+}  // namespace alloy::plan::detail
