@@ -177,6 +177,7 @@ struct PlanCost {
 
 // "[0,2.5)": half-block units [UNIT_BEGIN, UNIT_END) as blocks, halves as .5.
 std::string blocks_text(int64_t unit_begin, int64_t unit_end);
+std::string names_text(const std::vector<std::string>& names);  // "a, b, c"
 
 // E[max_i X_i] for independent normal X_i given as (mean, standard deviation): exact for two,
 // Clark's (1961) moment matching folded in ascending order of mean beyond that.

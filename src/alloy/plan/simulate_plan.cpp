@@ -1,0 +1,397 @@
+// The cost model's simulation of a whole plan (simulate_plan) and its JSON form; the per-device
+// and per-link figures it combines are CostContext's (cost_model.cpp).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <sstream>
+
+#include "alloy/core/error.h"
+#include "alloy/pipeline/schedule.h"
+#include "alloy/plan/cost_model.h"
+#include "alloy/plan/cost_sharding.h"
+#include "alloy/plan/cost_tp.h"
+
+namespace alloy::plan {
+
+namespace {
+
+std::string gb(double bytes) {
+  std::ostringstream o;
+  o.precision(bytes >= 1e9 ? 4 : 3);
+  if (std::fabs(bytes) >= 1e9) o << bytes / 1e9 << " GB";
+  else if (std::fabs(bytes) >= 1e6) o << bytes / 1e6 << " MB";
+  else o << bytes / 1e3 << " kB";
+  return o.str();
+}
+
+std::string sharding_text(const StageCost& sc) {
+  if (sc.zero_stage == 0 && !sc.recompute) return "";
+  std::ostringstream o;
+  o << " (";
+  if (sc.zero_stage > 0) o << "ZeRO-" << sc.zero_stage << ", share " << sc.shard;
+  if (sc.recompute) o << (sc.zero_stage > 0 ? ", " : "") << "recomputing";
+  o << ")";
+  return o.str();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// simulate_plan
+
+PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profile& profile) {
+  plan.validate(profile.model, "plan");
+  CostContext ctx(cluster, profile);
+  PlanCost pc;
+  const int W = plan.world_size();
+  std::vector<int> dev_of(static_cast<size_t>(W), -1);
+  std::map<int, int> rank_on_device;
+  for (size_t p = 0; p < plan.pipelines.size(); ++p)
+    for (size_t s = 0; s < plan.pipelines[p].stages.size(); ++s) {
+      const StagePlan& st = plan.pipelines[p].stages[s];
+      const std::string f = "pipelines[" + std::to_string(p) + "].stages[" + std::to_string(s) + "].device";
+      if (st.device.empty()) throw InputError("plan", f + ": missing; the cost model needs the device each stage runs on");
+      int d = cluster.device_index(st.device);
+      if (d < 0) {
+        std::vector<std::string> names;
+        for (const auto& x : cluster.devices) names.push_back(x.name);
+        throw InputError("plan", f + ": no device '" + st.device + "' in the cluster (devices: " + names_text(names) + ")");
+      }
+      if (st.tp() > 1 && st.devices.size() != st.ranks.size())
+        throw InputError("plan", "pipelines[" + std::to_string(p) + "].stages[" + std::to_string(s) +
+                                     "].devices: a tensor-parallel stage needs each rank's device for the cost model");
+      for (size_t k = 0; k < st.ranks.size(); ++k) {
+        const std::string& name = st.tp() > 1 ? st.devices[k] : st.device;
+        const int dk = st.tp() > 1 ? cluster.device_index(name) : d;
+        if (dk < 0) throw InputError("plan", f + "s: no device '" + name + "' in the cluster");
+        auto [it, fresh] = rank_on_device.emplace(dk, st.ranks[k]);
+        if (!fresh)
+          throw InputError("plan", f + ": device '" + name + "' already runs rank " + std::to_string(it->second) +
+                                       "; the cost model puts one rank on a device");
+        dev_of[static_cast<size_t>(st.ranks[k])] = dk;
+      }
+    }
+
+  // The holder sets first: sharding changes the stages' compute (ZeRO-3's gathers) and memory.
+  const std::vector<std::vector<CostContext::Holder>> holders = detail::plan_holders(plan);
+  ctx.set_grad_sync(plan.grad_sync);
+  const auto sets = ctx.sync_sets(holders);
+  const std::vector<detail::RankShard> shard = detail::rank_shards(plan, ctx, sets, dev_of);
+
+  std::vector<double> last_bwd_start(static_cast<size_t>(W), 0), phase_end(static_cast<size_t>(W), 0);
+  std::vector<size_t> stage_of_rank(static_cast<size_t>(W), 0);
+  std::vector<double> gather_s(static_cast<size_t>(W), 0);
+  std::map<std::pair<size_t, int64_t>, double> tp_comm;  // (pipeline, stage) -> the step's TP sums
+  for (size_t p = 0; p < plan.pipelines.size(); ++p) {
+    const PipelinePlan& pl = plan.pipelines[p];
+    const int64_t S = static_cast<int64_t>(pl.stages.size()), M = pl.num_micro_batches, m = pl.micro_batch_size;
+    pipeline::SimCosts costs;
+    std::vector<std::vector<pipeline::Action>> actions;
+    for (int64_t s = 0; s < S; ++s) {
+      const StagePlan& st = pl.stages[static_cast<size_t>(s)];
+      const int d = dev_of[static_cast<size_t>(st.ranks[0])];
+      const bool first = s == 0, last = s + 1 == S;
+      const int type = ctx.type_of(d);
+      const int64_t ub = st.unit_begin(), ue = st.unit_end();
+      const detail::RankShard& rs = shard[static_cast<size_t>(st.ranks[0])];
+      const auto [gf, gb3] = rs.zero == 3 ? detail::zero3_exposed_s(ctx, rs, ctx.type_of(d), st.layer_begin, st.layer_end, first, last,
+                                                                     st.recompute, m)
+                                          : std::pair<double, double>{0, 0};
+      gather_s[static_cast<size_t>(st.ranks[0])] = static_cast<double>(M) * (gf + gb3);
+      if (st.tp() > 1) {
+        const detail::TpStageTime t = detail::tp_stage_time(ctx, profile.model, st, dev_of, first, last, m);
+        costs.forward.push_back(t.forward_s + gf);
+        costs.backward.push_back(t.backward_s + gb3);
+        tp_comm[{p, s}] = static_cast<double>(M) * t.comm_s;
+      } else {
+        costs.forward.push_back(ctx.forward_units_s(type, ub, ue, first, last, m) + gf);
+        costs.backward.push_back(ctx.backward_units_s(type, ub, ue, first, last, m) + gb3 +
+                                 (st.recompute ? ctx.forward_units_s(type, ub, ue, false, false, m) : 0.0));
+      }
+      if (!last) {
+        const int next = dev_of[static_cast<size_t>(pl.stages[static_cast<size_t>(s + 1)].ranks[0])];
+        costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m));
+      }
+      actions.push_back(pipeline::make_schedule(plan.schedule, s, S, M));
+    }
+    pipeline::SimResult sim = pipeline::simulate(actions, costs);
+    PipelineCost pcost;
+    pcost.micro_batch_size = m;
+    pcost.num_micro_batches = M;
+    pcost.phase_s = sim.makespan;
+    std::vector<double> p2p(static_cast<size_t>(S), 0);
+    for (const auto& e : sim.events) {
+      const size_t s = static_cast<size_t>(e.stage);
+      const int r = pl.stages[s].ranks[0];
+      if (e.action.kind == pipeline::ActionKind::SendActivation || e.action.kind == pipeline::ActionKind::SendGrad)
+        p2p[s] += e.end - e.start;
+      if (e.action.kind == pipeline::ActionKind::Backward) {  // events are in list order: the last one wins
+        last_bwd_start[static_cast<size_t>(r)] = e.start;
+        phase_end[static_cast<size_t>(r)] = e.end;
+      }
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      const StagePlan& st = pl.stages[static_cast<size_t>(s)];
+      const int r = st.ranks[0], d = dev_of[static_cast<size_t>(r)];
+      const bool first = s == 0, last = s + 1 == S;
+      StageCost sc;
+      sc.pipeline = static_cast<int>(p);
+      sc.stage = static_cast<int>(s);
+      sc.rank = r;
+      sc.device = cluster.devices[static_cast<size_t>(d)].name;
+      sc.type = ctx.type_name(ctx.type_of(d));
+      sc.host = ctx.host_name(ctx.host_of(d));
+      sc.layer_begin = st.layer_begin;
+      sc.layer_end = st.layer_end;
+      sc.unit_begin = st.unit_begin();
+      sc.unit_end = st.unit_end();
+      sc.forward_s = static_cast<double>(M) * costs.forward[static_cast<size_t>(s)];
+      sc.backward_s = static_cast<double>(M) * costs.backward[static_cast<size_t>(s)];
+      sc.p2p_s = p2p[static_cast<size_t>(s)];
+      sc.bubble_s = std::max(0.0, sim.makespan - sc.forward_s - sc.backward_s);
+      sc.phase_end_s = phase_end[static_cast<size_t>(r)];
+      sc.peak_in_flight = sim.peak_in_flight[static_cast<size_t>(s)];
+      const double blocks = ctx.compute_blocks(st.unit_begin(), st.unit_end());
+      // A tensor-parallel rank holds its heads' share of the blocks (norms and biases aside).
+      // Memory is checked on the member likeliest not to fit: the largest share for its capacity.
+      size_t mem_k = 0;
+      for (size_t k = 1; k < st.ranks.size(); ++k) {
+        auto need = [&](size_t j) {
+          const double cap = ctx.capacity_bytes(dev_of[static_cast<size_t>(st.ranks[j])]);
+          return detail::tp_share(st, profile.model, j) / (cap > 0 ? cap : 1e30);
+        };
+        if (need(k) > need(mem_k)) mem_k = k;
+      }
+      const int mem_dev = dev_of[static_cast<size_t>(st.ranks[mem_k])];
+      const double param_blocks = ctx.param_blocks(st.unit_begin(), st.unit_end()) * detail::tp_share(st, profile.model, mem_k);
+      if (st.tp() > 1) {
+        sc.tp = st.tp();
+        sc.tp_comm_s = tp_comm[{p, s}];
+      }
+      const detail::RankShard& rs = shard[static_cast<size_t>(r)];
+      sc.param_bytes = ctx.param_bytes(param_blocks, first, last);
+      sc.recompute = st.recompute;
+      sc.zero_stage = rs.zero;
+      sc.shard = rs.shard;
+      // Under tensor parallelism a block's saved tensors split with its heads but for the residual
+      // stream's (block input, the two norms' outputs, the summed outputs: about a fifth of them).
+      const double act_blocks = st.tp() > 1 ? blocks * (0.2 + 0.8 * detail::tp_share(st, profile.model, mem_k)) : blocks;
+      sc.activation_bytes = static_cast<double>(sc.peak_in_flight * m) * ctx.act_bytes_per_sample(act_blocks, first, last, st.recompute) +
+                            ctx.working_bytes(act_blocks, m, st.recompute);
+      sc.weight_bytes = sc.param_bytes - rs.weights_saved + ctx.frozen_bytes(param_blocks, first, last);
+      sc.grad_bytes = sc.param_bytes - rs.grads_saved;
+      sc.optimizer_bytes = (ctx.state_bytes_per_param_byte() - 2) * (sc.param_bytes - rs.optimizer_saved);
+      sc.gathered_bytes = rs.gathered;
+      sc.gather_s = gather_s[static_cast<size_t>(r)];
+      sc.param_gather_s = rs.param_gather_s;
+      sc.memory_capacity_bytes = ctx.capacity_bytes(mem_dev);
+      sc.optimizer_s = ctx.optimizer_s(ctx.type_of(d), sc.param_bytes - rs.optimizer_saved);
+      stage_of_rank[static_cast<size_t>(r)] = pc.stages.size();
+      pc.stages.push_back(sc);
+    }
+    pc.pipelines.push_back(pcost);
+  }
+
+  // Gradient sync per holder set, bucket by bucket. First every set's load on the links (they
+  // share them), then each set's buckets on its share.
+  const double bucket_bytes = plan.grad_sync.bucket_mb * 1024 * 1024;
+  std::vector<double> done(phase_end), bucket(static_cast<size_t>(W), 0), longest(static_cast<size_t>(W), 0);
+  // own[r]: when rank r would be done if every other holder were early: the term it adds to the
+  // max that makes the step (the search's per-replica decomposition, cost 5 for stragglers).
+  std::vector<double> own(phase_end), tail;
+  std::vector<double> encode_total(static_cast<size_t>(W), 0);
+  std::vector<const CostContext::Holder*> holder_of(static_cast<size_t>(W), nullptr);
+  std::vector<int64_t> mbs_of(static_cast<size_t>(W), 0);
+  for (size_t p = 0; p < holders.size(); ++p)
+    for (const auto& h : holders[p]) {
+      holder_of[static_cast<size_t>(h.id)] = &h;
+      mbs_of[static_cast<size_t>(h.id)] = plan.pipelines[p].micro_batch_size;
+    }
+  std::vector<std::vector<int>> ring_ranks(sets.size()), ring_devs(sets.size());
+  CostContext::LinkLoads loads = ctx.empty_loads();
+  for (size_t i = 0; i < sets.size(); ++i) {
+    ring_ranks[i] = sets[i].ids;
+    std::sort(ring_ranks[i].begin(), ring_ranks[i].end(), [&](int a, int b) {
+      return ctx.ring_less(dev_of[static_cast<size_t>(a)], a, dev_of[static_cast<size_t>(b)], b);
+    });
+    for (int r : ring_ranks[i]) ring_devs[i].push_back(dev_of[static_cast<size_t>(r)]);
+    ctx.add_load(ring_devs[i], sets[i].bytes, &loads);
+  }
+  std::vector<CostContext::Bucket> bks;
+  for (size_t i = 0; i < sets.size(); ++i) {
+    const auto& set = sets[i];
+    SyncGroupCost g;
+    g.ranks = ring_ranks[i];
+    const CostContext::SyncShape shape = ctx.sync_shape(ring_devs[i], &loads, set.bytes);
+    g.bytes = set.bytes;
+    g.compressed = shape.compressed;
+    g.hierarchical = shape.hierarchical;
+    g.regions = shape.num_regions;
+    g.slowest_bytes_per_s = shape.hierarchical ? shape.leaders.slowest_bytes_per_s : shape.ring.slowest_bytes_per_s;
+    if (shape.compressed) {
+      g.wire_bytes = ctx.wire_ratio() * set.bytes;
+      g.encode_s = (shape.encode_s_per_elem + shape.decode_s_per_elem) * set.bytes / ctx.dtype_bytes();
+    }
+    ctx.buckets(shape, set.units, bucket_bytes, &bks);
+    tail.assign(bks.size() + 1, 0);
+    for (size_t k = bks.size(); k-- > 0;) tail[k] = tail[k + 1] + bks[k].time_s;
+    double end = 0;
+    for (size_t k = 0; k < bks.size(); ++k) {
+      double ready = 0;
+      for (int r : g.ranks) {
+        const CostContext::Holder& h = *holder_of[static_cast<size_t>(r)];
+        const MicroBatchCost off = ctx.unit_ready(ctx.type_of(dev_of[static_cast<size_t>(r)]), h.begin, h.end, h.first, h.last, bks[k].last_unit);
+        const double mine = last_bwd_start[static_cast<size_t>(r)] + off.at(static_cast<double>(mbs_of[static_cast<size_t>(r)]));
+        ready = std::max(ready, mine);
+        own[static_cast<size_t>(r)] = std::max(own[static_cast<size_t>(r)], mine + tail[k]);
+      }
+      if (k == 0) g.ready_s = ready;
+      end = std::max(ready, end) + bks[k].time_s;
+      g.time_s += bks[k].time_s;
+      g.buckets += bks[k].collectives;
+    }
+    g.done_s = end;
+    for (int r : g.ranks) {
+      done[static_cast<size_t>(r)] = std::max(done[static_cast<size_t>(r)], end);
+      bucket[static_cast<size_t>(r)] += ctx.sync_buffer_bytes(shape, set.bytes);
+      longest[static_cast<size_t>(r)] = std::max(longest[static_cast<size_t>(r)], g.time_s);
+      if (shape.compressed && !shape.hierarchical) encode_total[static_cast<size_t>(r)] += ctx.encode_s(shape, set.bytes);
+    }
+    pc.sync_groups.push_back(g);
+  }
+  // Flat sets encode on the autograd thread: the backward ends that much later.
+  for (int r = 0; r < W; ++r) {
+    done[static_cast<size_t>(r)] = std::max(done[static_cast<size_t>(r)], phase_end[static_cast<size_t>(r)] + encode_total[static_cast<size_t>(r)]);
+    own[static_cast<size_t>(r)] = std::max(own[static_cast<size_t>(r)], phase_end[static_cast<size_t>(r)] + encode_total[static_cast<size_t>(r)]);
+  }
+
+  std::vector<int> world(static_cast<size_t>(W));
+  for (int r = 0; r < W; ++r) world[static_cast<size_t>(r)] = r;
+  std::sort(world.begin(), world.end(), [&](int a, int b) {
+    return ctx.ring_less(dev_of[static_cast<size_t>(a)], a, dev_of[static_cast<size_t>(b)], b);
+  });
+  std::vector<int> world_devs;
+  for (int r : world) world_devs.push_back(dev_of[static_cast<size_t>(r)]);
+  pc.world_allreduce_s = ctx.allreduce_s(ctx.ring(world_devs), 2 * 8.0, 0);
+
+  std::vector<std::string> overflow;
+  for (auto& sc : pc.stages) {
+    const size_t r = static_cast<size_t>(sc.rank);
+    sc.sync_s = longest[r];
+    sc.sync_exposed_s = done[r] - phase_end[r];
+    const auto& pl = plan.pipelines[static_cast<size_t>(sc.pipeline)];
+    sc.bucket_bytes = bucket[r] + ctx.send_buffer_bytes(sc.stage == 0, sc.stage + 1 == static_cast<int>(pl.stages.size()),
+                                                        pl.num_micro_batches, pl.micro_batch_size);
+    sc.state_bytes = sc.weight_bytes + sc.grad_bytes + sc.optimizer_bytes;
+    sc.memory_bytes = (sc.state_bytes + sc.bucket_bytes) + sc.gathered_bytes + sc.activation_bytes;
+    sc.fits = sc.memory_capacity_bytes <= 0 || sc.memory_bytes <= sc.memory_capacity_bytes;
+    if (!sc.fits) {
+      const double over = sc.memory_bytes - sc.memory_capacity_bytes;
+      std::ostringstream o;
+      o << "device '" << sc.device << "' (rank " << sc.rank << ", pipeline " << sc.pipeline << " stage " << sc.stage << ", blocks "
+        << blocks_text(sc.unit_begin, sc.unit_end) << ") needs " << gb(sc.memory_bytes) << " (" << static_cast<int64_t>(sc.memory_bytes)
+        << " bytes: weights+gradients+AdamW " << gb(sc.state_bytes) << sharding_text(sc) << ", sync buckets and sent messages " << gb(sc.bucket_bytes)
+        << (sc.gathered_bytes > 0 ? ", gathered layers " + gb(sc.gathered_bytes) : std::string()) << ", activations "
+        << gb(sc.activation_bytes) << " for " << sc.peak_in_flight << " micro-batch" << (sc.peak_in_flight == 1 ? "" : "es") << " of "
+        << pl.micro_batch_size << " in flight) but has " << gb(sc.memory_capacity_bytes) << ": over by " << gb(over) << " ("
+        << static_cast<int64_t>(std::ceil(over)) << " bytes, " << static_cast<int>(std::ceil(100 * over / sc.memory_capacity_bytes)) << "%)";
+      overflow.push_back(o.str());
+    }
+    pc.sync_done_s = std::max(pc.sync_done_s, done[r]);
+    pc.optimizer_s = std::max(pc.optimizer_s, sc.optimizer_s);
+    pc.param_gather_s = std::max(pc.param_gather_s, sc.param_gather_s);
+  }
+  for (const auto& p : pc.pipelines) pc.phase_s = std::max(pc.phase_s, p.phase_s);
+  for (size_t p = 0; p < pc.pipelines.size(); ++p)
+    for (const auto& st : plan.pipelines[p].stages) {
+      pc.pipelines[p].done_s = std::max(pc.pipelines[p].done_s, done[static_cast<size_t>(st.ranks[0])]);
+      pc.pipelines[p].own_done_s = std::max(pc.pipelines[p].own_done_s, own[static_cast<size_t>(st.ranks[0])]);
+    }
+  std::vector<std::pair<double, double>> draws;
+  for (size_t p = 0; p < pc.pipelines.size(); ++p) {
+    double noise = 0;
+    for (const auto& st : plan.pipelines[p].stages) noise = std::max(noise, ctx.step_noise(ctx.type_of(dev_of[static_cast<size_t>(st.ranks[0])])));
+    pc.pipelines[p].noise_s = CostContext::done_sd(noise, pc.pipelines[p].own_done_s);
+    draws.push_back({pc.pipelines[p].own_done_s, pc.pipelines[p].noise_s});
+  }
+  pc.straggler_s = std::max(0.0, expected_max(draws) - pc.sync_done_s);
+  pc.step_s = ((pc.sync_done_s + pc.straggler_s) + pc.world_allreduce_s) + pc.optimizer_s + pc.param_gather_s;
+  pc.fits = overflow.empty();
+  for (size_t i = 0; i < overflow.size(); ++i) pc.explanation += (i ? "; " : "") + overflow[i];
+  return pc;
+}
+
+nlohmann::json PlanCost::to_json() const {
+  using nlohmann::json;
+  json j = {{"step_s", step_s},
+            {"phase_s", phase_s},
+            {"sync_done_s", sync_done_s},
+            {"straggler_s", straggler_s},
+            {"world_allreduce_s", world_allreduce_s},
+            {"optimizer_s", optimizer_s},
+            {"param_gather_s", param_gather_s},
+            {"fits", fits}};
+  if (!explanation.empty()) j["explanation"] = explanation;
+  j["pipelines"] = json::array();
+  for (const auto& p : pipelines)
+    j["pipelines"].push_back({{"micro_batch_size", p.micro_batch_size},
+                              {"num_micro_batches", p.num_micro_batches},
+                              {"phase_s", p.phase_s},
+                              {"done_s", p.done_s},
+                              {"own_done_s", p.own_done_s},
+                              {"noise_s", p.noise_s}});
+  j["per_stage"] = json::array();
+  for (const auto& s : stages)
+    j["per_stage"].push_back({{"pipeline", s.pipeline},
+                              {"stage", s.stage},
+                              {"rank", s.rank},
+                              {"device", s.device},
+                              {"type", s.type},
+                              {"host", s.host},
+                              {"layers", {s.layer_begin, s.layer_end}},
+                              {"units", {s.unit_begin, s.unit_end}},
+                              {"forward_s", s.forward_s},
+                              {"backward_s", s.backward_s},
+                              {"p2p_s", s.p2p_s},
+                              {"bubble_s", s.bubble_s},
+                              {"phase_end_s", s.phase_end_s},
+                              {"sync_s", s.sync_s},
+                              {"sync_exposed_s", s.sync_exposed_s},
+                              {"optimizer_s", s.optimizer_s},
+                              {"peak_in_flight", s.peak_in_flight},
+                              {"zero_stage", s.zero_stage},
+                              {"shard", s.shard},
+                              {"recompute", s.recompute},
+                              {"gather_s", s.gather_s},
+                              {"param_gather_s", s.param_gather_s},
+                              {"memory", {{"weights", s.weight_bytes},
+                                          {"gradients", s.grad_bytes},
+                                          {"optimizer", s.optimizer_bytes},
+                                          {"buffers", s.bucket_bytes},
+                                          {"gathered", s.gathered_bytes},
+                                          {"activations", s.activation_bytes}}},
+                              {"memory_bytes", s.memory_bytes},
+                              {"memory_capacity_bytes", s.memory_capacity_bytes},
+                              {"fits", s.fits}});
+  j["sync_groups"] = json::array();
+  for (const auto& g : sync_groups) {
+    json gj = {{"ranks", g.ranks},
+               {"bytes", g.bytes},
+               {"buckets", g.buckets},
+               {"slowest_bytes_per_s", g.slowest_bytes_per_s},
+               {"ready_s", g.ready_s},
+               {"time_s", g.time_s},
+               {"done_s", g.done_s}};
+    if (g.compressed) {
+      gj["compressed"] = g.hierarchical ? "hierarchical" : "flat";
+      gj["regions"] = g.regions;
+      gj["wire_bytes"] = g.wire_bytes;
+      gj["codec_s"] = g.encode_s;
+    }
+    j["sync_groups"].push_back(gj);
+  }
+  return j;
+}
+
+}  // namespace alloy::plan
