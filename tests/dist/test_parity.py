@@ -241,6 +241,21 @@ RESHARD_CHAINS = {
 }
 
 
+def exported_whole(alloy, work, run_dir, env):
+    """`alloy export` of a tensor-parallel run: every parameter under its own name, whole."""
+    import struct
+    out = os.path.join(work, "tp-export", "model.safetensors")
+    sh([alloy, "export", "--checkpoint", run_dir, "--output", out], env=env)
+    with open(out, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    names = [k for k in header if k != "__metadata__"]
+    ok = not any("#" in k for k in names) and header["wte.weight"]["shape"] == [257, 32] and \
+        header["h.0.attn.c_attn.weight"]["shape"] == [32, 96]
+    print(f"     export of {os.path.basename(run_dir)}: {len(names)} tensors, whole: {ok}")
+    return ok
+
+
 def reshard(alloy, work, env, baselines, chain):
     """A run resumed under other layouts, each from its predecessor's checkpoint: the losses follow
     the uninterrupted one-device run."""
@@ -268,6 +283,8 @@ def reshard(alloy, work, env, baselines, chain):
     ok = [r[0] for r in got] == list(range(1, STEPS + 1))
     worst = max(abs(l - bl) / abs(bl) for (_, l, _), (_, bl, _) in zip(got, base))
     ok = ok and worst <= RTOL
+    if chain == "reshard-tp":  # the last run's pieces export as whole HuggingFace tensors
+        ok = exported_whole(alloy, work, os.path.dirname(os.path.dirname(resume)), env) and ok
     print(f"{'ok  ' if ok else 'FAIL'} {chain:<18} {' -> '.join(what)}: worst relative loss difference {worst:.2e}", flush=True)
     return ok
 

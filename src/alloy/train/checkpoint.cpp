@@ -225,6 +225,35 @@ void check_same_model(const std::string& ckpt_dir, const CheckpointState& st, co
   throw InputError(ckpt_dir + "/state.json", msg);
 }
 
+namespace {
+
+// What a checkpoint lacks under a tensor-parallel name, made from what it holds (model::tp_resolve):
+// each whole parameter is joined once, however many pieces are then cut from it, and the model's
+// shape is read from state.json once, when first needed.
+class TpTensors {
+ public:
+  TpTensors(std::string ckpt_dir, std::function<at::Tensor(const std::string&)> lookup, std::vector<std::string> names)
+      : dir_(std::move(ckpt_dir)), lookup_(std::move(lookup)), names_(std::move(names)) {}
+  at::Tensor get(const std::string& name) {
+    if (!model_) model_ = std::make_unique<ModelConfig>(read_checkpoint_state(dir_).config.model);
+    std::string base;
+    int64_t a = 0, b = 0;
+    if (!model::parse_piece(name, &base, &a, &b)) return model::tp_resolve(name, lookup_, names_, *model_);
+    auto it = wholes_.find(base);
+    if (it == wholes_.end()) it = wholes_.emplace(base, model::tp_resolve(base, lookup_, names_, *model_)).first;
+    return it->second.defined() ? model::tp_cut(it->second, model::tp_param(base), a, b, *model_) : at::Tensor();
+  }
+
+ private:
+  std::string dir_;
+  std::function<at::Tensor(const std::string&)> lookup_;
+  std::vector<std::string> names_;
+  std::unique_ptr<ModelConfig> model_;
+  std::map<std::string, at::Tensor> wholes_;
+};
+
+}  // namespace
+
 std::map<std::string, at::Tensor> read_checkpoint_tensors(const std::string& ckpt_dir,
                                                           const std::function<bool(const std::string&)>& keep) {
   std::map<std::string, at::Tensor> out;
@@ -245,15 +274,14 @@ std::map<std::string, at::Tensor> read_checkpoint_tensors(const std::string& ckp
   }
   // A tensor-parallel run's pieces are joined: readers see whole parameters under their names.
   if (!pieces.empty()) {
-    const ModelConfig model = read_checkpoint_state(ckpt_dir).config.model;
     std::vector<std::string> names;
     for (const auto& [n, t] : out) names.push_back(n);
-    auto lookup = [&](const std::string& n) {
+    TpTensors tp(ckpt_dir, [&](const std::string& n) {
       auto it = out.find(n);
       return it == out.end() ? at::Tensor() : it->second;
-    };
+    }, names);
     for (const auto& [base, ns] : pieces) {
-      at::Tensor whole = model::tp_resolve(base, lookup, names, model);
+      at::Tensor whole = tp.get(base);
       if (!whole.defined()) throw InputError(ckpt_dir, "the tensor-parallel pieces of '" + base + "' do not cover its heads");
       out[base] = whole;
     }
@@ -263,32 +291,29 @@ std::map<std::string, at::Tensor> read_checkpoint_tensors(const std::string& ckp
   return out;
 }
 
-namespace {
-at::Tensor resolve_tp_tensor(const std::string& ckpt_dir, const std::vector<model::SafetensorsFile>& files, const std::string& name) {
-  std::vector<std::string> names;
-  for (const auto& f : files)
-    for (const auto& n : f.names()) names.push_back(n);
-  auto lookup = [&](const std::string& n) {
-    for (const auto& f : files)
-      if (f.has(n)) return model::read_tensor(f, n);
-    return at::Tensor();
-  };
-  return model::tp_resolve(name, lookup, names, read_checkpoint_state(ckpt_dir).config.model);
-}
-}  // namespace
-
 void load_params(const std::string& ckpt_dir, const std::vector<model::Param*>& params) {
   at::NoGradGuard ng;
   std::vector<model::SafetensorsFile> files;
   for (const auto& f : shards(ckpt_dir, "model")) files.push_back(model::SafetensorsFile::open(f));
   if (files.empty()) throw InputError(ckpt_dir, "holds no model*.safetensors");
+  std::unique_ptr<TpTensors> tp;  // made when a parameter is not stored under its own name
   for (auto* p : params) {
     const model::SafetensorsFile* src = nullptr;
     for (const auto& f : files)
       if (f.has(p->name)) src = &f;
     if (!src) {
       // Tensor parallelism: the checkpoint may hold this piece's whole parameter, or other pieces.
-      at::Tensor t = resolve_tp_tensor(ckpt_dir, files, p->name);
+      if (!tp) {
+        std::vector<std::string> names;
+        for (const auto& f : files)
+          for (const auto& n : f.names()) names.push_back(n);
+        tp = std::make_unique<TpTensors>(ckpt_dir, [&files](const std::string& n) {
+          for (const auto& f : files)
+            if (f.has(n)) return model::read_tensor(f, n);
+          return at::Tensor();
+        }, names);
+      }
+      at::Tensor t = tp->get(p->name);
       if (!t.defined()) throw InputError(ckpt_dir, "no shard holds tensor '" + p->name + "' (is this a checkpoint of another model?)");
       if (t.sizes() != p->tensor.sizes())
         throw InputError(ckpt_dir, "tensor '" + p->name + "' made from its tensor-parallel pieces has shape " +
@@ -323,17 +348,15 @@ void load_optimizer(const std::string& ckpt_dir, AdamW& opt, int64_t optimizer_s
   // the same layout.
   std::vector<std::string> names;
   for (const auto& [n, t] : all) names.push_back(n);
-  auto lookup = [&](const std::string& n) {
+  TpTensors tp(ckpt_dir, [&all](const std::string& n) {
     auto it = all.find(n);
     return it == all.end() ? at::Tensor() : it->second;
-  };
-  std::unique_ptr<ModelConfig> model;
+  }, names);
   for (const auto& [key, t] : opt.state()) {
     const std::string want = key.substr(0, key.find('@'));
     const auto sliced = all.lower_bound(want + "@");
     if (all.count(want) || (sliced != all.end() && sliced->first.rfind(want + "@", 0) == 0)) continue;
-    if (!model) model = std::make_unique<ModelConfig>(read_checkpoint_state(ckpt_dir).config.model);
-    if (at::Tensor r = model::tp_resolve(want, lookup, names, *model); r.defined()) all[want] = r;
+    if (at::Tensor r = tp.get(want); r.defined()) all[want] = r;
   }
   opt.load_state(all, optimizer_steps, ckpt_dir);
 }
