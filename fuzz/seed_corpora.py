@@ -173,6 +173,14 @@ add("profile", "gen-v5-lora", json.dumps({
     "devices": {"T4": device(2)}, "links": [],
     "memory": dict(MEMORY, frozen_bytes_per_block=400000.0, frozen_bytes_embed=0, frozen_bytes_head=0),
     "lora": {"rank": 8, "alpha": 16, "targets": "q_proj,v_proj", "base_dtype": "nf4", "double_quant": True}}))
+add("profile", "gen-v7-tp-sums", json.dumps({
+    "format": "alloy-profile", "version": 7, "model": MODEL,
+    "devices": {"cpu-a": device(1), "cpu-b": device(2)},
+    "links": [{"host_a": "box", "host_b": "far", "bytes_per_s": 1.2e7, "latency_s": 8e-4, "allreduce_bytes_per_s": 0}],
+    "tp_sums": [{"device_a": "a0", "device_b": "a1", "bytes": 98304.0, "seconds": 0.0024},
+                {"device_a": "a0", "device_b": "a1", "bytes": 786432.0, "seconds": 0.0043},
+                {"device_a": "a0", "device_b": "b", "bytes": 98304.0, "seconds": 0.0052}],
+    "memory": MEMORY}, indent=1))
 add("profile", "gen-v1", json.dumps({
     "format": "alloy-profile", "version": 1, "model": {"layers": 2, "hidden": 64, "heads": 2},
     "devices": {"cpu": {k: cost(0.001, 0.001) for k in ["block_fwd", "block_bwd", "embed_fwd", "embed_bwd",
@@ -410,7 +418,8 @@ dicts = {
                 "block_fwd", "block_bwd", "embed_fwd", "embed_bwd", "head_fwd", "head_bwd", "fixed_s",
                 "per_sample_s", "points", "optimizer_s_per_param", "step_noise", "codecs", "encode_s_per_elem",
                 "decode_s_per_elem", "host_a", "host_b", "bytes_per_s", "latency_s", "allreduce_bytes_per_s",
-                "frozen_bytes_per_block", "state_bytes_per_param_byte", "rank", "base_dtype", "1e308"] +
+                "frozen_bytes_per_block", "state_bytes_per_param_byte", "rank", "base_dtype", "tp_sums", "device_a",
+                "device_b", "bytes", "seconds", "1e308"] +
                [k for s, k in config_keys if s in ("model", "lora")],
     "synerfuse": ["--num-layers", "--pipeline-model-parallel-size", "--tensor-model-parallel-size",
                   "--global-batch-size", "--micro-batch-size", "--data-parallel-size", "--world-size",

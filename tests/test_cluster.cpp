@@ -767,7 +767,19 @@ TEST(Profile, JsonRoundTrip) {
   EXPECT_EQ(q.to_json(), p.to_json());
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-profile");
-  EXPECT_EQ(j["version"], 6);
+  EXPECT_EQ(j["version"], 7);
+  // Tensor-parallel sums per device pair round-trip and are optional.
+  {
+    EXPECT_FALSE(j.contains("tp_sums"));
+    Profile c = p;
+    c.tp_sums = {{"a0", "a1", 98304, 1.2e-3}};
+    Profile d = Profile::from_json(c.to_json(), "p.json");
+    ASSERT_EQ(d.tp_sums.size(), 1u);
+    EXPECT_EQ(d.tp_sums[0].device_b, "a1");
+    EXPECT_EQ(d.tp_sums[0].bytes, 98304);
+    EXPECT_EQ(d.tp_sums[0].seconds, 1.2e-3);
+    EXPECT_EQ(d.to_json(), c.to_json());
+  }
   // The halves' shares round-trip and are optional (0: unknown).
   {
     Profile c = p;
@@ -903,8 +915,14 @@ TEST(Profile, ValidationErrorsNameFileAndField) {
   };
   EXPECT_HAS(with([](auto& j) { j["format"] = "alloy-plan"; }), "p.json: format: \"alloy-plan\", not \"alloy-profile\"");
   EXPECT_HAS(with([](auto& j) { j.erase("format"); }), "p.json: format: is missing");
-  EXPECT_HAS(with([](auto& j) { j["version"] = 7; }), "p.json: version: 7; this Alloy reads versions 1 to 6");
-  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 6");
+  EXPECT_HAS(with([](auto& j) { j["version"] = 8; }), "p.json: version: 8; this Alloy reads versions 1 to 7");
+  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 7");
+  const nlohmann::json sum = {{"device_a", "a0"}, {"device_b", "a1"}, {"bytes", 4096}, {"seconds", 1e-3}};
+  EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["seconds"] = -1; }), "p.json: tp_sums[0].seconds: must be in [0, 60)");
+  EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["bytes"] = 0; }), "p.json: tp_sums[0].bytes: must be > 0");
+  EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["device_b"] = "a0"; }), "p.json: tp_sums[0]: must name two different devices");
+  EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["rank"] = 1; }), "p.json: tp_sums[0].rank: unknown key");
+  EXPECT_HAS(with([](auto& j) { j["tp_sums"] = 3; }), "p.json: tp_sums: must be an array");
   EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["attn_share_fwd"] = 1.5; }), "p.json: devices.cpu-full.attn_share_fwd: must be in (0, 1)");
   EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["step_noise"] = -0.1; }), "p.json: devices.cpu-full.step_noise: must be in [0, 1)");
   EXPECT_HAS(with([](auto& j) { j["devices"]["cpu-full"]["codecs"] = {{"dcg", {{"encode_s_per_elem", 1e-9}, {"decode_s_per_elem", 1e-9}}}}; }),

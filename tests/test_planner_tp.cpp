@@ -79,6 +79,40 @@ TEST(TensorParallelCost, AStageSplitsItsBlocksComputeAndPaysForItsSums) {
   EXPECT_THROW(simulate_plan(missing, c, prof), InputError);
 }
 
+TEST(TensorParallelCost, MeasuredSumsReplaceTheFloorPairByPair) {
+  ClusterSpec c = pair_and_far(0);
+  Profile prof = pair_profile(4);
+  const Plan pair_plan = one_stage({0, 1}, {"a0", "a1"}, {2, 2}, 4, 2, 4);
+  const double floor_comm = simulate_plan(pair_plan, c, prof).stages[0].tp_comm_s;
+  // 21 sums per micro-batch (8 half blocks each way, the embedding's, the head's, the loss's
+  // three), 4 micro-batches. A pair measured faster than the floor is priced at what it measured
+  // (the fast link's wire time is negligible here).
+  prof.tp_sums = {{"a0", "a1", 2 * 16 * 32 * 4.0, 0.2e-3}};
+  const double measured_fast = simulate_plan(pair_plan, c, prof).stages[0].tp_comm_s;
+  EXPECT_LT(measured_fast, floor_comm / 5);
+  EXPECT_NEAR(measured_fast, 4 * 21 * 0.2e-3, 4 * 21 * 0.02e-3);
+  // ... and slower than the floor likewise.
+  prof.tp_sums[0].seconds = 4e-3;
+  EXPECT_NEAR(simulate_plan(pair_plan, c, prof).stages[0].tp_comm_s, 4 * 21 * 4e-3, 4 * 21 * 0.2e-3);
+  // A group with a pair nobody measured keeps the floor; names of another pool are ignored.
+  const Plan trio = one_stage({0, 1, 2}, {"a0", "a1", "b"}, {2, 1, 1}, 4, 2, 4);
+  Profile unmeasured = pair_profile(4);
+  EXPECT_EQ(simulate_plan(trio, c, prof).stages[0].tp_comm_s, simulate_plan(trio, c, unmeasured).stages[0].tp_comm_s);
+  prof.tp_sums = {{"x0", "x1", 4096, 0.1e-3}};
+  EXPECT_EQ(simulate_plan(pair_plan, c, prof).stages[0].tp_comm_s, floor_comm);
+
+  // Two sizes make a line; a group of three takes its worst pair's fixed part and slope, the
+  // bytes scaled as a ring moves them (4/3 for three members).
+  prof.tp_sums = {{"a0", "a1", 8192, 3e-3}, {"a0", "a1", 4096, 2e-3}, {"a0", "b", 4096, 1e-3}, {"a0", "b", 8192, 5e-3},
+                  {"a1", "b", 4096, 0.5e-3}, {"a1", "b", 8192, 0.6e-3}};
+  const CostContext ctx(c, prof);
+  EXPECT_NEAR(ctx.tp_sum_s({0, 1}, 16384), 1e-3 + 16384 * (1e-3 / 4096), 1e-12);
+  EXPECT_NEAR(ctx.tp_sum_s({1, 0}, 0), 1e-3, 1e-12);
+  // a0+b: slope 4e-3 / 4096, fixed 0 (clamped from -3 ms); the worst fixed part is a0+a1's 1 ms.
+  EXPECT_NEAR(ctx.tp_sum_s({2, 1, 0}, 3072), 1e-3 + (4e-3 / 4096) * 3072 * 4.0 / 3.0, 1e-12);
+  EXPECT_EQ(ctx.tp_sum_s({1}, 4096), 0);
+}
+
 TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
   // Four equal devices, a pair on one machine and two behind thin links; none holds the whole
   // model (2-3 blocks of 4 at most), the batch is small. A pipeline over the pair idles in its

@@ -25,6 +25,7 @@ struct ProfileArgs {
   std::vector<int64_t> micro_batches = plan::ProfileOptions{}.micro_batch_sizes;
   double window_s = plan::ProfileOptions{}.window_s;
   bool one_at_a_time = false;
+  bool no_tp_sums = false;
 };
 }  // namespace
 
@@ -44,6 +45,9 @@ void add_planner_commands(CLI::App& app, Action& action) {
       ->check(CLI::PositiveNumber);
   prof->add_flag("--one-at-a-time", a->one_at_a_time,
                  "Time device types in turns on an otherwise idle machine (default: all devices at once, as in training)");
+  prof->add_flag("--no-tp-sums", a->no_tp_sums,
+                 "Skip timing tensor-parallel sums per device pair (about a second per pair; the planner then prices a sum "
+                 "from the links, at least 1.5 ms)");
   prof->add_option("--rank", a->rv.rank, "This process's rank")->group("Rendezvous");
   prof->add_option("--world-size", a->rv.world_size, "Number of ranks")->group("Rendezvous");
   prof->add_option("--master-addr", a->rv.master_addr, "Host of rank 0")->group("Rendezvous");
@@ -64,6 +68,7 @@ void add_planner_commands(CLI::App& app, Action& action) {
       po.micro_batch_sizes = a->micro_batches;
       po.window_s = a->window_s;
       po.concurrent = !a->one_at_a_time;
+      po.measure_tp_sums = !a->no_tp_sums;
       po.device = train::rank_device(cfg);
       po.lora = cfg.lora;  // a fine-tuning run's costs: adapters, frozen (quantized) base
       auto p = plan::run_profile(cfg.model, spec, world.get(), po);

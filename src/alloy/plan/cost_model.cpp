@@ -90,6 +90,32 @@ CostContext::CostContext(const ClusterSpec& cluster, const Profile& profile) : c
       ring_bw_[a * H + b] = ring_bw;
     }
 
+  // Each measured pair's sums as a line in their bytes, through its two sizes (one size: the
+  // link's slope through it).
+  const size_t N = cluster.devices.size();
+  tp_line_.assign(N * N, {-1.0, 0.0});
+  std::map<std::pair<int, int>, std::vector<std::pair<double, double>>> points;
+  for (const auto& t : profile.tp_sums) {
+    auto find = [&](const std::string& name) {
+      for (size_t d = 0; d < N; ++d)
+        if (cluster.devices[d].name == name) return static_cast<int>(d);
+      return -1;
+    };
+    const int a = find(t.device_a), b = find(t.device_b);
+    if (a < 0 || b < 0) continue;  // measured on another pool
+    points[{std::min(a, b), std::max(a, b)}].emplace_back(t.bytes, t.seconds);
+  }
+  for (auto& [pair, pts] : points) {
+    std::sort(pts.begin(), pts.end());
+    double slope = 1.0 / ring({pair.first, pair.second}).slowest_bytes_per_s;
+    if (pts.size() >= 2 && pts.back().first > pts.front().first)
+      slope = std::max(0.0, (pts.back().second - pts.front().second) / (pts.back().first - pts.front().first));
+    const double fixed = std::max(0.0, pts.front().second - slope * pts.front().first);
+    for (auto k : {static_cast<size_t>(pair.first) * N + static_cast<size_t>(pair.second),
+                   static_cast<size_t>(pair.second) * N + static_cast<size_t>(pair.first)})
+      tp_line_[k] = {fixed, slope};
+  }
+
   const MemoryProfile& mem = profile.memory;
   tied_ = m.tied_head();
   if (tied_) {
@@ -426,6 +452,22 @@ CostContext::Ring CostContext::ring(const std::vector<int>& d, const LinkLoads* 
     r.latency_sum_s += lat_[k];
   }
   return r;
+}
+
+double CostContext::tp_sum_s(std::vector<int> devices, double bytes) const {
+  std::sort(devices.begin(), devices.end(), [&](int a, int b) { return ring_less(a, a, b, b); });
+  const size_t n = devices.size(), N = cluster_->devices.size();
+  if (n < 2) return 0;
+  // A ring all-reduce moves 2(n-1)/n of the bytes over every hop (a pair: all of them once); the
+  // fixed part (latency, the wait for the last member) is the worst pair's.
+  double fixed = 0, slope = 0;
+  for (size_t i = 0; i < n; ++i)
+    for (size_t j = i + 1; j < n; ++j) {
+      const auto [f, s] = tp_line_[static_cast<size_t>(devices[i]) * N + static_cast<size_t>(devices[j])];
+      if (f < 0) return std::max(kTpSumFloorS, allreduce_s(ring(devices), bytes, std::numeric_limits<double>::infinity()));
+      fixed = std::max(fixed, f), slope = std::max(slope, s);
+    }
+  return fixed + slope * bytes * (2.0 * static_cast<double>(n - 1) / static_cast<double>(n));
 }
 
 double CostContext::allreduce_s(const Ring& r, double bytes, double bucket_bytes, int64_t* buckets) const {

@@ -100,10 +100,11 @@
 
 namespace alloy::plan {
 
-// The least a tensor-parallel group's sum costs, however small: Gloo's all-reduce on a CPU plus
-// the wait for the last member. Measured on the emulated pool (examples/cluster-tp.yaml, two ranks
-// on one host under CPU quotas): 1.6 ms per sum beyond the link model's figure, which alone had
-// put a TP pair's step at half what it measured (bench/README, "Tensor parallelism").
+// The least a tensor-parallel group's sum costs when the profile did not time the group's pairs
+// (Profile::tp_sums): Gloo's all-reduce on a CPU plus the wait for the last member. Measured on
+// the emulated pool (examples/cluster-tp.yaml, two ranks on one host under CPU quotas): 1.6 ms
+// per sum beyond the link model's figure, which alone had put a TP pair's step at half what it
+// measured (bench/README, "Tensor parallelism").
 constexpr double kTpSumFloorS = 1.5e-3;
 
 struct StageCost {
@@ -327,6 +328,13 @@ class CostContext {
   // smallest share MIN_SHARE: the member receiving most).
   double shard_gather_s(const Ring& r, double bytes, double min_share) const;
   double world_allreduce_s() const { return world_allreduce_s_; }
+  // One tensor-parallel sum of BYTES among DEVICES (any order), from what the profile measured
+  // each pair's sums to take under compute (TpSumProfile: a line in the bytes through the sizes
+  // measured; the group takes its worst pair's, its bytes scaled as a ring moves them). Not the
+  // link model: a ping-pong with a device under a small CPU quota measures its throttling as
+  // latency (8.7 ms on a 1 Gbit/s veth once). A group with a pair nobody measured (older
+  // profiles, pools over 8 devices): the ring's time, at least kTpSumFloorS.
+  double tp_sum_s(std::vector<int> devices, double bytes) const;
 
   // Parameter units and their holders. A stage of a pipeline, seen by the sync computation.
   struct Holder {
@@ -378,6 +386,7 @@ class CostContext {
   std::vector<const DeviceProfile*> type_profile_;
   std::vector<double> bw_, lat_, ring_bw_;  // host x host
   std::vector<char> slow_;                  // host x host
+  std::vector<std::pair<double, double>> tp_line_;  // device x device: a TP sum's (fixed s, s per byte); fixed < 0 unknown
   GradSyncConfig gs_;
   double powersgd_ratio_ = 1;
   double act_message_bytes_ = 0, dtype_bytes_ = 4;

@@ -2,7 +2,6 @@
 #include "alloy/plan/cost_tp.h"
 
 #include <algorithm>
-#include <limits>
 
 namespace alloy::plan::detail {
 
@@ -16,7 +15,7 @@ double tp_share(const StagePlan& st, const ModelConfig& model, size_t k) {
 // group waits for its slowest member at each sum: one per half block forward and one backward,
 // the embedding's (forward) and the head's (backward), and the vocabulary-parallel loss's three
 // (forward). The members' compute is a max, the sums are added, all on the critical path; each
-// sum costs at least kTpSumFloorS (cost_model.h).
+// sum as CostContext::tp_sum_s prices it (the profile's measured pairs, else a floor).
 TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, const StagePlan& st, const std::vector<int>& dev_of,
                           bool first, bool last, int64_t m) {
   const int64_t ub = st.unit_begin(), ue = st.unit_end();
@@ -32,13 +31,9 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
     t.forward_s = std::max(t.forward_s, f * (fb + fe));
     t.backward_s = std::max(t.backward_s, f * (bb + be) + (st.recompute ? f * fb : 0.0));
   }
-  std::sort(devs.begin(), devs.end(), [&](int a, int b) { return ctx.ring_less(a, a, b, b); });
   const double elt = model.dtype == "float64" ? 8.0 : 4.0;
-  const double bytes = static_cast<double>(m * model.seq_len * model.hidden) * elt;
-  const CostContext::Ring ring = ctx.ring(devs);
-  const double one = std::max(kTpSumFloorS, ctx.allreduce_s(ring, bytes, std::numeric_limits<double>::infinity()));
-  const double small = std::max(kTpSumFloorS, ctx.allreduce_s(ring, static_cast<double>(m * model.seq_len) * 4.0 * 2.0,
-                                                              std::numeric_limits<double>::infinity()));
+  const double one = ctx.tp_sum_s(devs, static_cast<double>(m * model.seq_len * model.hidden) * elt);
+  const double small = ctx.tp_sum_s(devs, static_cast<double>(m * model.seq_len) * 4.0 * 2.0);
   const double units = static_cast<double>(ue - ub);
   const double fwd = units * one + (first ? one : 0.0) + (last ? 3 * small : 0.0), bwd = units * one + (last ? one : 0.0);
   t.comm_s = fwd + bwd;

@@ -48,6 +48,9 @@ std::string describe_profile(const Profile& p) {
   for (const auto& l : p.links)
     o << "  link " << l.host_a << " <-> " << l.host_b << ": " << fmt("%.1f", l.bytes_per_s * 8 / 1e6) << " Mbit/s, latency "
       << fmt("%.2f", l.latency_s * 1e3) << " ms\n";
+  for (const auto& t : p.tp_sums)
+    o << "  tensor-parallel sum " << t.device_a << " + " << t.device_b << ": " << fmt("%.2f", t.seconds * 1e3) << " ms per sum of "
+      << fmt("%.0f", t.bytes / 1024) << " KiB under compute\n";
   o << "  memory: " << mib(p.memory.param_bytes_per_block) << " parameters and "
     << mib(p.memory.act_bytes_per_sample_block) << " activations per sample per block\n";
   return o.str();

@@ -18,8 +18,9 @@ const char* const kFormat = "alloy-profile";
 // Version 2 added each compute cost's measured points; version 3 the gradient codecs' costs
 // ("codecs" per device type); version 4 each type's step_noise; version 5 LoRA ("lora" and the
 // frozen base's bytes in "memory"); version 6 each type's attn_share_fwd/bwd (the halves of a
-// block). Versions 1 to 5 still read.
-constexpr int kVersion = 6;
+// block); version 7 the tensor-parallel sums per device pair ("tp_sums"). Versions 1 to 6 still
+// read.
+constexpr int kVersion = 7;
 
 // The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
 struct CostField {
@@ -221,6 +222,11 @@ nlohmann::json Profile::to_json() const {
                           {"bytes_per_s", l.bytes_per_s},
                           {"latency_s", l.latency_s},
                           {"allreduce_bytes_per_s", l.allreduce_bytes_per_s}});
+  if (!tp_sums.empty()) {
+    j["tp_sums"] = json::array();
+    for (const auto& t : tp_sums)
+      j["tp_sums"].push_back({{"device_a", t.device_a}, {"device_b", t.device_b}, {"bytes", t.bytes}, {"seconds", t.seconds}});
+  }
   j["memory"] = json::object();
   for (const auto& f : kMemFields) j["memory"][f.key] = memory.*(f.member);
   if (lora.enabled()) {
@@ -235,7 +241,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
   Reader rd(where);
   if (!j.is_object()) rd.fail("", std::string("expected a JSON object (an alloy profile), got ") + j.type_name());
   // "meta" is free-form provenance (who measured, when, with what); it is accepted and not kept.
-  rd.only_keys(j, {"format", "version", "model", "devices", "links", "memory", "lora", "meta"}, "");
+  rd.only_keys(j, {"format", "version", "model", "devices", "links", "tp_sums", "memory", "lora", "meta"}, "");
   if (!j.contains("format")) rd.fail("format", "is missing; expected \"alloy-profile\" (is this a profile?)");
   if (j["format"] != kFormat) rd.fail("format", j["format"].dump() + ", not \"alloy-profile\"");
   if (!j.contains("version")) rd.fail("version", "is missing");
@@ -309,6 +315,27 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
       l.allreduce_bytes_per_s = rd.number(ls[i], "allreduce_bytes_per_s", f + ".allreduce_bytes_per_s", false, 0);
       if (l.allreduce_bytes_per_s < 0) rd.fail(f + ".allreduce_bytes_per_s", "must be >= 0 (0 = not measured)");
       p.links.push_back(l);
+    }
+  }
+
+  if (j.contains("tp_sums")) {
+    const json& ts = j["tp_sums"];
+    if (!ts.is_array()) rd.fail("tp_sums", std::string("must be an array, got ") + ts.type_name());
+    for (size_t i = 0; i < ts.size(); ++i) {
+      const std::string f = "tp_sums[" + std::to_string(i) + "]";
+      if (!ts[i].is_object()) rd.fail(f, std::string("must be an object, got ") + ts[i].type_name());
+      rd.only_keys(ts[i], {"device_a", "device_b", "bytes", "seconds"}, f);
+      TpSumProfile t;
+      t.device_a = rd.string(ts[i], "device_a", f + ".device_a");
+      t.device_b = rd.string(ts[i], "device_b", f + ".device_b");
+      if (t.device_a.empty() || t.device_b.empty() || t.device_a == t.device_b)
+        rd.fail(f, "must name two different devices");
+      t.bytes = rd.number(ts[i], "bytes", f + ".bytes");
+      if (!(t.bytes > 0)) rd.fail(f + ".bytes", "must be > 0, got " + ts[i]["bytes"].dump());
+      t.seconds = rd.number(ts[i], "seconds", f + ".seconds");
+      // A sum that takes longer than a minute is a stall, not a figure to plan with.
+      if (!(t.seconds >= 0 && t.seconds < 60)) rd.fail(f + ".seconds", "must be in [0, 60), got " + ts[i]["seconds"].dump());
+      p.tp_sums.push_back(t);
     }
   }
 

@@ -61,6 +61,17 @@ struct LinkProfile {
   double allreduce_bytes_per_s = 0;                // measured ring all-reduce "bus" bandwidth, if any
 };
 
+// Tensor parallelism's sums between two devices, timed the way a TP stage runs them (profile
+// version 7): both devices compute a block's forward, then sum its output (BYTES) over a group of
+// the two, again and again; SECONDS is what each sum added to the slower device's compute alone.
+// A pair has one entry per size measured (the smallest and largest micro-batch).
+// It holds the wire time and what a CPU quota, Gloo's threads and the members' uneven arrival add
+// to it (on the emulated pools about 1.6 ms per sum beyond the link model's figure).
+struct TpSumProfile {
+  std::string device_a, device_b;  // the cluster's device names
+  double bytes = 0, seconds = 0;
+};
+
 struct MemoryProfile {
   double param_bytes_per_block = 0, param_bytes_embed = 0, param_bytes_head = 0;
   // Activations kept for backward, per sample: one block, the embedding, the head.
@@ -77,6 +88,7 @@ struct Profile {
   ModelConfig model;
   std::map<std::string, DeviceProfile> devices;  // by device type
   std::vector<LinkProfile> links;                // measured host pairs (optional)
+  std::vector<TpSumProfile> tp_sums;             // measured device pairs (optional)
   MemoryProfile memory;
   LoraConfig lora;  // what was measured trains LoRA adapters over a frozen base (rank 0: everything trains)
   double activation_bytes_per_sample() const;    // one hidden-state tensor crossing a stage boundary

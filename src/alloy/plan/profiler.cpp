@@ -15,6 +15,7 @@
 #include "alloy/core/log.h"
 #include "alloy/dist/compress/codec.h"
 #include "alloy/dist/compress/comm.h"
+#include "alloy/dist/tensor_parallel.h"
 #include "alloy/dist/world.h"
 #include "alloy/model/transformer.h"
 #include "alloy/pipeline/executor.h"
@@ -311,6 +312,69 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
   return d;
 }
 
+// Tensor-parallel sums between ranks A and B (both call this; the others wait at the barriers of
+// the caller), at the smallest and the largest micro-batch size M: each round times K block
+// forwards alone on both devices at once, then K forwards each followed by a sum of its output
+// over the pair, as a TP stage runs them; what the sums added to the slower device's compute, per
+// sum, is the figure (median of the rounds). A block's forward stands for a member's share of a
+// half block: sums come every few milliseconds as in training, so CPU quota periods and the
+// members' uneven arrival are met as often as they are there.
+std::vector<TpSumProfile> measure_tp_sums(const ModelConfig& model, const ClusterSpec& spec, dist::World& world, int a, int b,
+                                          const ProfileOptions& o) {
+  dist::GroupTpComm comm(world.new_group("profile-tp-" + std::to_string(a) + "-" + std::to_string(b), {a, b}));
+  const at::Device dev(o.device);
+  model::Transformer block(model, {1, 2}, 1);
+  block.to(dev);
+  at::NoGradGuard no_grad;
+  auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  // Both members' figures, summed over the pair (a Gloo group has no max): slot 0 is A's, 1 B's.
+  auto both = [&](double mine) {
+    at::Tensor t = at::zeros({2}, at::kDouble);
+    t[comm.rank()] = mine;
+    comm.allreduce_sum(t);
+    return std::pair<double, double>{t[0].item<double>(), t[1].item<double>()};
+  };
+  std::vector<int64_t> sizes{o.micro_batch_sizes.empty() ? 1 : o.micro_batch_sizes.front()};
+  if (o.micro_batch_sizes.size() > 1 && o.micro_batch_sizes.back() != sizes[0]) sizes.push_back(o.micro_batch_sizes.back());
+  std::vector<TpSumProfile> out;
+  for (int64_t m : sizes) {
+    auto gen = at::detail::createCPUGenerator(7);
+    const at::Tensor x = at::randn({m, model.seq_len, model.hidden}, gen, at::TensorOptions().dtype(block.dtype())).to(dev);
+    auto forward = [&] {
+      at::Tensor y = block.forward(x);
+      wait_for(dev);
+      return y;
+    };
+    forward(), forward();  // warm-up: allocations, kernels
+    auto t0 = Clock::now();
+    for (int i = 0; i < 3; ++i) forward();
+    const auto [ta, tb] = both(seconds_since(t0) / 3);
+    const int rounds = std::max(1, o.rounds);
+    const int64_t k = std::clamp<int64_t>(static_cast<int64_t>(o.window_s / rounds / std::max({ta, tb, 1e-6})), 8, 64);
+    std::vector<double> per_sum;
+    double bytes = 0;
+    at::Tensor start = at::zeros({1});
+    for (int r = 0; r < rounds; ++r) {
+      comm.allreduce_sum(start);  // both start together
+      t0 = Clock::now();
+      for (int64_t i = 0; i < k; ++i) forward();
+      const double alone = seconds_since(t0);
+      comm.allreduce_sum(start);
+      t0 = Clock::now();
+      for (int64_t i = 0; i < k; ++i) {
+        at::Tensor y = forward();
+        bytes = static_cast<double>(y.numel()) * 4.0;
+        comm.allreduce_sum(y);
+      }
+      const double with_sums = seconds_since(t0);
+      const auto [alone_a, alone_b] = both(alone);
+      per_sum.push_back(std::max(0.0, (with_sums - std::max(alone_a, alone_b)) / static_cast<double>(k)));
+    }
+    out.push_back({spec.devices[static_cast<size_t>(a)].name, spec.devices[static_cast<size_t>(b)].name, bytes, median(per_sum)});
+  }
+  return out;
+}
+
 Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::World* world, const ProfileOptions& o) {
   Profile prof;
   prof.model = model;
@@ -344,7 +408,7 @@ Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::Wor
     log_info("profiling device type " + type + " on rank " + std::to_string(rank) + (publish ? "" : " (as load only)"));
     MemoryProfile mem;
     DeviceProfile d = measure_device(model, o, &mem);
-    if (publish) put("alloy/profile/type/" + type, Profile{model, {{type, d}}, {}, mem, o.lora}.to_json().dump());
+    if (publish) put("alloy/profile/type/" + type, Profile{model, {{type, d}}, {}, {}, mem, o.lora}.to_json().dump());
   };
   const std::string& my_type = spec.devices[static_cast<size_t>(rank)].type;
   if (o.concurrent) {
@@ -407,6 +471,33 @@ Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::Wor
       for (auto [a, b] : pairs) {
         auto j = nlohmann::json::parse(get("alloy/profile/link/" + std::to_string(a) + "-" + std::to_string(b)));
         prof.links.push_back({j["a"], j["b"], j["bytes_per_s"], j["latency_s"], 0});
+      }
+  }
+  // Tensor-parallel sums: every pair of devices, one pair at a time.
+  // Not for LoRA: tensor parallelism does not train adapters (the trainer refuses the pair).
+  if (o.measure_tp_sums && !o.lora.enabled() && n >= 2 && n <= 8) {
+    std::vector<std::pair<int, int>> pairs;
+    for (int a = 0; a < n; ++a)
+      for (int b = a + 1; b < n; ++b) pairs.emplace_back(a, b);
+    for (auto [a, b] : pairs) {
+      world->all().barrier();
+      if (rank != a && rank != b) continue;
+      const std::vector<TpSumProfile> sums = measure_tp_sums(model, spec, *world, a, b, o);
+      if (rank == a) {
+        nlohmann::json j = nlohmann::json::array();
+        for (const auto& t : sums) {
+          j.push_back({{"a", t.device_a}, {"b", t.device_b}, {"bytes", t.bytes}, {"seconds", t.seconds}});
+          log_info("tensor-parallel sum " + t.device_a + " + " + t.device_b + ": " + std::to_string(t.seconds * 1e3) + " ms per sum of " +
+                   std::to_string(static_cast<int64_t>(t.bytes)) + " bytes under compute");
+        }
+        put("alloy/profile/tp/" + std::to_string(a) + "-" + std::to_string(b), j.dump());
+      }
+    }
+    world->all().barrier();
+    if (rank == 0)
+      for (auto [a, b] : pairs) {
+        for (const auto& j : nlohmann::json::parse(get("alloy/profile/tp/" + std::to_string(a) + "-" + std::to_string(b))))
+          prof.tp_sums.push_back({j["a"], j["b"], j["bytes"], j["seconds"]});
       }
   }
   if (rank == 0) {

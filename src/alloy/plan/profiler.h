@@ -4,7 +4,8 @@
 // micro-batch sizes (kept as points, plus a fitted line for larger sizes), the optimizer step per parameter and
 // the activation memory per sample (all ranks compute at once while it does, see
 // ProfileOptions::concurrent); one rank per host pair measures point-to-point latency and
-// bandwidth (ping-pong at several message sizes). Rank 0 collects everything through the store.
+// bandwidth (ping-pong at several message sizes); every pair of devices times tensor-parallel sums
+// under compute (TpSumProfile). Rank 0 collects everything through the store.
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,6 +30,9 @@ struct ProfileOptions {
   int blocks_timed = 4;       // blocks timed together (at most the model's); their mean is the per-block figure
   std::vector<int64_t> message_bytes = {1 << 12, 1 << 18, 1 << 20, 1 << 21};
   bool measure_links = true;
+  // Tensor parallelism's sums per device pair (Profile::tp_sums), in pools of at most 8 devices
+  // (the planner's TP search looks no further): about a second per pair.
+  bool measure_tp_sums = true;
   // Every rank times its device at once, as they all compute during training; the first device of
   // each type gives that type's figures. Measured on the 2-core VM: two cores streaming memory at
   // once get 35 GB/s each against 72 GB/s for one alone, and a device profiled on an otherwise

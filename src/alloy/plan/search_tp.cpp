@@ -48,9 +48,6 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
                                 const std::vector<int64_t>& sizes) {
   std::vector<const DeviceProfile*> dp;
   for (int d : g) dp.push_back(&prof.devices.at(cluster.devices[static_cast<size_t>(d)].type));
-  std::vector<int> ring = g;
-  std::sort(ring.begin(), ring.end(), [&](int a, int b) { return ctx.ring_less(a, a, b, b); });
-  const CostContext::Ring r = ctx.ring(ring);
   const double elt = prof.model.dtype == "float64" ? 8.0 : 4.0;
   std::vector<double> ms;
   for (int64_t m : sizes)
@@ -58,8 +55,7 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
   auto combine = [&](MicroBatchCost DeviceProfile::*f, bool split, double sums) {
     std::vector<double> ts;
     for (double m : ms) {
-      const double comm = sums * std::max(kTpSumFloorS, ctx.allreduce_s(r, m * static_cast<double>(prof.model.seq_len * prof.model.hidden) * elt,
-                                                                       std::numeric_limits<double>::infinity()));
+      const double comm = sums * ctx.tp_sum_s(g, m * static_cast<double>(prof.model.seq_len * prof.model.hidden) * elt);
       double rate = 0, slowest = 0;
       for (const auto* p : dp) {
         const double t = (p->*f).at(m);
