@@ -363,6 +363,29 @@ TEST(Profiler, StepNoisePoolsTheRoundsScaledToOneSecond) {
   EXPECT_EQ(pooled_step_noise({{{1.0, 1.0}, {9.0, 1.0}}}), 0.5);  // a stall, not noise: capped
 }
 
+TEST(Profiler, LinkFromPingsTakesBandwidthFromTheLargestAndLatencyFromTheBestSize) {
+  // A clean link: 1e8 bytes/s, 0.5 ms.
+  auto t = [](double bytes) { return 5e-4 + bytes / 1e8; };
+  const std::vector<double> sizes{4096, 262144, 1048576, 2097152};
+  LinkProfile l = link_from_pings(sizes, {t(4096), t(262144), t(1048576), t(2097152)});
+  EXPECT_NEAR(l.bytes_per_s, 1e8, 1);
+  EXPECT_NEAR(l.latency_s, 5e-4, 1e-12);
+  // Every ping of the first size slow (as read after the compute figures on the emulated pool):
+  // neither the bandwidth nor the latency follows it.
+  l = link_from_pings(sizes, {t(4096) + 3e-3, t(262144), t(1048576), t(2097152)});
+  EXPECT_NEAR(l.bytes_per_s, 1e8, 1);
+  EXPECT_NEAR(l.latency_s, 5e-4, 1e-12);
+  // A burst lets a mid-sized message through faster than the rate: latency 0, not negative.
+  l = link_from_pings(sizes, {t(4096), 1e-4, t(1048576), t(2097152)});
+  EXPECT_EQ(l.latency_s, 0);
+  // The largest two not rising: a line through all sizes, else the largest message's own rate.
+  l = link_from_pings(sizes, {t(4096), t(262144), t(2097152), t(2097152)});
+  EXPECT_GT(l.bytes_per_s, 0);
+  l = link_from_pings({4096, 8192}, {2e-3, 1e-3});
+  EXPECT_NEAR(l.bytes_per_s, 8192 / 1e-3, 1e-6);
+  EXPECT_EQ(link_from_pings({}, {}).bytes_per_s, 0);
+}
+
 TEST(CostModel, StragglersAtTheStepBarrier) {
   Profile p = base_profile(2);
   p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);

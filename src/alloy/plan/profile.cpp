@@ -405,6 +405,30 @@ double pooled_step_noise(const std::vector<std::vector<std::pair<double, double>
   return dof > 0 ? std::min(0.5, std::sqrt(ss / dof)) : 0.0;
 }
 
+LinkProfile link_from_pings(const std::vector<double>& x, const std::vector<double>& y) {
+  LinkProfile l;
+  const size_t n = std::min(x.size(), y.size());
+  if (n == 0) return l;
+  double bw = 0;
+  if (n >= 2 && x[n - 1] > x[n - 2] && y[n - 1] > y[n - 2]) bw = (x[n - 1] - x[n - 2]) / (y[n - 1] - y[n - 2]);
+  if (!(bw > 0) && n >= 2) {
+    double sx = 0, sy = 0, sxx = 0, sxy = 0;
+    for (size_t i = 0; i < n; ++i) sx += x[i], sy += y[i], sxx += x[i] * x[i], sxy += x[i] * y[i];
+    const double den = static_cast<double>(n) * sxx - sx * sx;
+    const double slope = den > 0 ? (static_cast<double>(n) * sxy - sx * sy) / den : 0.0;
+    if (slope > 0) bw = 1.0 / slope;
+  }
+  // Under load one slow ping-pong can leave no slope at all; the largest message's own rate is
+  // then a measured lower bound, better than no figure.
+  if (!(bw > 0) && y[n - 1] > 0) bw = x[n - 1] / y[n - 1];
+  double latency = y[0];
+  if (bw > 0)
+    for (size_t i = 0; i < n; ++i) latency = std::min(latency, y[i] - x[i] / bw);
+  l.bytes_per_s = bw;
+  l.latency_s = std::max(0.0, latency);
+  return l;
+}
+
 std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
   std::vector<std::string> notes;
   if (p.devices.empty()) throw Error("profile has no measured device type to extrapolate from");

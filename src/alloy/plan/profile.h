@@ -110,6 +110,15 @@ struct Profile {
 // degrees of freedom each); 0 without two rounds of anything; at most 0.5.
 double pooled_step_noise(const std::vector<std::vector<std::pair<double, double>>>& figures);
 
+// A link from ping-pongs: BYTES ascending, SECONDS each size's fastest one-way time. The
+// bandwidth from the two largest sizes (their difference cancels the latency and what is fixed per
+// message; a least-squares line when they do not rise), the latency the least any size took beyond
+// its bytes at that bandwidth (>= 0). A line through every size let one slow large message tilt
+// it, and its intercept read 0-4.7 ms on the same emulated veth from one profile to the next; and
+// every ping of the first size timed can be slow (a pair right after the compute figures: 4 KB
+// took 2-4 ms where 256 KB then took 1.1 ms), so no one size decides the latency.
+LinkProfile link_from_pings(const std::vector<double>& bytes, const std::vector<double>& seconds);
+
 // Fills device types nobody measured from a measured one, scaled by the spec's speed (or flops)
 // hints, and links nobody measured from the spec. Returns notes on what was estimated.
 std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec);
