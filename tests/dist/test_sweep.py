@@ -1,8 +1,9 @@
 #!/usr/bin/python3
-"""`alloy sweep` on a CI-sized grid: 2 layouts (+ tp, not built) x 2 micro-batch sizes x 2 sequence
-lengths of a LoRA fine-tuning run on 2 local ranks. Every cell that can run is run and measured,
-has the planner's prediction beside it, and lands in the CSV, the JSON and the plots; a micro-batch
-size that does not divide the batch is listed as skipped, tensor parallelism as not built.
+"""`alloy sweep` on a CI-sized grid: 2 layouts (+ tp) x 2 micro-batch sizes x 2 sequence lengths of
+a LoRA fine-tuning run on 2 local ranks. Every cell that can run is run and measured, has the
+planner's prediction beside it, and lands in the CSV, the JSON and the plots; a micro-batch size
+that does not divide the batch is listed as skipped, tensor parallelism with LoRA likewise. Then
+tensor parallelism on its own (no LoRA): an even and a 3:1 split of the heads, both run.
 
 usage: test_sweep.py ALLOY WORKDIR
 """
@@ -54,7 +55,9 @@ output: {{dir: {work}/unused}}
     skipped = [x for x in rows if x["micro_batch"] == "3" and x["layout"] == "dp"]
     check("a size that does not divide the batch is skipped with why",
           all(x["status"] == "skipped" and "does not split" in x["note"] for x in skipped))
-    check("tensor parallelism listed as not built", all(x["status"] == "not-built" for x in rows if x["layout"] == "tp"))
+    check("tensor parallelism with LoRA skipped with why",
+          all(x["status"] == "skipped" and ("LoRA" in x["note"] or x["micro_batch"] == "3") for x in rows if x["layout"] == "tp")
+          and any("LoRA" in x["note"] for x in rows if x["layout"] == "tp"))
     with open(os.path.join(out, "sweep.json")) as f:
         j = json.load(f)
     errs = j["prediction_errors"]
@@ -63,6 +66,28 @@ output: {{dir: {work}/unused}}
     pngs = [p for p in ("sweep-tokens.png", "sweep-latency.png", "sweep-memory.png") if os.path.getsize(os.path.join(out, p)) > 1000]
     check("plots", len(pngs) == 3, ", ".join(pngs))
     check("summary printed", "prediction error (step)" in r.stdout)
+
+    # Tensor parallelism without LoRA: both splits run; the 3:1 split holds 3/4 of each block on rank 0.
+    plain = os.path.join(work, "plain.yaml")
+    with open(plain, "w") as f:
+        f.write(f"""model: {{arch: gpt2, layers: 2, hidden: 32, heads: 4, seq_len: 32, vocab_size: 257}}
+data: {{prefix: {work}/data/corpus}}
+train: {{steps: 4, global_batch: 4, lr: 1e-2, warmup: 1, threads: 1}}
+output: {{dir: {work}/unused}}
+""")
+    out_tp = os.path.join(work, "sweep-tp")
+    sh([alloy, "sweep", "-c", plain, "-n", "2", "--layouts", "tp", "tp:3,1", "tp:1,1,2", "--micro-batch", "2",
+        "--steps", "3", "--warmup", "1", "-o", out_tp], env=env)
+    with open(os.path.join(out_tp, "sweep.csv")) as f:
+        tp_rows = {x["layout"]: x for x in csv.DictReader(f)}
+    check("tensor parallelism runs, measured and predicted",
+          all(tp_rows[k]["status"] == "ok" and float(tp_rows[k]["tokens_per_s"]) > 0 and float(tp_rows[k]["predicted_step_s"]) > 0
+              for k in ("tp", "tp:3,1")), ", ".join(f"{k}: {v['status']} {v['note']}" for k, v in tp_rows.items()))
+    check("a 3:1 split holds unevenly, an even one evenly",
+          float(tp_rows["tp:3,1"]["mem_imbalance"]) > float(tp_rows["tp"]["mem_imbalance"]),
+          f"imbalance {tp_rows['tp:3,1']['mem_imbalance']} vs {tp_rows['tp']['mem_imbalance']}")
+    check("a split of the wrong length is skipped with why",
+          tp_rows["tp:1,1,2"]["status"] == "skipped" and "3 head counts for 2 ranks" in tp_rows["tp:1,1,2"]["note"])
     failed = checks.count(False)
     print(f"{len(checks) - failed} passed, {failed} failed")
     return 1 if failed else 0

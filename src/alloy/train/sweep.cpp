@@ -156,7 +156,7 @@ bool bar_chart(const std::string& png, const std::string& title, const std::stri
 
 }  // namespace
 
-std::string sweep_layouts() { return "dp, pp, pp:C1,C2,..., zero1, zero2, zero3 (fsdp), auto, tp"; }
+std::string sweep_layouts() { return "dp, pp, pp:C1,C2,..., zero1, zero2, zero3 (fsdp), auto, tp, tp:H1,H2,..."; }
 
 Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global_batch, int64_t m) {
   const std::string where = "layout '" + layout + "'";
@@ -170,7 +170,29 @@ Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global
     zero = name[4] - '0';
     name = "dp";
   }
-  if (name == "tp") throw InputError(where, "tensor parallelism is not built yet");
+  if (name == "tp" || name.rfind("tp:", 0) == 0) {
+    if (n < 2) throw InputError(where, "tensor parallelism needs at least 2 ranks");
+    if (global_batch % m != 0)
+      throw InputError(where, "global batch " + std::to_string(global_batch) + " is not a whole number of micro-batches of " +
+                                  std::to_string(m));
+    StagePlan st{range_to(n), 0, layers, "", false};
+    if (name != "tp") {
+      std::stringstream in(name.substr(3));
+      for (std::string h; std::getline(in, h, ',');) {
+        try {
+          st.tp_split.push_back(std::stoll(h));
+        } catch (const std::exception&) {
+          throw InputError(where, "'" + h + "' is not a number of heads");
+        }
+      }
+      if (static_cast<int>(st.tp_split.size()) != n)
+        throw InputError(where, std::to_string(st.tp_split.size()) + " head counts for " + std::to_string(n) + " ranks");
+    }
+    PipelinePlan pl{m, global_batch / m, {}};
+    pl.stages.push_back(st);
+    p.pipelines.push_back(pl);
+    return p;
+  }
   if (name == "dp") {
     if (global_batch % (static_cast<int64_t>(n) * m) != 0)
       throw InputError(where, "global batch " + std::to_string(global_batch) + " does not split into " + std::to_string(n) +
@@ -292,10 +314,16 @@ std::vector<SweepRow> run_sweep(const SweepOptions& o) {
           try {
             p = sweep_plan(layout, n, c.model.layers, c.train.global_batch, m);
             for (auto& pl : p.pipelines)  // rank r is device r of the pool
-              for (auto& st : pl.stages) st.device = spec.devices[static_cast<size_t>(st.ranks[0])].name;
+              for (auto& st : pl.stages) {
+                st.device = spec.devices[static_cast<size_t>(st.ranks[0])].name;
+                if (st.tp() > 1)
+                  for (int r : st.ranks) st.devices.push_back(spec.devices[static_cast<size_t>(r)].name);
+              }
+            if (p.has_tensor_parallel() && c.lora.enabled())
+              throw InputError(name, "tensor parallelism does not train LoRA adapters (the trainer refuses the pair)");
             p.validate(c.model, name);
           } catch (const InputError& e) {
-            row.status = layout == "tp" ? "not-built" : "skipped";
+            row.status = "skipped";
             row.note = e.what();
             std::printf("[%zu/%zu] %s: %s (%s)\n", done, cells, name.c_str(), row.status.c_str(), row.note.c_str());
             rows.push_back(row);
@@ -406,7 +434,9 @@ std::string sweep_csv(const std::vector<SweepRow>& rows) {
     const bool ok = r.status == "ok";
     std::string note = r.note;
     std::replace(note.begin(), note.end(), '"', '\'');
-    s << r.layout << "," << r.micro_batch << "," << r.seq_len << "," << r.status << "," << (ok ? fmt(r.tokens_per_s, 6) : "") << ","
+    std::string layout = r.layout;  // quoted: pp:C1,C2 and tp:H1,H2 hold commas
+    std::replace(layout.begin(), layout.end(), '"', '\'');
+    s << "\"" << layout << "\"," << r.micro_batch << "," << r.seq_len << "," << r.status << "," << (ok ? fmt(r.tokens_per_s, 6) : "") << ","
       << (ok ? fmt(r.step_s, 6) : "") << "," << (r.predicted_step_s > 0 ? fmt(r.predicted_step_s, 6) : "") << ","
       << (ok && r.predicted_step_s > 0 ? fmt(r.predicted_step_s / r.step_s - 1, 4) : "") << ","
       << (ok ? fmt(r.mem_max_bytes, 10) : "") << "," << (ok ? fmt(r.mem_sum_bytes, 10) : "") << ","

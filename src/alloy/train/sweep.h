@@ -11,7 +11,8 @@
 //   pp | pp:C,..  one pipeline of N stages, cut evenly or after blocks C, ... (N - 1 cuts)
 //   zero1|2|3     dp with the optimizer state / gradients / parameters sharded evenly (fsdp = zero3)
 //   auto          the planner's own plan (its micro-batch size; one cell per sequence length)
-//   tp            tensor parallelism: not built yet (reported, not run)
+//   tp | tp:H,..  one tensor-parallel stage of all N ranks, the heads split evenly or H, ... per
+//                 rank (N numbers), G / m micro-batches of m (not with LoRA: skipped, with why)
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -42,7 +43,7 @@ struct SweepOptions {
 struct SweepRow {
   std::string layout;
   int64_t micro_batch = 0, seq_len = 0;
-  std::string status;  // ok | oom | oom-predicted | failed | skipped | not-built
+  std::string status;  // ok | oom | oom-predicted | failed | skipped
   std::string note;    // why, for every status but ok
   double tokens_per_s = 0, step_s = 0;
   double mem_max_bytes = 0, mem_sum_bytes = 0, mem_imbalance = 0;  // model memory per rank (ranks.json)
@@ -52,7 +53,8 @@ struct SweepRow {
 
 // The plan of LAYOUT for N ranks of a model of L blocks, global batch G, micro-batch size M;
 // `zeroK` adds a sharding entry over all ranks. Throws InputError naming the layout when it cannot
-// be built (sizes that do not divide, more stages than blocks, an unknown name, tp).
+// be built (sizes that do not divide, more stages than blocks, an unknown name, a TP split of the
+// wrong length). Heads that do not split as asked are the plan's validation's to name.
 Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global_batch, int64_t m);
 // The known layout names, for help texts.
 std::string sweep_layouts();
