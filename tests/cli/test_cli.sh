@@ -121,7 +121,7 @@ devices:
   - {name: small, host: h1, kind: cpu, type: cpu-small, memory_gb: 2, speed: 0.5}
 default_link: {bandwidth_gbps: 1, latency_ms: 0.1}
 YAML
-check_profile() {  # FILE: both types timed (a micro-batch of 4 costs time) and the h0-h1 link measured
+check_profile() {  # FILE: both types timed (a micro-batch of 4 costs time), the h0-h1 link and the pair's TP sums measured
   /usr/bin/python3 - "$1" <<'PY'
 import json, sys
 p = json.load(open(sys.argv[1]))
@@ -135,6 +135,9 @@ for t in ("cpu-big", "cpu-small"):
     assert 0 < d["step_noise"] <= 0.5, (t, d)
 links = [l for l in p["links"] if {l["host_a"], l["host_b"]} == {"h0", "h1"}]
 assert links and links[0]["bytes_per_s"] > 0, p["links"]
+# Tensor-parallel sums of the pair, timed at the smallest and the largest micro-batch (1 and 4).
+sums = sorted((t["bytes"], t["seconds"]) for t in p["tp_sums"] if {t["device_a"], t["device_b"]} == {"big", "small"})
+assert len(sums) == 2 and sums[1][0] == 4 * sums[0][0] and all(s >= 0 for _, s in sums), p.get("tp_sums")
 PY
 }
 for mode in together one-at-a-time; do
