@@ -101,15 +101,17 @@ TEST(TensorParallelCost, MeasuredSumsReplaceTheFloorPairByPair) {
   prof.tp_sums = {{"x0", "x1", 4096, 0.1e-3}};
   EXPECT_EQ(simulate_plan(pair_plan, c, prof).stages[0].tp_comm_s, floor_comm);
 
-  // Two sizes make a line; a group of three takes its worst pair's fixed part and slope, the
-  // bytes scaled as a ring moves them (4/3 for three members).
+  // Two sizes make a line; a group of three takes its slowest pair's line, the bytes scaled as a
+  // ring moves them (4/3 for three members).
   prof.tp_sums = {{"a0", "a1", 8192, 3e-3}, {"a0", "a1", 4096, 2e-3}, {"a0", "b", 4096, 1e-3}, {"a0", "b", 8192, 5e-3},
                   {"a1", "b", 4096, 0.5e-3}, {"a1", "b", 8192, 0.6e-3}};
   const CostContext ctx(c, prof);
   EXPECT_NEAR(ctx.tp_sum_s({0, 1}, 16384), 1e-3 + 16384 * (1e-3 / 4096), 1e-12);
   EXPECT_NEAR(ctx.tp_sum_s({1, 0}, 0), 1e-3, 1e-12);
-  // a0+b: slope 4e-3 / 4096, fixed 0 (clamped from -3 ms); the worst fixed part is a0+a1's 1 ms.
-  EXPECT_NEAR(ctx.tp_sum_s({2, 1, 0}, 3072), 1e-3 + (4e-3 / 4096) * 3072 * 4.0 / 3.0, 1e-12);
+  // At 4096 ring bytes a0+b (slope 4e-3 / 4096, fixed 0 after clamping -3 ms) takes 4 ms, a0+a1
+  // 2 ms, a1+b 0.5 ms: the trio pays a0+b's; at 0 bytes a0+a1's fixed 1 ms.
+  EXPECT_NEAR(ctx.tp_sum_s({2, 1, 0}, 3072), (4e-3 / 4096) * 4096, 1e-12);
+  EXPECT_NEAR(ctx.tp_sum_s({0, 1, 2}, 0), 1e-3, 1e-12);
   EXPECT_EQ(ctx.tp_sum_s({1}, 4096), 0);
 }
 

@@ -330,7 +330,7 @@ class CostContext {
   double world_allreduce_s() const { return world_allreduce_s_; }
   // One tensor-parallel sum of BYTES among DEVICES (any order), from what the profile measured
   // each pair's sums to take under compute (TpSumProfile: a line in the bytes through the sizes
-  // measured; the group takes its worst pair's, its bytes scaled as a ring moves them). Not the
+  // measured; the group takes its slowest pair's line, the bytes scaled as a ring moves them). Not the
   // link model: a ping-pong with a device under a small CPU quota measures its throttling as
   // latency (8.7 ms on a 1 Gbit/s veth once). A group with a pair nobody measured (older
   // profiles, pools over 8 devices): the ring's time, at least kTpSumFloorS.
