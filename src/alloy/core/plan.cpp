@@ -142,6 +142,12 @@ bool Plan::has_tensor_parallel() const {
   return false;
 }
 
+std::string Plan::training_problem(const Config& cfg) const {
+  if (cfg.lora.enabled() && has_tensor_parallel())
+    return "LoRA with tensor parallelism is not built: fine-tune on a plan whose stages have one rank each";
+  return "";
+}
+
 void StagePlan::set_units(int64_t begin, int64_t end) {
   layer_begin = begin / 2;
   layer_end = (end + 1) / 2;

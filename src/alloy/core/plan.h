@@ -110,6 +110,9 @@ struct Plan {
   static Plan load(const std::string& path);
   void save(const std::string& path) const;  // atomic
   bool has_tensor_parallel() const;
+  // Why CFG's training cannot run on this plan, known before any rank starts (LoRA adapters on
+  // tensor-parallel stages); empty when it can. The trainer and `alloy sweep` both ask.
+  std::string training_problem(const Config& cfg) const;
   // One line per pipeline, e.g. "pipeline 0: 6 x 4 samples | rank 0 blocks [0,6) -> rank 1 [6,8)".
   std::string describe() const;
 

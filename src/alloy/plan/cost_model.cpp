@@ -455,7 +455,6 @@ CostContext::Ring CostContext::ring(const std::vector<int>& d, const LinkLoads* 
 }
 
 double CostContext::tp_sum_s(std::vector<int> devices, double bytes) const {
-  std::sort(devices.begin(), devices.end(), [&](int a, int b) { return ring_less(a, a, b, b); });
   const size_t n = devices.size(), N = cluster_->devices.size();
   if (n < 2) return 0;
   // A ring all-reduce moves 2(n-1)/n of the bytes over every hop (a pair: all of them once). The
@@ -467,7 +466,10 @@ double CostContext::tp_sum_s(std::vector<int> devices, double bytes) const {
   for (size_t i = 0; i < n; ++i)
     for (size_t j = i + 1; j < n; ++j) {
       const auto [f, s] = tp_line_[static_cast<size_t>(devices[i]) * N + static_cast<size_t>(devices[j])];
-      if (f < 0) return std::max(kTpSumFloorS, allreduce_s(ring(devices), bytes, std::numeric_limits<double>::infinity()));
+      if (f < 0) {  // unmeasured: the link model's ring, in host order
+        std::sort(devices.begin(), devices.end(), [&](int a, int b) { return ring_less(a, a, b, b); });
+        return std::max(kTpSumFloorS, allreduce_s(ring(devices), bytes, std::numeric_limits<double>::infinity()));
+      }
       t = std::max(t, f + s * ring_bytes);
     }
   return t;

@@ -31,8 +31,7 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
     t.forward_s = std::max(t.forward_s, f * (fb + fe));
     t.backward_s = std::max(t.backward_s, f * (bb + be) + (st.recompute ? f * fb : 0.0));
   }
-  const double elt = model.dtype == "float64" ? 8.0 : 4.0;
-  const double one = ctx.tp_sum_s(devs, static_cast<double>(m * model.seq_len * model.hidden) * elt);
+  const double one = ctx.tp_sum_s(devs, static_cast<double>(m * model.seq_len * model.hidden) * ctx.dtype_bytes());
   const double small = ctx.tp_sum_s(devs, static_cast<double>(m * model.seq_len) * 4.0 * 2.0);
   const double units = static_cast<double>(ue - ub);
   const double fwd = units * one + (first ? one : 0.0) + (last ? 3 * small : 0.0), bwd = units * one + (last ? one : 0.0);

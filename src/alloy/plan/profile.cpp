@@ -405,6 +405,25 @@ double pooled_step_noise(const std::vector<std::vector<std::pair<double, double>
   return dof > 0 ? std::min(0.5, std::sqrt(ss / dof)) : 0.0;
 }
 
+Line fit_line(const std::vector<double>& x, const std::vector<double>& y) {
+  const double n = static_cast<double>(x.size());
+  double sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (size_t i = 0; i < x.size(); ++i) sx += x[i], sy += y[i], sxx += x[i] * x[i], sxy += x[i] * y[i];
+  const double den = n * sxx - sx * sx;
+  Line c;
+  c.slope = den > 0 ? (n * sxy - sx * sy) / den : (sx > 0 ? sy / sx : 0);
+  c.intercept = (sy - c.slope * sx) / n;
+  if (c.slope < 0) {
+    c.slope = 0;
+    c.intercept = sy / n;
+  }
+  if (c.intercept < 0) {
+    c.intercept = 0;
+    c.slope = sxx > 0 ? sxy / sxx : c.slope;
+  }
+  return c;
+}
+
 LinkProfile link_from_pings(const std::vector<double>& x, const std::vector<double>& y) {
   LinkProfile l;
   const size_t n = std::min(x.size(), y.size());
@@ -412,11 +431,8 @@ LinkProfile link_from_pings(const std::vector<double>& x, const std::vector<doub
   double bw = 0;
   if (n >= 2 && x[n - 1] > x[n - 2] && y[n - 1] > y[n - 2]) bw = (x[n - 1] - x[n - 2]) / (y[n - 1] - y[n - 2]);
   if (!(bw > 0) && n >= 2) {
-    double sx = 0, sy = 0, sxx = 0, sxy = 0;
-    for (size_t i = 0; i < n; ++i) sx += x[i], sy += y[i], sxx += x[i] * x[i], sxy += x[i] * y[i];
-    const double den = static_cast<double>(n) * sxx - sx * sx;
-    const double slope = den > 0 ? (static_cast<double>(n) * sxy - sx * sy) / den : 0.0;
-    if (slope > 0) bw = 1.0 / slope;
+    const Line c = fit_line(x, y);
+    if (c.slope > 0) bw = 1.0 / c.slope;
   }
   // Under load one slow ping-pong can leave no slope at all; the largest message's own rate is
   // then a measured lower bound, better than no figure.

@@ -110,6 +110,13 @@ struct Profile {
 // degrees of freedom each); 0 without two rounds of anything; at most 0.5.
 double pooled_step_noise(const std::vector<std::vector<std::pair<double, double>>>& figures);
 
+// Least-squares line y = intercept + slope * x, neither part negative: noise can tilt it below
+// zero at either end, and a time cannot be negative.
+struct Line {
+  double intercept = 0, slope = 0;
+};
+Line fit_line(const std::vector<double>& x, const std::vector<double>& y);
+
 // A link from ping-pongs: BYTES ascending, SECONDS each size's fastest one-way time. The
 // bandwidth from the two largest sizes (their difference cancels the latency and what is fixed per
 // message; a least-squares line when they do not rise), the latency the least any size took beyond

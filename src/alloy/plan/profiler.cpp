@@ -30,35 +30,11 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-struct Line {
-  double intercept = 0, slope = 0;
-};
-
-// Least-squares line through (x, y).
-Line fit(const std::vector<double>& x, const std::vector<double>& y) {
-  double n = static_cast<double>(x.size()), sx = 0, sy = 0, sxx = 0, sxy = 0;
-  for (size_t i = 0; i < x.size(); ++i) sx += x[i], sy += y[i], sxx += x[i] * x[i], sxy += x[i] * y[i];
-  double den = n * sxx - sx * sx;
-  Line c;
-  c.slope = den > 0 ? (n * sxy - sx * sy) / den : (sx > 0 ? sy / sx : 0);
-  c.intercept = (sy - c.slope * sx) / n;
-  // Noise can tilt the line below zero at either end; a time cannot be negative.
-  if (c.slope < 0) {
-    c.slope = 0;
-    c.intercept = sy / n;
-  }
-  if (c.intercept < 0) {
-    c.intercept = 0;
-    c.slope = sxx > 0 ? sxy / sxx : c.slope;
-  }
-  return c;
-}
-
 // The measured medians as points of the cost, made non-decreasing in m (pool adjacent violators:
 // a larger micro-batch never takes less time; a noisy reading that says so is averaged with its
 // neighbour), on top of the fitted line that extends them past the largest size.
 MicroBatchCost measured(const std::vector<double>& x, const std::vector<double>& y) {
-  const Line line = fit(x, y);
+  const Line line = fit_line(x, y);
   MicroBatchCost c{line.intercept, line.slope};
   std::vector<double> val;  // pooled blocks: their mean and how many points each holds
   std::vector<size_t> count;
@@ -352,7 +328,7 @@ std::vector<TpSumProfile> measure_tp_sums(const ModelConfig& model, const Cluste
     const int rounds = std::max(1, o.rounds);
     const int64_t k = std::clamp<int64_t>(static_cast<int64_t>(o.window_s / rounds / std::max({ta, tb, 1e-6})), 8, 64);
     std::vector<double> per_sum;
-    double bytes = 0;
+    const double bytes = static_cast<double>(x.numel()) * 4.0;  // a block's output has its input's shape; summed in fp32
     at::Tensor start = at::zeros({1});
     for (int r = 0; r < rounds; ++r) {
       comm.allreduce_sum(start);  // both start together
@@ -363,7 +339,6 @@ std::vector<TpSumProfile> measure_tp_sums(const ModelConfig& model, const Cluste
       t0 = Clock::now();
       for (int64_t i = 0; i < k; ++i) {
         at::Tensor y = forward();
-        bytes = static_cast<double>(y.numel()) * 4.0;
         comm.allreduce_sum(y);
       }
       const double with_sums = seconds_since(t0);

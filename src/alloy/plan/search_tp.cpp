@@ -48,14 +48,13 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
                                 const std::vector<int64_t>& sizes) {
   std::vector<const DeviceProfile*> dp;
   for (int d : g) dp.push_back(&prof.devices.at(cluster.devices[static_cast<size_t>(d)].type));
-  const double elt = prof.model.dtype == "float64" ? 8.0 : 4.0;
   std::vector<double> ms;
   for (int64_t m : sizes)
     if (ms.size() < static_cast<size_t>(MicroBatchCost::kMaxPoints)) ms.push_back(static_cast<double>(m));
   auto combine = [&](MicroBatchCost DeviceProfile::*f, bool split, double sums) {
     std::vector<double> ts;
     for (double m : ms) {
-      const double comm = sums * ctx.tp_sum_s(g, m * static_cast<double>(prof.model.seq_len * prof.model.hidden) * elt);
+      const double comm = sums * ctx.tp_sum_s(g, m * static_cast<double>(prof.model.seq_len * prof.model.hidden) * ctx.dtype_bytes());
       double rate = 0, slowest = 0;
       for (const auto* p : dp) {
         const double t = (p->*f).at(m);

@@ -234,6 +234,15 @@ class TpTensors {
  public:
   TpTensors(std::string ckpt_dir, std::function<at::Tensor(const std::string&)> lookup, std::vector<std::string> names)
       : dir_(std::move(ckpt_dir)), lookup_(std::move(lookup)), names_(std::move(names)) {}
+  // Over tensors already read (by reference: TENSORS must outlive it; names are those it holds now).
+  static TpTensors over(std::string ckpt_dir, const std::map<std::string, at::Tensor>& tensors) {
+    std::vector<std::string> names;
+    for (const auto& [n, t] : tensors) names.push_back(n);
+    return TpTensors(std::move(ckpt_dir), [&tensors](const std::string& n) {
+      auto it = tensors.find(n);
+      return it == tensors.end() ? at::Tensor() : it->second;
+    }, std::move(names));
+  }
   at::Tensor get(const std::string& name) {
     if (!model_) model_ = std::make_unique<ModelConfig>(read_checkpoint_state(dir_).config.model);
     std::string base;
@@ -274,12 +283,7 @@ std::map<std::string, at::Tensor> read_checkpoint_tensors(const std::string& ckp
   }
   // A tensor-parallel run's pieces are joined: readers see whole parameters under their names.
   if (!pieces.empty()) {
-    std::vector<std::string> names;
-    for (const auto& [n, t] : out) names.push_back(n);
-    TpTensors tp(ckpt_dir, [&](const std::string& n) {
-      auto it = out.find(n);
-      return it == out.end() ? at::Tensor() : it->second;
-    }, names);
+    TpTensors tp = TpTensors::over(ckpt_dir, out);
     for (const auto& [base, ns] : pieces) {
       at::Tensor whole = tp.get(base);
       if (!whole.defined()) throw InputError(ckpt_dir, "the tensor-parallel pieces of '" + base + "' do not cover its heads");
@@ -346,12 +350,7 @@ void load_optimizer(const std::string& ckpt_dir, AdamW& opt, int64_t optimizer_s
   // Tensor parallelism: state stored for other pieces (or whole where this run holds pieces, or the
   // reverse) is joined and cut to what this run holds. Not for ZeRO slices of pieces: those need
   // the same layout.
-  std::vector<std::string> names;
-  for (const auto& [n, t] : all) names.push_back(n);
-  TpTensors tp(ckpt_dir, [&all](const std::string& n) {
-    auto it = all.find(n);
-    return it == all.end() ? at::Tensor() : it->second;
-  }, names);
+  TpTensors tp = TpTensors::over(ckpt_dir, all);
   for (const auto& [key, t] : opt.state()) {
     const std::string want = key.substr(0, key.find('@'));
     const auto sliced = all.lower_bound(want + "@");

@@ -31,6 +31,21 @@ std::string fmt(double v, int digits = 3) {
   return s.str();
 }
 
+// The numbers of a layout's "NAME:A,B,..." suffix; the error reads "<LABEL>'x' is not <WHAT>".
+std::vector<int64_t> layout_numbers(const std::string& list, const std::string& where, const std::string& label,
+                                    const std::string& what) {
+  std::vector<int64_t> out;
+  std::stringstream in(list);
+  for (std::string x; std::getline(in, x, ',');) {
+    try {
+      out.push_back(std::stoll(x));
+    } catch (const std::exception&) {
+      throw InputError(where, label + "'" + x + "' is not " + what);
+    }
+  }
+  return out;
+}
+
 std::vector<int> range_to(int n) {
   std::vector<int> v(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) v[static_cast<size_t>(i)] = i;
@@ -177,14 +192,7 @@ Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global
                                   std::to_string(m));
     StagePlan st{range_to(n), 0, layers, "", false};
     if (name != "tp") {
-      std::stringstream in(name.substr(3));
-      for (std::string h; std::getline(in, h, ',');) {
-        try {
-          st.tp_split.push_back(std::stoll(h));
-        } catch (const std::exception&) {
-          throw InputError(where, "'" + h + "' is not a number of heads");
-        }
-      }
+      st.tp_split = layout_numbers(name.substr(3), where, "", "a number of heads");
       if (static_cast<int>(st.tp_split.size()) != n)
         throw InputError(where, std::to_string(st.tp_split.size()) + " head counts for " + std::to_string(n) + " ranks");
     }
@@ -214,14 +222,7 @@ Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global
       if (n > layers) throw InputError(where, std::to_string(n) + " stages for " + std::to_string(layers) + " blocks");
       for (int s = 1; s < n; ++s) cuts.push_back(layers * s / n);
     } else {
-      std::stringstream in(name.substr(3));
-      for (std::string c; std::getline(in, c, ',');) {
-        try {
-          cuts.push_back(std::stoll(c));
-        } catch (const std::exception&) {
-          throw InputError(where, "cut '" + c + "' is not a block number");
-        }
-      }
+      cuts = layout_numbers(name.substr(3), where, "cut ", "a block number");
       if (static_cast<int>(cuts.size()) != n - 1)
         throw InputError(where, std::to_string(cuts.size()) + " cuts for " + std::to_string(n) + " ranks (need " +
                                     std::to_string(n - 1) + ")");
@@ -319,8 +320,7 @@ std::vector<SweepRow> run_sweep(const SweepOptions& o) {
                 if (st.tp() > 1)
                   for (int r : st.ranks) st.devices.push_back(spec.devices[static_cast<size_t>(r)].name);
               }
-            if (p.has_tensor_parallel() && c.lora.enabled())
-              throw InputError(name, "tensor parallelism does not train LoRA adapters (the trainer refuses the pair)");
+            if (const std::string why = p.training_problem(c); !why.empty()) throw InputError(name, why);
             p.validate(c.model, name);
           } catch (const InputError& e) {
             row.status = "skipped";

@@ -126,9 +126,8 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   // re-reads the base its checkpoint names), LoRA (adapters, frozen and maybe quantized base),
   // the device, recomputation; then sharding (plan_shards, build_groups) over what trains.
   heap_before_model_ = pipeline::heap_bytes_in_use();
+  if (const std::string why = plan_->training_problem(cfg_); !why.empty()) throw InputError("plan", why);
   if (plan_->has_tensor_parallel()) {
-    if (cfg_.lora.enabled())
-      throw InputError("plan", "LoRA with tensor parallelism is not built: fine-tune on a plan whose stages have one rank each");
     tp_ = std::make_unique<model::TpLayout>(dist::tp_layout(*plan_, cfg_.model, rank_));
     // Every rank is in at most one stage, so the groups are created in plan order without waiting
     // on each other.
