@@ -91,6 +91,30 @@ TEST_P(ModelTest, HalfBlockSlicesHoldTheFullModelsWeightsAndChainToTheSameOutput
   EXPECT_THROW(LayerRange::for_units(0, 9, m.layers), std::invalid_argument);
 }
 
+TEST_P(ModelTest, ForwardUnitsRunsAnyRangeOfAnOverlappingSlice) {
+  // A floating boundary: slices [0,6) and [5,8) share unit 5; a micro-batch runs [0,5) then [5,8)
+  // or [0,6) then [6,8), both exactly the full model's output. Recomputation takes the same halves.
+  ModelConfig m = tiny(GetParam());
+  auto full = Transformer::full(m, 42);
+  Transformer a(m, LayerRange::for_units(0, 6, m.layers), 42);
+  Transformer b(m, LayerRange::for_units(5, 8, m.layers), 42);
+  at::Tensor x = tokens(m, 2, 1);
+  at::Tensor y_full = full->forward(x);
+  EXPECT_TRUE(at::equal(y_full, b.forward_units(a.forward_units(x, 0, 5), 5, 8)));
+  EXPECT_TRUE(at::equal(y_full, b.forward_units(a.forward_units(x, 0, 6), 6, 8)));
+  EXPECT_TRUE(at::equal(a.forward_units(x, 0, 6), a.forward(x)));
+  b.set_recompute(true);
+  at::Tensor h = a.forward_units(x, 0, 5).detach().requires_grad_(true);
+  at::Tensor y = b.forward_units(h, 5, 8);
+  EXPECT_TRUE(at::equal(y_full, y));
+  y.pow(2).sum().backward();
+  y_full.pow(2).sum().backward();
+  const std::string mlp_w = GetParam() == "llama" ? "model.layers.2.mlp.down_proj.weight" : "h.2.mlp.c_proj.weight";
+  EXPECT_TRUE(at::equal(b.find(mlp_w)->tensor.grad(), full->find(mlp_w)->tensor.grad()));
+  EXPECT_THROW(a.forward_units(x, 0, 7), std::invalid_argument);  // unit 6 is not in [0,6)
+  EXPECT_THROW(b.forward_units(h, 4, 8), std::invalid_argument);
+}
+
 TEST_P(ModelTest, SeedDeterminesWeights) {
   ModelConfig m = tiny(GetParam());
   auto a = Transformer::full(m, 7), b = Transformer::full(m, 7), c = Transformer::full(m, 8);

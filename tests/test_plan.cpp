@@ -262,7 +262,7 @@ TEST(Plan, ShardingEntriesRoundTripAndAreValidatedByField) {
   EXPECT_TRUE(Plan::from_json(r.to_json(), "x").pipelines[0].stages[1].recompute);
   EXPECT_NE(r.describe().find("recompute"), std::string::npos);
   auto v4 = j;  // a version this Alloy does not know
-  v4["version"] = 5;
+  v4["version"] = 6;
   EXPECT_THROW(Plan::from_json(v4, "x"), InputError);
 }
 
@@ -310,6 +310,59 @@ TEST(Plan, HalfBlockStagesRoundTripAsVersion3AndValidateInUnits) {
       {"micro_batch_size": 4, "num_micro_batches": 1, "stages": [{"ranks": [0], "units": [3, 3]}]}]})"),
                                "x"),
                InputError);
+}
+
+TEST(Plan, FloatingBoundariesShareAUnitRunInAnEvenlySpreadShareOfMicroBatches) {
+  // 4 blocks = 8 units; stage 0 holds [0, 6) and stage 1 [5, 8): they share unit 5 (block 2's MLP
+  // half), which stage 0 runs in 2/3 of the 9 micro-batches.
+  Plan p = Plan::from_json(nlohmann::json::parse(R"({"version": 5, "global_batch": 9, "pipelines": [
+      {"micro_batch_size": 1, "num_micro_batches": 9, "stages": [
+        {"ranks": [0], "units": [0, 6], "float_share": 0.6666666666666666}, {"ranks": [1], "units": [5, 8]}]}]})"),
+                           "x");
+  EXPECT_EQ(validate_error(p, 4), "");
+  const PipelinePlan& pl = p.pipelines[0];
+  EXPECT_TRUE(pl.floats());
+  EXPECT_EQ(pl.float_count(0), 6);
+  std::vector<int64_t> cuts;
+  for (int64_t m = 0; m < 9; ++m) {
+    cuts.push_back(pl.cut(0, m));
+    EXPECT_EQ(pl.units_of(0, m), std::make_pair(int64_t{0}, cuts.back()));
+    EXPECT_EQ(pl.units_of(1, m), std::make_pair(cuts.back(), int64_t{8}));
+  }
+  // Six late cuts (stage 0 runs unit 5), spread: never three of a kind in a row.
+  EXPECT_EQ(cuts, (std::vector<int64_t>{5, 6, 6, 5, 6, 6, 5, 6, 6}));
+  // The share, not a count, is stored: another number of micro-batches keeps the ratio.
+  Plan ten = p;
+  ten.pipelines[0].num_micro_batches = 10;
+  ten.global_batch = 10;
+  EXPECT_EQ(ten.pipelines[0].float_count(0), 7);
+  EXPECT_EQ(p.to_json()["version"], 5);
+  EXPECT_EQ(Plan::from_json(p.to_json(), "x").to_json(), p.to_json());
+  EXPECT_HAS(p.describe(), "runs unit 5 for 6 of 9 micro-batches");
+  // Without a float_share the overlap is an overlap.
+  Plan no_share = p;
+  no_share.pipelines[0].stages[0].float_share = 0;
+  EXPECT_HAS(validate_error(no_share, 4), "stages[1].units: starts at unit 5 but the previous stage ended at 6 (an overlap)");
+  // A float_share needs the next stage to start at the shared unit.
+  Plan apart = p;
+  apart.pipelines[0].stages[1].set_units(6, 8);
+  EXPECT_HAS(validate_error(apart, 4), "the two share unit 5: start at 5");
+  Plan bad = p;
+  bad.pipelines[0].stages[0].float_share = 1.5;
+  EXPECT_HAS(validate_error(bad, 4), "stages[0].float_share: must be in (0, 1)");
+  Plan last = p;
+  last.pipelines[0].stages[1].float_share = 0.5;
+  EXPECT_HAS(validate_error(last, 4), "stages[1].float_share: the last stage has no next stage");
+  // A middle stage sharing both its ends must keep a unit of its own.
+  Plan squeezed = Plan::from_json(nlohmann::json::parse(R"({"global_batch": 2, "pipelines": [
+      {"micro_batch_size": 1, "num_micro_batches": 2, "stages": [
+        {"ranks": [0], "units": [0, 4], "float_share": 0.5}, {"ranks": [1], "units": [3, 5], "float_share": 0.5},
+        {"ranks": [2], "units": [4, 8]}]}]})"),
+                                  "x");
+  EXPECT_HAS(validate_error(squeezed, 4), "stages[1].float_share: the stage holds units [3, 5) and shares its first and last");
+  Plan tp = p;
+  tp.pipelines[0].stages[1].ranks = {1, 2};
+  EXPECT_HAS(validate_error(tp, 4), "a floating boundary needs one rank on each side");
 }
 
 namespace {
@@ -390,7 +443,7 @@ TEST(Plan, FromJsonNamesTheBadField) {
     return "";
   };
   EXPECT_HAS(error_of(R"({"format": "other", "global_batch": 1, "pipelines": []})"), "field 'format' is \"other\"");
-  EXPECT_HAS(error_of(R"({"version": 5, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 4");
+  EXPECT_HAS(error_of(R"({"version": 6, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 5");
   EXPECT_HAS(error_of(R"({"pipelines": []})"), "plan.json: field 'global_batch' is missing or ill-typed");
   EXPECT_HAS(
       error_of(

@@ -268,6 +268,51 @@ TEST(Search, RefineUnitsMovesABoundaryInsideABlockWhenThatBalancesAPipeline) {
   EXPECT_TRUE(again.notes.empty());
 }
 
+TEST(Search, FloatingBoundaryBalancesAPipelineThatHalfBlocksCannot) {
+  // Four blocks on a device twice as fast as the other want 2.67 : 1.33 blocks; half blocks give
+  // 3 : 1 or 2.5 : 1.5. A floating boundary (unit 5 shared, the fast device running it in about
+  // a share of the micro-batches) splits in between. (The model picks 2.75 : 1.25 over the
+  // 2.67 : 1.33 of the totals: 1F1B pairs one micro-batch's forward with another's backward, and
+  // the fill and drain favour the slow stage's lighter micro-batches.)
+  Profile p = base_profile(4);
+  p.devices["fast"] = flat(1.0, 2.0, 0, 0);
+  p.devices["slow"] = flat(2.0, 4.0, 0, 0);
+  p.devices["fast"].attn_share_fwd = p.devices["fast"].attn_share_bwd = 0.5;
+  p.devices["slow"].attn_share_fwd = p.devices["slow"].attn_share_bwd = 0.5;
+  p.memory.param_bytes_per_block = p.memory.param_bytes_embed = p.memory.param_bytes_head = 1;  // no sync to speak of
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "fast"), device("b", "h1", "slow")};
+  c.rules.push_back({"h0", "h1", Link{100, 0}});
+  SearchResult r;
+  r.strategy = "alloy";
+  r.plan.global_batch = 24;
+  r.plan.pipelines.push_back({1, 24, {stage(0, 0, 3, "a"), stage(1, 3, 4, "b")}});
+  r.cost = simulate_plan(r.plan, c, p);
+  SearchOptions o;
+  o.global_batch = 24;
+  o.float_boundaries = false;
+  SearchResult halves = r;
+  refine_units(halves, c, p, o);  // 3 : 1 and 2.5 : 1.5 tie: 3 blocks of time on one device
+  EXPECT_FALSE(halves.plan.pipelines[0].floats());
+  o.float_boundaries = true;
+  refine_units(r, c, p, o);
+  const PipelinePlan& pl = r.plan.pipelines[0];
+  ASSERT_TRUE(pl.floats()) << r.plan.describe();
+  EXPECT_EQ(pl.stages[0].unit_end() - pl.stages[1].unit_begin(), 1);
+  // Work per micro-batch in blocks: fast 2.5 + its share of the shared half, slow the rest.
+  const double fast_blocks = (pl.stages[1].unit_begin() + static_cast<double>(pl.float_count(0)) / pl.num_micro_batches) / 2;
+  EXPECT_GT(fast_blocks, 2.5) << r.plan.describe();  // between what half blocks allow
+  EXPECT_LT(fast_blocks, 3.0) << r.plan.describe();
+  EXPECT_LT(r.cost.step_s, halves.cost.step_s * 0.97);
+  EXPECT_EQ(r.cost.step_s, simulate_plan(r.plan, c, p).step_s);
+  // The slow stage idles less: 25 of 205 s (a sixth of 219 s on half blocks).
+  auto idle = [](const PlanCost& pc) { return pc.stages[1].bubble_s / pc.pipelines[0].phase_s; };
+  EXPECT_GT(idle(halves.cost), 0.1);
+  EXPECT_LT(idle(r.cost), idle(halves.cost) * 0.75) << r.plan.describe();
+  ASSERT_FALSE(r.notes.empty());
+  EXPECT_NE(r.notes.back().find("micro-batches)"), std::string::npos) << r.notes.back();
+}
+
 TEST(CostModel, DataParallelOverASlowLinkExposesSync) {
   Profile p = base_profile(2);
   p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);

@@ -308,6 +308,34 @@ TEST(Schedule, SimulationWithTransfersMatchesHandComputation) {
   EXPECT_EQ(r.peak_in_flight, (std::vector<int64_t>{2, 1}));
 }
 
+TEST(Schedule, PerMicroBatchCostsReplaceAStagesFlatCost) {
+  // One stage: the makespan is the sum of what each micro-batch costs.
+  SimCosts one = uniform(1, 1, 2, 0);
+  one.forward_mb = {{1, 2, 3}};
+  one.backward_mb = {{2, 4, 6}};
+  EXPECT_DOUBLE_EQ(simulate(all_stages("gpipe", 1, 3), one).makespan, 18);
+  // Two stages whose per-micro-batch costs mirror each other (a floating boundary): the event
+  // simulation and the fast path agree, on both schedules, and differ from the flat average.
+  for (const std::string sched : {"1f1b", "gpipe"}) {
+    SimCosts c = uniform(2, 1, 2, 0.25);
+    c.forward_mb = {{1.5, 0.5, 1.5, 0.5}, {0.5, 1.5, 0.5, 1.5}};
+    c.backward_mb = {{3, 1, 3, 1}, {1, 3, 1, 3}};
+    const SimResult r = simulate(all_stages(sched, 2, 4), c);
+    EXPECT_DOUBLE_EQ(simulate_times(sched, 2, 4, c).makespan, r.makespan) << sched;
+    double f1 = 0;
+    for (const auto& e : r.events)
+      if (e.stage == 0 && e.action.kind == ActionKind::Forward && e.action.micro_batch == 1) f1 = e.end - e.start;
+    EXPECT_DOUBLE_EQ(f1, 0.5);
+    EXPECT_NE(r.makespan, simulate(all_stages(sched, 2, 4), uniform(2, 1, 2, 0.25)).makespan) << sched;
+  }
+  SimCosts short_ = uniform(1, 1, 2, 0);
+  short_.forward_mb = {{1, 2}};
+  EXPECT_THROW(simulate(all_stages("gpipe", 1, 3), short_), std::invalid_argument);
+  EXPECT_THROW(simulate_times("gpipe", 1, 3, short_), std::invalid_argument);
+  short_.forward_mb = {{1, -2, 1}};
+  EXPECT_THROW(simulate(all_stages("gpipe", 1, 3), short_), std::invalid_argument);
+}
+
 TEST(Schedule, SimulationDetectsDeadlockAndNamesStuckStages) {
   // Stage 0 waits for a gradient before sending the activation that would produce it.
   const std::vector<std::vector<Action>> st = {

@@ -101,6 +101,33 @@ LAYOUTS["halves-llama-pp3-3+7+6"] = ("llama", 24, _units(plan(24, [(3, 8, [(0, 0
 LAYOUTS["halves-zero2-recompute"] = LAYOUTS["halves-mixed-11+5_and_16"][:4] + (
     ["--zero-stage", "2", "--shard-ratio", "3", "1", "2", "--recompute"],)
 
+# Floating boundaries (plan version 5): two neighbouring stages share the half block where they
+# meet and the first runs it in float_share of the micro-batches (the shared unit's gradients sum
+# over its two holders). 6 / 5.5 blocks beside a full replica (2 of 4 micro-batches), the first
+# again under ZeRO-2 at 3:1:2 with recomputation; LLaMA on three stages whose middle one shares
+# both its ends, on GPipe.
+
+
+def _floating(layout, units, shares, schedule=None):
+    """LAYOUT with pipeline 0's stages holding UNITS (half blocks) and the float_shares SHARES."""
+    out = json.loads(json.dumps(layout))
+    out["version"] = 5
+    if schedule:
+        out["schedule"] = schedule
+    for st, (b, e), share in zip(out["pipelines"][0]["stages"], units, shares + [0]):
+        st["units"] = [b, e]
+        st.pop("layers", None)
+        if share:
+            st["float_share"] = share
+    return out
+
+
+LAYOUTS["float-mixed-12x11_and_16"] = ("gpt2", 24, _floating(LAYOUTS["mixed-5+3_and_8"][2], [(0, 12), (11, 16)], [0.5]), 3)
+LAYOUTS["float-zero2-recompute"] = LAYOUTS["float-mixed-12x11_and_16"][:4] + (
+    ["--zero-stage", "2", "--shard-ratio", "3", "1", "2", "--recompute"],)
+LAYOUTS["float-llama-pp3-gpipe"] = ("llama", 24, _floating(plan(24, [(3, 8, [(0, 0, 1), (1, 1, 5), (2, 5, 8)])]),
+                                                           [(0, 4), (3, 11), (10, 16)], [0.375, 0.5], "gpipe"), 3)
+
 # Tensor parallelism (plan version 4): a stage's ranks split the heads (tp_split, MLP columns in
 # the same ratio), evenly and unevenly; GQA (8 heads, 4 key/value heads: whole groups per rank);
 # inside a pipeline, with a pipeline of two TP stages, and beside a replica without TP (whose
@@ -230,9 +257,9 @@ def activations_shrank(plain, recomputed):
 
 
 RESHARD_CHAINS = {
-    # steps 1-10 under ZeRO-2 with 3:1:2 shards in a 2-stage pipeline cut inside a block (5.5 + 2.5
-    # blocks) beside a full replica, then steps 11-20 on three full replicas, ZeRO-1, even shards
-    "reshard": [("reshard-a", "halves-mixed-11+5_and_16", ["--zero-stage", "2", "--shard-ratio", "3", "1", "2"], 10),
+    # steps 1-10 under ZeRO-2 with 3:1:2 shards in a 2-stage pipeline with a floating boundary (its
+    # two stages share block 5's MLP half) beside a full replica, then steps 11-20 on three full replicas, ZeRO-1, even shards
+    "reshard": [("reshard-a", "float-mixed-12x11_and_16", ["--zero-stage", "2", "--shard-ratio", "3", "1", "2"], 10),
                 ("reshard-b", "dp3-4x3-3x2-1x6", ["--zero-stage", "1"], 20)],
     # tensor parallelism in and out: a 3:1 TP stage in a pipeline (1-10), two replicas without TP
     # (11-15), a 2:1:1 TP group (16-20)

@@ -28,6 +28,7 @@ struct PlanArgs {
   double time_budget_s = 2.0;
   bool no_compare = false;
   std::string tensor_parallel = "on";
+  std::string float_boundaries = "on";
   std::vector<std::string> sets;
   int64_t global_batch = 0, micro_batch = 0, layers = 0;
 };
@@ -188,6 +189,10 @@ void add_dist_commands(CLI::App& app, Action& action) {
                    "on: the alloy strategy also tries groups of devices as tensor-parallel stages (kept where predicted "
                    "faster); off: one rank per stage")
       ->group(g)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  plan->add_option("--float-boundaries", pa->float_boundaries,
+                   "on: the alloy strategy also tries floating pipeline boundaries (two stages share a half block, each "
+                   "running it for part of the micro-batches; kept where predicted faster); off: fixed boundaries")
+      ->group(g)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   plan->add_option("--evaluate", pa->evaluate,
                    "Predict a given plan (hand-written or converted) on the cluster instead of searching one; "
                    "the strategies' plans are shown beside it")
@@ -258,6 +263,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         so.ptafm_stages = ptafm_stages;
         so.grad_sync = cfg.grad_sync;
         so.tensor_parallel = pa->tensor_parallel == "on";
+        so.float_boundaries = pa->float_boundaries == "on";
         auto report = plan::make_plan(spec, prof, so, !pa->no_compare);
         if (!pa->evaluate.empty()) {
           Plan given = Plan::load(pa->evaluate);

@@ -155,6 +155,36 @@ void StagePlan::set_units(int64_t begin, int64_t end) {
   to_attention = end % 2 != 0;
 }
 
+int64_t PipelinePlan::float_count(size_t s) const {
+  const StagePlan& st = stages.at(s);
+  if (!st.floats()) return 0;
+  return std::clamp<int64_t>(std::llround(st.float_share * static_cast<double>(num_micro_batches)), 0, num_micro_batches);
+}
+
+int64_t PipelinePlan::cut(size_t s, int64_t mb) const {
+  const StagePlan& st = stages.at(s);
+  if (!st.floats()) return st.unit_end();
+  // Micro-batch MB takes the late cut when floor((MB + 1) k / M) steps past floor(MB k / M). Of
+  // the orders tried on the demo's pool (spread, the k in the middle, first, last), spreading
+  // left the smallest bubble: a 1F1B stage pairs one micro-batch's forward with another's
+  // backward, so alternating heavy and light micro-batches evens out its ticks.
+  const int64_t k = float_count(s), M = num_micro_batches;
+  const bool late = (mb + 1) * k / M > mb * k / M;
+  return late ? st.unit_end() : st.unit_end() - 1;
+}
+
+std::pair<int64_t, int64_t> PipelinePlan::units_of(size_t s, int64_t mb) const {
+  const int64_t begin = s == 0 ? stages.front().unit_begin() : cut(s - 1, mb);
+  const int64_t end = s + 1 == stages.size() ? stages.back().unit_end() : cut(s, mb);
+  return {begin, end};
+}
+
+bool PipelinePlan::floats() const {
+  for (const auto& st : stages)
+    if (st.floats()) return true;
+  return false;
+}
+
 std::string Plan::schedule_mismatch(const std::vector<int>& ranks) const {
   auto key = [&](int r) {
     const Position at = locate(r);
@@ -204,13 +234,30 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
       const bool split = st.splits_block() || expect % 2;
       const std::string field = sf + (split ? ".units" : ".layers");
       auto at = [&](int64_t u) { return std::to_string(split ? u : u / 2); };
-      if (st.unit_begin() != expect)
+      const bool shared = s > 0 && pl.stages[s - 1].floats();
+      if (shared && st.unit_begin() != expect - 1)
+        fail(field, "starts at unit " + std::to_string(st.unit_begin()) + " but the previous stage has a float_share, so the two share unit " +
+                        std::to_string(expect - 1) + ": start at " + std::to_string(expect - 1));
+      if (!shared && st.unit_begin() != expect)
         fail(field, std::string("starts at ") + (split ? "unit " : "block ") + at(st.unit_begin()) + " but the previous stage ended at " +
                         at(expect) + (st.unit_begin() > expect ? " (a gap)" : " (an overlap)"));
       if (st.unit_end() <= st.unit_begin())
         fail(field, split ? "[" + std::to_string(st.unit_begin()) + ", " + std::to_string(st.unit_end()) + ") is empty"
                           : "[" + std::to_string(st.layer_begin) + ", " + std::to_string(st.layer_end) + ") is empty");
       expect = st.unit_end();
+      if (st.float_share < 0 || st.float_share >= 1 || !std::isfinite(st.float_share))
+        fail(sf + ".float_share", "must be in (0, 1): the share of micro-batches for which this stage runs the unit it shares with the next");
+      if (st.floats()) {
+        if (s + 1 == pl.stages.size()) fail(sf + ".float_share", "the last stage has no next stage to share a unit with");
+        const int64_t runs = st.unit_end() - st.unit_begin() - 1 - (shared ? 1 : 0);
+        if (runs < 1)
+          fail(sf + ".float_share", "the stage holds units [" + std::to_string(st.unit_begin()) + ", " + std::to_string(st.unit_end()) +
+                                        ") and shares its first and last with its neighbours: it would run none of its own");
+        if (st.ranks.size() > 1 || pl.stages[s + 1].ranks.size() > 1)
+          fail(sf + ".float_share", "a floating boundary needs one rank on each side (no tensor parallelism)");
+      }
+      if (shared && st.unit_end() - st.unit_begin() < 2)
+        fail(field, "shares unit " + std::to_string(st.unit_begin()) + " with the previous stage and holds no other");
       if (st.ranks.empty()) fail(sf + ".ranks", "a stage needs a rank");
       if (!st.tp_split.empty() && st.tp_split.size() != st.ranks.size())
         fail(sf + ".tp_split", "has " + std::to_string(st.tp_split.size()) + " entries for " + std::to_string(st.ranks.size()) + " ranks");
@@ -273,13 +320,15 @@ nlohmann::json Plan::to_json() const {
   j["format"] = "alloy-plan";
   // Each version is written only when the plan needs it: readers of version 1 know no sharding
   // and no recomputation, readers of 2 no half-block stages.
-  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel();
-  for (const auto& p : pipelines)
+  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel(), v5 = false;
+  for (const auto& p : pipelines) {
+    v5 = v5 || p.floats();
     for (const auto& st : p.stages) {
       v2 = v2 || st.recompute;
       v3 = v3 || st.splits_block();
     }
-  j["version"] = v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
+  }
+  j["version"] = v5 ? 5 : v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
   j["global_batch"] = global_batch;
   j["schedule"] = schedule;
   j["pipelines"] = nlohmann::json::array();
@@ -289,6 +338,7 @@ nlohmann::json Plan::to_json() const {
     for (const auto& s : p.stages) {
       nlohmann::json sj = {{"ranks", s.ranks}, {"layers", {s.layer_begin, s.layer_end}}};
       if (s.splits_block()) sj["units"] = {s.unit_begin(), s.unit_end()};
+      if (s.floats()) sj["float_share"] = s.float_share;
       if (!s.device.empty()) sj["device"] = s.device;
       if (s.recompute) sj["recompute"] = true;
       if (!s.tp_split.empty()) sj["tp_split"] = s.tp_split;
@@ -335,8 +385,9 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
   try {
     if (j.contains("format") && j["format"] != "alloy-plan")
       throw InputError(where, "field 'format' is " + j["format"].dump() + ", not \"alloy-plan\"");
-    if (j.contains("version") && j["version"] != 1 && j["version"] != 2 && j["version"] != 3 && j["version"] != 4)
-      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 4");
+    if (j.contains("version") && j["version"] != 1 && j["version"] != 2 && j["version"] != 3 && j["version"] != 4 &&
+        j["version"] != 5)
+      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 5");
     field = "global_batch";
     p.global_batch = whole<int64_t>(j.at("global_batch"));
     field = "schedule";
@@ -376,6 +427,9 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
         }
         st.device = sts[s].value("device", std::string());
         st.recompute = sts[s].value("recompute", false);
+        field += ".float_share";
+        st.float_share = sts[s].value("float_share", 0.0);
+        field.resize(field.size() - std::string(".float_share").size());
         if (sts[s].contains("tp_split")) st.tp_split = whole_list<int64_t>(sts[s].at("tp_split"));
         if (sts[s].contains("devices")) {
           st.devices = sts[s].at("devices").get<std::vector<std::string>>();
@@ -486,6 +540,8 @@ std::string Plan::describe() const {
         out << " units [" << st.unit_begin() << "," << st.unit_end() << ")";
       else
         out << " blocks [" << st.layer_begin << "," << st.layer_end << ")";
+      if (st.floats())
+        out << " (runs unit " << st.unit_end() - 1 << " for " << pl.float_count(s) << " of " << pl.num_micro_batches << " micro-batches)";
       if (!st.device.empty() && st.devices.size() < 2) out << " (" << st.device << ")";
       if (st.recompute) out << " recompute";
     }

@@ -7,7 +7,9 @@
 // Invariants (validate() checks them and names the offending field and values):
 //  - sum over pipelines of micro_batch_size * num_micro_batches == global_batch
 //  - every pipeline's stages cover blocks [0, model.layers) contiguously, in order, none empty;
-//    a boundary may fall inside a block, between its attention and its MLP half (units below)
+//    a boundary may fall inside a block, between its attention and its MLP half (units below);
+//    two neighbouring stages may share one unit when the first has a float_share (a floating
+//    boundary, below), and every stage still runs at least one unit of every micro-batch
 //  - every rank 0..world-1 appears in exactly one stage of one pipeline
 //  - a stage with several ranks is a tensor-parallel group: tp_split gives each rank's attention
 //    heads (empty: even), summing to model.heads; MLP columns follow the same ratio, GQA key/value
@@ -46,6 +48,14 @@ struct StagePlan {
   // (0, h0, h0 + h1, ..., heads).
   std::vector<int64_t> tp_split;
   std::vector<std::string> devices;  // optional: each rank's device (DEVICE is the first's)
+  // A floating boundary (plan version 5): this stage and the next both hold the unit where they
+  // meet (this stage's last, the next's first), and this stage runs it for FLOAT_SHARE of the
+  // micro-batches (the next stage for the rest), spread evenly (PipelinePlan::cut). The average
+  // split then moves in steps of 1/M of a half block, where whole units allow only 3 : 1 or
+  // 2.5 : 1.5 between a 0.4 and a 0.2 device that want 2.67 : 1.33. The shared unit's gradients
+  // are summed over its two holders by the holder-set sync, as for replicas. 0: no float.
+  double float_share = 0;
+  bool floats() const { return float_share > 0; }
   int tp() const { return static_cast<int>(ranks.size()); }
   std::vector<int64_t> tp_heads(int64_t heads) const;
   std::vector<int64_t> tp_bounds(int64_t heads) const;
@@ -63,6 +73,15 @@ struct PipelinePlan {
   int64_t num_micro_batches = 1;
   std::vector<StagePlan> stages;
   int64_t samples() const { return micro_batch_size * num_micro_batches; }
+  // The unit where micro-batch MB passes from stage S to S + 1: the stages' own boundary, or, for
+  // a floating one, the shared unit's end in round(float_share x M) of the M micro-batches (those
+  // where the running count steps up, so they spread evenly) and its begin in the others.
+  int64_t cut(size_t s, int64_t mb) const;
+  // The units stage S runs for micro-batch MB: [cut(S - 1, MB), cut(S, MB)), from 0 / to the end.
+  std::pair<int64_t, int64_t> units_of(size_t s, int64_t mb) const;
+  bool floats() const;
+  // How many micro-batches stage S runs its floating end unit for.
+  int64_t float_count(size_t s) const;
 };
 
 // Sharded data parallelism (ZeRO, dist/sharding.h) of one holder set: the ranks holding the same

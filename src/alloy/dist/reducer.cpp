@@ -25,6 +25,8 @@ struct Reducer::Bucket {
   at::TensorOptions options;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   bool launched = false;
+  Bucket* next_in_group = nullptr;  // the group's buckets launch in this order (below)
+  bool waits_for_previous = false;  // set while the bucket before it in the group has not launched
 };
 
 Reducer::Reducer(std::vector<ParamGroup> groups, double bucket_mb) {
@@ -38,6 +40,7 @@ Reducer::Reducer(std::vector<ParamGroup> groups, double bucket_mb) {
       continue;
     }
     if (!pg.group || pg.params.empty()) continue;
+    const size_t group_first = buckets_.size();
     std::unique_ptr<Bucket> cur;
     int64_t cur_bytes = 0, group_offset = 0;
     auto close = [&]() {
@@ -71,6 +74,7 @@ Reducer::Reducer(std::vector<ParamGroup> groups, double bucket_mb) {
       cur_bytes += bytes;
     }
     close();
+    for (size_t b = group_first; b + 1 < buckets_.size(); ++b) buckets_[b]->next_in_group = buckets_[b + 1].get();
   }
   for (size_t b = 0; b < buckets_.size(); ++b)
     for (size_t s = 0; s < buckets_[b]->params.size(); ++s)
@@ -93,6 +97,11 @@ void Reducer::arm() {
     b->launched = false;
     b->works.clear();
   }
+  // Every holder launches a group's buckets in the same order, whatever order its gradients come
+  // ready in: two stages sharing a floating unit and the tied embedding have them ready in
+  // opposite orders, and collectives on one group pair up in the order they are issued.
+  for (auto& b : buckets_)
+    if (b->next_in_group) b->next_in_group->waits_for_previous = true;
 }
 
 void Reducer::on_grad_ready(size_t bi, size_t slot, const at::Tensor& incoming) {
@@ -112,7 +121,7 @@ void Reducer::on_grad_ready(size_t bi, size_t slot, const at::Tensor& incoming) 
   else
     slice.copy_(incoming.reshape({-1}));
   b.ready[slot] = true;
-  if (--b.pending == 0) launch(b);
+  if (--b.pending == 0 && !b.waits_for_previous) launch(b);
 }
 
 at::Tensor& Reducer::flat_of(Bucket& b) {
@@ -121,6 +130,16 @@ at::Tensor& Reducer::flat_of(Bucket& b) {
 }
 
 void Reducer::launch(Bucket& b) {
+  launch_one(b);
+  // The group's next buckets that were complete and waited for this one.
+  for (Bucket* n = b.next_in_group; n; n = n->next_in_group) {
+    n->waits_for_previous = false;
+    if (n->pending != 0) break;
+    launch_one(*n);
+  }
+}
+
+void Reducer::launch_one(Bucket& b) {
   b.launched = true;
   b.works.clear();
   if (b.reduce_to.empty()) {
@@ -149,7 +168,7 @@ void Reducer::reduce_all_now() {
       if (g.defined()) slice.copy_(g.reshape({-1}));
       else slice.zero_();
     }
-    launch(*b);
+    launch_one(*b);
   }
   armed_ = true;
 }
@@ -170,7 +189,7 @@ ReducerStats Reducer::finish() {
         if (g.defined()) slice.copy_(g.reshape({-1}));
         else slice.zero_();
       }
-      launch(*b);
+      launch_one(*b);
     }
   }
   for (auto& b : buckets_) {

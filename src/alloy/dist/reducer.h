@@ -74,7 +74,8 @@ class Reducer {
  private:
   struct Bucket;
   void on_grad_ready(size_t bucket, size_t slot, const at::Tensor& incoming);
-  void launch(Bucket& b);
+  void launch(Bucket& b);  // and the group's following buckets that are complete
+  void launch_one(Bucket& b);
   static at::Tensor& flat_of(Bucket& b);
 
   std::vector<std::unique_ptr<Bucket>> buckets_;

@@ -52,8 +52,10 @@ SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model, const LoraCon
       for (int r : s.ranks) {
         const model::TpLayout layout = tp ? tp_layout(plan, model, r) : model::TpLayout{};
         for (const auto& n : model::param_names(model, lora, model::LayerRange::for_units(s.unit_begin(), s.unit_end(), model.layers),
-                                                tp ? &layout : nullptr))
+                                                tp ? &layout : nullptr)) {
           holders_[n].push_back(r);
+          order_.emplace(n, static_cast<int64_t>(order_.size()));
+        }
       }
   std::set<std::vector<int>> distinct;
   for (auto& [n, r] : holders_) {
@@ -71,6 +73,12 @@ SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model, const LoraCon
     h.hierarchical = h.compressed && slow_only;
     sets_.push_back(h);
   }
+}
+
+int64_t SyncLayout::model_order(const std::string& param) const {
+  auto it = order_.find(param);
+  if (it == order_.end()) throw Error("no rank holds parameter '" + param + "'");
+  return it->second;
 }
 
 const std::vector<int>& SyncLayout::holders(const std::string& param) const {

@@ -36,6 +36,12 @@ class SyncLayout {
   // The ranks holding PARAM, sorted; throws Error for an unknown name.
   const std::vector<int>& holders(const std::string& param) const;
   const std::map<std::string, std::vector<int>>& all_holders() const { return holders_; }
+  // A parameter's place in one model order that every rank agrees on (the order names first
+  // appear in the plan's stages, which hold their parameters in model order). Every holder of a set
+  // lays the set's parameters out in it: a rank's own order is not enough once a set mixes
+  // parameters that two stages hold in different orders (a floating unit and GPT-2's tied wte,
+  // first and last on one stage and the reverse on the other).
+  int64_t model_order(const std::string& param) const;
   // Sets of two or more holders, sorted by their ranks: the order every rank creates groups in.
   const std::vector<HolderSet>& sets() const { return sets_; }
   const HolderSet* set_of(const std::vector<int>& ranks) const;
@@ -44,6 +50,7 @@ class SyncLayout {
 
  private:
   std::map<std::string, std::vector<int>> holders_;
+  std::map<std::string, int64_t> order_;
   std::vector<HolderSet> sets_;
 };
 

@@ -12,11 +12,13 @@ namespace alloy::model {
 namespace {
 
 struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, Layer* layer) {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, Layer* layer, bool attention, bool mlp) {
     ctx->saved_data["layer"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(layer));
+    ctx->saved_data["attention"] = attention;
+    ctx->saved_data["mlp"] = mlp;
     ctx->save_for_backward({x});
     at::NoGradGuard no_graph;  // the block's intermediates are freed as soon as they are used
-    return layer->forward(x);
+    return layer->forward_halves(x, attention, mlp);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
@@ -25,12 +27,12 @@ struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
     at::Tensor out;
     {
       at::AutoGradMode with_graph(true);
-      out = layer->forward(x);
+      out = layer->forward_halves(x, ctx->saved_data["attention"].toBool(), ctx->saved_data["mlp"].toBool());
     }
     // Accumulates into the block's parameters' .grad (their hooks fire as in a plain backward) and
     // into x.grad, which goes on to the layer before.
     torch::autograd::backward({out}, {grads[0]});
-    return {x.grad(), at::Tensor()};
+    return {x.grad(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -64,10 +66,10 @@ at::Tensor hooked(const at::Tensor& x, LayerHooks* hooks, size_t i, bool entry) 
 at::Tensor backward_entry(const at::Tensor& x, LayerHooks* hooks, size_t i) { return hooked(x, hooks, i, true); }
 at::Tensor backward_exit(const at::Tensor& x, LayerHooks* hooks, size_t i) { return hooked(x, hooks, i, false); }
 
-at::Tensor forward_recomputed(Layer& layer, const at::Tensor& x) {
-  if (!at::GradMode::is_enabled()) return layer.forward(x);
+at::Tensor forward_recomputed(Layer& layer, const at::Tensor& x, bool attention, bool mlp) {
+  if (!at::GradMode::is_enabled()) return layer.forward_halves(x, attention, mlp);
   // The node exists only if an input needs a gradient; the parameters always do.
-  return RecomputedBlock::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), &layer);
+  return RecomputedBlock::apply(x.requires_grad() ? x : x.detach().requires_grad_(true), &layer, attention, mlp);
 }
 
 }  // namespace alloy::model

@@ -14,7 +14,7 @@ class LayerHooks;
 
 // LAYER's forward of X, recomputed in the backward instead of stored. Without grad mode (or when
 // nothing requires a gradient) it is the plain forward.
-at::Tensor forward_recomputed(Layer& layer, const at::Tensor& x);
+at::Tensor forward_recomputed(Layer& layer, const at::Tensor& x, bool attention = true, bool mlp = true);
 
 // Identities whose backward tells HOOKS about layer I (Transformer::set_layer_hooks): on a layer's
 // output, before_backward(I) runs when the output's gradient arrives, before any of the layer's

@@ -200,9 +200,10 @@ class Gpt2Embedding : public Layer {
 class BlockLayer : public Layer {
  public:
   bool is_block() const override { return true; }
-  at::Tensor forward(const at::Tensor& x) override {
-    at::Tensor h = attn_ ? attention_half(x) : x;
-    return mlp_ ? mlp_half(h) : h;
+  at::Tensor forward(const at::Tensor& x) override { return forward_halves(x, true, true); }
+  at::Tensor forward_halves(const at::Tensor& x, bool attention, bool mlp) override {
+    at::Tensor h = attn_ && attention ? attention_half(x) : x;
+    return mlp_ && mlp ? mlp_half(h) : h;
   }
 
  protected:
@@ -510,6 +511,34 @@ at::Tensor Transformer::forward(const at::Tensor& x) {
       h = backward_exit(h, hooks_, i);
     }
     h = recompute_ && l.is_block() ? forward_recomputed(l, h) : l.forward(h);
+    if (hooks_) {
+      hooks_->after_forward(i);
+      h = backward_entry(h, hooks_, i);
+    }
+  }
+  return h;
+}
+
+at::Tensor Transformer::forward_units(const at::Tensor& x, int64_t unit_begin, int64_t unit_end) {
+  // Positions: 0 the embedding, 1 + b block b, layers + 1 the head (LayerRange).
+  const int64_t L = cfg_.layers;
+  // This slice's own units, from its positions and halves.
+  const int64_t held_begin = range_.begin == 0 ? 0 : 2 * (range_.begin - 1) + (range_.first_block_mlp_only ? 1 : 0);
+  const int64_t held_end = range_.has_head(cfg_) ? 2 * L : 2 * (range_.end - 1) - (range_.last_block_attn_only ? 1 : 0);
+  if (unit_begin < held_begin || unit_end > held_end || unit_begin >= unit_end)
+    throw std::invalid_argument("units [" + std::to_string(unit_begin) + ", " + std::to_string(unit_end) + ") are not within this slice's [" +
+                                std::to_string(held_begin) + ", " + std::to_string(held_end) + ")");
+  const LayerRange want = LayerRange::for_units(unit_begin, unit_end, L);
+  at::Tensor h = x;
+  for (int64_t pos = want.begin; pos < want.end; ++pos) {
+    const size_t i = static_cast<size_t>(pos - range_.begin);
+    Layer& l = *layers_[i];
+    const bool attention = want.holds_attention(pos), mlp = want.holds_mlp(pos);
+    if (hooks_) {
+      hooks_->before_forward(i);
+      h = backward_exit(h, hooks_, i);
+    }
+    h = recompute_ && l.is_block() ? forward_recomputed(l, h, attention, mlp) : l.forward_halves(h, attention, mlp);
     if (hooks_) {
       hooks_->after_forward(i);
       h = backward_entry(h, hooks_, i);

@@ -74,6 +74,8 @@ class Layer {
   // Input: token ids [B, T] (embedding) or hidden states [B, T, H]; output: hidden states or
   // logits [B, T, V] (head).
   virtual at::Tensor forward(const at::Tensor& x) = 0;
+  // A block's attention and/or MLP half only (of those it holds); other layers ignore the flags.
+  virtual at::Tensor forward_halves(const at::Tensor& x, bool attention, bool mlp) { return forward(x); }
   virtual bool is_block() const { return false; }  // a transformer block (recomputable), not embedding or head
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
@@ -147,6 +149,10 @@ class Transformer {
   }
 
   at::Tensor forward(const at::Tensor& x);
+  // Units [UNIT_BEGIN, UNIT_END) of those this slice holds (a floating pipeline boundary runs a
+  // shared unit in some micro-batches only): the embedding when the range starts at unit 0, the
+  // head when it reaches the model's end. Throws std::invalid_argument outside the slice.
+  at::Tensor forward_units(const at::Tensor& x, int64_t unit_begin, int64_t unit_end);
   // LoRA (model/lora.h): adapters on the projections L targets (seeded per layer position from
   // SEED, so every slice gets the full model's adapters), every other parameter frozen, and the
   // blocks' projection weights stored as L.base_dtype. Call after the base weights are loaded.

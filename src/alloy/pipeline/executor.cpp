@@ -155,7 +155,7 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
       case ActionKind::Forward: {
         {
           model::AutocastScope amp(slice_.device(), precision);
-          at::Tensor out = slice_.forward(first() ? mbs[static_cast<size_t>(m)].inputs : st.input);
+          at::Tensor out = forward_slice(first() ? mbs[static_cast<size_t>(m)].inputs : st.input, m);
           if (last()) {
             at::Tensor ls = slice_.loss(out, mbs[static_cast<size_t>(m)].targets);
             if (ls.scalar_type() != dt) ls = ls.to(dt);
@@ -204,6 +204,12 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
   return loss_sum;
 }
 
+at::Tensor StageExecutor::forward_slice(const at::Tensor& x, int64_t mb) {
+  if (mb_units.empty()) return slice_.forward(x);
+  const auto& [begin, end] = mb_units[static_cast<size_t>(mb) % mb_units.size()];
+  return slice_.forward_units(x, begin, end);
+}
+
 double StageExecutor::forward_only(const std::vector<MicroBatch>& mbs) {
   at::NoGradGuard ng;
   const auto& cfg = slice_.config();
@@ -214,7 +220,7 @@ double StageExecutor::forward_only(const std::vector<MicroBatch>& mbs) {
                            : recv_tensor(links_.prev_rank, static_cast<int64_t>(m), kActHeader, {rows, cfg.seq_len, cfg.hidden},
                                          slice_.dtype());
     model::AutocastScope amp(slice_.device(), precision);
-    at::Tensor out = slice_.forward(x);
+    at::Tensor out = forward_slice(x, static_cast<int64_t>(m));
     if (last()) {
       // Every member computes it: under vocabulary parallelism the loss is a collective.
       const double l = slice_.loss(out, mbs[m].targets).item<double>();

@@ -58,6 +58,9 @@ class StageExecutor {
   // Whether run() and forward_only() return this stage's loss (false on all but the first rank of a
   // tensor-parallel last stage: the group computes one loss).
   bool counts_loss = true;
+  // A floating pipeline boundary (PipelinePlan::units_of): the units this stage runs for micro-batch
+  // m are mb_units[m % size] (validation reuses the training pattern); empty: the whole slice.
+  std::vector<std::pair<int64_t, int64_t>> mb_units;
   double run(const std::vector<Action>& actions, const std::vector<MicroBatch>& mbs, double loss_divisor,
              dist::Reducer* reducer);
   // Forward only (validation): returns the sum of token losses on the last stage.
@@ -98,6 +101,7 @@ class StageExecutor {
   void wait_sends();
   void record(const std::string& name, const char* stream, std::chrono::steady_clock::time_point t0);
   void sample_memory();
+  at::Tensor forward_slice(const at::Tensor& x, int64_t mb);
 
   model::Transformer& slice_;
   StageLinks links_;

@@ -128,6 +128,19 @@ struct MbState {
 
 }  // namespace
 
+void SimCosts::check(const char* who, size_t num_stages, int64_t num_micro_batches) const {
+  for (const auto* per : {&forward_mb, &backward_mb})
+    for (size_t s = 0; s < per->size() && s < num_stages; ++s) {
+      const auto& v = (*per)[s];
+      if (v.empty()) continue;
+      if (static_cast<int64_t>(v.size()) < num_micro_batches)
+        throw std::invalid_argument(std::string(who) + ": per-micro-batch costs of stage " + std::to_string(s) + " cover " +
+                                    std::to_string(v.size()) + " of " + std::to_string(num_micro_batches) + " micro-batches");
+      for (double c : v)
+        if (c < 0) throw std::invalid_argument(std::string(who) + ": negative compute cost for stage " + std::to_string(s));
+    }
+}
+
 SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimCosts& costs) {
   const size_t S = per_stage.size();
   if (costs.forward.size() < S || costs.backward.size() < S)
@@ -144,6 +157,10 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
     if (p < 0) throw std::invalid_argument("simulate: negative p2p cost on a link");
   // Link s joins stages s and s+1.
   auto link_time = [&](size_t link) { return costs.p2p_link.empty() ? costs.p2p : costs.p2p_link[link]; };
+  int64_t max_mb = -1;
+  for (const auto& acts : per_stage)
+    for (const auto& a : acts) max_mb = std::max(max_mb, a.micro_batch);
+  costs.check("simulate", S, max_mb + 1);
 
   // act[s]: activations travelling s -> s+1; grad[s]: gradients travelling s+1 -> s.
   std::vector<std::deque<Message>> act(S), grad(S);
@@ -208,7 +225,7 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
           case ActionKind::Forward:
             if (!first && !st.recv_act) fail(s, a, "forward before its activation was received");
             once(st.forward);
-            compute(s, a, costs.forward[s]);
+            compute(s, a, costs.forward_of(s, a.micro_batch));
             if (++in_flight[s] > r.peak_in_flight[s]) r.peak_in_flight[s] = in_flight[s];
             break;
           case ActionKind::SendActivation:
@@ -227,7 +244,7 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
             if (!st.forward) fail(s, a, "backward before forward");
             if (!last && !st.recv_grad) fail(s, a, "backward before its gradient was received");
             once(st.backward);
-            compute(s, a, costs.backward[s]);
+            compute(s, a, costs.backward_of(s, a.micro_batch));
             --in_flight[s];
             break;
           case ActionKind::SendGrad:
@@ -285,6 +302,7 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
   for (double p : costs.p2p_link)
     if (p < 0) throw std::invalid_argument("simulate_times: negative p2p cost on a link");
   auto link_time = [&](int64_t link) { return costs.p2p_link.empty() ? costs.p2p : costs.p2p_link[static_cast<size_t>(link)]; };
+  costs.check("simulate_times", Su, M);
 
   StageTimes r;
   r.last_backward_start.assign(Su, 0.0);
@@ -336,7 +354,7 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
             if (a < 0) break;
             t = std::max(t, a + link_time(s - 1));
           }
-          clock[su] = t + costs.forward[su];
+          clock[su] = t + costs.forward_of(su, j);
           end_f[static_cast<size_t>(s * M + j)] = clock[su];
           r.peak_in_flight[su] = std::max(r.peak_in_flight[su], ++in_flight[su]);
         } else {
@@ -345,7 +363,7 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
             if (a < 0) break;
             t = std::max(t, a + link_time(s));
           }
-          clock[su] = t + costs.backward[su];
+          clock[su] = t + costs.backward_of(su, j);
           end_b[static_cast<size_t>(s * M + j)] = clock[su];
           --in_flight[su];
           r.last_backward_start[su] = t;

@@ -73,6 +73,16 @@ struct SimCosts {
   // Per link: p2p_link[s] is the message time between stages s and s+1, both directions (links
   // differ in a heterogeneous pool). When non-empty it must cover every link and replaces p2p.
   std::vector<double> p2p_link;
+  // Per stage and micro-batch, for stages whose work differs between micro-batches (a floating
+  // boundary, PipelinePlan::units_of): a non-empty forward_mb[s] (backward_mb[s]) gives micro-batch
+  // m's seconds as forward_mb[s][m] and replaces forward[s] (backward[s]); it must cover every
+  // micro-batch.
+  std::vector<std::vector<double>> forward_mb, backward_mb;
+  double forward_of(size_t s, int64_t m) const { return s < forward_mb.size() && !forward_mb[s].empty() ? forward_mb[s][static_cast<size_t>(m)] : forward[s]; }
+  double backward_of(size_t s, int64_t m) const { return s < backward_mb.size() && !backward_mb[s].empty() ? backward_mb[s][static_cast<size_t>(m)] : backward[s]; }
+  // Throws std::invalid_argument (WHO names the caller) on negative costs or per-micro-batch lists
+  // shorter than M.
+  void check(const char* who, size_t num_stages, int64_t num_micro_batches) const;
 };
 
 // Timing of one action. Compute and receive events of a stage run back to back in list order

@@ -521,7 +521,10 @@ std::vector<CostContext::SyncSet> CostContext::sync_sets(const std::vector<std::
     ids.clear();
     for (size_t p = 0; p < pipelines.size(); ++p) {
       while (at[p] > 0 && pipelines[p][at[p]].begin > h) --at[p];
-      if (!pipelines[p].empty()) ids.push_back(pipelines[p][at[p]].id);
+      if (pipelines[p].empty()) continue;
+      ids.push_back(pipelines[p][at[p]].id);
+      // A floating boundary: the stage before shares this unit.
+      for (size_t k = at[p]; k > 0 && pipelines[p][k - 1].end > h; --k) ids.push_back(pipelines[p][k - 1].id);
     }
     add(half_unit(h));
   }

@@ -75,6 +75,9 @@ struct SearchOptions {
   bool memory_relief = false;
   // make_plan refines the alloy strategy's plan with boundaries inside blocks (refine_units).
   bool split_blocks = true;
+  // ... and with floating boundaries (PipelinePlan::cut: two stages share a half block, each
+  // running it for part of the micro-batches) where the model predicts a gain.
+  bool float_boundaries = true;
   // make_plan tries groups of devices as tensor-parallel stages (consider_tensor_parallel).
   bool tensor_parallel = true;
 
@@ -110,6 +113,10 @@ void tune_buckets(SearchResult& result, const ClusterSpec& cluster, const Profil
 // SearchOptions::split_blocks is on.
 // The batch split is re-chosen for each move (calibrate.h's rebalance, among OPTIONS' micro-batch
 // sizes), since a pipeline whose stages balance better may take more of the batch.
+// Then, with SearchOptions::float_boundaries, floating boundaries the same way: a boundary's
+// neighbouring half block held by both stages and run by the first in k of the M micro-batches
+// (StagePlan::float_share), each share k = 1..M-1 priced, so a 0.4 and a 0.2 device can split
+// 2.67 : 1.33 where half blocks allow 3 : 1 or 2.5 : 1.5.
 void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
 
 // Tensor parallelism: groups of 2 to 4 devices (pools of up to kTensorParallelMaxDevices; those

@@ -5,6 +5,7 @@
 #include <sstream>
 #include <string>
 
+#include "alloy/core/error.h"
 #include "alloy/plan/calibrate.h"
 #include "alloy/plan/cost_model.h"
 #include "alloy/plan/search.h"
@@ -22,8 +23,54 @@ std::string layout_text(const Plan& plan) {
     if (!out.empty()) out += "; ";
     for (size_t s = 0; s < pl.stages.size(); ++s)
       out += (s ? " -> " : "") + (pl.stages[s].device.empty() ? "rank " + std::to_string(pl.stages[s].ranks[0]) : pl.stages[s].device) +
-             " " + blocks_text(pl.stages[s].unit_begin(), pl.stages[s].unit_end());
+             " " + blocks_text(pl.stages[s].unit_begin(), pl.stages[s].unit_end()) +
+             (pl.stages[s].floats() ? " (its last half block in " + std::to_string(pl.float_count(s)) + " of " +
+                                          std::to_string(pl.num_micro_batches) + " micro-batches)"
+                                    : "");
   }
+  return out;
+}
+
+// CAND priced, with the batch re-split for its pipelines (a pipeline whose stages balance better
+// may take more of the batch: rebalance with every pipeline as predicted) when that is faster.
+PlanCost priced(Plan& cand, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
+  PlanCost c = simulate_plan(cand, cluster, profile);
+  if (cand.pipelines.size() > 1 && cand.pipelines.size() <= kRebalanceUpTo) {
+    std::map<int, double> phase;
+    for (size_t q = 0; q < cand.pipelines.size(); ++q)
+      for (const auto& st : cand.pipelines[q].stages) phase[st.ranks[0]] = c.pipelines[q].phase_s;
+    Rebalance rb = rebalance(cand, cluster, profile, phase, options, 0.0);
+    if (rb.change) {
+      PlanCost rc = simulate_plan(rb.plan, cluster, profile);
+      if (rc.fits && rc.step_s < c.step_s) cand = std::move(rb.plan), c = rc;
+    }
+  }
+  return c;
+}
+
+// The floating boundaries of PLAN's pipeline P at boundary S (between stages S and S + 1) worth
+// pricing: the unit on either side of a whole cut, or another share for a boundary that floats
+// already, each in k of M micro-batches for k = 1..M-1 (every share the pipeline can express).
+std::vector<Plan> floating_candidates(const Plan& plan, size_t p, size_t s) {
+  std::vector<Plan> out;
+  const PipelinePlan& pl = plan.pipelines[p];
+  const StagePlan &a = pl.stages[s], &b = pl.stages[s + 1];
+  if (a.tp() > 1 || b.tp() > 1 || pl.num_micro_batches < 2) return out;
+  const double M = static_cast<double>(pl.num_micro_batches);
+  std::vector<std::pair<int64_t, int64_t>> layouts;  // (a's end, b's begin) with one unit shared
+  if (a.floats()) layouts.push_back({a.unit_end(), b.unit_begin()});
+  else layouts = {{a.unit_end() + 1, b.unit_begin()}, {a.unit_end(), b.unit_begin() - 1}};
+  for (const auto& [a_end, b_begin] : layouts)
+    for (int64_t k = 1; k < pl.num_micro_batches; ++k) {
+      Plan cand = plan;
+      StagePlan &ca = cand.pipelines[p].stages[s], &cb = cand.pipelines[p].stages[s + 1];
+      if (a.floats() && k == pl.float_count(s)) continue;
+      if (a_end > cb.unit_end() || b_begin < ca.unit_begin()) continue;
+      ca.set_units(ca.unit_begin(), a_end);
+      cb.set_units(b_begin, cb.unit_end());
+      ca.float_share = static_cast<double>(k) / M;
+      out.push_back(std::move(cand));
+    }
   return out;
 }
 
@@ -56,25 +103,38 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
           if (cut <= a.unit_begin() || cut >= b.unit_end()) continue;  // a stage would be empty
           a.set_units(a.unit_begin(), cut);
           b.set_units(cut, b.unit_end());
-          PlanCost c = simulate_plan(cand, cluster, profile);
-          if (cand.pipelines.size() > 1 && cand.pipelines.size() <= kRebalanceUpTo) {
-            // A pipeline whose stages balance better may take more of the batch: the split is
-            // re-chosen for the new boundaries (rebalance with every pipeline as predicted).
-            std::map<int, double> phase;
-            for (size_t q = 0; q < cand.pipelines.size(); ++q)
-              for (const auto& st : cand.pipelines[q].stages) phase[st.ranks[0]] = c.pipelines[q].phase_s;
-            Rebalance rb = rebalance(cand, cluster, profile, phase, options, 0.0);
-            if (rb.change) {
-              PlanCost rc = simulate_plan(rb.plan, cluster, profile);
-              if (rc.fits && rc.step_s < c.step_s) cand = std::move(rb.plan), c = rc;
-            }
-          }
+          PlanCost c = priced(cand, cluster, profile, options);
           if (c.fits && c.step_s < round_cost.step_s * (1 - 2e-3)) round_best = std::move(cand), round_cost = c, found = true;
         }
     if (!found) break;
     best = std::move(round_best);
     best_cost = round_cost;
   }
+  // Then floating boundaries: a boundary's neighbouring unit shared by its two stages, run by the
+  // first in a share of the micro-batches, so the average split moves by 1/M of a half block
+  // (PipelinePlan::cut). Greedy as above: each round keeps the one boundary and share that gains
+  // most, with the batch re-split. Whole-block stages stay whole where nothing floats.
+  if (options.float_boundaries)
+    for (int round = 0; round < 4 && !out_of_time(); ++round) {
+      Plan round_best;
+      PlanCost round_cost = best_cost;
+      bool found = false;
+      for (size_t p = 0; p < best.pipelines.size(); ++p)
+        for (size_t s = 0; s + 1 < best.pipelines[p].stages.size(); ++s)
+          for (Plan& cand : floating_candidates(best, p, s)) {
+            if (out_of_time()) break;
+            PlanCost c;
+            try {
+              c = priced(cand, cluster, profile, options);
+            } catch (const InputError&) {
+              continue;  // a stage would run no unit of its own
+            }
+            if (c.fits && c.step_s < round_cost.step_s * (1 - 2e-3)) round_best = std::move(cand), round_cost = c, found = true;
+          }
+      if (!found) break;
+      best = std::move(round_best);
+      best_cost = round_cost;
+    }
   if (best_cost.step_s >= before) return;
   std::ostringstream o;
   o.precision(4);

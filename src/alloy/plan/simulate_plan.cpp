@@ -99,15 +99,33 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
                                                                      st.recompute, m)
                                           : std::pair<double, double>{0, 0};
       gather_s[static_cast<size_t>(st.ranks[0])] = static_cast<double>(M) * (gf + gb3);
+      costs.forward_mb.emplace_back();
+      costs.backward_mb.emplace_back();
       if (st.tp() > 1) {
         const detail::TpStageTime t = detail::tp_stage_time(ctx, profile.model, st, dev_of, first, last, m);
         costs.forward.push_back(t.forward_s + gf);
         costs.backward.push_back(t.backward_s + gb3);
         tp_comm[{p, s}] = static_cast<double>(M) * t.comm_s;
       } else {
-        costs.forward.push_back(ctx.forward_units_s(type, ub, ue, first, last, m) + gf);
-        costs.backward.push_back(ctx.backward_units_s(type, ub, ue, first, last, m) + gb3 +
-                                 (st.recompute ? ctx.forward_units_s(type, ub, ue, false, false, m) : 0.0));
+        auto fwd = [&](int64_t b, int64_t e) { return ctx.forward_units_s(type, b, e, first, last, m) + gf; };
+        auto bwd = [&](int64_t b, int64_t e) {
+          return ctx.backward_units_s(type, b, e, first, last, m) + gb3 + (st.recompute ? ctx.forward_units_s(type, b, e, false, false, m) : 0.0);
+        };
+        costs.forward.push_back(fwd(ub, ue));
+        costs.backward.push_back(bwd(ub, ue));
+        if (pl.floats()) {
+          // A floating boundary: each micro-batch runs its own units; the stage's figures below
+          // are their sums.
+          double f_sum = 0, b_sum = 0;
+          for (int64_t j = 0; j < M; ++j) {
+            const auto [b, e] = pl.units_of(static_cast<size_t>(s), j);
+            costs.forward_mb.back().push_back(fwd(b, e));
+            costs.backward_mb.back().push_back(bwd(b, e));
+            f_sum += costs.forward_mb.back().back(), b_sum += costs.backward_mb.back().back();
+          }
+          costs.forward.back() = f_sum / static_cast<double>(M);
+          costs.backward.back() = b_sum / static_cast<double>(M);
+        }
       }
       if (!last) {
         const int next = dev_of[static_cast<size_t>(pl.stages[static_cast<size_t>(s + 1)].ranks[0])];

@@ -204,6 +204,8 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     throw InputError("train.precision", why);
   exec_->precision = cfg_.train.precision;
   exec_->counts_loss = pos_.tp_rank == 0;
+  if (pl.floats())
+    for (int64_t m = 0; m < pl.num_micro_batches; ++m) exec_->mb_units.push_back(pl.units_of(static_cast<size_t>(pos_.stage), m));
   if (!resume_dir.empty()) scaler_.restore(resumed.loss_scale, resumed.loss_scale_good_steps);
   if (world_) build_groups();
   if (!resume_dir.empty() && reducer_ && !reducer_->compressed().empty()) load_sync_state(resume_dir);
@@ -220,6 +222,10 @@ void Trainer::plan_shards() {
     const auto& r = sync_->holders((*it)->name);
     if (r.size() >= 2) set_params_[r].push_back(*it);
   }
+  for (auto& [ranks, ps] : set_params_)  // backward order, the same on every holder
+    std::stable_sort(ps.begin(), ps.end(), [&](const model::Param* a, const model::Param* b) {
+      return sync_->model_order(a->name) > sync_->model_order(b->name);
+    });
   for (size_t i = 0; i < plan_->sharding.size(); ++i) {
     const auto& e = plan_->sharding[i];
     if (!sync_->set_of(e.ranks)) {
