@@ -275,6 +275,9 @@ Picture build(const DiagramInput& in) {
       bool head = in.num_layers > 0 ? st.unit_end() == 2 * in.num_layers : s + 1 == pl.stages.size();
       n.lines.push_back("blocks " + range(st.unit_begin(), st.unit_end()) + (st.unit_begin() == 0 ? " + embedding" : "") +
                         (head ? " + head" : ""));
+      if (st.floats())
+        n.lines.push_back("last half block in " + std::to_string(pl.float_count(s)) + " of " + std::to_string(pl.num_micro_batches) +
+                          " micro-batches");
       n.lines.push_back(std::to_string(pl.micro_batch_size) + " samples x " + std::to_string(pl.num_micro_batches) +
                         " micro-batches");
       for (const json* v : {&times[k], &memory[k]}) {
