@@ -3,6 +3,8 @@
 // A plan that validates must answer the runtime's questions (every rank's position, its schedule,
 // sample offsets, the description) and survive to_json -> from_json (plans are saved with save()
 // and loaded again, and sent between ranks as JSON).
+#include <algorithm>
+
 #include <nlohmann/json.hpp>
 
 #include "alloy/core/plan.h"
@@ -38,6 +40,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   (void)p.schedule_mismatch(all);
   for (const auto& s : p.sharding) (void)p.sharding_of(s.ranks);
+  // Every micro-batch runs a non-empty range of units inside what each stage holds, and the
+  // stages' ranges chain from unit 0 to the model's end (a floating boundary decides them per
+  // micro-batch).
+  for (const auto& pl : p.pipelines)
+    for (int64_t m = 0; m < std::min<int64_t>(pl.num_micro_batches, 64); ++m) {
+      int64_t at = 0;
+      for (size_t s = 0; s < pl.stages.size(); ++s) {
+        const auto [b, e] = pl.units_of(s, m);
+        FUZZ_CHECK(b == at && b < e && b >= pl.stages[s].unit_begin() && e <= pl.stages[s].unit_end(),
+                   "micro-batch " + std::to_string(m) + " stage " + std::to_string(s) + " runs [" + std::to_string(b) + ", " +
+                       std::to_string(e) + ")");
+        at = e;
+      }
+      FUZZ_CHECK(at == 2 * model.layers, "micro-batch " + std::to_string(m) + " ends at unit " + std::to_string(at));
+    }
   (void)p.describe();
   const nlohmann::json j = p.to_json();
   try {

@@ -128,6 +128,12 @@ add("plan", "gen-v2-sharding", json.dumps({
                   "slow_links": [[0, 2], [1, 3]]},
     "sharding": [{"ranks": [0, 2], "stage": 2, "shares": [3, 1]}, {"ranks": [1, 3], "stage": 1}],
     "predicted": {"step_s": 1.5}}))
+add("plan", "gen-v5-floating", json.dumps({
+    "format": "alloy-plan", "version": 5, "global_batch": 10, "schedule": "1f1b",
+    "pipelines": [{"micro_batch_size": 1, "num_micro_batches": 7, "stages": [
+        {"ranks": [0], "units": [0, 4], "float_share": 0.43}, {"ranks": [1], "units": [3, 7], "float_share": 0.5},
+        {"ranks": [2], "units": [6, 8]}]},
+        {"micro_batch_size": 3, "num_micro_batches": 1, "stages": [{"ranks": [3], "layers": [0, 4]}]}]}))
 add("plan", "gen-dp", json.dumps({"global_batch": 6, "pipelines": [
     {"micro_batch_size": 1, "num_micro_batches": 2, "stages": [stage(0, 0, 4)]},
     {"micro_batch_size": 2, "num_micro_batches": 2, "stages": [stage(1, 0, 4)]}]}))
