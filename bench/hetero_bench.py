@@ -283,6 +283,18 @@ def report_predictions(name, plan_path, run):
     return dict(predicted_step_s=ps, measured_step_s=run["step_s"], relative_error=err, stages=stages, **extra)
 
 
+def idle_shares(run):
+    """Per device of RUN's plan: the share of its median step it did not compute (bubbles, waits
+    for messages and for the gradient sync), from ranks.json."""
+    try:
+        plan = json.load(open(os.path.join(run["out"], "plan.json")))
+    except (OSError, ValueError):
+        return {}
+    device = {r: st.get("device", f"rank {r}") for pl in plan["pipelines"] for st in pl["stages"] for r in st["ranks"]}
+    return {device.get(x["rank"], f"rank {x['rank']}"): 1 - x["compute_s_median"] / x["step_s_median"]
+            for x in run.get("ranks", []) if x.get("step_s_median")}
+
+
 def round_figures(runs, sides, predicted_s):
     """Per round (the pool's run and the devices side by side right before it): the pool's share of
     the side-by-side sum and its step against PREDICTED_S; the median round and the worst."""
@@ -290,7 +302,8 @@ def round_figures(runs, sides, predicted_s):
     for r, sd in zip(runs, sides):
         total = sum(sd.values())
         rounds.append(dict(tokens_per_s=r["tokens_per_s"], side_by_side_sum=total, efficiency=r["tokens_per_s"] / total,
-                           step_s=r["step_s"], relative_error=(r["step_s"] - predicted_s) / predicted_s))
+                           step_s=r["step_s"], relative_error=(r["step_s"] - predicted_s) / predicted_s,
+                           idle_share=idle_shares(r)))
     eff = [x["efficiency"] for x in rounds]
     err = [x["relative_error"] for x in rounds]
     return dict(rounds=rounds, efficiency_median=statistics.median(eff), efficiency_worst=min(eff),
@@ -456,6 +469,8 @@ def main():
         print(f"rounds ({len(br['rounds'])}, the pool's run and the devices side by side alternating): pool / side-by-side sum "
               + ", ".join(f"{x['efficiency']:.2f}" for x in br["rounds"])
               + f"; median {br['efficiency_median']:.2f}, worst {br['efficiency_worst']:.2f}")
+        print("  each device's idle share of its step (not computing), per round: "
+              + "; ".join(", ".join(f"{d} {100 * v:.0f}%" for d, v in x["idle_share"].items()) for x in br["rounds"]))
         print(f"  step against the prediction from {results[0]['prediction']['prediction_from']}: "
               + ", ".join(f"{100 * x['relative_error']:+.1f}%" for x in br["rounds"])
               + f"; median {100 * br['relative_error_median']:+.1f}%, worst {100 * br['relative_error_worst']:+.1f}%")
