@@ -427,9 +427,12 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
         }
         st.device = sts[s].value("device", std::string());
         st.recompute = sts[s].value("recompute", false);
-        field += ".float_share";
-        st.float_share = sts[s].value("float_share", 0.0);
-        field.resize(field.size() - std::string(".float_share").size());
+        if (sts[s].contains("float_share")) {
+          const std::string stage_field = field;
+          field = stage_field + ".float_share";
+          st.float_share = sts[s].at("float_share").get<double>();
+          field = stage_field;
+        }
         if (sts[s].contains("tp_split")) st.tp_split = whole_list<int64_t>(sts[s].at("tp_split"));
         if (sts[s].contains("devices")) {
           st.devices = sts[s].at("devices").get<std::vector<std::string>>();

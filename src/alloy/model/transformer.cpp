@@ -502,33 +502,17 @@ void Transformer::rebuild_uses() {
     for (size_t j : layers_.front()->vocab_params()) uses_.back().push_back(&layers_.front()->params()[j]);
 }
 
-at::Tensor Transformer::forward(const at::Tensor& x) {
-  at::Tensor h = x;
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    Layer& l = *layers_[i];
-    if (hooks_) {
-      hooks_->before_forward(i);
-      h = backward_exit(h, hooks_, i);
-    }
-    h = recompute_ && l.is_block() ? forward_recomputed(l, h) : l.forward(h);
-    if (hooks_) {
-      hooks_->after_forward(i);
-      h = backward_entry(h, hooks_, i);
-    }
-  }
-  return h;
-}
+at::Tensor Transformer::forward(const at::Tensor& x) { return run(x, range_); }
 
 at::Tensor Transformer::forward_units(const at::Tensor& x, int64_t unit_begin, int64_t unit_end) {
-  // Positions: 0 the embedding, 1 + b block b, layers + 1 the head (LayerRange).
-  const int64_t L = cfg_.layers;
-  // This slice's own units, from its positions and halves.
-  const int64_t held_begin = range_.begin == 0 ? 0 : 2 * (range_.begin - 1) + (range_.first_block_mlp_only ? 1 : 0);
-  const int64_t held_end = range_.has_head(cfg_) ? 2 * L : 2 * (range_.end - 1) - (range_.last_block_attn_only ? 1 : 0);
+  const int64_t held_begin = range_.unit_begin(), held_end = range_.unit_end(cfg_.layers);
   if (unit_begin < held_begin || unit_end > held_end || unit_begin >= unit_end)
     throw std::invalid_argument("units [" + std::to_string(unit_begin) + ", " + std::to_string(unit_end) + ") are not within this slice's [" +
                                 std::to_string(held_begin) + ", " + std::to_string(held_end) + ")");
-  const LayerRange want = LayerRange::for_units(unit_begin, unit_end, L);
+  return run(x, LayerRange::for_units(unit_begin, unit_end, cfg_.layers));
+}
+
+at::Tensor Transformer::run(const at::Tensor& x, const LayerRange& want) {
   at::Tensor h = x;
   for (int64_t pos = want.begin; pos < want.end; ++pos) {
     const size_t i = static_cast<size_t>(pos - range_.begin);

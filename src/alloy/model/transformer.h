@@ -130,6 +130,11 @@ struct LayerRange {
   // Half-block units [unit_begin, unit_end) of 2 * num_layers (unit 2b: block b's attention half,
   // 2b + 1: its MLP half), the embedding and head joining as above.
   static LayerRange for_units(int64_t unit_begin, int64_t unit_end, int64_t num_layers);
+  // The half-block units this range holds (for_units' inverse).
+  int64_t unit_begin() const { return begin == 0 ? 0 : 2 * (begin - 1) + (first_block_mlp_only ? 1 : 0); }
+  int64_t unit_end(int64_t num_layers) const {
+    return end == num_layers + 2 ? 2 * num_layers : 2 * (end - 1) - (last_block_attn_only ? 1 : 0);
+  }
   // Which halves the block at position POS holds (both for an inner block).
   bool holds_attention(int64_t pos) const { return !(first_block_mlp_only && pos == begin); }
   bool holds_mlp(int64_t pos) const { return !(last_block_attn_only && pos == end - 1); }
@@ -207,6 +212,8 @@ class Transformer {
   LayerHooks* hooks_ = nullptr;
   std::vector<std::vector<Param*>> uses_;
   void rebuild_uses();
+  // The layers at WANT's positions (within this slice), each with WANT's halves.
+  at::Tensor run(const at::Tensor& x, const LayerRange& want);
 };
 
 at::ScalarType dtype_of(const ModelConfig& m);

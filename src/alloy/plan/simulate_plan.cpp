@@ -111,11 +111,12 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
         auto bwd = [&](int64_t b, int64_t e) {
           return ctx.backward_units_s(type, b, e, first, last, m) + gb3 + (st.recompute ? ctx.forward_units_s(type, b, e, false, false, m) : 0.0);
         };
-        costs.forward.push_back(fwd(ub, ue));
-        costs.backward.push_back(bwd(ub, ue));
-        if (pl.floats()) {
-          // A floating boundary: each micro-batch runs its own units; the stage's figures below
-          // are their sums.
+        if (!pl.floats()) {
+          costs.forward.push_back(fwd(ub, ue));
+          costs.backward.push_back(bwd(ub, ue));
+        } else {
+          // A floating boundary: each micro-batch runs its own units; the stage's per-micro-batch
+          // figure (and so its step figures below) is their mean.
           double f_sum = 0, b_sum = 0;
           for (int64_t j = 0; j < M; ++j) {
             const auto [b, e] = pl.units_of(static_cast<size_t>(s), j);
@@ -123,8 +124,8 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
             costs.backward_mb.back().push_back(bwd(b, e));
             f_sum += costs.forward_mb.back().back(), b_sum += costs.backward_mb.back().back();
           }
-          costs.forward.back() = f_sum / static_cast<double>(M);
-          costs.backward.back() = b_sum / static_cast<double>(M);
+          costs.forward.push_back(f_sum / static_cast<double>(M));
+          costs.backward.push_back(b_sum / static_cast<double>(M));
         }
       }
       if (!last) {

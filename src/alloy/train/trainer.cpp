@@ -218,12 +218,13 @@ void Trainer::plan_shards() {
   // AdamW gets the same slices for sharded sets, whole tensors elsewhere. Only what trains: with
   // LoRA the adapters.
   auto params = model_->trainable();
-  for (auto it = params.rbegin(); it != params.rend(); ++it) {  // backward order: the Reducer's buckets fill in it
-    const auto& r = sync_->holders((*it)->name);
-    if (r.size() >= 2) set_params_[r].push_back(*it);
+  for (auto* p : params) {
+    const auto& r = sync_->holders(p->name);
+    if (r.size() >= 2) set_params_[r].push_back(p);
   }
-  for (auto& [ranks, ps] : set_params_)  // backward order, the same on every holder
-    std::stable_sort(ps.begin(), ps.end(), [&](const model::Param* a, const model::Param* b) {
+  // Backward order (the Reducer's buckets fill in it), the same on every holder.
+  for (auto& [ranks, ps] : set_params_)
+    std::sort(ps.begin(), ps.end(), [&](const model::Param* a, const model::Param* b) {
       return sync_->model_order(a->name) > sync_->model_order(b->name);
     });
   for (size_t i = 0; i < plan_->sharding.size(); ++i) {
