@@ -2,6 +2,7 @@
 #include <rapidcheck/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -44,10 +45,12 @@ std::string check_structure(const std::string& name, int64_t S, int64_t M) {
     const auto& a = st[static_cast<size_t>(s)];
     const bool first = s == 0, last = s == S - 1;
     const std::string w = where(name, s, S, M) + " [" + to_string(a) + "]: ";
-    const size_t expect_len = static_cast<size_t>(M * (2 + (first ? 0 : 2) + (last ? 0 : 2)));
+    const bool split = splits_backward(name);
+    const size_t expect_len = static_cast<size_t>(M * ((split ? 3 : 2) + (first ? 0 : 2) + (last ? 0 : 2)));
     if (a.size() != expect_len) return w + "length " + std::to_string(a.size()) + ", expected " + std::to_string(expect_len);
-    std::map<int64_t, int> nf, nb;
-    std::map<int64_t, size_t> at_f, at_b;
+    std::map<int64_t, int> nf, nb, nw;
+    std::map<int64_t, size_t> at_f, at_b, at_w;
+    int64_t last_w = -1;
     for (size_t i = 0; i < a.size(); ++i) {
       const Action& x = a[i];
       if (x.micro_batch < 0 || x.micro_batch >= M) return w + "micro-batch out of range at " + std::to_string(i);
@@ -76,11 +79,20 @@ std::string check_structure(const std::string& name, int64_t S, int64_t M) {
           if (first) return w + "first stage sends a gradient";
           if (i == 0 || a[i - 1] != Action{K::Backward, x.micro_batch}) return w + "sendG not right after its B";
           break;
+        case K::BackwardWeight:
+          if (!split) return w + "a weight pass in a schedule without split backwards";
+          // In micro-batch order: the executor's last weight pass must be the step's last.
+          if (x.micro_batch != last_w + 1) return w + "weight passes out of micro-batch order";
+          last_w = x.micro_batch;
+          ++nw[x.micro_batch];
+          at_w[x.micro_batch] = i;
+          break;
       }
     }
     for (int64_t m = 0; m < M; ++m) {
       if (nf[m] != 1 || nb[m] != 1) return w + "micro-batch " + std::to_string(m) + " not forwarded and backwarded exactly once";
       if (at_b[m] < at_f[m]) return w + "B" + std::to_string(m) + " before F" + std::to_string(m);
+      if (split && (nw[m] != 1 || at_w[m] < at_b[m])) return w + "W" + std::to_string(m) + " missing, repeated or before its B";
     }
     // With the placement rules above and the exact length, every F/B on an inner side has its
     // receive and send; counting them again makes that explicit.
@@ -104,7 +116,7 @@ std::string check_structure(const std::string& name, int64_t S, int64_t M) {
 
 // Exhaustive over the whole range the brief names rather than sampled: it is only 256 cases.
 TEST(Schedule, StructureHoldsForAllSmallPipelines) {
-  for (const std::string name : {"gpipe", "1f1b"})
+  for (const std::string name : {"gpipe", "1f1b", "zb-h1"})
     for (int64_t S = 1; S <= 8; ++S)
       for (int64_t M = 1; M <= 16; ++M) {
         const std::string err = check_structure(name, S, M);
@@ -231,6 +243,7 @@ TEST(Schedule, GPipeShape) {
 TEST(Schedule, MakeScheduleDispatchesAndRejectsUnknownNames) {
   EXPECT_EQ(make_schedule("1f1b", 1, 3, 5), one_f_one_b(1, 3, 5));
   EXPECT_EQ(make_schedule("gpipe", 1, 3, 5), gpipe(1, 3, 5));
+  EXPECT_EQ(make_schedule("zb-h1", 1, 3, 5), zb_h1(1, 3, 5));
   for (const std::string bad : {"", "1F1B", "interleaved", "gpipe "}) {
     try {
       make_schedule(bad, 0, 2, 4);
@@ -242,7 +255,10 @@ TEST(Schedule, MakeScheduleDispatchesAndRejectsUnknownNames) {
       EXPECT_NE(msg.find("'" + bad + "'"), std::string::npos) << msg;
     }
   }
-  EXPECT_EQ(schedule_names(), (std::vector<std::string>{"1f1b", "gpipe"}));
+  EXPECT_EQ(schedule_names(), (std::vector<std::string>{"1f1b", "gpipe", "zb-h1"}));
+  EXPECT_TRUE(splits_backward("zb-h1"));
+  EXPECT_FALSE(splits_backward("1f1b"));
+  EXPECT_FALSE(splits_backward("gpipe"));
 }
 
 TEST(Schedule, RejectsBadShapes) {
@@ -260,10 +276,11 @@ TEST(Schedule, ToStringNamesEveryKind) {
   EXPECT_EQ(to_string(Action{K::RecvActivation, 12}), "recvA12");
   EXPECT_EQ(to_string(Action{K::SendGrad, 2}), "sendG2");
   EXPECT_EQ(to_string(Action{K::RecvGrad, 1}), "recvG1");
+  EXPECT_EQ(to_string(Action{K::BackwardWeight, 4}), "W4");
 }
 
 TEST(Schedule, LastBackwardIndex) {
-  for (const std::string name : {"gpipe", "1f1b"})
+  for (const std::string name : {"gpipe", "1f1b", "zb-h1"})
     for (int64_t S = 1; S <= 4; ++S)
       for (int64_t s = 0; s < S; ++s)
         for (int64_t M = 1; M <= 6; ++M) {
@@ -381,4 +398,98 @@ TEST(Schedule, SimulationRejectsSchedulesTheExecutorCouldNotRun) {
   // Repeats.
   EXPECT_EQ(throws_with({{{K::Forward, 0}, {K::Forward, 0}}}, "repeated"), "");
   EXPECT_THROW(simulate({{{K::Forward, 0}}, {}}, uniform(1, 1, 1)), std::invalid_argument);
+}
+
+// ZB-H1 for 2 stages and 4 micro-batches, spelled out: the last stage holds back one weight pass.
+TEST(Schedule, ZeroBubbleH1Shape) {
+  EXPECT_EQ(to_string(zb_h1(0, 2, 4)),
+            "F0 sendA0 F1 sendA1 recvG0 B0 W0 F2 sendA2 recvG1 B1 W1 F3 sendA3 recvG2 B2 W2 recvG3 B3 W3");
+  EXPECT_EQ(to_string(zb_h1(1, 2, 4)),
+            "recvA0 F0 B0 sendG0 recvA1 F1 B1 sendG1 W0 recvA2 F2 B2 sendG2 W1 recvA3 F3 B3 sendG3 W2 W3");
+  // One stage: nothing to hold back.
+  EXPECT_EQ(to_string(zb_h1(0, 1, 2)), "F0 B0 W0 F1 B1 W1");
+  // More stages than micro-batches: every weight pass of the last stage waits for the end.
+  EXPECT_EQ(to_string(zb_h1(2, 3, 2)), "recvA0 F0 B0 sendG0 recvA1 F1 B1 sendG1 W0 W1");
+}
+
+// Equal stages, free transfers, forward f, input backward b, weight pass w: ZB-H1 takes
+// M(f+b+w) + (S-1)(f+b-w) where 1F1B takes M(f+b+w) + (S-1)(f+b+w) (Qi et al. 2023, ZB-H1), as
+// long as a weight pass is no longer than a forward or an input backward (w <= min(f, b)); a
+// longer one leaves part of the drain, and ZB-H1 is still never slower than 1F1B. Each stage holds
+// at most min(S, M) micro-batches, 1F1B's stage 0 bound. Integer costs keep the sums exact.
+TEST(Schedule, ZeroBubbleH1MakespanMatchesItsFormula) {
+  for (double f : {1.0, 2.0})
+    for (double b : {1.0, 2.0})
+      for (double w : {0.0, 1.0, 2.0})
+        for (int64_t S = 1; S <= 6; ++S)
+          for (int64_t M = S; M <= 12; ++M) {
+            SimCosts c = uniform(S, f, b + w);
+            c.weight.assign(static_cast<size_t>(S), w);
+            const SimResult r = simulate(all_stages("zb-h1", S, M), c);
+            const double expect = static_cast<double>(M) * (f + b + w) + static_cast<double>(S - 1) * (f + b - w);
+            const std::string at = "S=" + std::to_string(S) + " M=" + std::to_string(M) + " f=" + std::to_string(f) +
+                                   " b=" + std::to_string(b) + " w=" + std::to_string(w);
+            if (w <= std::min(f, b)) ASSERT_EQ(r.makespan, expect) << at;
+            EXPECT_EQ(simulate_times("zb-h1", S, M, c).makespan, r.makespan) << at;
+            const SimResult o = simulate(all_stages("1f1b", S, M), c);
+            EXPECT_EQ(o.makespan, static_cast<double>(M + S - 1) * (f + b + w));
+            EXPECT_LE(r.makespan, o.makespan) << at;
+            if (S > 1 && w > 0) EXPECT_LT(r.makespan, o.makespan) << at;
+            for (int64_t s = 0; s < S; ++s) EXPECT_EQ(r.peak_in_flight[static_cast<size_t>(s)], std::min(S, M)) << "stage " << s;
+          }
+}
+
+// The fast path (the planner's) and the event simulation agree on zb-h1 under any costs, per
+// micro-batch ones included, and the window where gradients turn final ends with the last weight
+// pass and spans the last micro-batch's whole backward.
+RC_GTEST_PROP(Schedule, ZeroBubbleFastPathMatchesSimulation, ()) {
+  const int64_t S = *rc::gen::inRange<int64_t>(1, 7);
+  const int64_t M = *rc::gen::inRange<int64_t>(1, 13);
+  SimCosts c;
+  for (int64_t s = 0; s < S; ++s) {
+    c.forward.push_back(*rc::gen::inRange(1, 100) / 8.0);
+    c.backward.push_back(*rc::gen::inRange(2, 200) / 8.0);
+    c.weight.push_back(c.backward.back() * *rc::gen::inRange(0, 9) / 10.0);
+  }
+  c.p2p = *rc::gen::inRange(0, 40) / 8.0;
+  if (*rc::gen::arbitrary<bool>()) {  // a floating boundary's alternating costs on stage 0
+    c.forward_mb.assign(1, {});
+    c.backward_mb.assign(1, {});
+    c.weight_mb.assign(1, {});
+    for (int64_t m = 0; m < M; ++m) {
+      c.forward_mb[0].push_back(c.forward[0] * (m % 2 ? 0.5 : 1.5));
+      c.backward_mb[0].push_back(c.backward[0] * (m % 2 ? 0.5 : 1.5));
+      c.weight_mb[0].push_back(c.weight[0] * (m % 2 ? 0.5 : 1.5));
+    }
+  }
+  const SimResult r = simulate(all_stages("zb-h1", S, M), c);
+  const StageTimes t = simulate_times("zb-h1", S, M, c);
+  RC_ASSERT(t.makespan == r.makespan);
+  for (int64_t s = 0; s < S; ++s) {
+    const size_t su = static_cast<size_t>(s);
+    RC_ASSERT(t.last_backward_end[su] == r.last_backward_end[su]);
+    RC_ASSERT(t.last_backward_start[su] == r.last_backward_start[su]);
+    RC_ASSERT(t.peak_in_flight[su] == r.peak_in_flight[su]);
+    double last_end = 0;
+    for (const auto& e : r.events)  // sends run beside the stage's work
+      if (e.stage == s && e.action.kind != K::SendActivation && e.action.kind != K::SendGrad) last_end = std::max(last_end, e.end);
+    RC_ASSERT(r.last_backward_end[su] == last_end);
+    RC_ASSERT(std::abs(r.last_backward_end[su] - r.last_backward_start[su] - c.backward_of(su, M - 1)) < 1e-9);
+  }
+}
+
+TEST(Schedule, WeightPassesAreChecked) {
+  SimCosts c = uniform(2, 1, 2);
+  c.weight = {1, 3};  // stage 1's weight pass exceeds its whole backward
+  EXPECT_THROW(simulate(all_stages("zb-h1", 2, 3), c), std::invalid_argument);
+  EXPECT_THROW(simulate_times("zb-h1", 2, 3, c), std::invalid_argument);
+  c.weight = {1, -1};
+  EXPECT_THROW(simulate_times("zb-h1", 2, 3, c), std::invalid_argument);
+  // A weight pass before its backward, or twice.
+  EXPECT_THROW(simulate({{{K::Forward, 0}, {K::BackwardWeight, 0}, {K::Backward, 0}}}, uniform(1, 1, 2)), std::logic_error);
+  EXPECT_THROW(simulate({{{K::Forward, 0}, {K::Backward, 0}, {K::BackwardWeight, 0}, {K::BackwardWeight, 0}}}, uniform(1, 1, 2)),
+               std::logic_error);
+  // 1F1B ignores weight figures: its Backward is the whole backward.
+  c.weight = {1, 1};
+  EXPECT_EQ(simulate(all_stages("1f1b", 2, 3), c).makespan, simulate(all_stages("1f1b", 2, 3), uniform(2, 1, 2)).makespan);
 }

@@ -128,6 +128,22 @@ LAYOUTS["float-zero2-recompute"] = LAYOUTS["float-mixed-12x11_and_16"][:4] + (
 LAYOUTS["float-llama-pp3-gpipe"] = ("llama", 24, _floating(plan(24, [(3, 8, [(0, 0, 1), (1, 1, 5), (2, 5, 8)])]),
                                                            [(0, 4), (3, 11), (10, 16)], [0.375, 0.5], "gpipe"), 3)
 
+# Zero-bubble ZB-H1 (pipeline/schedule.h): the blocks' weight gradients in weight passes held back
+# by each stage's position; the last pass's through the reducer. GPT-2 on three stages, LLaMA (GQA)
+# in a pipeline beside a replica, and the floating plan under ZeRO-2 at 3:1:2 with recomputation.
+
+
+def _schedule(layout, schedule):
+    out = json.loads(json.dumps(layout))
+    out["schedule"] = schedule
+    return out
+
+
+LAYOUTS["zb-pp3-1+5+2"] = ("gpt2", 24, _schedule(LAYOUTS["pp3-1+5+2-1f1b"][2], "zb-h1"), 3)
+LAYOUTS["zb-mixed-llama"] = ("llama", 24, _schedule(LAYOUTS["mixed-llama"][2], "zb-h1"), 3)
+LAYOUTS["zb-float-zero2-recompute"] = ("gpt2", 24, _schedule(LAYOUTS["float-mixed-12x11_and_16"][2], "zb-h1"), 3,
+                                       ["--zero-stage", "2", "--shard-ratio", "3", "1", "2", "--recompute"])
+
 # Tensor parallelism (plan version 4): a stage's ranks split the heads (tp_split, MLP columns in
 # the same ratio), evenly and unevenly; GQA (8 heads, 4 key/value heads: whole groups per rank);
 # inside a pipeline, with a pipeline of two TP stages, and beside a replica without TP (whose

@@ -96,7 +96,7 @@ struct ShardingPlan {
 
 struct Plan {
   int64_t global_batch = 0;
-  std::string schedule = "1f1b";  // 1f1b | gpipe
+  std::string schedule = "1f1b";  // 1f1b | gpipe | zb-h1 (pipeline/schedule.h)
   std::vector<PipelinePlan> pipelines;
   GradSyncConfig grad_sync;  // bucket size, compression; what the runtime does
   // Pairs of ranks (a < b) whose direct link is slow: with grad_sync.scope slow-links, the ranks of

@@ -7,6 +7,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "alloy/model/deferred_weights.h"
 #include "alloy/model/lora.h"
 #include "alloy/model/recompute.h"
 #include "alloy/model/tensor_parallel.h"
@@ -105,6 +106,9 @@ at::Tensor Layer::project(size_t w, const at::Tensor& x, const at::Tensor* bias)
   if (W.quant) {
     y = quantized_matmul(x, W.quant, in_out_);
     if (bias) y = y + *bias;
+  } else if (DeferredWeightGrads* d = DeferredWeightGrads::active();
+             d && at::GradMode::is_enabled() && W.tensor.requires_grad() && x.requires_grad()) {
+    y = d->project(x, W.tensor, bias, in_out_);  // the weight's gradient waits for the zb-h1 weight pass
   } else if (in_out_) {
     y = bias ? at::addmm(*bias, x, W.tensor) : at::mm(x, W.tensor);
   } else {

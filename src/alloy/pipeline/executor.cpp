@@ -108,6 +108,14 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
   const int64_t T = cfg.seq_len, H = cfg.hidden;
   const at::ScalarType dt = slice_.dtype();
   const size_t last_bwd = last_backward_index(actions);
+  size_t last_weight = actions.size();
+  for (size_t i = 0; i < actions.size(); ++i)
+    if (actions[i].kind == ActionKind::BackwardWeight) last_weight = i;
+  const bool split = last_weight < actions.size();
+  // Records a micro-batch's projections for its weight pass, around its forward (a recomputed
+  // block's projections are made again in the backward) and its backward.
+  auto defer = [&](int64_t m) { return std::make_unique<model::DeferredWeightGrads::Scope>(split ? &deferred_ : nullptr, m); };
+  deferred_.clear();
   state_.assign(mbs.size(), InFlight{});
   trace_.clear();
   base_bytes_ = heap_bytes_in_use();
@@ -154,6 +162,7 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
         break;
       case ActionKind::Forward: {
         {
+          const auto recording = defer(m);
           model::AutocastScope amp(slice_.device(), precision);
           at::Tensor out = forward_slice(first() ? mbs[static_cast<size_t>(m)].inputs : st.input, m);
           if (last()) {
@@ -181,11 +190,14 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
         break;
       case ActionKind::Backward: {
         if (reducer && i == last_bwd) reducer->arm();
-        if (last()) st.output.backward();
-        else st.output.backward(st.grad_in);
+        {
+          const auto recording = defer(m);
+          if (last()) st.output.backward();
+          else st.output.backward(st.grad_in);
+        }
         st.output = at::Tensor();
         st.grad_in = at::Tensor();
-        --in_flight_;
+        if (!split) --in_flight_;
         compute_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
         record("B" + std::to_string(m), "compute", t0);
         break;
@@ -195,12 +207,20 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
         st.input = at::Tensor();
         record("send G" + std::to_string(m), "send", t0);
         break;
+      case ActionKind::BackwardWeight:
+        // Every other weight pass comes before the last one (zb_h1 runs them in micro-batch order).
+        deferred_.run(m, i == last_weight);
+        --in_flight_;
+        compute_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
+        record("W" + std::to_string(m), "compute", t0);
+        break;
     }
   }
   auto t0 = Clock::now();
   wait_sends();
   record("wait sends", "send", t0);
   state_.clear();
+  if (!deferred_.empty()) throw Error("pipeline executor: a weight pass was scheduled for no micro-batch it recorded (internal error)");
   return loss_sum;
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "alloy/model/deferred_weights.h"
 #include "alloy/model/transformer.h"
 #include "alloy/pipeline/schedule.h"
 
@@ -51,7 +52,9 @@ class StageExecutor {
 
   // Runs ACTIONS for one optimizer step. Every micro-batch loss is divided by LOSS_DIVISOR (the
   // tokens of the global batch). Arms REDUCER (if any) before the last backward. Returns the sum
-  // of token losses computed here (non-zero on the last stage only).
+  // of token losses computed here (non-zero on the last stage only). With BackwardWeight actions
+  // (zb-h1) the blocks' projection weights get their gradients in those, the last one's through
+  // the reducer's hooks (model/deferred_weights.h).
   // train.precision: forwards run under autocast in it; what crosses to the next stage is cast
   // back to the slice's dtype, so messages keep their size and the residual stream its precision.
   std::string precision = "fp32";
@@ -112,6 +115,7 @@ class StageExecutor {
   };
   std::vector<InFlight> state_;
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor>> sends_;
+  model::DeferredWeightGrads deferred_;
   std::vector<TraceEvent> trace_;
   std::chrono::steady_clock::time_point origin_;
   int64_t base_bytes_ = 0, peak_bytes_ = 0, peak_in_flight_ = 0, in_flight_ = 0;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <unordered_map>
@@ -36,6 +37,7 @@ struct Builder {
     out.push_back({ActionKind::Backward, m});
     if (!first) out.push_back({ActionKind::SendGrad, m});
   }
+  void weight(int64_t m) { out.push_back({ActionKind::BackwardWeight, m}); }
 };
 
 Builder builder(int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
@@ -72,14 +74,43 @@ std::vector<Action> one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_m
   return std::move(b.out);
 }
 
+std::vector<Action> zb_h1(int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+  check_args("zb_h1", stage, num_stages, num_micro_batches);
+  Builder b = builder(stage, num_stages, num_micro_batches);
+  const int64_t M = num_micro_batches;
+  const int64_t warmup = std::min(num_stages - stage - 1, M), steady = M - warmup;
+  // Stage i holds back i weight passes: the later a stage, the sooner its last backward must come,
+  // since every stage before it waits for that backward's gradient.
+  const int64_t lag = stage;
+  int64_t next_w = 0;
+  auto weights_after = [&](int64_t backwards_done) {
+    for (; next_w < backwards_done - lag; ++next_w) b.weight(next_w);
+  };
+  for (int64_t m = 0; m < warmup; ++m) b.forward(m);
+  for (int64_t i = 0; i < steady; ++i) {
+    b.forward(warmup + i);
+    b.backward(i);
+    weights_after(i + 1);
+  }
+  for (int64_t m = steady; m < M; ++m) {
+    b.backward(m);
+    weights_after(m + 1);
+  }
+  for (; next_w < M; ++next_w) b.weight(next_w);
+  return std::move(b.out);
+}
+
+bool splits_backward(const std::string& name) { return name == "zb-h1"; }
+
 const std::vector<std::string>& schedule_names() {
-  static const std::vector<std::string> names = {"1f1b", "gpipe"};
+  static const std::vector<std::string> names = {"1f1b", "gpipe", "zb-h1"};
   return names;
 }
 
 std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
   if (name == "1f1b") return one_f_one_b(stage, num_stages, num_micro_batches);
   if (name == "gpipe") return gpipe(stage, num_stages, num_micro_batches);
+  if (name == "zb-h1") return zb_h1(stage, num_stages, num_micro_batches);
   std::string valid;
   for (const auto& n : schedule_names()) valid += (valid.empty() ? "" : ", ") + n;
   throw std::invalid_argument("unknown pipeline schedule '" + name + "' (valid: " + valid + ")");
@@ -94,6 +125,7 @@ std::string to_string(const Action& a) {
     case ActionKind::RecvGrad: prefix = "recvG"; break;
     case ActionKind::Backward: prefix = "B"; break;
     case ActionKind::SendGrad: prefix = "sendG"; break;
+    case ActionKind::BackwardWeight: prefix = "W"; break;
   }
   return prefix + std::to_string(a.micro_batch);
 }
@@ -123,13 +155,13 @@ struct Message {
 // What a stage has done with one micro-batch; the simulator refuses any action whose inputs the
 // executor would not have at that point.
 struct MbState {
-  bool recv_act = false, forward = false, send_act = false, recv_grad = false, backward = false, send_grad = false;
+  bool recv_act = false, forward = false, send_act = false, recv_grad = false, backward = false, send_grad = false, weight = false;
 };
 
 }  // namespace
 
 void SimCosts::check(const char* who, size_t num_stages, int64_t num_micro_batches) const {
-  for (const auto* per : {&forward_mb, &backward_mb})
+  for (const auto* per : {&forward_mb, &backward_mb, &weight_mb})
     for (size_t s = 0; s < per->size() && s < num_stages; ++s) {
       const auto& v = (*per)[s];
       if (v.empty()) continue;
@@ -138,6 +170,14 @@ void SimCosts::check(const char* who, size_t num_stages, int64_t num_micro_batch
                                     std::to_string(v.size()) + " of " + std::to_string(num_micro_batches) + " micro-batches");
       for (double c : v)
         if (c < 0) throw std::invalid_argument(std::string(who) + ": negative compute cost for stage " + std::to_string(s));
+    }
+  const bool any_weight = !weight.empty() || !weight_mb.empty();
+  for (size_t s = 0; any_weight && s < num_stages; ++s)
+    for (int64_t m = 0; m < num_micro_batches; ++m) {
+      const double w = weight_of(s, m);
+      if (w < 0 || w > backward_of(s, m))
+        throw std::invalid_argument(std::string(who) + ": stage " + std::to_string(s) + "'s weight pass (" + std::to_string(w) +
+                                    " s) is negative or larger than its whole backward (" + std::to_string(backward_of(s, m)) + " s)");
     }
 }
 
@@ -171,6 +211,13 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
   std::vector<std::vector<SimEvent>> events(S);
   SimResult r;
   r.peak_in_flight.assign(S, 0);
+  r.last_backward_start.assign(S, 0.0);
+  r.last_backward_end.assign(S, 0.0);
+  // A stage whose list has weight passes runs the input part of its backward in Backward, and a
+  // micro-batch's activations stay until its weight pass.
+  std::vector<char> split(S, 0);
+  for (size_t s = 0; s < S; ++s)
+    for (const auto& a : per_stage[s]) split[s] |= a.kind == ActionKind::BackwardWeight;
 
   auto fail = [&](size_t s, const Action& a, const std::string& why) {
     throw std::logic_error("pipeline schedule: stage " + std::to_string(s) + " action " + std::to_string(pc[s]) + " (" +
@@ -244,7 +291,13 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
             if (!st.forward) fail(s, a, "backward before forward");
             if (!last && !st.recv_grad) fail(s, a, "backward before its gradient was received");
             once(st.backward);
-            compute(s, a, costs.backward_of(s, a.micro_batch));
+            compute(s, a, costs.backward_of(s, a.micro_batch) - (split[s] ? costs.weight_of(s, a.micro_batch) : 0.0));
+            if (!split[s]) --in_flight[s];
+            break;
+          case ActionKind::BackwardWeight:
+            if (!st.backward) fail(s, a, "weight pass before its backward");
+            once(st.weight);
+            compute(s, a, costs.weight_of(s, a.micro_batch));
             --in_flight[s];
             break;
           case ActionKind::SendGrad:
@@ -276,16 +329,23 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
   }
   if (!left.empty()) throw std::logic_error("pipeline schedule: sent but never received: " + left);
 
-  for (auto& ev : events) {
-    for (const auto& e : ev) r.makespan = std::max(r.makespan, e.end);
-    r.events.insert(r.events.end(), ev.begin(), ev.end());
+  for (size_t s = 0; s < S; ++s) {
+    for (const auto& e : events[s]) {
+      r.makespan = std::max(r.makespan, e.end);
+      if (e.action.kind == ActionKind::Backward && !split[s]) r.last_backward_start[s] = e.start, r.last_backward_end[s] = e.end;
+      if (e.action.kind == ActionKind::BackwardWeight) {
+        r.last_backward_end[s] = e.end;
+        r.last_backward_start[s] = e.end - costs.backward_of(s, e.action.micro_batch);
+      }
+    }
+    r.events.insert(r.events.end(), events[s].begin(), events[s].end());
   }
   return r;
 }
 
 StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64_t num_micro_batches, const SimCosts& costs) {
-  const bool gp = schedule == "gpipe";
-  if (!gp && schedule != "1f1b") make_schedule(schedule, 0, 1, 1);  // throws, naming the valid schedules
+  const bool gp = schedule == "gpipe", zb = schedule == "zb-h1";
+  if (!gp && !zb && schedule != "1f1b") make_schedule(schedule, 0, 1, 1);  // throws, naming the valid schedules
   check_args("simulate_times", 0, num_stages, num_micro_batches);
   const int64_t S = num_stages, M = num_micro_batches;
   const size_t Su = static_cast<size_t>(S);
@@ -319,23 +379,44 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
   pc.assign(Su, 0);
   in_flight.assign(Su, 0);
   clock.assign(Su, 0.0);
-  const int64_t n_ops = 2 * M;
-  // Op K of stage s as (is_forward, micro-batch), following gpipe() / one_f_one_b() exactly.
-  auto op = [&](int64_t s, int64_t k, bool& fwd, int64_t& j) {
+  const int64_t n_ops = zb ? 3 * M : 2 * M;
+  enum Op : char { kF, kB, kW };
+  // zb-h1's weight passes sit where zb_h1() puts them: its compute actions, per (S, M) once.
+  thread_local std::map<std::pair<int64_t, int64_t>, std::vector<std::vector<std::pair<Op, int64_t>>>> zb_ops;
+  const std::vector<std::vector<std::pair<Op, int64_t>>>* zops = nullptr;
+  if (zb) {
+    auto& lists = zb_ops[{S, M}];
+    if (lists.empty())
+      for (int64_t s = 0; s < S; ++s) {
+        lists.emplace_back();
+        for (const Action& a : zb_h1(s, S, M))
+          if (a.kind == ActionKind::Forward || a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight)
+            lists.back().push_back({a.kind == ActionKind::Forward ? kF : a.kind == ActionKind::Backward ? kB : kW, a.micro_batch});
+      }
+    zops = &lists;
+  }
+  // Op K of stage s as (kind, micro-batch), following gpipe() / one_f_one_b() / zb_h1() exactly.
+  auto op = [&](int64_t s, int64_t k, Op& kind, int64_t& j) {
+    if (zops) {
+      const auto& o = (*zops)[static_cast<size_t>(s)][static_cast<size_t>(k)];
+      kind = o.first, j = o.second;
+      return;
+    }
     if (gp) {
-      fwd = k < M;
-      j = fwd ? k : k - M;
+      kind = k < M ? kF : kB;
+      j = k < M ? k : k - M;
       return;
     }
     const int64_t w = std::min(S - s - 1, M);
     if (k < w) {
-      fwd = true, j = k;
+      kind = kF, j = k;
     } else if (k < 2 * M - w) {
       const int64_t i = (k - w) / 2;
-      fwd = (k - w) % 2 == 0;
+      const bool fwd = (k - w) % 2 == 0;
+      kind = fwd ? kF : kB;
       j = fwd ? w + i : i;
     } else {
-      fwd = false, j = M - w + (k - (2 * M - w));
+      kind = kB, j = M - w + (k - (2 * M - w));
     }
   };
   int64_t done = 0;
@@ -344,11 +425,16 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
     for (int64_t s = 0; s < S; ++s) {
       const size_t su = static_cast<size_t>(s);
       for (; pc[su] < n_ops; ++pc[su]) {
-        bool fwd;
+        Op kind;
         int64_t j;
-        op(s, pc[su], fwd, j);
+        op(s, pc[su], kind, j);
         double t = clock[su];
-        if (fwd) {
+        if (kind == kW) {
+          clock[su] = t + costs.weight_of(su, j);
+          --in_flight[su];
+          r.last_backward_end[su] = clock[su];
+          r.last_backward_start[su] = clock[su] - costs.backward_of(su, j);
+        } else if (kind == kF) {
           if (s > 0) {
             const double a = end_f[static_cast<size_t>((s - 1) * M + j)];
             if (a < 0) break;
@@ -363,11 +449,13 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
             if (a < 0) break;
             t = std::max(t, a + link_time(s));
           }
-          clock[su] = t + costs.backward_of(su, j);
+          clock[su] = t + (costs.backward_of(su, j) - (zb ? costs.weight_of(su, j) : 0.0));
           end_b[static_cast<size_t>(s * M + j)] = clock[su];
-          --in_flight[su];
-          r.last_backward_start[su] = t;
-          r.last_backward_end[su] = clock[su];
+          if (!zb) {
+            --in_flight[su];
+            r.last_backward_start[su] = t;
+            r.last_backward_end[su] = clock[su];
+          }
         }
         progress = true;
       }

@@ -20,7 +20,12 @@
 
 namespace alloy::pipeline {
 
-enum class ActionKind { RecvActivation, Forward, SendActivation, RecvGrad, Backward, SendGrad };
+// Backward computes the gradients a stage needs to send on (its input's) and those of every
+// parameter but the blocks' projection weights under a schedule that has BackwardWeight actions
+// (zb-h1): there, BackwardWeight(m) computes those weights' gradients of micro-batch m later,
+// off the critical path (Qi et al., "Zero Bubble Pipeline Parallelism", 2023). Schedules without
+// BackwardWeight run the whole backward in Backward.
+enum class ActionKind { RecvActivation, Forward, SendActivation, RecvGrad, Backward, SendGrad, BackwardWeight };
 
 struct Action {
   ActionKind kind;
@@ -40,12 +45,24 @@ std::vector<Action> gpipe(int64_t stage, int64_t num_stages, int64_t num_micro_b
 // Same argument checks as gpipe().
 std::vector<Action> one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches);
 
-// "gpipe" | "1f1b"; anything else throws std::invalid_argument naming the valid names.
+// Zero-bubble ZB-H1: 1F1B's forwards and (input-gradient) backwards, each followed by its send,
+// with stage i holding back its weight-gradient passes by i micro-batches and running the held
+// ones after its last backward. The last stages thus reach their last backward sooner, the
+// gradient chain back to stage 0 costs backwards without their weight part, and the weight
+// passes fill what were the drain's waits: with equal stages of costs F, B (input part) and W,
+// the makespan is M(F+B+W) + (S-1)(F+B-W) where 1F1B takes M(F+B+W) + (S-1)(F+B+W). Stage i
+// holds at most min(S, M) micro-batches' activations (1F1B: min(S - i, M)): the held weight
+// passes keep their layers' inputs and output gradients.
+std::vector<Action> zb_h1(int64_t stage, int64_t num_stages, int64_t num_micro_batches);
+// Whether schedule NAME splits the backward (has BackwardWeight actions).
+bool splits_backward(const std::string& name);
+
+// "gpipe" | "1f1b" | "zb-h1"; anything else throws std::invalid_argument naming the valid names.
 std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches);
 // The names make_schedule accepts, in the order error messages list them.
 const std::vector<std::string>& schedule_names();
 
-// "F3", "B0", "recvA3", "sendA3", "recvG1", "sendG1".
+// "F3", "B0", "W0", "recvA3", "sendA3", "recvG1", "sendG1".
 std::string to_string(const Action& a);
 // Actions joined by spaces, e.g. "F0 sendA0 F1 sendA1 recvG0 B0".
 std::string to_string(const std::vector<Action>& actions);
@@ -78,10 +95,19 @@ struct SimCosts {
   // m's seconds as forward_mb[s][m] and replaces forward[s] (backward[s]); it must cover every
   // micro-batch.
   std::vector<std::vector<double>> forward_mb, backward_mb;
+  // Split backwards (BackwardWeight actions): weight[s] is the part of stage s's backward that
+  // its BackwardWeight runs (per micro-batch: weight_mb[s][m] when non-empty), the rest its
+  // Backward. Empty (or shorter than the stages): 0. backward/backward_mb stay the whole backward.
+  std::vector<double> weight;
+  std::vector<std::vector<double>> weight_mb;
   double forward_of(size_t s, int64_t m) const { return s < forward_mb.size() && !forward_mb[s].empty() ? forward_mb[s][static_cast<size_t>(m)] : forward[s]; }
   double backward_of(size_t s, int64_t m) const { return s < backward_mb.size() && !backward_mb[s].empty() ? backward_mb[s][static_cast<size_t>(m)] : backward[s]; }
-  // Throws std::invalid_argument (WHO names the caller) on negative costs or per-micro-batch lists
-  // shorter than M.
+  double weight_of(size_t s, int64_t m) const {
+    if (s < weight_mb.size() && !weight_mb[s].empty()) return weight_mb[s][static_cast<size_t>(m)];
+    return s < weight.size() ? weight[s] : 0.0;
+  }
+  // Throws std::invalid_argument (WHO names the caller) on negative costs, a weight part larger than
+  // its backward, or per-micro-batch lists shorter than M.
   void check(const char* who, size_t num_stages, int64_t num_micro_batches) const;
 };
 
@@ -97,7 +123,14 @@ struct SimEvent {
 struct SimResult {
   double makespan = 0;                  // latest end of any event
   std::vector<SimEvent> events;         // grouped by stage, each stage's in list order
-  std::vector<int64_t> peak_in_flight;  // per stage: most micro-batches forwarded but not yet backwarded
+  // Per stage: most micro-batches forwarded but not yet backwarded (split backwards: whose weight
+  // pass has not run yet).
+  std::vector<int64_t> peak_in_flight;
+  // Per stage, the window in which its gradients become final: its last Backward's start and end;
+  // with split backwards its last action's end, and that end less the whole backward of the last
+  // micro-batch (the weight passes finish the parameters' gradients in layer order as a whole
+  // backward would, only later).
+  std::vector<double> last_backward_start, last_backward_end;
 };
 
 // Throws std::invalid_argument if costs has fewer entries than stages or a negative cost.

@@ -145,6 +145,11 @@ CostContext::CostContext(const ClusterSpec& cluster, const Profile& profile) : c
       mlp_params = 2 * H * F + F + 3 * H;
     }
     if (attn_flops > 0 && mlp_flops > 0) attn_compute_share_ = attn_flops / (attn_flops + mlp_flops);
+    // The backward computes each projection's input and weight gradients (one product each, as
+    // large as its forward) and the attention core's two products' gradients (twice its forward):
+    // the weight products are this share of it. Norms and activations go uncounted on both sides.
+    const double core = m.arch == "llama" ? 2 * T * q : 2 * T * H, projections = attn_flops - core + mlp_flops;
+    if (projections > 0) weight_share_ = projections / (2 * projections + 2 * core);
     if (attn_params > 0 && mlp_params > 0) attn_param_share_ = attn_params / (attn_params + mlp_params);
   }
 

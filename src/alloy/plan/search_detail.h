@@ -70,7 +70,7 @@ struct ConfigTable {
   std::vector<char> h_done;
   std::vector<double> cheap;            // cheap[b]: a lower bound of h[b] without simulating
   std::vector<char> cheap_done;
-  std::vector<std::vector<double>> fbp;  // per candidate: forward[S], backward[S], p2p[S-1] per micro-batch
+  std::vector<std::vector<double>> fbp;  // per candidate: forward[S], backward[S], p2p[S-1], weight[S] per micro-batch
 };
 
 class Tables {
@@ -98,6 +98,7 @@ class Tables {
     if (t.cheap_done[static_cast<size_t>(b)]) return t.cheap[static_cast<size_t>(b)];
     double best = kInf;
     const size_t S = static_cast<size_t>(t.S);
+    const bool split = pipeline::splits_backward(schedules_[static_cast<size_t>(t.sched)]);
     for (size_t ci = 0; ci < cands_.size(); ++ci) {
       if (b % cands_[ci] != 0) continue;
       const std::vector<double>& x = costs(t, ci);
@@ -105,7 +106,9 @@ class Tables {
       double pre = 0, v = 0;
       for (size_t s = 0; s < S; ++s) {
         v = std::max(v, pre + M * (x[s] + x[S + s]));
-        if (s + 1 < S) pre += x[s] + x[S + s] + 2 * x[2 * S + s];
+        // zb-h1 runs weight passes after a stage's last backward: only the first activation's
+        // way in bounds when the stage can start.
+        if (s + 1 < S) pre += split ? x[s] + x[2 * S + s] : x[s] + x[S + s] + 2 * x[2 * S + s];
       }
       best = std::min(best, v);
     }

@@ -87,6 +87,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     const PipelinePlan& pl = plan.pipelines[p];
     const int64_t S = static_cast<int64_t>(pl.stages.size()), M = pl.num_micro_batches, m = pl.micro_batch_size;
     pipeline::SimCosts costs;
+    const bool split = pipeline::splits_backward(plan.schedule);
     std::vector<std::vector<pipeline::Action>> actions;
     for (int64_t s = 0; s < S; ++s) {
       const StagePlan& st = pl.stages[static_cast<size_t>(s)];
@@ -101,6 +102,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       gather_s[static_cast<size_t>(st.ranks[0])] = static_cast<double>(M) * (gf + gb3);
       costs.forward_mb.emplace_back();
       costs.backward_mb.emplace_back();
+      costs.weight_mb.emplace_back();
       if (st.tp() > 1) {
         const detail::TpStageTime t = detail::tp_stage_time(ctx, profile.model, st, dev_of, first, last, m);
         costs.forward.push_back(t.forward_s + gf);
@@ -111,9 +113,11 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
         auto bwd = [&](int64_t b, int64_t e) {
           return ctx.backward_units_s(type, b, e, first, last, m) + gb3 + (st.recompute ? ctx.forward_units_s(type, b, e, false, false, m) : 0.0);
         };
+        auto wgt = [&](int64_t b, int64_t e) { return split ? ctx.weight_units_s(type, b, e, m) : 0.0; };
         if (!pl.floats()) {
           costs.forward.push_back(fwd(ub, ue));
           costs.backward.push_back(bwd(ub, ue));
+          costs.weight.push_back(wgt(ub, ue));
         } else {
           // A floating boundary: each micro-batch runs its own units; the stage's per-micro-batch
           // figure (and so its step figures below) is their mean.
@@ -122,10 +126,12 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
             const auto [b, e] = pl.units_of(static_cast<size_t>(s), j);
             costs.forward_mb.back().push_back(fwd(b, e));
             costs.backward_mb.back().push_back(bwd(b, e));
+            costs.weight_mb.back().push_back(wgt(b, e));
             f_sum += costs.forward_mb.back().back(), b_sum += costs.backward_mb.back().back();
           }
           costs.forward.push_back(f_sum / static_cast<double>(M));
           costs.backward.push_back(b_sum / static_cast<double>(M));
+          costs.weight.push_back(0);  // weight_mb[s] holds its figures
         }
       }
       if (!last) {
@@ -140,15 +146,13 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     pcost.num_micro_batches = M;
     pcost.phase_s = sim.makespan;
     std::vector<double> p2p(static_cast<size_t>(S), 0);
-    for (const auto& e : sim.events) {
-      const size_t s = static_cast<size_t>(e.stage);
-      const int r = pl.stages[s].ranks[0];
+    for (const auto& e : sim.events)
       if (e.action.kind == pipeline::ActionKind::SendActivation || e.action.kind == pipeline::ActionKind::SendGrad)
-        p2p[s] += e.end - e.start;
-      if (e.action.kind == pipeline::ActionKind::Backward) {  // events are in list order: the last one wins
-        last_bwd_start[static_cast<size_t>(r)] = e.start;
-        phase_end[static_cast<size_t>(r)] = e.end;
-      }
+        p2p[static_cast<size_t>(e.stage)] += e.end - e.start;
+    for (size_t s = 0; s < static_cast<size_t>(S); ++s) {
+      const size_t r = static_cast<size_t>(pl.stages[s].ranks[0]);
+      last_bwd_start[r] = sim.last_backward_start[s];
+      phase_end[r] = sim.last_backward_end[s];
     }
     for (int64_t s = 0; s < S; ++s) {
       const StagePlan& st = pl.stages[static_cast<size_t>(s)];

@@ -250,6 +250,11 @@ void Trainer::plan_shards() {
       throw InputError(entry ? "plan" : "train.zero_stage", "ZeRO-3 with tensor parallelism is not built (the group's pieces "
                                                               "would be gathered per layer): use stage 1 or 2 for ranks " +
                                                               join(ranks, ","));
+    if (stage == 3 && pipeline::splits_backward(plan_->schedule))
+      throw InputError(entry ? "plan" : "train.zero_stage", "ZeRO-3 with the " + plan_->schedule +
+                                                              " schedule is not built (its weight passes need the layers "
+                                                              "ZeRO-3 frees after their backward): use stage 1 or 2 for ranks " +
+                                                              join(ranks, ",") + ", or the 1f1b schedule");
     if (stage == 3) {
       const std::string why = plan_->schedule_mismatch(ranks);
       if (!why.empty() && entry)
