@@ -767,7 +767,7 @@ TEST(Profile, JsonRoundTrip) {
   EXPECT_EQ(q.to_json(), p.to_json());
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-profile");
-  EXPECT_EQ(j["version"], 7);
+  EXPECT_EQ(j["version"], 8);
   // Tensor-parallel sums per device pair round-trip and are optional.
   {
     EXPECT_FALSE(j.contains("tp_sums"));
@@ -790,6 +790,23 @@ TEST(Profile, JsonRoundTrip) {
     EXPECT_EQ(d.devices.at("cpu-full").attn_share_bwd, 0.6);
     EXPECT_EQ(d.devices.at("cpu-quarter").attn_share_fwd, 0.0);
     EXPECT_EQ(d.to_json(), c.to_json());
+  }
+  // zb-h1's weight share round-trips, is optional, and must be a share.
+  {
+    Profile c = p;
+    c.devices.at("cpu-full").weight_share = 0.38;
+    Profile d = Profile::from_json(c.to_json(), "p.json");
+    EXPECT_EQ(d.devices.at("cpu-full").weight_share, 0.38);
+    EXPECT_EQ(d.devices.at("cpu-quarter").weight_share, 0.0);
+    EXPECT_EQ(d.to_json(), c.to_json());
+    nlohmann::json bad = c.to_json();
+    bad["devices"]["cpu-full"]["weight_share"] = 1.5;
+    try {
+      Profile::from_json(bad, "p.json");
+      ADD_FAILURE() << "a weight share of 1.5 was accepted";
+    } catch (const alloy::InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("devices.cpu-full.weight_share"), std::string::npos) << e.what();
+    }
   }
   // Version 1 (lines without points) still reads.
   {
@@ -915,8 +932,8 @@ TEST(Profile, ValidationErrorsNameFileAndField) {
   };
   EXPECT_HAS(with([](auto& j) { j["format"] = "alloy-plan"; }), "p.json: format: \"alloy-plan\", not \"alloy-profile\"");
   EXPECT_HAS(with([](auto& j) { j.erase("format"); }), "p.json: format: is missing");
-  EXPECT_HAS(with([](auto& j) { j["version"] = 8; }), "p.json: version: 8; this Alloy reads versions 1 to 7");
-  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 7");
+  EXPECT_HAS(with([](auto& j) { j["version"] = 9; }), "p.json: version: 9; this Alloy reads versions 1 to 8");
+  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 8");
   const nlohmann::json sum = {{"device_a", "a0"}, {"device_b", "a1"}, {"bytes", 4096}, {"seconds", 1e-3}};
   EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["seconds"] = -1; }), "p.json: tp_sums[0].seconds: must be in [0, 60)");
   EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["bytes"] = 0; }), "p.json: tp_sums[0].bytes: must be > 0");

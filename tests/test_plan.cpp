@@ -139,7 +139,7 @@ TEST(Plan, NegativeAndEmptyRankListsAreRejected) {
 TEST(Plan, ScalarFieldsAreChecked) {
   Plan p = sample_plan();
   p.schedule = "zb";
-  EXPECT_HAS(validate_error(p, 8), "schedule: must be 1f1b or gpipe, got 'zb'");
+  EXPECT_HAS(validate_error(p, 8), "schedule: must be 1f1b, gpipe or zb-h1, got 'zb'");
   p = sample_plan();
   p.grad_sync.bucket_mb = 0;
   EXPECT_HAS(validate_error(p, 8), "key 'grad_sync.bucket_mb': must be > 0");

@@ -134,6 +134,9 @@ TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
   SearchOptions o;
   o.global_batch = 4;
   o.micro_batch_sizes = {1};
+  // TP against the pipelines it can be part of: zb-h1 runs no tensor-parallel stage, and on this
+  // pool its four-stage pipeline (465 ms) beats the TP plan (565 ms, 1F1B).
+  o.schedules = {"1f1b", "gpipe"};
   PlanReport r = make_plan(c, prof, o, false);
   int tp_stages = 0;
   for (const auto& pl : r.chosen.plan.pipelines)
@@ -177,4 +180,42 @@ TEST(TensorParallelPlanner, KeepsGroupsInsideARegionOfTheTwoRegionPool) {
   const PlanCost inside = simulate_plan(one_stage({0, 1}, {"eu-a", "eu-b"}, {2, 2}, 4, 1, 4), c, prof);
   const PlanCost across = simulate_plan(one_stage({0, 1}, {"eu-a", "us-a"}, {2, 2}, 4, 1, 4), c, prof);
   EXPECT_GT(across.step_s, 2 * inside.step_s);
+}
+
+// The planner's schedule choice: on a four-stage pipeline of equal devices (the pool above, no
+// tensor parallelism) zb-h1 clears its margin over 1F1B and GPipe, says so, and its plan is the
+// one the cost model prices; with the weight products made a sliver of the backward, its gain
+// falls under the margin and the plan without a split backward is kept, with a note saying why.
+TEST(SchedulePlanner, SplitBackwardOnlyForAClearGain) {
+  ClusterSpec c;
+  c.devices = {device("a0", "box", "fast", 0.012), device("a1", "box", "fast", 0.012), device("c0", "h1", "fast", 0.012),
+               device("c1", "h2", "fast", 0.012)};
+  c.intra_host = {40.0, 0.02};
+  c.default_link = {0.1, 5.0};
+  Profile prof = base_profile(4, "gpt2");
+  prof.memory.param_bytes_embed = prof.memory.param_bytes_head = 2e5;
+  prof.devices["fast"] = dev_profile(10.0);
+  SearchOptions o;
+  o.global_batch = 4;
+  o.micro_batch_sizes = {1};
+  o.tensor_parallel = false;
+  auto note_with = [](const SearchResult& r, const std::string& what) {
+    for (const auto& n : r.notes)
+      if (n.find(what) != std::string::npos) return true;
+    return false;
+  };
+  SearchResult r = search(c, prof, o);
+  ASSERT_EQ(r.plan.schedule, "zb-h1");
+  ASSERT_GT(r.plan.pipelines[0].stages.size(), 1u);
+  EXPECT_TRUE(note_with(r, "schedule: zb-h1 (")) << r.plan.describe();
+  EXPECT_NEAR(r.cost.step_s, simulate_plan(r.plan, c, prof).step_s, 1e-12);
+  SearchOptions whole = o;
+  whole.schedules = {"1f1b", "gpipe"};
+  const SearchResult w = search(c, prof, whole);
+  EXPECT_LT(r.cost.step_s, w.cost.step_s * (1 - kSplitScheduleMinGain));
+
+  prof.devices["fast"].weight_share = 0.02;
+  const SearchResult thin = search(c, prof, o);
+  EXPECT_NE(thin.plan.schedule, "zb-h1");
+  EXPECT_TRUE(note_with(thin, "schedule: zb-h1 not used")) << thin.plan.describe();
 }

@@ -133,6 +133,8 @@ for t in ("cpu-big", "cpu-small"):
     assert d["optimizer_s_per_param"] > 0, (t, d)
     # Rounds of the same timing never agree to the last nanosecond on a real machine.
     assert 0 < d["step_noise"] <= 0.5, (t, d)
+    # zb-h1's weight passes: timed apart from the rest of the backward, a share strictly inside.
+    assert 0 < d["weight_share"] < 1, (t, d)
 links = [l for l in p["links"] if {l["host_a"], l["host_b"]} == {"h0", "h1"}]
 assert links and links[0]["bytes_per_s"] > 0, p["links"]
 # Tensor-parallel sums of the pair, timed at the smallest and the largest micro-batch (1 and 4).
@@ -220,7 +222,7 @@ for k, v in big.items():
             v["points"] = [[m, 8 * t] for m, t in v["points"]]
     # Ratios stay: the noise is relative (a slower device need not be noisier), and so is the
     # attention half's share of a block.
-    if not isinstance(v, dict) and k not in ("step_noise", "attn_share_fwd", "attn_share_bwd"):
+    if not isinstance(v, dict) and k not in ("step_noise", "attn_share_fwd", "attn_share_bwd", "weight_share"):
         v = 8 * v
     slow[k] = v
 p["devices"]["cpu-small"] = slow

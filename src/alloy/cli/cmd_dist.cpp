@@ -29,6 +29,7 @@ struct PlanArgs {
   bool no_compare = false;
   std::string tensor_parallel = "on";
   std::string float_boundaries = "on";
+  std::vector<std::string> schedules = {"1f1b", "gpipe", "zb-h1"};
   std::vector<std::string> sets;
   int64_t global_batch = 0, micro_batch = 0, layers = 0;
 };
@@ -193,6 +194,10 @@ void add_dist_commands(CLI::App& app, Action& action) {
                    "on: the alloy strategy also tries floating pipeline boundaries (two stages share a half block, each "
                    "running it for part of the micro-batches; kept where predicted at least 5% faster); off: fixed boundaries")
       ->group(g)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  plan->add_option("--schedules", pa->schedules,
+                   "Pipeline schedules the search may choose from: 1f1b, gpipe, zb-h1 (zero-bubble: weight gradients "
+                   "held back to fill the drain; more activation memory)")
+      ->group(g)->delimiter(',')->capture_default_str()->check(CLI::IsMember({"1f1b", "gpipe", "zb-h1"}));
   plan->add_option("--evaluate", pa->evaluate,
                    "Predict a given plan (hand-written or converted) on the cluster instead of searching one; "
                    "the strategies' plans are shown beside it")
@@ -264,6 +269,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         so.grad_sync = cfg.grad_sync;
         so.tensor_parallel = pa->tensor_parallel == "on";
         so.float_boundaries = pa->float_boundaries == "on";
+        so.schedules = pa->schedules;
         auto report = plan::make_plan(spec, prof, so, !pa->no_compare);
         if (!pa->evaluate.empty()) {
           Plan given = Plan::load(pa->evaluate);

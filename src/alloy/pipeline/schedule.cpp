@@ -80,9 +80,10 @@ std::vector<Action> zb_h1(int64_t stage, int64_t num_stages, int64_t num_micro_b
   const int64_t M = num_micro_batches;
   const int64_t warmup = std::min(num_stages - stage - 1, M), steady = M - warmup;
   // Stage i holds back i weight passes: the later a stage, the sooner its last backward must come,
-  // since every stage before it waits for that backward's gradient.
+  // since every stage before it waits for that backward's gradient. Stage 0 sends no gradient and
+  // holds none back, so it runs whole backwards (a split costs it time and gains nothing).
   const int64_t lag = stage;
-  int64_t next_w = 0;
+  int64_t next_w = stage == 0 ? M : 0;
   auto weights_after = [&](int64_t backwards_done) {
     for (; next_w < backwards_done - lag; ++next_w) b.weight(next_w);
   };
@@ -379,7 +380,6 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
   pc.assign(Su, 0);
   in_flight.assign(Su, 0);
   clock.assign(Su, 0.0);
-  const int64_t n_ops = zb ? 3 * M : 2 * M;
   enum Op : char { kF, kB, kW };
   // zb-h1's weight passes sit where zb_h1() puts them: its compute actions, per (S, M) once.
   thread_local std::map<std::pair<int64_t, int64_t>, std::vector<std::vector<std::pair<Op, int64_t>>>> zb_ops;
@@ -395,6 +395,8 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
       }
     zops = &lists;
   }
+  // Compute ops of stage s: a forward and a backward per micro-batch, and zb_h1's weight passes.
+  auto n_ops = [&](size_t s) { return zops ? static_cast<int64_t>((*zops)[s].size()) : 2 * M; };
   // Op K of stage s as (kind, micro-batch), following gpipe() / one_f_one_b() / zb_h1() exactly.
   auto op = [&](int64_t s, int64_t k, Op& kind, int64_t& j) {
     if (zops) {
@@ -424,7 +426,7 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
     progress = false;
     for (int64_t s = 0; s < S; ++s) {
       const size_t su = static_cast<size_t>(s);
-      for (; pc[su] < n_ops; ++pc[su]) {
+      for (const int64_t n = n_ops(su); pc[su] < n; ++pc[su]) {
         Op kind;
         int64_t j;
         op(s, pc[su], kind, j);
@@ -449,9 +451,10 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
             if (a < 0) break;
             t = std::max(t, a + link_time(s));
           }
-          clock[su] = t + (costs.backward_of(su, j) - (zb ? costs.weight_of(su, j) : 0.0));
+          const bool split = zb && s > 0;  // zb_h1's stage 0 runs whole backwards
+          clock[su] = t + (costs.backward_of(su, j) - (split ? costs.weight_of(su, j) : 0.0));
           end_b[static_cast<size_t>(s * M + j)] = clock[su];
-          if (!zb) {
+          if (!split) {
             --in_flight[su];
             r.last_backward_start[su] = t;
             r.last_backward_end[su] = clock[su];
@@ -461,7 +464,7 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
       }
     }
     done = 0;
-    for (size_t s = 0; s < Su; ++s) done += pc[s] == n_ops;
+    for (size_t s = 0; s < Su; ++s) done += pc[s] == n_ops(s);
     if (done == S) break;
   }
   if (done != S) throw std::logic_error("simulate_times: schedule '" + schedule + "' deadlocked");

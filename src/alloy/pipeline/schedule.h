@@ -46,8 +46,8 @@ std::vector<Action> gpipe(int64_t stage, int64_t num_stages, int64_t num_micro_b
 std::vector<Action> one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches);
 
 // Zero-bubble ZB-H1: 1F1B's forwards and (input-gradient) backwards, each followed by its send,
-// with stage i holding back its weight-gradient passes by i micro-batches and running the held
-// ones after its last backward. The last stages thus reach their last backward sooner, the
+// with stage i > 0 holding back its weight-gradient passes by i micro-batches and running the held
+// ones after its last backward (stage 0, which sends no gradient, runs whole backwards). The last stages thus reach their last backward sooner, the
 // gradient chain back to stage 0 costs backwards without their weight part, and the weight
 // passes fill what were the drain's waits: with equal stages of costs F, B (input part) and W,
 // the makespan is M(F+B+W) + (S-1)(F+B-W) where 1F1B takes M(F+B+W) + (S-1)(F+B+W). Stage i

@@ -9,9 +9,9 @@
 //     between consecutive stages costs latency + m*seq_len*hidden*dtype_bytes / bandwidth of THE
 //     link between the two hosts (a measured profile link wins over the cluster spec). Sends do not
 //     block the sender; two messages on one link do not slow each other (NCCL/Gloo p2p overlap).
-//     Under zb-h1 a stage's backward is split: its BackwardWeight takes weight_share() of the
-//     blocks' backward (the projections' weight products, by shape), its Backward the rest; the
-//     stage's gradients are final at the end of its last weight pass.
+//     Under zb-h1 a stage's backward is split: its BackwardWeight takes weight_share(type) of the
+//     blocks' backward (profiled; else the projections' weight products' share by shape), its
+//     Backward the rest; the stage's gradients are final at the end of its last weight pass.
 //  2. Gradient sync: the parameters of every distinct set of holder ranks (a block held by one
 //     stage of every pipeline; the embedding by the first stages; the head by the last stages; a
 //     tied GPT-2 wte by the first AND last stages) are SUM-all-reduced in one ring per set, a
@@ -230,12 +230,16 @@ class CostContext {
     return backward_s(type, blocks_in(unit_begin, unit_end, attention_share(type, false)), first, last, m);
   }
   // The blocks' weight-gradient part of the backward (zb-h1's BackwardWeight, pipeline/schedule.h):
-  // the projections' weight products, by shape the share weight_share() of a block's backward.
-  double weight_s(int type, double blocks, int64_t m) const { return weight_share_ * backward_s(type, blocks, false, false, m); }
-  double weight_units_s(int type, int64_t unit_begin, int64_t unit_end, int64_t m) const {
-    return weight_share_ * backward_units_s(type, unit_begin, unit_end, false, false, m);
+  // the share weight_share(TYPE) of the blocks' backward, as the profile measured it for the type,
+  // else the projections' weight products' share by shape.
+  double weight_share(int type) const {
+    const double measured = type_profile_[static_cast<size_t>(type)]->weight_share;
+    return measured > 0 ? measured : weight_share_;
   }
-  double weight_share() const { return weight_share_; }
+  double weight_s(int type, double blocks, int64_t m) const { return weight_share(type) * backward_s(type, blocks, false, false, m); }
+  double weight_units_s(int type, int64_t unit_begin, int64_t unit_end, int64_t m) const {
+    return weight_share(type) * backward_units_s(type, unit_begin, unit_end, false, false, m);
+  }
   // Seconds per sample through the whole model at micro-batch M (forward + backward): a type's speed.
   double full_model_s_per_sample(int type, int64_t m) const;
   // One activation (or gradient) message of M samples between two hosts.

@@ -1,5 +1,7 @@
 #include "alloy/plan/fit_memory.h"
 
+#include "alloy/pipeline/schedule.h"
+
 #include <algorithm>
 #include <cmath>
 #include <sstream>
@@ -50,7 +52,10 @@ class Fitter {
       std::sort(devs.begin(), devs.end(), [&](int a, int b) { return ctx.ring_less(a, a, b, b); });
       SetChoice c;
       c.ranks = set.ids;
-      c.max_stage = ctx.sync_shape(devs).compressed ? 0 : plan.schedule_mismatch(set.ids).empty() ? 3 : 1;
+      // ZeRO-3 needs the members on one schedule, and not zb-h1 (its weight passes need the layers
+      // ZeRO-3 frees after their backward).
+      const bool zero3 = plan.schedule_mismatch(set.ids).empty() && !pipeline::splits_backward(plan.schedule);
+      c.max_stage = ctx.sync_shape(devs).compressed ? 0 : zero3 ? 3 : 1;
       if (c.max_stage > 0) base_.sets.push_back(c);
     }
     base_.recompute.assign(static_cast<size_t>(W), 0);

@@ -18,9 +18,9 @@ const char* const kFormat = "alloy-profile";
 // Version 2 added each compute cost's measured points; version 3 the gradient codecs' costs
 // ("codecs" per device type); version 4 each type's step_noise; version 5 LoRA ("lora" and the
 // frozen base's bytes in "memory"); version 6 each type's attn_share_fwd/bwd (the halves of a
-// block); version 7 the tensor-parallel sums per device pair ("tp_sums"). Versions 1 to 6 still
-// read.
-constexpr int kVersion = 7;
+// block); version 7 the tensor-parallel sums per device pair ("tp_sums"); version 8 each type's
+// weight_share (zb-h1's weight passes). Versions 1 to 7 still read.
+constexpr int kVersion = 8;
 
 // The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
 struct CostField {
@@ -208,6 +208,7 @@ nlohmann::json Profile::to_json() const {
     dj["step_noise"] = d.step_noise;
     if (d.attn_share_fwd > 0) dj["attn_share_fwd"] = d.attn_share_fwd;
     if (d.attn_share_bwd > 0) dj["attn_share_bwd"] = d.attn_share_bwd;
+    if (d.weight_share > 0) dj["weight_share"] = d.weight_share;
     if (!d.codecs.empty()) {
       json cj = json::object();
       for (const auto& [m, c] : d.codecs) cj[m] = {{"encode_s_per_elem", c.encode_s_per_elem}, {"decode_s_per_elem", c.decode_s_per_elem}};
@@ -256,7 +257,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
 
   const json& devs = rd.object(j, "devices", "devices");
   if (devs.empty()) rd.fail("devices", "the profile has no device types");
-  std::set<std::string> dev_keys{"optimizer_s_per_param", "step_noise", "codecs", "attn_share_fwd", "attn_share_bwd"};
+  std::set<std::string> dev_keys{"optimizer_s_per_param", "step_noise", "codecs", "attn_share_fwd", "attn_share_bwd", "weight_share"};
   for (const auto& f : kCostFields) dev_keys.insert(f.key);
   for (const auto& kv : devs.items()) {
     const std::string f = "devices." + kv.key();
@@ -276,6 +277,11 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
       if (!kv.value().contains(key)) continue;
       d.*member = rd.number(kv.value(), key, f + "." + key);
       if (!(d.*member > 0 && d.*member < 1)) rd.fail(f + "." + key, "must be in (0, 1) (the attention half's share of a block's time)");
+    }
+    if (kv.value().contains("weight_share")) {
+      d.weight_share = rd.number(kv.value(), "weight_share", f + ".weight_share");
+      if (!(d.weight_share > 0 && d.weight_share < 1))
+        rd.fail(f + ".weight_share", "must be in (0, 1) (the weight products' share of a block's backward)");
     }
     if (kv.value().contains("codecs")) {
       const json& cs = rd.object(kv.value(), "codecs", f + ".codecs");
@@ -467,7 +473,8 @@ std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
     DeviceProfile d{scale(base.block_fwd), scale(base.block_bwd), scale(base.embed_fwd),
                     scale(base.embed_bwd), scale(base.head_fwd),  scale(base.head_bwd), base.optimizer_s_per_param * s, base.step_noise, {}};
     for (const auto& [m, c] : base.codecs) d.codecs[m] = {c.encode_s_per_elem * s, c.decode_s_per_elem * s};
-    d.attn_share_fwd = base.attn_share_fwd, d.attn_share_bwd = base.attn_share_bwd;  // a ratio: speed cancels
+    d.attn_share_fwd = base.attn_share_fwd, d.attn_share_bwd = base.attn_share_bwd;  // ratios: speed cancels
+    d.weight_share = base.weight_share;
     p.devices[type] = d;
     notes.push_back("device type " + type + ": estimated from " + ref + " scaled by speed hints (" + std::to_string(hint(type)) +
                     " vs " + std::to_string(hint(ref)) + ")");

@@ -53,6 +53,10 @@ struct DeviceProfile {
   // the rest), timed on one half of each at the largest micro-batch size: what a pipeline
   // boundary inside a block moves. 0: not measured (older profiles), the model's shapes decide.
   double attn_share_fwd = 0, attn_share_bwd = 0;
+  // The blocks' weight products' share of their backward, as zb-h1 splits it (measured: a block
+  // stack's backward with those products held back, then their weight pass); 0 = not measured
+  // (the cost model's estimate by shape).
+  double weight_share = 0;
 };
 
 struct LinkProfile {

@@ -1,5 +1,7 @@
 #include "alloy/plan/profiler.h"
 
+#include "alloy/model/deferred_weights.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -7,6 +9,7 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <chrono>
 #include <map>
@@ -57,6 +60,7 @@ struct FwdBwd {
   double fwd, bwd;
   int64_t act_bytes;
   double seconds = 0;  // compute timed (the window)
+  double weight = 0;   // SPLIT: the weight pass (bwd is then the rest of the backward)
 };
 
 std::vector<std::vector<std::pair<double, double>>> noise_figures(const std::vector<const std::vector<std::vector<FwdBwd>>*>& slices) {
@@ -78,31 +82,41 @@ void wait_for(const at::Device& d) {
   if (d.is_cuda()) torch::cuda::synchronize(d.has_index() ? d.index() : -1);
 }
 
-FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool ids_in, bool loss_out, const at::Device& dev) {
+// SPLIT: the backward as zb-h1 runs it on a stage that holds its weight passes back (model/
+// deferred_weights.h): the input part, then the weight pass, timed apart.
+FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool ids_in, bool loss_out, const at::Device& dev,
+                  bool split = false) {
   const auto& c = slice.config();
   auto gen = at::detail::createCPUGenerator(5);
   at::Tensor x0 = (ids_in ? at::randint(c.vocab_size, {m, c.seq_len}, gen, at::kLong)
                           : at::randn({m, c.seq_len, c.hidden}, gen, at::TensorOptions().dtype(slice.dtype())))
                       .to(dev);
   at::Tensor tgt = at::randint(c.vocab_size, {m, c.seq_len}, gen, at::kLong).to(dev);
-  double f = 0, b = 0;
+  double f = 0, b = 0, w = 0;
   int64_t act = 0, n = 0;
+  model::DeferredWeightGrads held;
   auto start = Clock::now();
   for (int64_t it = 0;; ++it) {
     at::Tensor x = ids_in ? x0 : x0.detach().requires_grad_(true);
     int64_t before = pipeline::heap_bytes_in_use();
     wait_for(dev);
+    std::optional<model::DeferredWeightGrads::Scope> recording;
+    if (split) recording.emplace(&held, 0);
     auto t0 = Clock::now();
     at::Tensor out = slice.forward(x);
     if (loss_out) out = model::Transformer::loss_sum(out, tgt) / static_cast<double>(m * c.seq_len);
     wait_for(dev);
     auto t1 = Clock::now();
-    int64_t held = pipeline::heap_bytes_in_use() - before;
+    int64_t held_bytes = pipeline::heap_bytes_in_use() - before;
     // A LoRA embedding is frozen and has nothing to back-propagate into.
     if (loss_out) out.backward();
     else if (out.requires_grad()) out.backward(at::ones_like(out));
     wait_for(dev);
     auto t2 = Clock::now();
+    recording.reset();
+    held.run(0, false);
+    wait_for(dev);
+    auto t3 = Clock::now();
     for (auto* p : slice.trainable()) p->tensor.mutable_grad().reset();
     if (it == 0) {  // warm-up: first calls allocate and pick kernels
       start = Clock::now();
@@ -110,11 +124,12 @@ FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool id
     }
     f += std::chrono::duration<double>(t1 - t0).count();
     b += std::chrono::duration<double>(t2 - t1).count();
-    act = std::max<int64_t>(act, held);
+    w += std::chrono::duration<double>(t3 - t2).count();
+    act = std::max<int64_t>(act, held_bytes);
     ++n;
     if (n >= 2 && std::chrono::duration<double>(Clock::now() - start).count() >= window_s) break;
   }
-  return {f / static_cast<double>(n), b / static_cast<double>(n), act, f + b};
+  return {f / static_cast<double>(n), b / static_cast<double>(n), act, f + b + w, w / static_cast<double>(n)};
 }
 
 }  // namespace
@@ -252,6 +267,18 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
     const double a_f = median(af), a_b = median(ab), m_f = median(mf), m_b = median(mb);
     if (a_f > 0 && m_f > 0) d.attn_share_fwd = a_f / (a_f + m_f);
     if (a_b > 0 && m_b > 0) d.attn_share_bwd = a_b / (a_b + m_b);
+  }
+
+  // zb-h1's split of a block's backward: the stack's backward with its weight products held, then
+  // their pass, at the largest size (LoRA: the frozen weights have no pass, the share stays 0).
+  {
+    const int64_t m = o.micro_batch_sizes.back();
+    std::vector<double> share;
+    for (int r = 0; r < rounds; ++r) {
+      const FwdBwd t = time_slice(stack, m, window, false, false, dev, true);
+      if (t.weight > 0 && t.bwd > 0) share.push_back(t.weight / (t.bwd + t.weight));
+    }
+    if (!share.empty()) d.weight_share = std::clamp(median(share), 0.01, 0.99);
   }
 
   // The optimizer step (AdamW + clipping's norm) per parameter, on one block's parameters.

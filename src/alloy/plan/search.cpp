@@ -22,6 +22,8 @@
 // the result of a search, and the public entry points of search.h.
 #include "alloy/plan/search.h"
 
+#include "alloy/pipeline/schedule.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -256,7 +258,9 @@ SearchResult search_layouts(const ClusterSpec& cluster, const Profile& profile, 
 
 }  // namespace
 
-SearchResult search(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
+namespace {
+
+SearchResult search_fitting(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
   bool capacities = false;
   for (const auto& d : cluster.devices) capacities = capacities || d.memory_gb > 0;
   if (options.strategy != "alloy" || !options.fit_memory || options.memory_relief || !capacities)
@@ -306,6 +310,33 @@ SearchResult search(const ClusterSpec& cluster, const Profile& profile, const Se
   throw InputError("planner", bare(plain_error) + (fit_error.empty() || bare(fit_error) == bare(plain_error)
                                                        ? std::string()
                                                        : "; with sharding and recomputation too: " + bare(fit_error)));
+}
+
+}  // namespace
+
+SearchResult search(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
+  SearchResult r = search_fitting(cluster, profile, options);
+  if (options.strategy != "alloy" || !pipeline::splits_backward(r.plan.schedule) || !(options.split_schedule_min_gain > 0)) return r;
+  // A split backward only for a clear predicted gain over the best plan without one.
+  SearchOptions whole = options;
+  whole.schedules.erase(std::remove_if(whole.schedules.begin(), whole.schedules.end(), pipeline::splits_backward), whole.schedules.end());
+  if (whole.schedules.empty()) return r;
+  std::optional<SearchResult> w;
+  try {
+    w = search_fitting(cluster, profile, whole);
+  } catch (const InputError&) {
+    return r;  // nothing fits without it
+  }
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "%.1f ms against %.1f ms with %s", r.cost.step_s * 1e3, w->cost.step_s * 1e3, w->plan.schedule.c_str());
+  if (r.cost.step_s < w->cost.step_s * (1 - options.split_schedule_min_gain)) {
+    r.notes.push_back("schedule: " + r.plan.schedule + " (" + buf + ")");
+    return r;
+  }
+  w->notes.push_back("schedule: " + r.plan.schedule + " not used, its gain is under " + fmt(options.split_schedule_min_gain * 100) + "% (" +
+                     buf + ")");
+  w->search_s += r.search_s;
+  return *w;
 }
 
 SearchResult exhaustive(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {

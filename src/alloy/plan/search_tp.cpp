@@ -14,6 +14,7 @@
 
 #include "alloy/core/error.h"
 #include "alloy/plan/cost_model.h"
+#include "alloy/pipeline/schedule.h"
 #include "alloy/plan/search.h"
 
 namespace alloy::plan {
@@ -221,6 +222,8 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
           }
         }
       p.slow_links.clear();
+      // zb-h1 does not run tensor-parallel stages (Plan::validate).
+      if (pipeline::splits_backward(p.schedule)) p.schedule = "1f1b";
       PlanCost c;
       try {
         c = simulate_plan(p, cluster, profile);
