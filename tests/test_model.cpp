@@ -7,6 +7,7 @@
 
 #include "alloy/dist/zero3.h"
 #include "alloy/model/deferred_weights.h"
+#include "alloy/model/precision.h"
 #include "alloy/model/transformer.h"
 
 using alloy::ModelConfig;
@@ -232,6 +233,36 @@ TEST_P(ModelTest, DeferredWeightPassesGiveThePlainGradients) {
       EXPECT_EQ(hooked[&sp[i]->tensor], waiting.count(&sp[i]->tensor) ? 1 : 2) << sp[i]->name;
       EXPECT_TRUE(saw_earlier[&sp[i]->tensor]) << sp[i]->name;
     }
+  }
+}
+
+// Under bf16 autocast (train.precision bf16) the held products run in the gradient's precision and
+// land in fp32 parameters: the same gradients as the plain autocast backward, to bf16's precision.
+TEST_P(ModelTest, DeferredWeightPassesUnderAutocastMatchThePlainBackward) {
+  using alloy::model::DeferredWeightGrads;
+  ModelConfig m = tiny(GetParam());
+  auto plain = Transformer::full(m, 5), split = Transformer::full(m, 5);
+  const at::Tensor x = tokens(m, 2, 51), t = tokens(m, 2, 52);
+  {
+    alloy::model::AutocastScope amp(at::Device(at::kCPU), "bf16");
+    at::Tensor loss = Transformer::loss_sum(plain->forward(x), t);
+    loss.backward();
+  }
+  DeferredWeightGrads d;
+  {
+    alloy::model::AutocastScope amp(at::Device(at::kCPU), "bf16");
+    DeferredWeightGrads::Scope s(&d, 0);
+    at::Tensor loss = Transformer::loss_sum(split->forward(x), t);
+    loss.backward();
+  }
+  ASSERT_FALSE(d.empty());
+  d.run(0, true);
+  auto pp = plain->parameters(), sp = split->parameters();
+  for (size_t i = 0; i < pp.size(); ++i) {
+    ASSERT_TRUE(sp[i]->tensor.grad().defined()) << sp[i]->name;
+    EXPECT_EQ(sp[i]->tensor.grad().scalar_type(), pp[i]->tensor.scalar_type()) << sp[i]->name;
+    const double scale = pp[i]->tensor.grad().abs().max().item<double>() + 1e-12;
+    EXPECT_LT((pp[i]->tensor.grad() - sp[i]->tensor.grad()).abs().max().item<double>() / scale, 2e-2) << sp[i]->name;
   }
 }
 

@@ -72,43 +72,60 @@ void DeferredWeightGrads::run(int64_t mb, bool final) {
   std::vector<Record> records = std::move(it->second);
   pending_.erase(it);
   // One gradient per parameter, summed over its records (a block run twice in a micro-batch).
-  std::vector<at::Tensor> params, grads;
-  std::unordered_map<at::TensorImpl*, size_t> slot;
+  // Records come in backward order (the last layer's first), so a final pass hands each
+  // parameter's gradient on as soon as its last record is done: the reducer's buckets of the late
+  // layers can start while the early layers' products run, as in a plain backward.
+  std::unordered_map<at::TensorImpl*, int> left;
+  for (const Record& r : records) {
+    ++left[r.W.unsafeGetTensorImpl()];
+    if (r.b.defined()) ++left[r.b.unsafeGetTensorImpl()];
+  }
+  std::unordered_map<at::TensorImpl*, at::Tensor> sum;
+  std::vector<at::Tensor> ready_params, ready_grads;
   auto put = [&](const at::Tensor& p, at::Tensor grad) {
     if (grad.scalar_type() != p.scalar_type()) grad = grad.to(p.scalar_type());
-    auto [pos, fresh] = slot.emplace(p.unsafeGetTensorImpl(), params.size());
-    if (fresh) {
-      params.push_back(p);
-      grads.push_back(std::move(grad));
-    } else {
-      grads[pos->second] = grads[pos->second] + grad;
+    at::TensorImpl* key = p.unsafeGetTensorImpl();
+    auto s_it = sum.find(key);
+    if (s_it != sum.end()) grad = s_it->second + grad;
+    if (--left[key] > 0) {
+      sum[key] = std::move(grad);
+      return;
     }
+    sum.erase(key);
+    ready_params.push_back(p);
+    ready_grads.push_back(std::move(grad));
   };
-  {
-    at::NoGradGuard ng;
-    for (Record& r : records) {
+  auto hand_on = [&]() {
+    if (ready_params.empty()) return;
+    if (!final) {
+      at::NoGradGuard ng;
+      for (size_t i = 0; i < ready_params.size(); ++i) {
+        at::Tensor& acc = ready_params[i].mutable_grad();
+        if (acc.defined()) acc.add_(ready_grads[i]);
+        else acc = std::move(ready_grads[i]);
+      }
+    } else {
+      // Through autograd: a view's backward hands each gradient to the parameter's accumulator,
+      // whose hooks see it before it is added to .grad, as in a plain backward.
+      std::vector<at::Tensor> views;
+      views.reserve(ready_params.size());
+      for (const at::Tensor& p : ready_params) views.push_back(p.view_as(p));
+      torch::autograd::backward(views, ready_grads);
+    }
+    ready_params.clear();
+    ready_grads.clear();
+  };
+  for (Record& r : records) {
+    {
+      at::NoGradGuard ng;
       const at::Tensor g2 = r.g.reshape({-1, r.g.size(-1)});
       const at::Tensor x2 = r.x.to(r.g.scalar_type()).reshape({-1, r.x.size(-1)});
       put(r.W, r.in_out ? at::mm(x2.t(), g2) : at::mm(g2.t(), x2));
       if (r.b.defined()) put(r.b, g2.sum(0));
-      r = Record{};  // frees the record's tensors as it goes
     }
+    r = Record{};  // frees the record's tensors as it goes
+    hand_on();
   }
-  if (!final) {
-    at::NoGradGuard ng;
-    for (size_t i = 0; i < params.size(); ++i) {
-      at::Tensor& acc = params[i].mutable_grad();
-      if (acc.defined()) acc.add_(grads[i]);
-      else acc = std::move(grads[i]);
-    }
-    return;
-  }
-  // Through autograd: a view's backward hands each gradient to the parameter's accumulator, whose
-  // hooks see it before it is added to .grad, as in a plain backward.
-  std::vector<at::Tensor> views;
-  views.reserve(params.size());
-  for (const at::Tensor& p : params) views.push_back(p.view_as(p));
-  torch::autograd::backward(views, grads);
 }
 
 }  // namespace alloy::model

@@ -7,9 +7,13 @@
 // the gradients, the same products a plain backward computes.
 //
 // How the gradients land: those of every micro-batch but the step's last are added to .grad
-// directly (no hooks), and the last's (FINAL) go through autograd into the parameters, so their
-// hooks (the Reducer's) fire once, after every other contribution is in .grad, exactly as they
-// fire in a plain backward's last micro-batch. The caller runs the final pass after every other.
+// directly (no hooks), and the last's (FINAL) go through autograd into the parameters, each as soon
+// as its product is done (in backward order), so their hooks (the Reducer's) fire once, after
+// every other contribution is in .grad, exactly as they fire in a plain backward's last
+// micro-batch. The caller runs the final pass after every other.
+//
+// The active recorder is process-wide, not per thread: a recomputed block's forward runs on the
+// autograd engine's thread. One executor per process runs forwards with grad mode on.
 //
 // Not for tensor-parallel pieces or ZeRO-3's gathered weights (Plan validation refuses zb-h1 with
 // them): the records hold the weights' tensors until the pass.

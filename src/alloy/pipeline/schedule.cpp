@@ -385,6 +385,7 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
   thread_local std::map<std::pair<int64_t, int64_t>, std::vector<std::vector<std::pair<Op, int64_t>>>> zb_ops;
   const std::vector<std::vector<std::pair<Op, int64_t>>>* zops = nullptr;
   if (zb) {
+    if (zb_ops.size() > 256 && !zb_ops.count({S, M})) zb_ops.clear();  // the planner sweeps (S, M): keep it bounded
     auto& lists = zb_ops[{S, M}];
     if (lists.empty())
       for (int64_t s = 0; s < S; ++s) {

@@ -128,8 +128,9 @@ struct SimResult {
   std::vector<int64_t> peak_in_flight;
   // Per stage, the window in which its gradients become final: its last Backward's start and end;
   // with split backwards its last action's end, and that end less the whole backward of the last
-  // micro-batch (the weight passes finish the parameters' gradients in layer order as a whole
-  // backward would, only later).
+  // micro-batch (an approximation: the norms' and embeddings' gradients are final at the last
+  // Backward, before the window's end, and the projections' during the last weight pass, in layer
+  // order, later than a whole backward's ladder puts the early layers').
   std::vector<double> last_backward_start, last_backward_end;
 };
 

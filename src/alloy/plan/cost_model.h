@@ -233,6 +233,7 @@ class CostContext {
   // the share weight_share(TYPE) of the blocks' backward, as the profile measured it for the type,
   // else the projections' weight products' share by shape.
   double weight_share(int type) const {
+    if (profile_->lora.enabled()) return 0;  // a frozen base has no weight products to hold back
     const double measured = type_profile_[static_cast<size_t>(type)]->weight_share;
     return measured > 0 ? measured : weight_share_;
   }

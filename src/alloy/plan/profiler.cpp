@@ -61,6 +61,7 @@ struct FwdBwd {
   int64_t act_bytes;
   double seconds = 0;  // compute timed (the window)
   double weight = 0;   // SPLIT: the weight pass (bwd is then the rest of the backward)
+  bool deferred = false;  // SPLIT: some weight product was held back
 };
 
 std::vector<std::vector<std::pair<double, double>>> noise_figures(const std::vector<const std::vector<std::vector<FwdBwd>>*>& slices) {
@@ -94,6 +95,7 @@ FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool id
   at::Tensor tgt = at::randint(c.vocab_size, {m, c.seq_len}, gen, at::kLong).to(dev);
   double f = 0, b = 0, w = 0;
   int64_t act = 0, n = 0;
+  bool deferred = false;
   model::DeferredWeightGrads held;
   auto start = Clock::now();
   for (int64_t it = 0;; ++it) {
@@ -114,6 +116,7 @@ FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool id
     wait_for(dev);
     auto t2 = Clock::now();
     recording.reset();
+    deferred = deferred || !held.empty();
     held.run(0, false);
     wait_for(dev);
     auto t3 = Clock::now();
@@ -129,7 +132,7 @@ FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool id
     ++n;
     if (n >= 2 && std::chrono::duration<double>(Clock::now() - start).count() >= window_s) break;
   }
-  return {f / static_cast<double>(n), b / static_cast<double>(n), act, f + b + w, w / static_cast<double>(n)};
+  return {f / static_cast<double>(n), b / static_cast<double>(n), act, f + b + w, w / static_cast<double>(n), deferred};
 }
 
 }  // namespace
@@ -270,12 +273,13 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
   }
 
   // zb-h1's split of a block's backward: the stack's backward with its weight products held, then
-  // their pass, at the largest size (LoRA: the frozen weights have no pass, the share stays 0).
+  // their pass, at the largest size (LoRA: the frozen weights hold nothing back, the share stays 0).
   {
     const int64_t m = o.micro_batch_sizes.back();
     std::vector<double> share;
     for (int r = 0; r < rounds; ++r) {
       const FwdBwd t = time_slice(stack, m, window, false, false, dev, true);
+      if (!t.deferred) break;  // LoRA: nothing was held back
       if (t.weight > 0 && t.bwd > 0) share.push_back(t.weight / (t.bwd + t.weight));
     }
     if (!share.empty()) d.weight_share = std::clamp(median(share), 0.01, 0.99);

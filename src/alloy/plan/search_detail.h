@@ -87,12 +87,14 @@ class Tables {
   // Timing of B samples in micro-batches of cands[ci] (which must divide B).
   const PipeTiming& timing(ConfigTable& t, int64_t b, size_t ci);
 
-  // Per micro-batch costs of a configuration at candidate CI: forward[S], backward[S], p2p[S-1].
+  // Per micro-batch costs of a configuration at candidate CI: forward[S], backward[S], p2p[S-1],
+  // weight[S] (zb-h1's weight passes).
   const std::vector<double>& costs(ConfigTable& t, size_t ci);
 
   // A lower bound of h without simulating: stage s cannot start before the first micro-batch
   // has crossed the stages before it, then does all its M forwards and backwards, and its last
-  // gradient must still cross back: max_s sum_{s'<s}(f + p + b + p) + M (f_s + b_s). Scaled
+  // gradient must still cross back: max_s sum_{s'<s}(f + p + b + p) + M (f_s + b_s); under a
+  // split backward (zb-h1, weight passes after the last backward) only sum_{s'<s}(f + p). Scaled
   // down by 1e-12 so rounding in either computation never lifts it above the simulated value.
   double cheap_h(ConfigTable& t, int64_t b) {
     if (t.cheap_done[static_cast<size_t>(b)]) return t.cheap[static_cast<size_t>(b)];

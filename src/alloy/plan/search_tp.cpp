@@ -156,6 +156,13 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
   SearchOptions o = options;
   o.time_budget_s = std::min(o.time_budget_s, 0.25);
   o.fit_memory = false;
+  // zb-h1 runs no tensor-parallel stage (Plan::validate): the composite pool is searched on the others.
+  o.schedules.erase(std::remove_if(o.schedules.begin(), o.schedules.end(), pipeline::splits_backward), o.schedules.end());
+  if (o.schedules.empty()) {
+    result.notes.push_back("tensor parallelism: not tried (the schedules allowed, " + joined(options.schedules, ", ") +
+                           ", run no tensor-parallel stage)");
+    return;
+  }
   const auto sizes = options.candidate_micro_batches();
   Tried best;
   int tried = 0;
@@ -222,8 +229,6 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
           }
         }
       p.slow_links.clear();
-      // zb-h1 does not run tensor-parallel stages (Plan::validate).
-      if (pipeline::splits_backward(p.schedule)) p.schedule = "1f1b";
       PlanCost c;
       try {
         c = simulate_plan(p, cluster, profile);

@@ -107,6 +107,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
         const detail::TpStageTime t = detail::tp_stage_time(ctx, profile.model, st, dev_of, first, last, m);
         costs.forward.push_back(t.forward_s + gf);
         costs.backward.push_back(t.backward_s + gb3);
+        costs.weight.push_back(0);  // zb-h1 runs no tensor-parallel stage (Plan::validate)
         tp_comm[{p, s}] = static_cast<double>(M) * t.comm_s;
       } else {
         auto fwd = [&](int64_t b, int64_t e) { return ctx.forward_units_s(type, b, e, first, last, m) + gf; };
@@ -202,6 +203,11 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       const double act_blocks = st.tp() > 1 ? blocks * (0.2 + 0.8 * detail::tp_share(st, profile.model, mem_k)) : blocks;
       sc.activation_bytes = static_cast<double>(sc.peak_in_flight * m) * ctx.act_bytes_per_sample(act_blocks, first, last, st.recompute) +
                             ctx.working_bytes(act_blocks, m, st.recompute);
+      // zb-h1: a recomputing stage's held weight passes (s of them on stage s) keep the recomputed
+      // projections' inputs and output gradients, about a whole block's saved tensors, not its input.
+      if (split && st.recompute && s > 0)
+        sc.activation_bytes += static_cast<double>(std::min<int64_t>(s, M) * m) *
+                               (ctx.act_bytes_per_sample(act_blocks, first, last, false) - ctx.act_bytes_per_sample(act_blocks, first, last, true));
       sc.weight_bytes = sc.param_bytes - rs.weights_saved + ctx.frozen_bytes(param_blocks, first, last);
       sc.grad_bytes = sc.param_bytes - rs.grads_saved;
       sc.optimizer_bytes = (ctx.state_bytes_per_param_byte() - 2) * (sc.param_bytes - rs.optimizer_saved);
