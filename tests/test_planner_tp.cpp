@@ -115,19 +115,27 @@ TEST(TensorParallelCost, MeasuredSumsReplaceTheFloorPairByPair) {
   EXPECT_EQ(ctx.tp_sum_s({1}, 4096), 0);
 }
 
-TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
-  // Four equal devices, a pair on one machine and two behind thin links; none holds the whole
-  // model (2-3 blocks of 4 at most), the batch is small. A pipeline over the pair idles in its
-  // fill and drain; as one tensor-parallel stage it computes each micro-batch together and sums
-  // over its fast link. Embedding and head are cheap beside a block (each member computes them).
-  ClusterSpec c;
+namespace {
+// Four equal devices, a pair on one machine and two behind thin links; none holds the whole model
+// (2-3 blocks of 4 at most).
+void four_device_pool(ClusterSpec& c, Profile& prof) {
   c.devices = {device("a0", "box", "fast", 0.012), device("a1", "box", "fast", 0.012), device("c0", "h1", "fast", 0.012),
                device("c1", "h2", "fast", 0.012)};
   c.intra_host = {40.0, 0.02};
   c.default_link = {0.1, 5.0};
-  Profile prof = base_profile(4, "gpt2");
+  prof = base_profile(4, "gpt2");
   prof.memory.param_bytes_embed = prof.memory.param_bytes_head = 2e5;
   prof.devices["fast"] = dev_profile(10.0);
+}
+}  // namespace
+
+TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
+  // The batch is small. A pipeline over the pair idles in its fill and drain; as one
+  // tensor-parallel stage it computes each micro-batch together and sums over its fast link.
+  // Embedding and head are cheap beside a block (each member computes them).
+  ClusterSpec c;
+  Profile prof;
+  four_device_pool(c, prof);
   for (auto* f : {&prof.devices["fast"].head_fwd, &prof.devices["fast"].head_bwd, &prof.devices["fast"].embed_fwd,
                   &prof.devices["fast"].embed_bwd})
     *f = {f->fixed_s * 0.1, f->per_sample_s * 0.1};
@@ -188,13 +196,8 @@ TEST(TensorParallelPlanner, KeepsGroupsInsideARegionOfTheTwoRegionPool) {
 // falls under the margin and the plan without a split backward is kept, with a note saying why.
 TEST(SchedulePlanner, SplitBackwardOnlyForAClearGain) {
   ClusterSpec c;
-  c.devices = {device("a0", "box", "fast", 0.012), device("a1", "box", "fast", 0.012), device("c0", "h1", "fast", 0.012),
-               device("c1", "h2", "fast", 0.012)};
-  c.intra_host = {40.0, 0.02};
-  c.default_link = {0.1, 5.0};
-  Profile prof = base_profile(4, "gpt2");
-  prof.memory.param_bytes_embed = prof.memory.param_bytes_head = 2e5;
-  prof.devices["fast"] = dev_profile(10.0);
+  Profile prof;
+  four_device_pool(c, prof);
   SearchOptions o;
   o.global_batch = 4;
   o.micro_batch_sizes = {1};
