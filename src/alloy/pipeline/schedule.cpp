@@ -203,8 +203,10 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
     for (const auto& a : acts) max_mb = std::max(max_mb, a.micro_batch);
   costs.check("simulate", S, max_mb + 1);
 
-  // act[s]: activations travelling s -> s+1; grad[s]: gradients travelling s+1 -> s.
+  // act[s]: activations travelling s -> s+1; grad[s]: gradients travelling s+1 -> s; *_last: when
+  // the last message sent that way arrives (a link direction carries one message at a time).
   std::vector<std::deque<Message>> act(S), grad(S);
+  std::vector<double> act_last(S, 0.0), grad_last(S, 0.0);
   std::vector<size_t> pc(S, 0);
   std::vector<double> clock(S, 0.0);
   std::vector<int64_t> in_flight(S, 0);
@@ -236,10 +238,10 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
     events[s].push_back({static_cast<int64_t>(s), a, start, clock[s]});
     return true;
   };
-  auto send = [&](size_t s, const Action& a, std::deque<Message>& box, size_t link) {
-    const double p2p = link_time(link);
-    box.push_back({a.micro_batch, clock[s] + p2p});
-    events[s].push_back({static_cast<int64_t>(s), a, clock[s], clock[s] + p2p});
+  auto send = [&](size_t s, const Action& a, std::deque<Message>& box, size_t link, double& last) {
+    last = std::max(clock[s], last) + link_time(link);
+    box.push_back({a.micro_batch, last});
+    events[s].push_back({static_cast<int64_t>(s), a, clock[s], last});
   };
   auto compute = [&](size_t s, const Action& a, double cost) {
     events[s].push_back({static_cast<int64_t>(s), a, clock[s], clock[s] + cost});
@@ -280,7 +282,7 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
             if (last) fail(s, a, "the last stage has no next stage to send to");
             if (!st.forward) fail(s, a, "sends an activation that has not been computed");
             once(st.send_act);
-            send(s, a, act[s], s);
+            send(s, a, act[s], s, act_last[s]);
             break;
           case ActionKind::RecvGrad:
             if (last) fail(s, a, "the last stage has no next stage to receive from");
@@ -305,7 +307,7 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
             if (first) fail(s, a, "the first stage has no previous stage to send to");
             if (!st.backward) fail(s, a, "sends a gradient that has not been computed");
             once(st.send_grad);
-            send(s, a, grad[s - 1], s - 1);
+            send(s, a, grad[s - 1], s - 1, grad_last[s - 1]);
             break;
         }
         if (blocked) break;
@@ -375,6 +377,10 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
   // Scratch kept per thread: the planner calls this millions of times on small pipelines.
   thread_local std::vector<double> end_f, end_b, clock;
   thread_local std::vector<int64_t> pc, in_flight;
+  // When the last message on each link direction arrives: activations s -> s+1, gradients back.
+  thread_local std::vector<double> last_a, last_g;
+  last_a.assign(Su, 0.0);
+  last_g.assign(Su, 0.0);
   end_f.assign(static_cast<size_t>(S * M), -1.0);
   end_b.assign(static_cast<size_t>(S * M), -1.0);
   pc.assign(Su, 0);
@@ -441,7 +447,9 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
           if (s > 0) {
             const double a = end_f[static_cast<size_t>((s - 1) * M + j)];
             if (a < 0) break;
-            t = std::max(t, a + link_time(s - 1));
+            double& last = last_a[su - 1];
+            last = std::max(a, last) + link_time(s - 1);
+            t = std::max(t, last);
           }
           clock[su] = t + costs.forward_of(su, j);
           end_f[static_cast<size_t>(s * M + j)] = clock[su];
@@ -450,7 +458,9 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
           if (s + 1 < S) {
             const double a = end_b[static_cast<size_t>((s + 1) * M + j)];
             if (a < 0) break;
-            t = std::max(t, a + link_time(s));
+            double& last = last_g[su];
+            last = std::max(a, last) + link_time(s);
+            t = std::max(t, last);
           }
           const bool split = zb && s > 0;  // zb_h1's stage 0 runs whole backwards
           clock[su] = t + (costs.backward_of(su, j) - (split ? costs.weight_of(su, j) : 0.0));

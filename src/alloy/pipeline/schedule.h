@@ -73,9 +73,11 @@ size_t last_backward_index(const std::vector<Action>& actions);
 
 // --- Simulation -------------------------------------------------------------------------------
 // Runs all stages' action lists against each other: receives block until the message is there,
-// sends never block (the message lands in the peer's mailbox p2p seconds after the send starts).
-// Each link direction is a FIFO, as with NCCL, so a receive whose expected micro-batch is not at
-// the head of its mailbox is an error, not a reordering.
+// sends never block the sender. Each link direction is a FIFO, as with NCCL and Gloo's pair
+// connections, carrying one message at a time: a message leaves when it is sent or when the one
+// before it on that direction has arrived, whichever is later, and lands p2p seconds after (on a
+// thin link, messages sent faster than it carries them queue). A receive whose expected
+// micro-batch is not at the head of its mailbox is an error, not a reordering.
 //
 // Besides deadlock, simulate() throws std::logic_error on schedules the executor could not run:
 // a receive on a stage with no neighbour on that side, a send with nothing to send (SendActivation
@@ -112,8 +114,8 @@ struct SimCosts {
 };
 
 // Timing of one action. Compute and receive events of a stage run back to back in list order
-// (a receive spans its wait). A send event spans the transfer [send, arrival]; it does not occupy
-// its stage, so it may overlap the stage's later events.
+// (a receive spans its wait). A send event spans [send, arrival], its wait for the link included;
+// it does not occupy its stage, so it may overlap the stage's later events.
 struct SimEvent {
   int64_t stage;
   Action action;

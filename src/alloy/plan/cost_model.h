@@ -8,7 +8,10 @@
 //     MicroBatchCost t(m) of the device's TYPE from the profile; an activation or gradient message
 //     between consecutive stages costs latency + m*seq_len*hidden*dtype_bytes / bandwidth of THE
 //     link between the two hosts (a measured profile link wins over the cluster spec). Sends do not
-//     block the sender; two messages on one link do not slow each other (NCCL/Gloo p2p overlap).
+//     block the sender; the messages of one link direction go one at a time, in order (a message
+//     leaves once the one before has arrived), so a thin link that carries them slower than the
+//     stage computes them makes them queue. Messages of different pipelines (or directions) on one
+//     host pair do not slow each other here (not modelled).
 //     Under zb-h1 a stage's backward is split: its BackwardWeight takes weight_share(type) of the
 //     blocks' backward (profiled; else the projections' weight products' share by shape), its
 //     Backward the rest; the stage's gradients are final at the end of its last weight pass.
