@@ -33,6 +33,13 @@ std::vector<int64_t> mbs_of(const std::vector<Action>& a, K kind) {
   return out;
 }
 
+// Each event's [start, end] by "STAGE:ACTION", e.g. "1:sendG0".
+std::map<std::string, std::pair<double, double>> timeline(const SimResult& r) {
+  std::map<std::string, std::pair<double, double>> t;
+  for (const auto& e : r.events) t[std::to_string(e.stage) + ":" + to_string(e.action)] = {e.start, e.end};
+  return t;
+}
+
 std::string where(const std::string& name, int64_t s, int64_t S, int64_t M) {
   return name + " stage " + std::to_string(s) + "/" + std::to_string(S) + " M=" + std::to_string(M);
 }
@@ -309,8 +316,7 @@ TEST(Schedule, LastBackwardIndex) {
 // Makespan 10.
 TEST(Schedule, SimulationWithTransfersMatchesHandComputation) {
   const SimResult r = simulate(all_stages("1f1b", 2, 2), uniform(2, 1, 2, 0.5));
-  std::map<std::string, std::pair<double, double>> t;
-  for (const auto& e : r.events) t[std::to_string(e.stage) + ":" + to_string(e.action)] = {e.start, e.end};
+  const auto t = timeline(r);
   using P = std::pair<double, double>;
   EXPECT_EQ(t.at("0:F0"), P(0, 1));
   EXPECT_EQ(t.at("0:sendA0"), P(1, 1.5));
@@ -509,8 +515,7 @@ TEST(Schedule, WeightPassesAreChecked) {
 // Without queueing sendA1 would arrive at 4 and sendG1 at 8.
 TEST(Schedule, MessagesQueueOnAThinLink) {
   const SimResult r = simulate(all_stages("1f1b", 2, 3), uniform(2, 1, 1, 2));
-  std::map<std::string, std::pair<double, double>> t;
-  for (const auto& e : r.events) t[std::to_string(e.stage) + ":" + to_string(e.action)] = {e.start, e.end};
+  const auto t = timeline(r);
   using P = std::pair<double, double>;
   EXPECT_EQ(t.at("0:sendA0"), P(1, 3));
   EXPECT_EQ(t.at("0:sendA1"), P(2, 5));
