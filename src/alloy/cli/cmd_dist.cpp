@@ -12,6 +12,7 @@
 #include "alloy/core/plan_convert.h"
 #include "alloy/dist/launch.h"
 #include "alloy/emu/emulator.h"
+#include "alloy/pipeline/schedule.h"
 #include "alloy/plan/cluster.h"
 #include "alloy/plan/planner.h"
 #include "alloy/plan/profiler.h"
@@ -29,7 +30,7 @@ struct PlanArgs {
   bool no_compare = false;
   std::string tensor_parallel = "on";
   std::string float_boundaries = "on";
-  std::vector<std::string> schedules = {"1f1b", "gpipe", "zb-h1"};
+  std::vector<std::string> schedules = pipeline::schedule_names();
   std::vector<std::string> sets;
   int64_t global_batch = 0, micro_batch = 0, layers = 0;
 };
@@ -197,7 +198,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
   plan->add_option("--schedules", pa->schedules,
                    "Pipeline schedules the search may choose from: 1f1b, gpipe, zb-h1 (zero-bubble: weight gradients "
                    "held back to fill the drain; more activation memory)")
-      ->group(g)->delimiter(',')->capture_default_str()->check(CLI::IsMember({"1f1b", "gpipe", "zb-h1"}));
+      ->group(g)->delimiter(',')->capture_default_str()->check(CLI::IsMember(pipeline::schedule_names()));
   plan->add_option("--evaluate", pa->evaluate,
                    "Predict a given plan (hand-written or converted) on the cluster instead of searching one; "
                    "the strategies' plans are shown beside it")

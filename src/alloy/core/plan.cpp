@@ -10,6 +10,7 @@
 
 #include "alloy/core/error.h"
 #include "alloy/core/json_file.h"
+#include "alloy/pipeline/schedule.h"
 #include "alloy/core/fs.h"
 
 namespace alloy {
@@ -211,10 +212,11 @@ int64_t Plan::sample_offset(int pipeline) const {
 void Plan::validate(const ModelConfig& model, const std::string& where) const {
   auto fail = [&](const std::string& field, const std::string& msg) { throw InputError(where, field + ": " + msg); };
   if (pipelines.empty()) fail("pipelines", "the plan has no pipelines");
-  if (schedule != "1f1b" && schedule != "gpipe" && schedule != "zb-h1")
-    fail("schedule", "must be 1f1b, gpipe or zb-h1, got '" + schedule + "'");
-  if (schedule == "zb-h1" && has_tensor_parallel())
-    fail("schedule", "zb-h1 with tensor parallelism is not built (a group's weight pieces would wait for their weight passes): "
+  const auto& names = pipeline::schedule_names();
+  if (std::find(names.begin(), names.end(), schedule) == names.end())
+    fail("schedule", "must be " + pipeline::schedule_names_text(" or ") + ", got '" + schedule + "'");
+  if (pipeline::splits_backward(schedule) && has_tensor_parallel())
+    fail("schedule", schedule + " with tensor parallelism is not built (a group's weight pieces would wait for their weight passes): "
                      "use 1f1b or gpipe, or stages of one rank each");
   grad_sync.validate(where, "grad_sync");
   int64_t total = 0;

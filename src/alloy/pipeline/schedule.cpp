@@ -108,13 +108,18 @@ const std::vector<std::string>& schedule_names() {
   return names;
 }
 
+std::string schedule_names_text(const char* last_sep) {
+  const auto& n = schedule_names();
+  std::string out;
+  for (size_t i = 0; i < n.size(); ++i) out += (i == 0 ? "" : i + 1 == n.size() ? last_sep : ", ") + n[i];
+  return out;
+}
+
 std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
   if (name == "1f1b") return one_f_one_b(stage, num_stages, num_micro_batches);
   if (name == "gpipe") return gpipe(stage, num_stages, num_micro_batches);
   if (name == "zb-h1") return zb_h1(stage, num_stages, num_micro_batches);
-  std::string valid;
-  for (const auto& n : schedule_names()) valid += (valid.empty() ? "" : ", ") + n;
-  throw std::invalid_argument("unknown pipeline schedule '" + name + "' (valid: " + valid + ")");
+  throw std::invalid_argument("unknown pipeline schedule '" + name + "' (valid: " + schedule_names_text() + ")");
 }
 
 std::string to_string(const Action& a) {

@@ -61,6 +61,9 @@ bool splits_backward(const std::string& name);
 std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches);
 // The names make_schedule accepts, in the order error messages list them.
 const std::vector<std::string>& schedule_names();
+// Them joined for a message: "1f1b, gpipe, zb-h1" (SEP ", "), or with LAST_SEP before the last
+// ("1f1b, gpipe or zb-h1").
+std::string schedule_names_text(const char* last_sep = ", ");
 
 // "F3", "B0", "W0", "recvA3", "sendA3", "recvG1", "sendG1".
 std::string to_string(const Action& a);

@@ -273,15 +273,17 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
       // A spread of a whole step's size per second would be a stall, not noise.
       if (!(d.step_noise >= 0 && d.step_noise < 1)) rd.fail(f + ".step_noise", "must be in [0, 1) (relative spread of one second of compute)");
     }
-    for (auto [key, member] : {std::pair{"attn_share_fwd", &DeviceProfile::attn_share_fwd}, std::pair{"attn_share_bwd", &DeviceProfile::attn_share_bwd}}) {
-      if (!kv.value().contains(key)) continue;
-      d.*member = rd.number(kv.value(), key, f + "." + key);
-      if (!(d.*member > 0 && d.*member < 1)) rd.fail(f + "." + key, "must be in (0, 1) (the attention half's share of a block's time)");
-    }
-    if (kv.value().contains("weight_share")) {
-      d.weight_share = rd.number(kv.value(), "weight_share", f + ".weight_share");
-      if (!(d.weight_share > 0 && d.weight_share < 1))
-        rd.fail(f + ".weight_share", "must be in (0, 1) (the weight products' share of a block's backward)");
+    struct Share {
+      const char* key;
+      double DeviceProfile::*member;
+      const char* of;
+    };
+    for (const Share& sh : {Share{"attn_share_fwd", &DeviceProfile::attn_share_fwd, "the attention half's share of a block's time"},
+                            Share{"attn_share_bwd", &DeviceProfile::attn_share_bwd, "the attention half's share of a block's time"},
+                            Share{"weight_share", &DeviceProfile::weight_share, "the weight products' share of a block's backward"}}) {
+      if (!kv.value().contains(sh.key)) continue;
+      d.*sh.member = rd.number(kv.value(), sh.key, f + "." + sh.key);
+      if (!(d.*sh.member > 0 && d.*sh.member < 1)) rd.fail(f + "." + sh.key, std::string("must be in (0, 1) (") + sh.of + ")");
     }
     if (kv.value().contains("codecs")) {
       const json& cs = rd.object(kv.value(), "codecs", f + ".codecs");

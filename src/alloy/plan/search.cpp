@@ -175,10 +175,11 @@ namespace {
 
 void check_options(const SearchOptions& o) {
   if (o.global_batch < 1) throw InputError("planner", "global_batch must be >= 1, got " + std::to_string(o.global_batch));
-  if (o.schedules.empty()) throw InputError("planner", "schedules: allow at least one of 1f1b, gpipe, zb-h1");
+  if (o.schedules.empty()) throw InputError("planner", "schedules: allow at least one of " + pipeline::schedule_names_text());
+  const auto& names = pipeline::schedule_names();
   for (const auto& s : o.schedules)
-    if (s != "1f1b" && s != "gpipe" && s != "zb-h1")
-      throw InputError("planner", "schedules: unknown schedule '" + s + "' (valid: 1f1b, gpipe, zb-h1)");
+    if (std::find(names.begin(), names.end(), s) == names.end())
+      throw InputError("planner", "schedules: unknown schedule '" + s + "' (valid: " + pipeline::schedule_names_text() + ")");
   o.grad_sync.validate("planner", "grad_sync");
   if (o.strategy != "alloy" && o.strategy != "uniform" && o.strategy != "proportional" && o.strategy != "ptafm")
     throw InputError("planner", "unknown strategy '" + o.strategy + "' (valid: alloy, uniform, proportional, ptafm)");

@@ -47,6 +47,7 @@
 #include <nlohmann/json.hpp>
 
 #include "alloy/core/plan.h"
+#include "alloy/pipeline/schedule.h"
 #include "alloy/plan/cluster.h"
 #include "alloy/plan/cost_model.h"
 #include "alloy/plan/profile.h"
@@ -62,7 +63,7 @@ struct SearchOptions {
   std::string strategy = "alloy";  // alloy | uniform | proportional | ptafm
   int64_t global_batch = 0;        // required
   double time_budget_s = 1.0;      // heuristic local search stops here; the exact search runs to the end
-  std::vector<std::string> schedules = {"1f1b", "gpipe", "zb-h1"};
+  std::vector<std::string> schedules = pipeline::schedule_names();  // all of them
   // A split-backward schedule's plan must be predicted this much faster than the best plan on the
   // other schedules to be chosen (kSplitScheduleMinGain); 0: the fastest predicted, whatever it is.
   double split_schedule_min_gain = kSplitScheduleMinGain;
