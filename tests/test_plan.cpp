@@ -262,7 +262,7 @@ TEST(Plan, ShardingEntriesRoundTripAndAreValidatedByField) {
   EXPECT_TRUE(Plan::from_json(r.to_json(), "x").pipelines[0].stages[1].recompute);
   EXPECT_NE(r.describe().find("recompute"), std::string::npos);
   auto v4 = j;  // a version this Alloy does not know
-  v4["version"] = 6;
+  v4["version"] = 7;
   EXPECT_THROW(Plan::from_json(v4, "x"), InputError);
 }
 
@@ -377,6 +377,60 @@ alloy::ModelConfig heads_model(int64_t heads, int64_t kv_heads) {
 }
 }  // namespace
 
+// A pipeline's own schedule (version 6): written only where it differs from the plan's, read
+// back, shown by describe(), validated by name and against tensor parallelism per pipeline, and
+// part of what ZeRO-3 needs its members to share.
+TEST(Plan, PipelineSchedulesRoundTripAsVersion6AndAreValidatedPerPipeline) {
+  Plan p = sample_plan();
+  p.pipelines[0].schedule = "zb-h1";
+  EXPECT_NO_THROW(p.validate(heads_model(8, 4), "p.json"));
+  EXPECT_EQ(p.schedule_of(0), "zb-h1");
+  EXPECT_EQ(p.schedule_of(1), "1f1b");
+  EXPECT_TRUE(p.any_split_schedule());
+  EXPECT_EQ(p.schedules_text(), "1f1b (pipeline 0 zb-h1)");
+  EXPECT_HAS(p.describe(), "blocks [3,8) | schedule zb-h1\n");
+  EXPECT_EQ(p.to_json()["version"], 6);
+  EXPECT_EQ(p.to_json()["pipelines"][0]["schedule"], "zb-h1");
+  EXPECT_EQ(Plan::from_json(p.to_json(), "x").to_json(), p.to_json());
+  // The same as the plan's: nothing to write, and the version stays what the rest needs.
+  Plan same = sample_plan();
+  same.pipelines[1].schedule = "1f1b";
+  EXPECT_EQ(same.to_json()["version"], 1);
+  EXPECT_FALSE(same.to_json()["pipelines"][1].contains("schedule"));
+  EXPECT_FALSE(same.any_split_schedule());
+  // Ranks of pipelines on different schedules do not run the same one.
+  Plan twins = sample_plan();
+  twins.pipelines[1].stages = {StagePlan{{2}, 0, 3, ""}, StagePlan{{3}, 3, 8, ""}};
+  twins.pipelines[1].micro_batch_size = 2;
+  twins.pipelines[1].num_micro_batches = 1;
+  twins.global_batch = 8;
+  twins.pipelines[0].num_micro_batches = twins.pipelines[1].num_micro_batches = 2;
+  EXPECT_EQ(twins.schedule_mismatch({0, 2}), "");
+  twins.pipelines[1].schedule = "gpipe";
+  EXPECT_HAS(twins.schedule_mismatch({0, 2}), "on 1f1b, rank 2 runs units [0, 6) as stage 0 of 2 with 2 micro-batches on gpipe");
+  p.pipelines[1].schedule = "zb";
+  EXPECT_HAS(validate_error(p, 8), "pipelines[1].schedule: must be 1f1b, gpipe or zb-h1, got 'zb'");
+  // A split backward is refused on the tensor-parallel pipeline only, named by its field.
+  Plan tp = sample_plan();
+  tp.pipelines[1].stages[0].ranks = {2, 3};
+  tp.schedule = "zb-h1";
+  auto err = [&](const Plan& q) {
+    try {
+      q.validate(heads_model(8, 4), "p.json");
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_HAS(err(tp), "p.json: schedule: zb-h1 with tensor parallelism is not built");
+  EXPECT_HAS(err(tp), "use 1f1b or gpipe for pipeline 1");
+  tp.pipelines[1].schedule = "1f1b";
+  EXPECT_EQ(err(tp), "");
+  tp.schedule = "1f1b";
+  tp.pipelines[1].schedule = "zb-h1";
+  EXPECT_HAS(err(tp), "p.json: pipelines[1].schedule: zb-h1 with tensor parallelism is not built");
+}
+
 TEST(Plan, TensorParallelStagesRoundTripAsVersion4AndCheckTheirSplit) {
   Plan p = sample_plan();
   p.pipelines[1].stages[0].ranks = {2, 3};
@@ -443,7 +497,8 @@ TEST(Plan, FromJsonNamesTheBadField) {
     return "";
   };
   EXPECT_HAS(error_of(R"({"format": "other", "global_batch": 1, "pipelines": []})"), "field 'format' is \"other\"");
-  EXPECT_HAS(error_of(R"({"version": 6, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 5");
+  EXPECT_HAS(error_of(R"({"version": 7, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 6");
+  EXPECT_HAS(error_of(R"({"version": 2.5, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 6");
   EXPECT_HAS(error_of(R"({"pipelines": []})"), "plan.json: field 'global_batch' is missing or ill-typed");
   EXPECT_HAS(
       error_of(

@@ -222,3 +222,63 @@ TEST(SchedulePlanner, SplitBackwardOnlyForAClearGain) {
   EXPECT_NE(thin.plan.schedule, "zb-h1");
   EXPECT_TRUE(note_with(thin, "schedule: zb-h1 not used")) << thin.plan.describe();
 }
+
+// Schedules per pipeline: a four-stage pipeline of equal devices, which bounds the step, gains
+// over 5% from zb-h1; a two-stage replica beside it whose devices' weight products are a sliver of
+// their backward gains nothing from it. The phase gives zb-h1 to the first alone, says so, and
+// its plan is the one the cost model prices, round-trips as a version-6 plan and validates; a
+// plan-wide zb-h1 is no faster.
+TEST(SchedulePlanner, SchedulePerPipeline) {
+  ClusterSpec c;
+  c.devices = {device("a0", "box", "fast"), device("a1", "box", "fast"), device("a2", "box", "fast"), device("a3", "box", "fast"),
+               device("b0", "box", "thin"),  device("b1", "box", "thin")};
+  c.intra_host = {40.0, 0.02};
+  Profile prof = base_profile(4, "gpt2");
+  prof.devices["fast"] = dev_profile(10.0);
+  prof.devices["thin"] = dev_profile(8.0);
+  prof.devices["thin"].weight_share = 0.02;
+  Plan plan;
+  plan.global_batch = 8;
+  PipelinePlan a, b;
+  a.num_micro_batches = b.num_micro_batches = 4;
+  for (int s = 0; s < 4; ++s) a.stages.push_back(stage(s, s, s + 1, "a" + std::to_string(s)));
+  b.stages = {stage(4, 0, 2, "b0"), stage(5, 2, 4, "b1")};
+  plan.pipelines = {a, b};
+  plan.validate(prof.model, "test");
+  SearchResult r;
+  r.strategy = "alloy";
+  r.plan = plan;
+  r.cost = simulate_plan(plan, c, prof);
+  SearchOptions o;
+  o.global_batch = 8;
+  o.micro_batch_sizes = {1};
+  refine_schedules(r, c, prof, o);
+  ASSERT_EQ(r.plan.schedule_of(0), "zb-h1") << r.plan.describe();
+  EXPECT_FALSE(pipeline::splits_backward(r.plan.schedule_of(1))) << r.plan.describe();
+  EXPECT_LT(r.cost.step_s, simulate_plan(plan, c, prof).step_s * (1 - kSplitScheduleMinGain));
+  EXPECT_NEAR(r.cost.step_s, simulate_plan(r.plan, c, prof).step_s, 1e-12);
+  ASSERT_EQ(r.notes.size(), 1u);
+  EXPECT_NE(r.notes[0].find("schedules per pipeline: 1f1b (pipeline 0 zb-h1)"), std::string::npos) << r.notes[0];
+  EXPECT_NO_THROW(r.plan.validate(prof.model, "refined"));
+  const nlohmann::json j = r.plan.to_json();
+  EXPECT_EQ(j["version"], 6);
+  EXPECT_EQ(j["pipelines"][0]["schedule"], "zb-h1");
+  EXPECT_FALSE(j["pipelines"][1].contains("schedule"));
+  const Plan back = Plan::from_json(j, "round trip");
+  EXPECT_EQ(back.schedule_of(0), "zb-h1");
+  EXPECT_EQ(back.schedule_of(1), "1f1b");
+  // The same split backward on every pipeline is no faster than on the one that bounds the step.
+  Plan everywhere = r.plan;
+  everywhere.schedule = "zb-h1";
+  for (auto& pl : everywhere.pipelines) pl.schedule.clear();
+  EXPECT_GE(simulate_plan(everywhere, c, prof).step_s, r.cost.step_s * (1 - 2e-3));
+  // Without zb-h1 among the options nothing changes.
+  SearchResult kept;
+  kept.strategy = "alloy";
+  kept.plan = plan;
+  kept.cost = simulate_plan(plan, c, prof);
+  o.schedules = {"1f1b"};
+  refine_schedules(kept, c, prof, o);
+  EXPECT_EQ(kept.plan.schedules_text(), "1f1b");
+  EXPECT_TRUE(kept.notes.empty());
+}

@@ -139,8 +139,20 @@ def _schedule(layout, schedule):
     return out
 
 
+def _per_pipeline(layout, schedules):
+    """LAYOUT with pipeline i on SCHEDULES[i] (plan version 6), the plan's own schedule 1f1b."""
+    out = json.loads(json.dumps(layout))
+    out["version"] = 6
+    for pl, sched in zip(out["pipelines"], schedules):
+        pl["schedule"] = sched
+    return out
+
+
 LAYOUTS["zb-pp3-1+5+2"] = ("gpt2", 24, _schedule(LAYOUTS["pp3-1+5+2-1f1b"][2], "zb-h1"), 3)
 LAYOUTS["zb-mixed-llama"] = ("llama", 24, _schedule(LAYOUTS["mixed-llama"][2], "zb-h1"), 3)
+# Schedules per pipeline: two 2-stage pipelines of unlike micro-batch sizes, one on zb-h1 and
+# one on GPipe; their gradients meet in the same holder-set syncs.
+LAYOUTS["zb-per-pipeline"] = ("gpt2", 24, _per_pipeline(LAYOUTS["pp2x2-4x4-2x4"][2], ["zb-h1", "gpipe"]), 4)
 LAYOUTS["zb-float-zero2-recompute"] = ("gpt2", 24, _schedule(LAYOUTS["float-mixed-12x11_and_16"][2], "zb-h1"), 3,
                                        ["--zero-stage", "2", "--shard-ratio", "3", "1", "2", "--recompute"])
 

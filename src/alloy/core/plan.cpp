@@ -186,17 +186,35 @@ bool PipelinePlan::floats() const {
   return false;
 }
 
+const std::string& Plan::schedule_of(size_t p) const {
+  return p < pipelines.size() && !pipelines[p].schedule.empty() ? pipelines[p].schedule : schedule;
+}
+
+bool Plan::any_split_schedule() const {
+  for (size_t p = 0; p < pipelines.size(); ++p)
+    if (pipeline::splits_backward(schedule_of(p))) return true;
+  return false;
+}
+
+std::string Plan::schedules_text() const {
+  std::string own;
+  for (size_t p = 0; p < pipelines.size(); ++p)
+    if (schedule_of(p) != schedule) own += (own.empty() ? "" : ", ") + ("pipeline " + std::to_string(p) + " ") + schedule_of(p);
+  return own.empty() ? schedule : schedule + " (" + own + ")";
+}
+
 std::string Plan::schedule_mismatch(const std::vector<int>& ranks) const {
   auto key = [&](int r) {
     const Position at = locate(r);
     const PipelinePlan& pl = pipelines[static_cast<size_t>(at.pipeline)];
     const StagePlan& st = pl.stages[static_cast<size_t>(at.stage)];
-    return std::make_tuple(st.unit_begin(), st.unit_end(), at.stage, pl.stages.size(), pl.num_micro_batches);
+    return std::make_tuple(st.unit_begin(), st.unit_end(), at.stage, pl.stages.size(), pl.num_micro_batches,
+                           schedule_of(static_cast<size_t>(at.pipeline)));
   };
   auto text = [&](int r) {
-    const auto [b, e, s, n, m] = key(r);
+    const auto [b, e, s, n, m, sched] = key(r);
     return "rank " + std::to_string(r) + " runs units [" + std::to_string(b) + ", " + std::to_string(e) + ") as stage " +
-           std::to_string(s) + " of " + std::to_string(n) + " with " + std::to_string(m) + " micro-batches";
+           std::to_string(s) + " of " + std::to_string(n) + " with " + std::to_string(m) + " micro-batches on " + sched;
   };
   for (int r : ranks)
     if (key(r) != key(ranks.front())) return text(ranks.front()) + ", " + text(r);
@@ -215,9 +233,17 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
   const auto& names = pipeline::schedule_names();
   if (std::find(names.begin(), names.end(), schedule) == names.end())
     fail("schedule", "must be " + pipeline::schedule_names_text(" or ") + ", got '" + schedule + "'");
-  if (pipeline::splits_backward(schedule) && has_tensor_parallel())
-    fail("schedule", schedule + " with tensor parallelism is not built (a group's weight pieces would wait for their weight passes): "
-                     "use 1f1b or gpipe, or stages of one rank each");
+  for (size_t p = 0; p < pipelines.size(); ++p) {
+    const std::string& own = pipelines[p].schedule;
+    const std::string field = own.empty() ? "schedule" : "pipelines[" + std::to_string(p) + "].schedule";
+    if (!own.empty() && std::find(names.begin(), names.end(), own) == names.end())
+      fail(field, "must be " + pipeline::schedule_names_text(" or ") + ", got '" + own + "'");
+    bool tp = false;
+    for (const auto& st : pipelines[p].stages) tp = tp || st.tp() > 1;
+    if (tp && pipeline::splits_backward(schedule_of(p)))
+      fail(field, schedule_of(p) + " with tensor parallelism is not built (a group's weight pieces would wait for their weight passes): "
+                  "use 1f1b or gpipe for pipeline " + std::to_string(p) + ", or stages of one rank each");
+  }
   grad_sync.validate(where, "grad_sync");
   int64_t total = 0;
   std::string sum_text;
@@ -326,20 +352,22 @@ nlohmann::json Plan::to_json() const {
   j["format"] = "alloy-plan";
   // Each version is written only when the plan needs it: readers of version 1 know no sharding
   // and no recomputation, readers of 2 no half-block stages.
-  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel(), v5 = false;
+  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel(), v5 = false, v6 = false;
   for (const auto& p : pipelines) {
     v5 = v5 || p.floats();
+    v6 = v6 || (!p.schedule.empty() && p.schedule != schedule);
     for (const auto& st : p.stages) {
       v2 = v2 || st.recompute;
       v3 = v3 || st.splits_block();
     }
   }
-  j["version"] = v5 ? 5 : v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
+  j["version"] = v6 ? 6 : v5 ? 5 : v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
   j["global_batch"] = global_batch;
   j["schedule"] = schedule;
   j["pipelines"] = nlohmann::json::array();
   for (const auto& p : pipelines) {
     nlohmann::json pj = {{"micro_batch_size", p.micro_batch_size}, {"num_micro_batches", p.num_micro_batches}};
+    if (!p.schedule.empty() && p.schedule != schedule) pj["schedule"] = p.schedule;
     pj["stages"] = nlohmann::json::array();
     for (const auto& s : p.stages) {
       nlohmann::json sj = {{"ranks", s.ranks}, {"layers", {s.layer_begin, s.layer_end}}};
@@ -391,9 +419,11 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
   try {
     if (j.contains("format") && j["format"] != "alloy-plan")
       throw InputError(where, "field 'format' is " + j["format"].dump() + ", not \"alloy-plan\"");
-    if (j.contains("version") && j["version"] != 1 && j["version"] != 2 && j["version"] != 3 && j["version"] != 4 &&
-        j["version"] != 5)
-      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 5");
+    const auto known_version = [](const nlohmann::json& v) {
+      return v.is_number() && v.get<double>() >= 1 && v.get<double>() <= 6 && v.get<double>() == std::floor(v.get<double>());
+    };
+    if (j.contains("version") && !known_version(j["version"]))
+      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 6");
     field = "global_batch";
     p.global_batch = whole<int64_t>(j.at("global_batch"));
     field = "schedule";
@@ -405,6 +435,11 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
       PipelinePlan pl;
       pl.micro_batch_size = whole<int64_t>(pls[i].at("micro_batch_size"));
       pl.num_micro_batches = whole<int64_t>(pls[i].at("num_micro_batches"));
+      if (pls[i].contains("schedule")) {
+        field += ".schedule";
+        pl.schedule = pls[i].at("schedule").get<std::string>();
+        field = "pipelines[" + std::to_string(i) + "]";
+      }
       const auto& sts = pls[i].at("stages");
       for (size_t s = 0; s < sts.size(); ++s) {
         field = "pipelines[" + std::to_string(i) + "].stages[" + std::to_string(s) + "]";
@@ -554,6 +589,7 @@ std::string Plan::describe() const {
       if (!st.device.empty() && st.devices.size() < 2) out << " (" << st.device << ")";
       if (st.recompute) out << " recompute";
     }
+    if (schedule_of(p) != schedule) out << " | schedule " << schedule_of(p);
     out << "\n";
   }
   for (const auto& e : sharding) {

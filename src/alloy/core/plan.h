@@ -72,6 +72,10 @@ struct PipelinePlan {
   int64_t micro_batch_size = 1;
   int64_t num_micro_batches = 1;
   std::vector<StagePlan> stages;
+  // This pipeline's own schedule (plan version 6); empty: the plan's. Pipelines of one plan differ
+  // in depth and balance, so the schedule that hides one's bubble best may not suit another's
+  // (a split backward pays off on an uneven pipeline bounding the step, and only there).
+  std::string schedule;
   int64_t samples() const { return micro_batch_size * num_micro_batches; }
   // The unit where micro-batch MB passes from stage S to S + 1: the stages' own boundary, or, for
   // a floating one, the shared unit's end in round(float_share x M) of the M micro-batches (those
@@ -96,8 +100,14 @@ struct ShardingPlan {
 
 struct Plan {
   int64_t global_batch = 0;
-  std::string schedule = "1f1b";  // 1f1b | gpipe | zb-h1 (pipeline/schedule.h)
+  std::string schedule = "1f1b";  // 1f1b | gpipe | zb-h1 (pipeline/schedule.h); per pipeline below
   std::vector<PipelinePlan> pipelines;
+  // The schedule pipeline P runs: its own, or the plan's.
+  const std::string& schedule_of(size_t p) const;
+  // Whether any pipeline runs a schedule that splits the backward (pipeline::splits_backward).
+  bool any_split_schedule() const;
+  // The plan's schedule with the pipelines that run another: "1f1b" or "1f1b (pipeline 1 zb-h1)".
+  std::string schedules_text() const;
   GradSyncConfig grad_sync;  // bucket size, compression; what the runtime does
   // Pairs of ranks (a < b) whose direct link is slow: with grad_sync.scope slow-links, the ranks of
   // a holder set joined by fast links sync exactly among themselves and compress what crosses.

@@ -54,7 +54,8 @@ class Fitter {
       c.ranks = set.ids;
       // ZeRO-3 needs the members on one schedule, and not zb-h1 (its weight passes need the layers
       // ZeRO-3 frees after their backward).
-      const bool zero3 = plan.schedule_mismatch(set.ids).empty() && !pipeline::splits_backward(plan.schedule);
+      const bool zero3 = plan.schedule_mismatch(set.ids).empty() &&
+                         !pipeline::splits_backward(plan.schedule_of(static_cast<size_t>(plan.locate(set.ids.front()).pipeline)));
       c.max_stage = ctx.sync_shape(devs).compressed ? 0 : zero3 ? 3 : 1;
       if (c.max_stage > 0) base_.sets.push_back(c);
     }

@@ -81,6 +81,7 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
       return x;
     }
     if (x.strategy == "alloy" && o.split_blocks) refine_units(x, cluster, profile, o);
+    if (x.strategy == "alloy") refine_schedules(x, cluster, profile, o);
     if (x.strategy == "alloy") tune_buckets(x, cluster, profile);
     if (x.strategy == "alloy" && o.tensor_parallel) consider_tensor_parallel(x, cluster, profile, o);
     return x;
@@ -108,10 +109,7 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
       SearchOptions o = options;
       o.strategy = s;
       try {
-        r.baselines.push_back(search(cluster, profile, o));
-        if (s == std::string("alloy") && o.split_blocks) refine_units(r.baselines.back(), cluster, profile, o);
-        if (s == std::string("alloy")) tune_buckets(r.baselines.back(), cluster, profile);
-        if (s == std::string("alloy") && o.tensor_parallel) consider_tensor_parallel(r.baselines.back(), cluster, profile, o);
+        r.baselines.push_back(run(o));  // the alloy strategy with its refinement phases, as chosen above
       } catch (const std::exception& e) {
         r.failed.push_back(s + ": " + e.what());
       }

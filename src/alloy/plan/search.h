@@ -13,7 +13,8 @@
 //  - layer split: any contiguous split of the blocks with >= 1 block per stage;
 //  - batch: replica r takes b_r >= 1 samples, sum b_r = global_batch, in micro-batches of a size
 //    m_r from SearchOptions' candidate sizes that divides b_r (num_micro_batches = b_r / m_r);
-//  - schedule: one of SearchOptions::schedules, for the whole plan (Plan has one schedule);
+//  - schedule: one of SearchOptions::schedules, for the whole plan (refine_schedules, after the
+//    search, may then give single pipelines another);
 //  - gradient sync: SearchOptions::grad_sync (bucket size, compression, scope), fixed.
 // Feasible: every rank fits its device's memory. Objective: simulate_plan(plan).step_s.
 // Devices with the same type, host and memory are interchangeable under the cost model (the sync
@@ -132,6 +133,25 @@ void tune_buckets(SearchResult& result, const ClusterSpec& cluster, const Profil
 // the stage that takes the shared unit in some micro-batches computed more than predicted).
 constexpr double kFloatMinGain = 0.05;
 void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
+
+// CAND priced by simulate_plan, with its batch re-split among its pipelines (calibrate.h's
+// rebalance, for up to four pipelines) when that is faster: CAND becomes the re-split plan then.
+// The refinement phases price their moves with it, since a pipeline made faster may take more of
+// the batch.
+// RESULT takes PLAN, priced COST, as its plan (cost, prediction and search step with it), keeping
+// the strategy its plan's prediction names: how the refinement phases hand back what they found.
+void adopt_plan(SearchResult& result, Plan plan, const PlanCost& cost);
+PlanCost priced_rebalanced(Plan& cand, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
+
+// Schedules per pipeline (PipelinePlan::schedule): from RESULT's plan, greedily gives one
+// pipeline of two or more stages another of OPTIONS' schedules while that is predicted faster
+// (with the batch re-split), by over 0.2%, or by split_schedule_min_gain for a schedule that
+// splits the backward where the pipeline's did not (the margin search() asks of a plan-wide
+// split). A split backward pays off on an uneven pipeline that bounds the step; on a replica
+// beside it, it only delays that replica's gradients. Skips what the runtime refuses: split
+// backwards on tensor-parallel pipelines or on ranks sharded with ZeRO-3. Notes each change.
+// Applied by make_plan after refine_units.
+void refine_schedules(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
 
 // Tensor parallelism: groups of 2 to 4 devices (pools of up to kTensorParallelMaxDevices; those
 // joined by the fastest links first, at most kTensorParallelMaxGroups of them, within the time

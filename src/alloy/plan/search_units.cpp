@@ -31,9 +31,9 @@ std::string layout_text(const Plan& plan) {
   return out;
 }
 
-// CAND priced, with the batch re-split for its pipelines (a pipeline whose stages balance better
-// may take more of the batch: rebalance with every pipeline as predicted) when that is faster.
-PlanCost priced(Plan& cand, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
+}  // namespace
+
+PlanCost priced_rebalanced(Plan& cand, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
   PlanCost c = simulate_plan(cand, cluster, profile);
   if (cand.pipelines.size() > 1 && cand.pipelines.size() <= kRebalanceUpTo) {
     std::map<int, double> phase;
@@ -47,6 +47,8 @@ PlanCost priced(Plan& cand, const ClusterSpec& cluster, const Profile& profile, 
   }
   return c;
 }
+
+namespace {
 
 // The floating boundaries of PLAN's pipeline P at boundary S (between stages S and S + 1) worth
 // pricing: the unit on either side of a whole cut, or another share for a boundary that floats
@@ -103,7 +105,7 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
           if (cut <= a.unit_begin() || cut >= b.unit_end()) continue;  // a stage would be empty
           a.set_units(a.unit_begin(), cut);
           b.set_units(cut, b.unit_end());
-          PlanCost c = priced(cand, cluster, profile, options);
+          PlanCost c = priced_rebalanced(cand, cluster, profile, options);
           if (c.fits && c.step_s < round_cost.step_s * (1 - 2e-3)) round_best = std::move(cand), round_cost = c, found = true;
         }
     if (!found) break;
@@ -127,7 +129,7 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
             if (out_of_time()) break;
             PlanCost c;
             try {
-              c = priced(cand, cluster, profile, options);
+              c = priced_rebalanced(cand, cluster, profile, options);
             } catch (const InputError&) {
               continue;  // a stage would run no unit of its own
             }
@@ -149,12 +151,16 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
   o << "): predicted " << best_cost.step_s * 1e3 << " ms instead of "
     << before * 1e3 << " ms with whole blocks";
   result.notes.push_back(o.str());
+  adopt_plan(result, std::move(best), best_cost);
+}
+
+void adopt_plan(SearchResult& result, Plan plan, const PlanCost& cost) {
   const std::string strategy = result.plan.predicted.is_object() ? result.plan.predicted.value("strategy", result.strategy) : result.strategy;
-  result.plan = best;
-  result.cost = best_cost;
-  result.plan.predicted = best_cost.to_json();
+  result.plan = std::move(plan);
+  result.cost = cost;
+  result.plan.predicted = cost.to_json();
   result.plan.predicted["strategy"] = strategy;
-  result.search_step_s = best_cost.step_s;
+  result.search_step_s = cost.step_s;
 }
 
 }  // namespace alloy::plan

@@ -87,7 +87,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     const PipelinePlan& pl = plan.pipelines[p];
     const int64_t S = static_cast<int64_t>(pl.stages.size()), M = pl.num_micro_batches, m = pl.micro_batch_size;
     pipeline::SimCosts costs;
-    const bool split = pipeline::splits_backward(plan.schedule);
+    const bool split = pipeline::splits_backward(plan.schedule_of(p));
     std::vector<std::vector<pipeline::Action>> actions;
     for (int64_t s = 0; s < S; ++s) {
       const StagePlan& st = pl.stages[static_cast<size_t>(s)];
@@ -139,7 +139,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
         const int next = dev_of[static_cast<size_t>(pl.stages[static_cast<size_t>(s + 1)].ranks[0])];
         costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m));
       }
-      actions.push_back(pipeline::make_schedule(plan.schedule, s, S, M));
+      actions.push_back(pipeline::make_schedule(plan.schedule_of(p), s, S, M));
     }
     pipeline::SimResult sim = pipeline::simulate(actions, costs);
     PipelineCost pcost;

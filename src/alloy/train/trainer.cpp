@@ -250,8 +250,13 @@ void Trainer::plan_shards() {
       throw InputError(entry ? "plan" : "train.zero_stage", "ZeRO-3 with tensor parallelism is not built (the group's pieces "
                                                               "would be gathered per layer): use stage 1 or 2 for ranks " +
                                                               join(ranks, ","));
-    if (stage == 3 && pipeline::splits_backward(plan_->schedule))
-      throw InputError(entry ? "plan" : "train.zero_stage", "ZeRO-3 with the " + plan_->schedule +
+    std::string split_schedule;  // a member's, when it splits the backward
+    for (int r : ranks) {
+      const std::string& sc = plan_->schedule_of(static_cast<size_t>(plan_->locate(r).pipeline));
+      if (pipeline::splits_backward(sc)) split_schedule = sc;
+    }
+    if (stage == 3 && !split_schedule.empty())
+      throw InputError(entry ? "plan" : "train.zero_stage", "ZeRO-3 with the " + split_schedule +
                                                               " schedule is not built (its weight passes need the layers "
                                                               "ZeRO-3 frees after their backward): use stage 1 or 2 for ranks " +
                                                               join(ranks, ",") + ", or the 1f1b schedule");
@@ -578,7 +583,7 @@ TrainResult Trainer::run() {
   const double batch_tokens = static_cast<double>(gb * T);
   const bool lead = rank_ == 0;
   const bool quiet = opts_.quiet || !lead;
-  const auto actions = pipeline::make_schedule(plan_->schedule, pos_.stage, S, pl.num_micro_batches);
+  const auto actions = pipeline::make_schedule(plan_->schedule_of(static_cast<size_t>(pos_.pipeline)), pos_.stage, S, pl.num_micro_batches);
 
   ensure_writable_dir(cfg_.output.dir);
   std::unique_ptr<Metrics> metrics;

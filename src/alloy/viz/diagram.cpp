@@ -339,7 +339,7 @@ Picture build(const DiagramInput& in) {
   // The note: what this is, who syncs what, how to read it.
   pic.note.push_back("Alloy plan: " + std::to_string(plan.world_size()) + " ranks in " +
                      std::to_string(plan.pipelines.size()) + (plan.pipelines.size() == 1 ? " pipeline" : " pipelines") +
-                     ", " + std::to_string(blocks) + " blocks, schedule " + plan.schedule + ", global batch " +
+                     ", " + std::to_string(blocks) + " blocks, schedule " + plan.schedules_text() + ", global batch " +
                      std::to_string(plan.global_batch) + (cl && !cl->name.empty() ? ", cluster " + cl->name : ""));
   if (pred.is_object() && pred.contains("step_s") && pred["step_s"].is_number())
     pic.note.push_back("predicted step time " + seconds(pred["step_s"].get<double>()));
