@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "alloy/core/plan.h"
+#include "alloy/pipeline/schedule.h"
 #include "fuzz_util.h"
 
 using alloy::InputError;
@@ -39,6 +40,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     all.push_back(r);
   }
   (void)p.schedule_mismatch(all);
+  // Every pipeline's schedule (its own or the plan's) is one the executor can build.
+  const auto& names = alloy::pipeline::schedule_names();
+  for (size_t i = 0; i < p.pipelines.size(); ++i)
+    FUZZ_CHECK(std::find(names.begin(), names.end(), p.schedule_of(i)) != names.end(), "pipeline " + std::to_string(i) + ": " + p.schedule_of(i));
   for (const auto& s : p.sharding) (void)p.sharding_of(s.ranks);
   // Every micro-batch runs a non-empty range of units inside what each stage holds, and the
   // stages' ranges chain from unit 0 to the model's end (a floating boundary decides them per

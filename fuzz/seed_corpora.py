@@ -134,6 +134,12 @@ add("plan", "gen-v5-floating", json.dumps({
         {"ranks": [0], "units": [0, 4], "float_share": 0.43}, {"ranks": [1], "units": [3, 7], "float_share": 0.5},
         {"ranks": [2], "units": [6, 8]}]},
         {"micro_batch_size": 3, "num_micro_batches": 1, "stages": [{"ranks": [3], "layers": [0, 4]}]}]}))
+add("plan", "gen-v6-pipeline-schedules", json.dumps({
+    "format": "alloy-plan", "version": 6, "global_batch": 10, "schedule": "1f1b",
+    "pipelines": [{"micro_batch_size": 1, "num_micro_batches": 4, "schedule": "zb-h1", "stages": [
+        {"ranks": [0], "layers": [0, 1]}, {"ranks": [1], "layers": [1, 3]}, {"ranks": [2], "layers": [3, 4]}]},
+        {"micro_batch_size": 3, "num_micro_batches": 2, "schedule": "gpipe", "stages": [
+            {"ranks": [3], "layers": [0, 2]}, {"ranks": [4], "layers": [2, 4]}]}]}))
 add("plan", "gen-dp", json.dumps({"global_batch": 6, "pipelines": [
     {"micro_batch_size": 1, "num_micro_batches": 2, "stages": [stage(0, 0, 4)]},
     {"micro_batch_size": 2, "num_micro_batches": 2, "stages": [stage(1, 0, 4)]}]}))
@@ -179,6 +185,11 @@ add("profile", "gen-v5-lora", json.dumps({
     "devices": {"T4": device(2)}, "links": [],
     "memory": dict(MEMORY, frozen_bytes_per_block=400000.0, frozen_bytes_embed=0, frozen_bytes_head=0),
     "lora": {"rank": 8, "alpha": 16, "targets": "q_proj,v_proj", "base_dtype": "nf4", "double_quant": True}}))
+add("profile", "gen-v8-weight-share", json.dumps({
+    "format": "alloy-profile", "version": 8, "model": MODEL,
+    "devices": {"cpu-full": dict(device(1), attn_share_fwd=0.35, attn_share_bwd=0.42, weight_share=0.39),
+                "cpu-half": dict(device(2), weight_share=0.4)},
+    "links": [], "memory": MEMORY}, indent=1))
 add("profile", "gen-v7-tp-sums", json.dumps({
     "format": "alloy-profile", "version": 7, "model": MODEL,
     "devices": {"cpu-a": device(1), "cpu-b": device(2)},
