@@ -767,7 +767,7 @@ TEST(Profile, JsonRoundTrip) {
   EXPECT_EQ(q.to_json(), p.to_json());
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-profile");
-  EXPECT_EQ(j["version"], 8);
+  EXPECT_EQ(j["version"], 9);
   // Tensor-parallel sums per device pair round-trip and are optional.
   {
     EXPECT_FALSE(j.contains("tp_sums"));
@@ -806,6 +806,26 @@ TEST(Profile, JsonRoundTrip) {
       ADD_FAILURE() << "a weight share of 1.5 was accepted";
     } catch (const alloy::InputError& e) {
       EXPECT_NE(std::string(e.what()).find("devices.cpu-full.weight_share"), std::string::npos) << e.what();
+    }
+  }
+  // Communication's CPU time per byte round-trips, is optional, and must be a plausible figure.
+  {
+    Profile c = p;
+    c.devices.at("cpu-quarter").comm_cpu_s_per_byte = 1.8e-9;
+    Profile d = Profile::from_json(c.to_json(), "p.json");
+    EXPECT_EQ(d.devices.at("cpu-quarter").comm_cpu_s_per_byte, 1.8e-9);
+    EXPECT_EQ(d.devices.at("cpu-full").comm_cpu_s_per_byte, 0.0);
+    EXPECT_FALSE(c.to_json()["devices"]["cpu-full"].contains("comm_cpu_s_per_byte"));
+    EXPECT_EQ(d.to_json(), c.to_json());
+    for (double v : {-1e-9, 2e-6}) {
+      nlohmann::json bad = c.to_json();
+      bad["devices"]["cpu-quarter"]["comm_cpu_s_per_byte"] = v;
+      try {
+        Profile::from_json(bad, "p.json");
+        ADD_FAILURE() << "comm_cpu_s_per_byte " << v << " was accepted";
+      } catch (const alloy::InputError& e) {
+        EXPECT_NE(std::string(e.what()).find("devices.cpu-quarter.comm_cpu_s_per_byte: must be in [0, 1e-6)"), std::string::npos) << e.what();
+      }
     }
   }
   // Version 1 (lines without points) still reads.
@@ -932,8 +952,8 @@ TEST(Profile, ValidationErrorsNameFileAndField) {
   };
   EXPECT_HAS(with([](auto& j) { j["format"] = "alloy-plan"; }), "p.json: format: \"alloy-plan\", not \"alloy-profile\"");
   EXPECT_HAS(with([](auto& j) { j.erase("format"); }), "p.json: format: is missing");
-  EXPECT_HAS(with([](auto& j) { j["version"] = 9; }), "p.json: version: 9; this Alloy reads versions 1 to 8");
-  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 8");
+  EXPECT_HAS(with([](auto& j) { j["version"] = 10; }), "p.json: version: 10; this Alloy reads versions 1 to 9");
+  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 9");
   const nlohmann::json sum = {{"device_a", "a0"}, {"device_b", "a1"}, {"bytes", 4096}, {"seconds", 1e-3}};
   EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["seconds"] = -1; }), "p.json: tp_sums[0].seconds: must be in [0, 60)");
   EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["bytes"] = 0; }), "p.json: tp_sums[0].bytes: must be > 0");

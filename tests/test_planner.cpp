@@ -199,6 +199,37 @@ TEST(CostModel, TwoStagePipelineExactStepTime) {
   }
 }
 
+// Messages take CPU time from the stages that send and receive them (the profile's
+// comm_cpu_s_per_byte): with 0.25 s per 128-byte message, each stage's forward and backward
+// (one message each here) grow by 0.25 s: 1.25 and 2.25. GPipe: stage 1 F0 [1.75, 3] F1 [3, 4.25]
+// B0 [4.25, 6.5] B1 [6.5, 8.75]; stage 0 B0 [7, 9.25] B1 [9.25, 11.5]. 1F1B: stage 1 F0 [1.75, 3]
+// B0 [3, 5.25] F1 [5.25, 6.5] B1 [6.5, 8.75]; stage 0 B0 [5.75, 8] B1 [9.25, 11.5].
+TEST(CostModel, MessagesTakeCpuTimeFromTheirStages) {
+  Profile p = base_profile(2);
+  p.model.seq_len = 4;
+  p.model.hidden = 8;
+  p.devices["t"] = flat(0.5, 1.0, 0.5, 1.0);
+  p.devices["t"].comm_cpu_s_per_byte = 0.25 / 128;
+  ClusterSpec c = two_hosts(512 * 8 / 1e9, 250);
+  for (const std::string sched : {"gpipe", "1f1b"}) {
+    Plan plan;
+    plan.global_batch = 2;
+    plan.schedule = sched;
+    plan.pipelines.push_back({1, 2, {stage(0, 0, 1, "a"), stage(1, 1, 2, "b")}});
+    PlanCost pc = simulate_plan(plan, c, p);
+    EXPECT_NEAR(pc.phase_s, 11.5, 1e-9) << sched;
+    ASSERT_EQ(pc.stages.size(), 2u);
+    for (const auto& st : pc.stages) {
+      EXPECT_NEAR(st.forward_s, 2 * 1.25, 1e-9) << sched;
+      EXPECT_NEAR(st.backward_s, 2 * 2.25, 1e-9) << sched;
+    }
+  }
+  // One device sends nothing: its figures are the compute alone (two blocks, embedding and head).
+  Plan one = Plan::data_parallel(2, {{2, 1}});
+  one.pipelines[0].stages[0].device = "a";
+  EXPECT_NEAR(simulate_plan(one, c, p).stages[0].forward_s, 2 * 0.5 + 0.5 + 0.5, 1e-9);
+}
+
 TEST(CostModel, HalfBlockStagesPriceEachHalfByItsMeasuredShare) {
   Profile p = base_profile(2);
   p.model.seq_len = 4;
@@ -962,6 +993,8 @@ TEST(Search, ExactSearchMatchesExhaustiveEnumeration) {
           dev_profile(*rc::gen::inRange(1, 9) / 2.0, *rc::gen::inRange(0, 20) / 10000.0, *rc::gen::inRange(5, 40) / 10000.0);
       // Noisy devices make the step wait for the slowest replica's draw: the search must price it as simulate_plan does.
       pl.profile.devices[types.back()].step_noise = *rc::gen::element(0.0, 0.0, 0.02, 0.1);
+      // Pipeline messages' CPU time: in the search's stage tables as in simulate_plan.
+      pl.profile.devices[types.back()].comm_cpu_s_per_byte = *rc::gen::element(0.0, 0.0, 2e-9, 2e-7);
     }
     for (int i = 0; i < n; ++i) {
       const int t = *rc::gen::inRange(0, n_types), h = *rc::gen::inRange(0, n_hosts);

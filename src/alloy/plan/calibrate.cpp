@@ -54,6 +54,7 @@ Calibration calibrate(const Plan& plan, const ClusterSpec& cluster, const Profil
     DeviceProfile& d = c.profile.devices.at(type);
     for (MicroBatchCost* mc : {&d.block_fwd, &d.block_bwd, &d.embed_fwd, &d.embed_bwd, &d.head_fwd, &d.head_bwd}) scale(*mc, k);
     d.optimizer_s_per_param *= k;
+    d.comm_cpu_s_per_byte *= k;  // the messages' CPU time slows with the device's compute
     for (auto& [m, c] : d.codecs) c.encode_s_per_elem *= k, c.decode_s_per_elem *= k;
     o << "  " << type << ": measured " << ms(m / ranks[type]) << " of compute per step against " << ms(pred[type] / ranks[type])
       << " predicted" << (ranks[type] > 1 ? " (mean of " + std::to_string(ranks[type]) + " ranks)" : "") << ": x" << f2(k)

@@ -244,6 +244,12 @@ class CostContext {
   double weight_units_s(int type, int64_t unit_begin, int64_t unit_end, int64_t m) const {
     return weight_share(type) * backward_units_s(type, unit_begin, unit_end, false, false, m);
   }
+  // What a pipeline stage's messages take from its compute, per micro-batch, in its forward and
+  // again in its backward (each receives one message unless FIRST / LAST and sends one unless LAST /
+  // FIRST): the messages' bytes times the type's profiled comm_cpu_s_per_byte (0 unmeasured).
+  double p2p_cpu_s(int type, bool first, bool last, int64_t m) const {
+    return static_cast<double>(2 - (first ? 1 : 0) - (last ? 1 : 0)) * message_bytes(m) * type_profile_[static_cast<size_t>(type)]->comm_cpu_s_per_byte;
+  }
   // Seconds per sample through the whole model at micro-batch M (forward + backward): a type's speed.
   double full_model_s_per_sample(int type, int64_t m) const;
   // One activation (or gradient) message of M samples between two hosts.
@@ -388,9 +394,14 @@ class CostContext {
     int64_t collectives = 0;
   };
   void buckets(const SyncShape& s, const std::vector<std::pair<int, double>>& units, double cap, std::vector<Bucket>* out) const;
-  // The last gradient of a stage is final this long after its last backward starts: the backward's end.
+  // The last gradient of a stage is final this long after its last backward starts: the backward's
+  // end, its messages' CPU time (p2p_cpu_s, linear in the micro-batch size) included.
   MicroBatchCost backward_end(int type, int64_t begin, int64_t end, bool first, bool last) const {
-    return unit_ready(type, begin, end, first, last, first ? embed_unit() : half_unit(begin));
+    MicroBatchCost r = unit_ready(type, begin, end, first, last, first ? embed_unit() : half_unit(begin));
+    MicroBatchCost messages;
+    messages.per_sample_s = p2p_cpu_s(type, first, last, 1);
+    if (messages.per_sample_s > 0) r.add(messages, 1.0);
+    return r;
   }
 
  private:

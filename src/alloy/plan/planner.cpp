@@ -43,7 +43,9 @@ std::string describe_profile(const Profile& p) {
   for (const auto& [type, d] : p.devices) {
     o << "  " << type << ": block fwd " << ms(d.block_fwd.fixed_s) << " + " << ms(d.block_fwd.per_sample_s)
       << "/sample, bwd " << ms(d.block_bwd.fixed_s) << " + " << ms(d.block_bwd.per_sample_s) << "/sample; head fwd+bwd "
-      << ms(d.head_fwd.per_sample_s + d.head_bwd.per_sample_s) << "/sample\n";
+      << ms(d.head_fwd.per_sample_s + d.head_bwd.per_sample_s) << "/sample";
+    if (d.comm_cpu_s_per_byte > 0) o << "; messages take " << fmt("%.2f", d.comm_cpu_s_per_byte * 1e9) << " ns of compute per byte";
+    o << "\n";
   }
   for (const auto& l : p.links)
     o << "  link " << l.host_a << " <-> " << l.host_b << ": " << fmt("%.1f", l.bytes_per_s * 8 / 1e6) << " Mbit/s, latency "

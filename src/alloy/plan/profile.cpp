@@ -19,8 +19,9 @@ const char* const kFormat = "alloy-profile";
 // ("codecs" per device type); version 4 each type's step_noise; version 5 LoRA ("lora" and the
 // frozen base's bytes in "memory"); version 6 each type's attn_share_fwd/bwd (the halves of a
 // block); version 7 the tensor-parallel sums per device pair ("tp_sums"); version 8 each type's
-// weight_share (zb-h1's weight passes). Versions 1 to 7 still read.
-constexpr int kVersion = 8;
+// weight_share (zb-h1's weight passes); version 9 each type's comm_cpu_s_per_byte. Versions 1 to 8
+// still read.
+constexpr int kVersion = 9;
 
 // The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
 struct CostField {
@@ -209,6 +210,7 @@ nlohmann::json Profile::to_json() const {
     if (d.attn_share_fwd > 0) dj["attn_share_fwd"] = d.attn_share_fwd;
     if (d.attn_share_bwd > 0) dj["attn_share_bwd"] = d.attn_share_bwd;
     if (d.weight_share > 0) dj["weight_share"] = d.weight_share;
+    if (d.comm_cpu_s_per_byte > 0) dj["comm_cpu_s_per_byte"] = d.comm_cpu_s_per_byte;
     if (!d.codecs.empty()) {
       json cj = json::object();
       for (const auto& [m, c] : d.codecs) cj[m] = {{"encode_s_per_elem", c.encode_s_per_elem}, {"decode_s_per_elem", c.decode_s_per_elem}};
@@ -257,7 +259,8 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
 
   const json& devs = rd.object(j, "devices", "devices");
   if (devs.empty()) rd.fail("devices", "the profile has no device types");
-  std::set<std::string> dev_keys{"optimizer_s_per_param", "step_noise", "codecs", "attn_share_fwd", "attn_share_bwd", "weight_share"};
+  std::set<std::string> dev_keys{"optimizer_s_per_param", "step_noise", "codecs", "attn_share_fwd", "attn_share_bwd", "weight_share",
+                                 "comm_cpu_s_per_byte"};
   for (const auto& f : kCostFields) dev_keys.insert(f.key);
   for (const auto& kv : devs.items()) {
     const std::string f = "devices." + kv.key();
@@ -284,6 +287,12 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
       if (!kv.value().contains(sh.key)) continue;
       d.*sh.member = rd.number(kv.value(), sh.key, f + "." + sh.key);
       if (!(d.*sh.member > 0 && d.*sh.member < 1)) rd.fail(f + "." + sh.key, std::string("must be in (0, 1) (") + sh.of + ")");
+    }
+    if (kv.value().contains("comm_cpu_s_per_byte")) {
+      d.comm_cpu_s_per_byte = rd.number(kv.value(), "comm_cpu_s_per_byte", f + ".comm_cpu_s_per_byte");
+      // 1 us per byte would be a link of 1 MB/s made of CPU alone: a broken measurement.
+      if (!(d.comm_cpu_s_per_byte >= 0 && d.comm_cpu_s_per_byte < 1e-6))
+        rd.fail(f + ".comm_cpu_s_per_byte", "must be in [0, 1e-6) (seconds of compute lost per byte communicated)");
     }
     if (kv.value().contains("codecs")) {
       const json& cs = rd.object(kv.value(), "codecs", f + ".codecs");
@@ -477,6 +486,7 @@ std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
     for (const auto& [m, c] : base.codecs) d.codecs[m] = {c.encode_s_per_elem * s, c.decode_s_per_elem * s};
     d.attn_share_fwd = base.attn_share_fwd, d.attn_share_bwd = base.attn_share_bwd;  // ratios: speed cancels
     d.weight_share = base.weight_share;
+    d.comm_cpu_s_per_byte = base.comm_cpu_s_per_byte * s;  // CPU seconds: a slower device loses more per byte
     p.devices[type] = d;
     notes.push_back("device type " + type + ": estimated from " + ref + " scaled by speed hints (" + std::to_string(hint(type)) +
                     " vs " + std::to_string(hint(ref)) + ")");

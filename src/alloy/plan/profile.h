@@ -57,6 +57,11 @@ struct DeviceProfile {
   // stack's backward with those products held back, then their weight pass); 0 = not measured
   // (the cost model's estimate by shape).
   double weight_share = 0;
+  // Seconds of this device's compute lost per byte it sends or receives while computing (profile
+  // version 9): messages cost CPU time (copies, the kernel's TCP work, Gloo's threads), taken from
+  // the same cores or CPU quota the compute runs on. Measured as a block's forward and backward
+  // slowed by a stream of round trips to another rank. 0: not measured (older profiles, one rank).
+  double comm_cpu_s_per_byte = 0;
 };
 
 struct LinkProfile {

@@ -9,6 +9,9 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
+#include <thread>
 #include <optional>
 #include <cmath>
 #include <chrono>
@@ -381,6 +384,82 @@ std::vector<TpSumProfile> measure_tp_sums(const ModelConfig& model, const Cluste
   return out;
 }
 
+// The CPU time messages take from compute on rank A (DeviceProfile::comm_cpu_s_per_byte), with B
+// as the far end: A times a block's forward and backward, N times over, alone, then again while a
+// thread of its own streams 1 MiB round trips with B (B echoes each one). The figure is the time
+// the compute lost divided by the bytes A sent and received meanwhile, the median of o.rounds
+// rounds. Both ranks call it; B returns 0.
+double measure_comm_cpu(const ModelConfig& model, dist::World& world, int a, int b, const ProfileOptions& o) {
+  const int rank = world.rank();
+  constexpr int64_t kMessageFloats = 1 << 18;  // 1 MiB
+  auto tag = [](int64_t k, int dir) { return static_cast<int>(20000 + 2 * (k % 100000) + dir); };
+  const int rounds = std::max(1, o.rounds);
+  if (rank == b) {
+    // Echo until A says stop (a negative first element), one round after another.
+    at::Tensor t = at::zeros({kMessageFloats}, at::kFloat);
+    for (int r = 0; r < rounds; ++r)
+      for (int64_t k = 0;; ++k) {
+        dist::wait_work(world.all().recv(t, a, tag(k, 0)), "profiling communication's CPU time: receive");
+        if (t[0].item<float>() < 0) break;
+        dist::wait_work(world.all().send(t, a, tag(k, 1)), "profiling communication's CPU time: send");
+      }
+    return 0;
+  }
+  const at::Device dev(o.device);
+  model::Transformer block(model, {1, 2}, 1);
+  block.to(dev);
+  auto gen = at::detail::createCPUGenerator(11);
+  const int64_t m = o.micro_batch_sizes.empty() ? 1 : o.micro_batch_sizes.front();
+  const at::Tensor x0 = at::randn({m, model.seq_len, model.hidden}, gen, at::TensorOptions().dtype(block.dtype())).to(dev);
+  auto step = [&] {
+    at::Tensor x = x0.detach().requires_grad_(true);
+    at::Tensor y = block.forward(x);
+    y.backward(at::ones_like(y));
+    wait_for(dev);
+    for (auto* p : block.trainable()) p->tensor.mutable_grad().reset();
+  };
+  auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  step(), step();  // warm-up
+  auto t0 = Clock::now();
+  step();
+  const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(o.window_s / std::max(seconds_since(t0), 1e-6)), 4, 2000);
+  std::vector<double> lost;
+  for (int r = 0; r < rounds; ++r) {
+    t0 = Clock::now();
+    for (int64_t i = 0; i < n; ++i) step();
+    const double alone = seconds_since(t0);
+    std::atomic<bool> stop{false};
+    std::atomic<int64_t> moved{0};
+    std::exception_ptr failed;
+    std::thread stream([&] {
+      try {
+        at::Tensor t = at::ones({kMessageFloats}, at::kFloat);
+        for (int64_t k = 0;; ++k) {
+          const bool last = stop.load();
+          t[0] = last ? -1.0f : 1.0f;
+          dist::wait_work(world.all().send(t, b, tag(k, 0)), "profiling communication's CPU time: send");
+          if (last) break;
+          dist::wait_work(world.all().recv(t, b, tag(k, 1)), "profiling communication's CPU time: receive");
+          moved += 2 * kMessageFloats * 4;
+        }
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the stream under way first
+    const int64_t moved0 = moved.load();
+    t0 = Clock::now();
+    for (int64_t i = 0; i < n; ++i) step();
+    const double with = seconds_since(t0);
+    const int64_t bytes = moved.load() - moved0;
+    stop = true;
+    stream.join();
+    if (failed) std::rethrow_exception(failed);
+    if (bytes > 0) lost.push_back(std::max(0.0, with - alone) / static_cast<double>(bytes));
+  }
+  return lost.empty() ? 0.0 : median(lost);
+}
+
 Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::World* world, const ProfileOptions& o) {
   Profile prof;
   prof.model = model;
@@ -482,6 +561,33 @@ Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::Wor
         prof.links.push_back({j["a"], j["b"], j["bytes_per_s"], j["latency_s"], 0});
       }
   }
+  // Communication's CPU time: each type's measuring rank against the rank on its fastest link to
+  // another host (or another rank of its own host), one pair at a time.
+  std::map<std::string, double> comm_cpu;
+  if (o.measure_links && n >= 2) {
+    for (const auto& [type, a] : measurer) {
+      int b = -1;
+      double best = -1;
+      for (int r = 0; r < n; ++r) {
+        if (r == a) continue;
+        const auto& ha = spec.devices[static_cast<size_t>(a)].host;
+        const auto& hr = spec.devices[static_cast<size_t>(r)].host;
+        const double bw = ha == hr ? 0 : spec.link(ha, hr).bandwidth_gbps;  // another host first: training's messages cross hosts
+        if (bw > best) best = bw, b = r;
+      }
+      world->all().barrier();
+      if (rank != a && rank != b) continue;
+      const double v = measure_comm_cpu(model, *world, a, b, o);
+      if (rank == a) {
+        put("alloy/profile/commcpu/" + type, nlohmann::json(v).dump());  // std::to_string would print 0.000000
+        log_info("communication's CPU time on " + type + ": " + std::to_string(v * 1e9) + " ns of compute lost per byte sent or received (with rank " +
+                 std::to_string(b) + ")");
+      }
+    }
+    world->all().barrier();
+    if (rank == 0)
+      for (const auto& [type, a] : measurer) comm_cpu[type] = std::stod(get("alloy/profile/commcpu/" + type));
+  }
   // Tensor-parallel sums: every pair of devices, one pair at a time.
   // Not for LoRA: tensor parallelism does not train adapters (the trainer refuses the pair).
   if (o.measure_tp_sums && !o.lora.enabled() && n >= 2 && n <= 8) {
@@ -513,6 +619,7 @@ Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::Wor
     for (const auto& [type, r] : measurer) {
       Profile part = Profile::from_json(nlohmann::json::parse(get("alloy/profile/type/" + type)), "profile from rank " + std::to_string(r));
       prof.devices[type] = part.devices.at(type);
+      if (comm_cpu.count(type)) prof.devices[type].comm_cpu_s_per_byte = std::min(comm_cpu[type], 9e-7);
       prof.memory = part.memory;
     }
     complete_profile(prof, spec);

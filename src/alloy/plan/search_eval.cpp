@@ -93,8 +93,9 @@ const std::vector<double>& Tables::costs(ConfigTable& t, size_t ci) {
   x.resize(4 * S - 1);
   for (size_t s = 0; s < S; ++s) {
     const bool first = s == 0, last = s + 1 == S;
-    x[s] = ctx_.forward_s(t.types[s], t.blocks[s], first, last, m);
-    x[S + s] = ctx_.backward_s(t.types[s], t.blocks[s], first, last, m);
+    const double p2p_cpu = ctx_.p2p_cpu_s(t.types[s], first, last, m);
+    x[s] = ctx_.forward_s(t.types[s], t.blocks[s], first, last, m) + p2p_cpu;
+    x[S + s] = ctx_.backward_s(t.types[s], t.blocks[s], first, last, m) + p2p_cpu;
     if (!last) x[2 * S + s] = ctx_.p2p_s(t.hosts[s], t.hosts[s + 1], m);
     x[3 * S - 1 + s] = ctx_.weight_s(t.types[s], t.blocks[s], m);
   }

@@ -103,16 +103,18 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       costs.forward_mb.emplace_back();
       costs.backward_mb.emplace_back();
       costs.weight_mb.emplace_back();
+      const double p2p_cpu = ctx.p2p_cpu_s(type, first, last, m);  // the stage's messages' CPU time
       if (st.tp() > 1) {
         const detail::TpStageTime t = detail::tp_stage_time(ctx, profile.model, st, dev_of, first, last, m);
-        costs.forward.push_back(t.forward_s + gf);
-        costs.backward.push_back(t.backward_s + gb3);
+        costs.forward.push_back(t.forward_s + gf + p2p_cpu);
+        costs.backward.push_back(t.backward_s + gb3 + p2p_cpu);
         costs.weight.push_back(0);  // zb-h1 runs no tensor-parallel stage (Plan::validate)
         tp_comm[{p, s}] = static_cast<double>(M) * t.comm_s;
       } else {
-        auto fwd = [&](int64_t b, int64_t e) { return ctx.forward_units_s(type, b, e, first, last, m) + gf; };
+        auto fwd = [&](int64_t b, int64_t e) { return ctx.forward_units_s(type, b, e, first, last, m) + gf + p2p_cpu; };
         auto bwd = [&](int64_t b, int64_t e) {
-          return ctx.backward_units_s(type, b, e, first, last, m) + gb3 + (st.recompute ? ctx.forward_units_s(type, b, e, false, false, m) : 0.0);
+          return ctx.backward_units_s(type, b, e, first, last, m) + gb3 + p2p_cpu +
+                 (st.recompute ? ctx.forward_units_s(type, b, e, false, false, m) : 0.0);
         };
         auto wgt = [&](int64_t b, int64_t e) { return split ? ctx.weight_units_s(type, b, e, m) : 0.0; };
         if (!pl.floats()) {
