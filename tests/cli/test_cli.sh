@@ -135,6 +135,8 @@ for t in ("cpu-big", "cpu-small"):
     assert 0 < d["step_noise"] <= 0.5, (t, d)
     # zb-h1's weight passes: timed apart from the rest of the backward, a share strictly inside.
     assert 0 < d["weight_share"] < 1, (t, d)
+    # Communication's CPU time per byte: measured (the log says so); zero when no slowdown showed.
+    assert 0 <= d.get("comm_cpu_s_per_byte", 0) < 1e-6, (t, d)
 links = [l for l in p["links"] if {l["host_a"], l["host_b"]} == {"h0", "h1"}]
 assert links and links[0]["bytes_per_s"] > 0, p["links"]
 # Tensor-parallel sums of the pair, timed at the smallest and the largest micro-batch (1 and 4).
@@ -147,6 +149,9 @@ for mode in together one-at-a-time; do
   expect_ok "profile 2 ranks ($mode)" "$alloy" launch --nproc 2 -- "$alloy" profile --cluster pool.yaml --config tiny.yaml \
     --micro-batches 1 4 --window 0.05 "${extra[@]}" -o prof-$mode.json
   check_profile prof-$mode.json && ok "profile ($mode) has both types and the link" || bad "profile ($mode) incomplete"
+  for t in cpu-big cpu-small; do
+    grep -q "communication's CPU time on $t: .* ns of compute lost per byte" <<<"$out" || bad "profile ($mode) did not time $t's communication CPU time"
+  done
 done
 expect_ok "train --plan auto (reusing the profile)" "$alloy" launch --nproc 2 -- "$alloy" train --config tiny.yaml --plan auto \
   --cluster pool.yaml --profile prof-together.json --set output.dir=autorun --set train.steps=3
