@@ -381,6 +381,36 @@ TEST(CostModel, DataParallelOverASlowLinkExposesSync) {
   EXPECT_DOUBLE_EQ(pc.stages[0].bucket_bytes, 6e6);
 }
 
+// The sync's own CPU time: the same pair over a fast link (1 GB/s, 6 ms on the wire), with each
+// byte sent or received costing 1 us of the device's compute. Each member sends and receives
+// 2 (n - 1) / n = 1 times the 6e6 bytes, 12 s of CPU: neither member is done before its last
+// backward's end plus 12 s, and the search prices it alike.
+TEST(CostModel, SyncCpuTimeDelaysTheMembersItRunsOn) {
+  Profile p = base_profile(2);
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  p.devices["t"].comm_cpu_s_per_byte = 1e-6;
+  ClusterSpec c = two_hosts(8.0, 0);
+  Plan plan;
+  plan.global_batch = 4;
+  plan.pipelines.push_back({2, 1, {stage(0, 0, 2, "a")}});
+  plan.pipelines.push_back({1, 2, {stage(1, 0, 2, "b")}});
+  PlanCost pc = simulate_plan(plan, c, p);
+  ASSERT_EQ(pc.stages.size(), 2u);
+  // Last backwards end at 4.5 (pipeline 0) and 9 (pipeline 1), as in the test above.
+  EXPECT_NEAR(pc.stages[0].sync_exposed_s, 12.0, 1e-9);
+  EXPECT_NEAR(pc.stages[1].sync_exposed_s, 12.0, 1e-9);
+  EXPECT_NEAR(pc.sync_done_s, 9 + 12.0, 1e-9);
+  p.devices["t"].comm_cpu_s_per_byte = 0;
+  EXPECT_LT(simulate_plan(plan, c, p).sync_done_s, 9 + 0.1);
+  // The search sees the same figure for the plan it returns.
+  p.devices["t"].comm_cpu_s_per_byte = 1e-6;
+  SearchOptions o;
+  o.global_batch = 4;
+  o.fit_memory = false;
+  const SearchResult r = search(c, p, o);
+  EXPECT_NEAR(r.search_step_s, simulate_plan(r.plan, c, p).step_s, 1e-9 * r.search_step_s);
+}
+
 // --- Stragglers: a synchronous step waits for the slowest draw ------------------------------
 
 TEST(ExpectedMax, KnownValues) {

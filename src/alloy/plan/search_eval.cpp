@@ -246,7 +246,8 @@ void Evaluator::compute_sync(const Layout& L) {
   loads_ = ctx_.empty_loads();
   for (const auto& st : sets_) ctx_.add_load(st.devs, st.bytes, &loads_);
   for (const auto& st : sets_) add_set(ctx_.sync_shape(st.devs, &loads_, st.bytes), st.devs.data(), st.devs.size(), st.units, st.bytes);
-  // Flat compressed sets encode on the autograd thread: each member's backward ends that later.
+  // Flat compressed sets encode on the autograd thread: each member's backward ends that later;
+  // and no member's sync ends before its backward plus the sync's CPU time (sync_cpu_s).
   for (const auto& rep : L.reps)
     for (int d : rep.dev) {
       const auto du = static_cast<size_t>(d);
@@ -272,7 +273,7 @@ void Evaluator::add_set(const CostContext::SyncShape& shape, const int* members,
       syncp_[x].emplace_back(tail_[k], off);
     }
     bucket_[x] += buffers;
-    encode_[x] += enc;
+    encode_[x] += enc + ctx_.sync_cpu_s(ctx_.type_of(members[i]), shape, bytes, n);
   }
 }
 

@@ -288,10 +288,12 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       bucket[static_cast<size_t>(r)] += ctx.sync_buffer_bytes(shape, set.bytes);
       longest[static_cast<size_t>(r)] = std::max(longest[static_cast<size_t>(r)], g.time_s);
       if (shape.compressed && !shape.hierarchical) encode_total[static_cast<size_t>(r)] += ctx.encode_s(shape, set.bytes);
+      encode_total[static_cast<size_t>(r)] += ctx.sync_cpu_s(ctx.type_of(dev_of[static_cast<size_t>(r)]), shape, set.bytes, g.ranks.size());
     }
     pc.sync_groups.push_back(g);
   }
-  // Flat sets encode on the autograd thread: the backward ends that much later.
+  // Flat sets encode on the autograd thread: the backward ends that much later. And the sync's
+  // CPU time shares the rank's CPU with its compute: no earlier than the backward plus that.
   for (int r = 0; r < W; ++r) {
     done[static_cast<size_t>(r)] = std::max(done[static_cast<size_t>(r)], phase_end[static_cast<size_t>(r)] + encode_total[static_cast<size_t>(r)]);
     own[static_cast<size_t>(r)] = std::max(own[static_cast<size_t>(r)], phase_end[static_cast<size_t>(r)] + encode_total[static_cast<size_t>(r)]);
