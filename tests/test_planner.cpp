@@ -169,19 +169,32 @@ TEST(CostModel, LoraTrainsItsAdaptersAndHoldsTheFrozenBase) {
   EXPECT_DOUBLE_EQ(st.optimizer_bytes, 2 * 2e5);
 }
 
-TEST(CostModel, TwoStagePipelineExactStepTime) {
+namespace {
+// Two blocks on two hosts, one sample per message: 4 x 8 x 4 = 128 bytes.
+Profile two_block_profile() {
   Profile p = base_profile(2);
   p.model.seq_len = 4;
-  p.model.hidden = 8;  // one sample = 4 * 8 * 4 = 128 bytes
+  p.model.hidden = 8;
   p.devices["t"] = flat(0.5, 1.0, 0.5, 1.0);
+  return p;
+}
+
+// A block on each host, two micro-batches of one sample, on SCHED.
+Plan two_stage_plan(const std::string& sched) {
+  Plan plan;
+  plan.global_batch = 2;
+  plan.schedule = sched;
+  plan.pipelines.push_back({1, 2, {stage(0, 0, 1, "a"), stage(1, 1, 2, "b")}});
+  return plan;
+}
+}  // namespace
+
+TEST(CostModel, TwoStagePipelineExactStepTime) {
+  Profile p = two_block_profile();
   // 128 bytes at 512 bytes/s = 0.25 s, plus 0.25 s latency: 0.5 s per message.
   ClusterSpec c = two_hosts(512 * 8 / 1e9, 250);
   for (const std::string sched : {"gpipe", "1f1b"}) {
-    Plan plan;
-    plan.global_batch = 2;
-    plan.schedule = sched;
-    plan.pipelines.push_back({1, 2, {stage(0, 0, 1, "a"), stage(1, 1, 2, "b")}});
-    PlanCost pc = simulate_plan(plan, c, p);
+    PlanCost pc = simulate_plan(two_stage_plan(sched), c, p);
     // Stage costs: forward 0.5 + 0.5 = 1, backward 1 + 1 = 2 on both stages; p2p 0.5.
     // GPipe: stage 1 F0 [1.5,2.5] F1 [2.5,3.5] B0 [3.5,5.5] B1 [5.5,7.5]; stage 0 B0 [6,8] B1 [8,10].
     // 1F1B: stage 1 F0 [1.5,2.5] B0 [2.5,4.5] F1 [4.5,5.5] B1 [5.5,7.5]; stage 0 B0 [5,7] B1 [8,10].
@@ -205,18 +218,11 @@ TEST(CostModel, TwoStagePipelineExactStepTime) {
 // B0 [4.25, 6.5] B1 [6.5, 8.75]; stage 0 B0 [7, 9.25] B1 [9.25, 11.5]. 1F1B: stage 1 F0 [1.75, 3]
 // B0 [3, 5.25] F1 [5.25, 6.5] B1 [6.5, 8.75]; stage 0 B0 [5.75, 8] B1 [9.25, 11.5].
 TEST(CostModel, MessagesTakeCpuTimeFromTheirStages) {
-  Profile p = base_profile(2);
-  p.model.seq_len = 4;
-  p.model.hidden = 8;
-  p.devices["t"] = flat(0.5, 1.0, 0.5, 1.0);
+  Profile p = two_block_profile();
   p.devices["t"].comm_cpu_s_per_byte = 0.25 / 128;
   ClusterSpec c = two_hosts(512 * 8 / 1e9, 250);
   for (const std::string sched : {"gpipe", "1f1b"}) {
-    Plan plan;
-    plan.global_batch = 2;
-    plan.schedule = sched;
-    plan.pipelines.push_back({1, 2, {stage(0, 0, 1, "a"), stage(1, 1, 2, "b")}});
-    PlanCost pc = simulate_plan(plan, c, p);
+    PlanCost pc = simulate_plan(two_stage_plan(sched), c, p);
     EXPECT_NEAR(pc.phase_s, 11.5, 1e-9) << sched;
     ASSERT_EQ(pc.stages.size(), 2u);
     for (const auto& st : pc.stages) {
