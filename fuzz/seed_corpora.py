@@ -185,9 +185,10 @@ add("profile", "gen-v5-lora", json.dumps({
     "devices": {"T4": device(2)}, "links": [],
     "memory": dict(MEMORY, frozen_bytes_per_block=400000.0, frozen_bytes_embed=0, frozen_bytes_head=0),
     "lora": {"rank": 8, "alpha": 16, "targets": "q_proj,v_proj", "base_dtype": "nf4", "double_quant": True}}))
-add("profile", "gen-v8-weight-share", json.dumps({
-    "format": "alloy-profile", "version": 8, "model": MODEL,
-    "devices": {"cpu-full": dict(device(1), attn_share_fwd=0.35, attn_share_bwd=0.42, weight_share=0.39),
+add("profile", "gen-v9-weight-share-comm-cpu", json.dumps({
+    "format": "alloy-profile", "version": 9, "model": MODEL,
+    "devices": {"cpu-full": dict(device(1), attn_share_fwd=0.35, attn_share_bwd=0.42, weight_share=0.39,
+                                 comm_cpu_s_per_byte=1.04e-9),
                 "cpu-half": dict(device(2), weight_share=0.4)},
     "links": [], "memory": MEMORY}, indent=1))
 add("profile", "gen-v7-tp-sums", json.dumps({

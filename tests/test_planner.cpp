@@ -408,8 +408,19 @@ TEST(CostModel, SyncCpuTimeDelaysTheMembersItRunsOn) {
   EXPECT_NEAR(pc.sync_done_s, 9 + 12.0, 1e-9);
   p.devices["t"].comm_cpu_s_per_byte = 0;
   EXPECT_LT(simulate_plan(plan, c, p).sync_done_s, 9 + 0.1);
-  // The search sees the same figure for the plan it returns.
+  // Compressed (DGC at density 0.01: an int32 index and an fp32 value per kept element, 1.2e5 bytes
+  // on the wire), gathered: each member sends its own and receives the other's, 2.4e5 bytes: 0.24 s
+  // at 1 us per byte, 0.12 s at half that (the floor binds at both; encoding adds the same to each).
+  Plan dgc = plan;
+  dgc.grad_sync.compression = "dgc";
+  dgc.grad_sync.density = 0.01;
+  auto exposed_at = [&](double rate) {
+    p.devices["t"].comm_cpu_s_per_byte = rate;
+    return simulate_plan(dgc, c, p).stages[1].sync_exposed_s;  // the later member
+  };
+  EXPECT_NEAR(exposed_at(1e-6) - exposed_at(5e-7), 0.12, 1e-9);
   p.devices["t"].comm_cpu_s_per_byte = 1e-6;
+  // The search sees the same figure for the plan it returns.
   SearchOptions o;
   o.global_batch = 4;
   o.fit_memory = false;

@@ -350,6 +350,22 @@ double CostContext::bucket_s(const SyncShape& s, double bytes, int64_t* collecti
   return t + region + exchange(s.leaders) + bcast;
 }
 
+double CostContext::sync_cpu_s(int type, const SyncShape& s, double bytes, size_t n) const {
+  const double rate = type_profile_[static_cast<size_t>(type)]->comm_cpu_s_per_byte;
+  if (!(rate > 0) || n < 2) return 0;
+  auto moved = [](double payload, int k, bool gather) {
+    if (k < 2) return 0.0;
+    return 2.0 * (gather ? (k - 1) * payload : 2.0 * (k - 1) / k * payload);
+  };
+  if (!s.compressed) return rate * moved(bytes, static_cast<int>(n), false);
+  const double wire = wire_ratio() * bytes;
+  const bool gather = gathers(gs_.compression);
+  if (!s.hierarchical) return rate * moved(wire, static_cast<int>(n), gather);
+  double region = 0;
+  for (const auto& r : s.regions) region = std::max(region, moved(bytes, r.n, false));
+  return rate * (region + moved(wire, s.leaders.n, gather));
+}
+
 double CostContext::blocks_in(int64_t ub, int64_t ue, double attn_share) {
   if (ue <= ub) return 0;
   double lone = 0;

@@ -340,15 +340,13 @@ class CostContext {
   // encode on the autograd thread).
   double bucket_s(const SyncShape& shape, double bytes, int64_t* collectives = nullptr) const;
   double encode_s(const SyncShape& shape, double bytes) const { return shape.encode_s_per_elem * bytes / dtype_bytes_; }
-  // The CPU time a member of TYPE spends moving a set's sync through its N members: a ring
-  // all-reduce sends and receives 2 (N - 1) / N of what is exchanged (the gradient, or its
-  // compressed form), at the type's comm_cpu_s_per_byte. The member's compute and this share its
-  // CPU, so its sync cannot end before its last backward plus this (charged like encoding).
-  double sync_cpu_s(int type, const SyncShape& shape, double bytes, size_t n) const {
-    if (n < 2) return 0;
-    const double exchanged = shape.compressed ? wire_ratio() * bytes : bytes;
-    return 4.0 * static_cast<double>(n - 1) / static_cast<double>(n) * exchanged * type_profile_[static_cast<size_t>(type)]->comm_cpu_s_per_byte;
-  }
+  // The CPU time a member of TYPE spends moving a set's sync (SHAPE, BYTES of gradient, N members)
+  // at the type's comm_cpu_s_per_byte: what it sends plus what it receives, an all-reduce 2 (k - 1)
+  // / k of its payload each way, an all-gather (k - 1) payloads; hierarchical sets charge every
+  // member its region's exact all-reduce and the leaders' compressed exchange (an upper bound for
+  // members that lead nothing). The member's compute and this share its CPU, so its sync cannot
+  // end before its last backward plus this (charged like encoding).
+  double sync_cpu_s(int type, const SyncShape& shape, double bytes, size_t n) const;
   // Memory the set's sync keeps on each member: the reducer's bucket copy (exact), or staging,
   // output, residual and DGC velocity buffers (compressed).
   double sync_buffer_bytes(const SyncShape& shape, double set_bytes) const;

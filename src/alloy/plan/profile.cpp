@@ -290,9 +290,10 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
     }
     if (kv.value().contains("comm_cpu_s_per_byte")) {
       d.comm_cpu_s_per_byte = rd.number(kv.value(), "comm_cpu_s_per_byte", f + ".comm_cpu_s_per_byte");
-      // 1 us per byte would be a link of 1 MB/s made of CPU alone: a broken measurement.
-      if (!(d.comm_cpu_s_per_byte >= 0 && d.comm_cpu_s_per_byte < 1e-6))
-        rd.fail(f + ".comm_cpu_s_per_byte", "must be in [0, 1e-6) (seconds of compute lost per byte communicated)");
+      // The profiler keeps its figure under 1 us per byte (a link of 1 MB/s made of CPU alone);
+      // calibration and speed hints may scale it up from there, not by 100x.
+      if (!(d.comm_cpu_s_per_byte >= 0 && d.comm_cpu_s_per_byte < 1e-4))
+        rd.fail(f + ".comm_cpu_s_per_byte", "must be in [0, 1e-4) (seconds of compute lost per byte communicated)");
     }
     if (kv.value().contains("codecs")) {
       const json& cs = rd.object(kv.value(), "codecs", f + ".codecs");

@@ -392,72 +392,102 @@ std::vector<TpSumProfile> measure_tp_sums(const ModelConfig& model, const Cluste
 double measure_comm_cpu(const ModelConfig& model, dist::World& world, int a, int b, const ProfileOptions& o) {
   const int rank = world.rank();
   constexpr int64_t kMessageFloats = 1 << 18;  // 1 MiB
+  // A message's first element: 1 carry on, -1 this round is over, -2 A failed (B returns).
+  constexpr float kGo = 1, kRoundOver = -1, kAbort = -2;
   auto tag = [](int64_t k, int dir) { return static_cast<int>(20000 + 2 * (k % 100000) + dir); };
   const int rounds = std::max(1, o.rounds);
   if (rank == b) {
-    // Echo until A says stop (a negative first element), one round after another.
     at::Tensor t = at::zeros({kMessageFloats}, at::kFloat);
     for (int r = 0; r < rounds; ++r)
       for (int64_t k = 0;; ++k) {
         dist::wait_work(world.all().recv(t, a, tag(k, 0)), "profiling communication's CPU time: receive");
-        if (t[0].item<float>() < 0) break;
+        const float code = t[0].item<float>();
+        if (code == kAbort) return 0;
+        if (code == kRoundOver) break;
         dist::wait_work(world.all().send(t, a, tag(k, 1)), "profiling communication's CPU time: send");
       }
     return 0;
   }
-  const at::Device dev(o.device);
-  model::Transformer block(model, {1, 2}, 1);
-  block.to(dev);
-  auto gen = at::detail::createCPUGenerator(11);
-  const int64_t m = o.micro_batch_sizes.empty() ? 1 : o.micro_batch_sizes.front();
-  const at::Tensor x0 = at::randn({m, model.seq_len, model.hidden}, gen, at::TensorOptions().dtype(block.dtype())).to(dev);
-  auto step = [&] {
-    at::Tensor x = x0.detach().requires_grad_(true);
-    at::Tensor y = block.forward(x);
-    y.backward(at::ones_like(y));
-    wait_for(dev);
-    for (auto* p : block.trainable()) p->tensor.mutable_grad().reset();
+  // A failure on A between streams still releases B, which waits for a round's first message.
+  auto release_partner = [&] {
+    try {
+      at::Tensor t = at::zeros({kMessageFloats}, at::kFloat);
+      t[0] = kAbort;
+      dist::wait_work(world.all().send(t, b, tag(0, 0)), "profiling communication's CPU time: abort");
+    } catch (...) {
+    }
   };
-  auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
-  step(), step();  // warm-up
-  auto t0 = Clock::now();
-  step();
-  const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(o.window_s / std::max(seconds_since(t0), 1e-6)), 4, 2000);
-  std::vector<double> lost;
-  for (int r = 0; r < rounds; ++r) {
-    t0 = Clock::now();
-    for (int64_t i = 0; i < n; ++i) step();
-    const double alone = seconds_since(t0);
-    std::atomic<bool> stop{false};
-    std::atomic<int64_t> moved{0};
-    std::exception_ptr failed;
-    std::thread stream([&] {
-      try {
-        at::Tensor t = at::ones({kMessageFloats}, at::kFloat);
-        for (int64_t k = 0;; ++k) {
-          const bool last = stop.load();
-          t[0] = last ? -1.0f : 1.0f;
-          dist::wait_work(world.all().send(t, b, tag(k, 0)), "profiling communication's CPU time: send");
-          if (last) break;
-          dist::wait_work(world.all().recv(t, b, tag(k, 1)), "profiling communication's CPU time: receive");
-          moved += 2 * kMessageFloats * 4;
+  bool released = false;  // B has been told to return, or cannot be told
+  try {
+    const at::Device dev(o.device);
+    model::Transformer block(model, {1, 2}, 1);
+    block.to(dev);
+    auto gen = at::detail::createCPUGenerator(11);
+    const int64_t m = o.micro_batch_sizes.empty() ? 1 : o.micro_batch_sizes.front();
+    const at::Tensor x0 = at::randn({m, model.seq_len, model.hidden}, gen, at::TensorOptions().dtype(block.dtype())).to(dev);
+    auto step = [&] {
+      at::Tensor x = x0.detach().requires_grad_(true);
+      at::Tensor y = block.forward(x);
+      y.backward(at::ones_like(y));
+      wait_for(dev);
+      for (auto* p : block.trainable()) p->tensor.mutable_grad().reset();
+    };
+    auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+    step(), step();  // warm-up
+    auto t0 = Clock::now();
+    step();
+    const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(o.window_s / std::max(seconds_since(t0), 1e-6)), 4, 2000);
+    std::vector<double> lost;
+    for (int r = 0; r < rounds; ++r) {
+      t0 = Clock::now();
+      for (int64_t i = 0; i < n; ++i) step();
+      const double alone = seconds_since(t0);
+      std::atomic<float> code{kGo};
+      std::atomic<int64_t> moved{0};
+      std::exception_ptr failed;
+      std::thread stream([&] {
+        try {
+          at::Tensor t = at::ones({kMessageFloats}, at::kFloat);
+          for (int64_t k = 0;; ++k) {
+            const float c = code.load();
+            t[0] = c;
+            dist::wait_work(world.all().send(t, b, tag(k, 0)), "profiling communication's CPU time: send");
+            if (c != kGo) break;
+            dist::wait_work(world.all().recv(t, b, tag(k, 1)), "profiling communication's CPU time: receive");
+            moved += 2 * kMessageFloats * 4;
+          }
+        } catch (...) {
+          failed = std::current_exception();
         }
+      });
+      double with = 0;
+      int64_t bytes = 0;
+      try {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the stream under way first
+        const int64_t moved0 = moved.load();
+        t0 = Clock::now();
+        for (int64_t i = 0; i < n; ++i) step();
+        with = seconds_since(t0);
+        bytes = moved.load() - moved0;
       } catch (...) {
-        failed = std::current_exception();
+        code = kAbort;  // the stream's next message tells B to return
+        stream.join();
+        released = true;
+        throw;
       }
-    });
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the stream under way first
-    const int64_t moved0 = moved.load();
-    t0 = Clock::now();
-    for (int64_t i = 0; i < n; ++i) step();
-    const double with = seconds_since(t0);
-    const int64_t bytes = moved.load() - moved0;
-    stop = true;
-    stream.join();
-    if (failed) std::rethrow_exception(failed);
-    if (bytes > 0) lost.push_back(std::max(0.0, with - alone) / static_cast<double>(bytes));
+      code = kRoundOver;
+      stream.join();
+      if (failed) {
+        released = true;  // the link failed: B's own receive fails or times out
+        std::rethrow_exception(failed);
+      }
+      if (bytes > 0) lost.push_back(std::max(0.0, with - alone) / static_cast<double>(bytes));
+    }
+    return lost.empty() ? 0.0 : median(lost);
+  } catch (...) {
+    if (!released) release_partner();
+    throw;
   }
-  return lost.empty() ? 0.0 : median(lost);
 }
 
 Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::World* world, const ProfileOptions& o) {

@@ -1,5 +1,6 @@
 // The search's schedule phase: a schedule per pipeline (plan/search.h, refine_schedules).
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -25,6 +26,14 @@ bool may_split(const Plan& plan, size_t p) {
   return true;
 }
 
+// Whether every ZeRO-3 set of PLAN still runs one schedule (its members gather each layer in their
+// own schedules, in step): a schedule change, or the batch re-split that comes with it, may break it.
+bool zero3_sets_agree(const Plan& plan) {
+  for (const auto& e : plan.sharding)
+    if (e.stage == 3 && !plan.schedule_mismatch(e.ranks).empty()) return false;
+  return true;
+}
+
 }  // namespace
 
 void refine_schedules(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
@@ -32,7 +41,14 @@ void refine_schedules(SearchResult& result, const ClusterSpec& cluster, const Pr
   const double before = result.cost.step_s;
   Plan best = result.plan;
   PlanCost best_cost = result.cost;
-  for (size_t round = 0; round < best.pipelines.size(); ++round) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto out_of_time = [&]() { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > options.time_budget_s; };
+  for (size_t round = 0; round < best.pipelines.size() && !out_of_time(); ++round) {
+    // Candidates are priced with the batch re-split, so they are measured against the plan so far
+    // re-split too: a gain must come from the schedule, not from the re-split alone.
+    Plan base = best;
+    PlanCost base_cost = priced_rebalanced(base, cluster, profile, options);
+    if (!(base_cost.fits && base_cost.step_s < best_cost.step_s && zero3_sets_agree(base))) base_cost = best_cost;
     Plan round_best;
     PlanCost round_cost = best_cost;
     bool found = false;
@@ -51,9 +67,10 @@ void refine_schedules(SearchResult& result, const ClusterSpec& cluster, const Pr
         } catch (const InputError&) {
           continue;
         }
+        if (!zero3_sets_agree(cand)) continue;
         const double need = split && !was_split ? options.split_schedule_min_gain : 2e-3;
         // Each candidate must clear its own margin against the plan so far, and beat the round's best.
-        if (c.fits && c.step_s < best_cost.step_s * (1 - need) && c.step_s < round_cost.step_s)
+        if (c.fits && c.step_s < base_cost.step_s * (1 - need) && c.step_s < round_cost.step_s)
           round_best = std::move(cand), round_cost = c, found = true;
       }
     }
