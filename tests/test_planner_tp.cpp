@@ -160,6 +160,12 @@ TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
   bool noted = false;
   for (const auto& n : r.chosen.notes) noted = noted || n.find("tensor parallelism: a0+a1 as one stage") != std::string::npos;
   EXPECT_TRUE(noted) << r.text();
+  // A refinement's note made before the group replaced the plan says which plan it was about.
+  SearchResult x = search(c, prof, o);
+  x.notes.push_back("gradient buckets of 1 MiB instead of 25: predicted 1 ms instead of 2 ms");
+  consider_tensor_parallel(x, c, prof, o);
+  ASSERT_TRUE(x.plan.has_tensor_parallel());
+  EXPECT_EQ(x.notes[x.notes.size() - 2], "(the plan before tensor parallelism) gradient buckets of 1 MiB instead of 25: predicted 1 ms instead of 2 ms");
   // Without tensor parallelism the same search is predicted slower.
   o.tensor_parallel = false;
   EXPECT_GT(make_plan(c, prof, o, false).chosen.cost.step_s, r.chosen.cost.step_s);

@@ -258,6 +258,10 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
       std::snprintf(buf, sizeof buf, "%.1f ms -> %.1f ms", before * 1e3, best.step_s * 1e3);
     else
       std::snprintf(buf, sizeof buf, "%.1f ms; no plan without it fits", best.step_s * 1e3);
+    // The refinement phases' notes described the plan this one replaces.
+    for (auto& n : result.notes)
+      for (const char* phase : {"pipeline boundaries inside blocks", "schedules per pipeline", "gradient buckets"})
+        if (n.rfind(phase, 0) == 0) n = "(the plan before tensor parallelism) " + n;
     result.plan = best.plan;
     result.plan.predicted = nlohmann::json();
     result.cost = best.cost;
