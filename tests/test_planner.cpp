@@ -187,6 +187,15 @@ Plan two_stage_plan(const std::string& sched) {
   plan.pipelines.push_back({1, 2, {stage(0, 0, 1, "a"), stage(1, 1, 2, "b")}});
   return plan;
 }
+
+// Two full replicas, 2 x 1 samples on device a and 1 x 2 on device b.
+Plan two_replicas() {
+  Plan plan;
+  plan.global_batch = 4;
+  plan.pipelines.push_back({2, 1, {stage(0, 0, 2, "a")}});
+  plan.pipelines.push_back({1, 2, {stage(1, 0, 2, "b")}});
+  return plan;
+}
 }  // namespace
 
 TEST(CostModel, TwoStagePipelineExactStepTime) {
@@ -355,11 +364,8 @@ TEST(CostModel, DataParallelOverASlowLinkExposesSync) {
   p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
   // 1 MB/s between the hosts, 10 ms latency.
   ClusterSpec c = two_hosts(8e6 / 1e9, 10);
-  Plan plan;
-  plan.global_batch = 4;
+  Plan plan = two_replicas();
   plan.grad_sync.bucket_mb = 1;  // 1 MiB buckets
-  plan.pipelines.push_back({2, 1, {stage(0, 0, 2, "a")}});
-  plan.pipelines.push_back({1, 2, {stage(1, 0, 2, "b")}});
   PlanCost pc = simulate_plan(plan, c, p);
   // One holder set {0, 1} with everything: 2 blocks + embedding + head = 6e6 bytes.
   ASSERT_EQ(pc.sync_groups.size(), 1u);
@@ -396,10 +402,7 @@ TEST(CostModel, SyncCpuTimeDelaysTheMembersItRunsOn) {
   p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
   p.devices["t"].comm_cpu_s_per_byte = 1e-6;
   ClusterSpec c = two_hosts(8.0, 0);
-  Plan plan;
-  plan.global_batch = 4;
-  plan.pipelines.push_back({2, 1, {stage(0, 0, 2, "a")}});
-  plan.pipelines.push_back({1, 2, {stage(1, 0, 2, "b")}});
+  Plan plan = two_replicas();
   PlanCost pc = simulate_plan(plan, c, p);
   ASSERT_EQ(pc.stages.size(), 2u);
   // Last backwards end at 4.5 (pipeline 0) and 9 (pipeline 1), as in the test above.
