@@ -7,6 +7,7 @@
 
 #include "alloy/core/error.h"
 #include "alloy/core/plan.h"
+#include "alloy/pipeline/schedule.h"
 
 using alloy::InputError;
 using alloy::PipelinePlan;
@@ -386,7 +387,7 @@ TEST(Plan, PipelineSchedulesRoundTripAsVersion6AndAreValidatedPerPipeline) {
   EXPECT_NO_THROW(p.validate(heads_model(8, 4), "p.json"));
   EXPECT_EQ(p.schedule_of(0), "zb-h1");
   EXPECT_EQ(p.schedule_of(1), "1f1b");
-  EXPECT_TRUE(p.any_split_schedule());
+  EXPECT_TRUE(alloy::pipeline::splits_backward(p.schedule_of(0)));
   EXPECT_EQ(p.schedules_text(), "1f1b (pipeline 0 zb-h1)");
   EXPECT_HAS(p.describe(), "blocks [3,8) | schedule zb-h1\n");
   EXPECT_EQ(p.to_json()["version"], 6);
@@ -397,7 +398,7 @@ TEST(Plan, PipelineSchedulesRoundTripAsVersion6AndAreValidatedPerPipeline) {
   same.pipelines[1].schedule = "1f1b";
   EXPECT_EQ(same.to_json()["version"], 1);
   EXPECT_FALSE(same.to_json()["pipelines"][1].contains("schedule"));
-  EXPECT_FALSE(same.any_split_schedule());
+  EXPECT_FALSE(alloy::pipeline::splits_backward(same.schedule_of(1)));
   // Ranks of pipelines on different schedules do not run the same one.
   Plan twins = sample_plan();
   twins.pipelines[1].stages = {StagePlan{{2}, 0, 3, ""}, StagePlan{{3}, 3, 8, ""}};

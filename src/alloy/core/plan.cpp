@@ -136,10 +136,15 @@ std::vector<int64_t> StagePlan::tp_bounds(int64_t heads) const {
   return b;
 }
 
+bool PipelinePlan::has_tensor_parallel() const {
+  for (const auto& s : stages)
+    if (s.ranks.size() > 1) return true;
+  return false;
+}
+
 bool Plan::has_tensor_parallel() const {
   for (const auto& p : pipelines)
-    for (const auto& s : p.stages)
-      if (s.ranks.size() > 1) return true;
+    if (p.has_tensor_parallel()) return true;
   return false;
 }
 
@@ -190,12 +195,6 @@ const std::string& Plan::schedule_of(size_t p) const {
   return p < pipelines.size() && !pipelines[p].schedule.empty() ? pipelines[p].schedule : schedule;
 }
 
-bool Plan::any_split_schedule() const {
-  for (size_t p = 0; p < pipelines.size(); ++p)
-    if (pipeline::splits_backward(schedule_of(p))) return true;
-  return false;
-}
-
 std::string Plan::schedules_text() const {
   std::string own;
   for (size_t p = 0; p < pipelines.size(); ++p)
@@ -238,9 +237,7 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
     const std::string field = own.empty() ? "schedule" : "pipelines[" + std::to_string(p) + "].schedule";
     if (!own.empty() && std::find(names.begin(), names.end(), own) == names.end())
       fail(field, "must be " + pipeline::schedule_names_text(" or ") + ", got '" + own + "'");
-    bool tp = false;
-    for (const auto& st : pipelines[p].stages) tp = tp || st.tp() > 1;
-    if (tp && pipeline::splits_backward(schedule_of(p)))
+    if (pipelines[p].has_tensor_parallel() && pipeline::splits_backward(schedule_of(p)))
       fail(field, schedule_of(p) + " with tensor parallelism is not built (a group's weight pieces would wait for their weight passes): "
                   "use 1f1b or gpipe for pipeline " + std::to_string(p) + ", or stages of one rank each");
   }

@@ -77,6 +77,7 @@ struct PipelinePlan {
   // (a split backward pays off on an uneven pipeline bounding the step, and only there).
   std::string schedule;
   int64_t samples() const { return micro_batch_size * num_micro_batches; }
+  bool has_tensor_parallel() const;  // a stage with several ranks
   // The unit where micro-batch MB passes from stage S to S + 1: the stages' own boundary, or, for
   // a floating one, the shared unit's end in round(float_share x M) of the M micro-batches (those
   // where the running count steps up, so they spread evenly) and its begin in the others.
@@ -104,8 +105,6 @@ struct Plan {
   std::vector<PipelinePlan> pipelines;
   // The schedule pipeline P runs: its own, or the plan's.
   const std::string& schedule_of(size_t p) const;
-  // Whether any pipeline runs a schedule that splits the backward (pipeline::splits_backward).
-  bool any_split_schedule() const;
   // The plan's schedule with the pipelines that run another: "1f1b" or "1f1b (pipeline 1 zb-h1)".
   std::string schedules_text() const;
   GradSyncConfig grad_sync;  // bucket size, compression; what the runtime does

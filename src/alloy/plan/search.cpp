@@ -119,12 +119,7 @@ void tune_buckets(SearchResult& result, const ClusterSpec& cluster, const Profil
   o << "gradient buckets of " << best.grad_sync.bucket_mb << " MiB instead of " << start << ": predicted " << best_cost.step_s * 1e3
     << " ms instead of " << before * 1e3 << " ms (late layers' all-reduces start during the backward)";
   result.notes.push_back(o.str());
-  result.plan = best;
-  result.cost = best_cost;
-  const std::string strategy = result.plan.predicted.is_object() ? result.plan.predicted.value("strategy", result.strategy) : result.strategy;
-  result.plan.predicted = best_cost.to_json();
-  result.plan.predicted["strategy"] = strategy;
-  result.search_step_s = best_cost.step_s;
+  adopt_plan(result, std::move(best), best_cost);
 }
 
 std::vector<int64_t> SearchOptions::candidate_micro_batches() const {

@@ -17,8 +17,8 @@ namespace {
 // Whether the runtime can run a split backward on PLAN's pipeline P: no tensor-parallel stage,
 // and no rank in a ZeRO-3 set (its weight passes need the layers ZeRO-3 frees after a backward).
 bool may_split(const Plan& plan, size_t p) {
+  if (plan.pipelines[p].has_tensor_parallel()) return false;
   for (const auto& st : plan.pipelines[p].stages) {
-    if (st.tp() > 1) return false;
     for (int r : st.ranks)
       for (const auto& e : plan.sharding)
         if (e.stage == 3 && std::find(e.ranks.begin(), e.ranks.end(), r) != e.ranks.end()) return false;
