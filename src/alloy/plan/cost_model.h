@@ -186,8 +186,8 @@ struct PlanCost {
 std::string blocks_text(int64_t unit_begin, int64_t unit_end);
 std::string names_text(const std::vector<std::string>& names);  // "a, b, c"
 
-// E[max_i X_i] for independent normal X_i given as (mean, standard deviation): exact for two,
-// Clark's (1961) moment matching folded in ascending order of mean beyond that.
+// E[max_i X_i] for independent normal X_i given as (mean, standard deviation): Clark's closed form
+// for two, numerical integration of the maximum's distribution beyond that.
 double expected_max(std::vector<std::pair<double, double>> mean_sd);
 
 // Throws InputError when a stage's device is missing or not in the cluster, a device type has no
