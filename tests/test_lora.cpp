@@ -5,11 +5,15 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
 #include <set>
+#include <thread>
 
 #include "alloy/core/config.h"
 #include "alloy/core/error.h"
 #include "alloy/model/lora.h"
+#include "alloy/model/tensor_parallel.h"
 #include "alloy/model/transformer.h"
 
 using alloy::Config;
@@ -200,6 +204,150 @@ TEST_P(LoraArch, QuantizedBaseStaysCloseToFullPrecision) {
     // Logit error relative to the logits: int8 ~0.3%, NF4 ~5% on these random weights.
     EXPECT_GT(rel, 0.0) << kind;
     EXPECT_LT(rel, kind == "int8" ? 0.01 : 0.1) << kind;
+  }
+}
+
+namespace {
+// A tensor-parallel group of threads: each sum waits for every member, adds, and hands the sum back.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int n) : n_(n) {}
+  void sum(at::Tensor& t) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !handing_out_; });  // the previous sum has been taken by everyone
+    acc_ = arrived_ == 0 ? t.clone() : acc_ + t;
+    if (++arrived_ == n_) handing_out_ = true, cv_.notify_all();
+    cv_.wait(lock, [&] { return handing_out_; });
+    t.copy_(acc_);
+    if (--arrived_ == 0) handing_out_ = false, cv_.notify_all();
+  }
+
+ private:
+  int n_, arrived_ = 0;
+  bool handing_out_ = false;
+  at::Tensor acc_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+class ThreadComm : public m::TpComm {
+ public:
+  ThreadComm(ThreadGroup* g, int rank, int size) : g_(g), rank_(rank), size_(size) {}
+  void allreduce_sum(at::Tensor& t) override { g_->sum(t); }
+  int size() const override { return size_; }
+  int rank() const override { return rank_; }
+
+ private:
+  ThreadGroup* g_;
+  int rank_, size_;
+};
+}  // namespace
+
+// LoRA on a block split by tensor parallelism (heads 3:1 for GPT-2, 2:2 for LLaMA's two key/value
+// groups), each member a thread: the adapters are the one-device model's (A drawn whole then
+// cut, B in the weight's pieces), the output and the input's gradient are the one-device block's,
+// each piece's gradient is its part of the whole one, and the factors held whole beside a split
+// projection (tp_partial) sum to the whole gradient over the group.
+TEST_P(LoraArch, TensorParallelAdaptersComputeTheOneDeviceBlock) {
+  const ModelConfig c = tiny(GetParam());
+  const LoraConfig l = lora(3, "all");
+  const LayerRange range = LayerRange::for_blocks(1, 2, c.layers);
+  const std::vector<int64_t> bounds = c.arch == "llama" ? std::vector<int64_t>{0, 2, 4} : std::vector<int64_t>{0, 3, 4};
+  Transformer ref(c, range, 11);
+  ref.apply_lora(l, 11);
+  perturb_adapters(ref, 4);
+  auto g = at::detail::createCPUGenerator(8);
+  const at::Tensor x0 = at::randn({2, c.seq_len, c.hidden}, g), w = at::randn({2, c.seq_len, c.hidden}, g);
+  at::Tensor xr = x0.clone().requires_grad_(true);
+  const at::Tensor yr = ref.forward(xr);
+  torch::autograd::backward({(yr * w).sum()});
+
+  ThreadGroup group(2);
+  struct Member {
+    m::TpLayout layout;
+    std::unique_ptr<ThreadComm> comm;
+    std::unique_ptr<Transformer> t;
+    at::Tensor x, y;
+    std::string failure;
+  };
+  std::vector<Member> ms(2);
+  for (int k = 0; k < 2; ++k) {
+    Member& mb = ms[static_cast<size_t>(k)];
+    mb.layout.pieces[1] = bounds;
+    mb.layout.head_begin = bounds[static_cast<size_t>(k)], mb.layout.head_end = bounds[static_cast<size_t>(k) + 1];
+    mb.comm = std::make_unique<ThreadComm>(&group, k, 2);
+    mb.layout.comm = mb.comm.get();
+    mb.t = std::make_unique<Transformer>(c, range, 11, &mb.layout);
+    mb.t->apply_lora(l, 11);
+    std::set<std::string> built, listed;
+    for (auto* p : mb.t->parameters()) built.insert(p->name);
+    for (const auto& n : m::param_names(c, l, range, &mb.layout)) listed.insert(n);
+    EXPECT_EQ(built, listed) << "member " << k;
+    at::NoGradGuard ng;
+    for (auto* p : mb.t->trainable()) {
+      std::string base = p->name;
+      int64_t h0 = 0, h1 = 0;
+      const bool piece = m::parse_piece(p->name, &base, &h0, &h1);
+      const at::Tensor& whole = ref.find(base)->tensor;
+      const at::Tensor mine = piece ? m::tp_cut(whole, m::tp_param(base), h0, h1, c) : whole;
+      if (base.find("lora_A") != std::string::npos) EXPECT_TRUE(at::equal(p->tensor, mine)) << p->name;  // drawn alike
+      p->tensor.copy_(mine);  // B as the perturbed reference's
+      // Whole beside a split projection: A of a column-parallel weight, B of a row-parallel one.
+      const bool column = base.find("c_attn") != std::string::npos || base.find("c_fc") != std::string::npos ||
+                          base.find("q_proj") != std::string::npos || base.find("k_proj") != std::string::npos ||
+                          base.find("v_proj") != std::string::npos || base.find("gate_proj") != std::string::npos ||
+                          base.find("up_proj") != std::string::npos;
+      const bool a = base.find("lora_A") != std::string::npos;
+      EXPECT_EQ(piece, column != a) << p->name;
+      EXPECT_EQ(p->tp_partial, !piece) << p->name;
+    }
+  }
+  std::vector<std::thread> threads;
+  for (auto& mb : ms)
+    threads.emplace_back([&mb, &x0, &w] {
+      try {
+        mb.x = x0.clone().requires_grad_(true);
+        mb.y = mb.t->forward(mb.x);
+        torch::autograd::backward({(mb.y * w).sum()});
+      } catch (const std::exception& e) {
+        mb.failure = e.what();
+      }
+    });
+  for (auto& th : threads) th.join();
+  std::map<std::string, at::Tensor> partial_sums;
+  for (auto& mb : ms) {
+    ASSERT_EQ(mb.failure, "");
+    EXPECT_TRUE(at::allclose(mb.y, yr, 1e-5, 1e-6));
+    EXPECT_TRUE(at::allclose(mb.x.grad(), xr.grad(), 1e-5, 1e-6));
+    for (auto* p : mb.t->trainable()) {
+      std::string base = p->name;
+      int64_t h0 = 0, h1 = 0;
+      ASSERT_TRUE(p->tensor.grad().defined()) << p->name;
+      if (m::parse_piece(p->name, &base, &h0, &h1)) {
+        EXPECT_TRUE(at::allclose(p->tensor.grad(), m::tp_cut(ref.find(base)->tensor.grad(), m::tp_param(base), h0, h1, c), 1e-5, 1e-6)) << p->name;
+      } else {
+        auto& s = partial_sums[base];
+        s = s.defined() ? s + p->tensor.grad() : p->tensor.grad().clone();
+      }
+    }
+  }
+  EXPECT_FALSE(partial_sums.empty());
+  for (const auto& [name, sum] : partial_sums) {
+    const at::Tensor& whole = ref.find(name)->tensor.grad();
+    EXPECT_TRUE(at::allclose(sum, whole, 1e-5, 1e-6)) << name;
+    EXPECT_FALSE(at::allclose(ms[0].t->find(name)->tensor.grad(), whole, 1e-3, 1e-6)) << name << ": one member's part alone";
+  }
+}
+
+TEST(LoraTensorParallel, AQuantizedBaseIsRefusedNamingTheKey) {
+  const ModelConfig c = tiny("gpt2");
+  m::TpLayout tp;
+  tp.pieces[1] = {0, 3, 4};
+  Transformer t(c, LayerRange::for_blocks(1, 2, c.layers), 11, &tp);
+  try {
+    t.apply_lora(lora(2, "", "nf4"), 11);
+    FAIL() << "a quantized base with pieces trained";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("lora.base_dtype"), std::string::npos) << e.what();
   }
 }
 

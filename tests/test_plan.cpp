@@ -432,6 +432,19 @@ TEST(Plan, PipelineSchedulesRoundTripAsVersion6AndAreValidatedPerPipeline) {
   EXPECT_HAS(err(tp), "p.json: pipelines[1].schedule: zb-h1 with tensor parallelism is not built");
 }
 
+TEST(Plan, LoraTrainsOnTensorParallelStagesOverAFullPrecisionBaseOnly) {
+  Plan p = sample_plan();
+  alloy::Config cfg;
+  cfg.lora.rank = 4;
+  EXPECT_EQ(p.training_problem(cfg), "");
+  p.pipelines[1].stages[0].ranks = {2, 3};
+  EXPECT_EQ(p.training_problem(cfg), "");
+  cfg.lora.base_dtype = "nf4";
+  EXPECT_HAS(p.training_problem(cfg), "quantized LoRA base (lora.base_dtype nf4) with tensor parallelism is not built");
+  p.pipelines[1].stages[0].ranks = {2};
+  EXPECT_EQ(p.training_problem(cfg), "");
+}
+
 TEST(Plan, TensorParallelStagesRoundTripAsVersion4AndCheckTheirSplit) {
   Plan p = sample_plan();
   p.pipelines[1].stages[0].ranks = {2, 3};

@@ -27,10 +27,18 @@ def fresh_workdir_with_corpus(alloy, work):
 
 
 def plan(gb, pipelines, schedule="1f1b", slow_links=None):
-    """pipelines: [(mbs, nmb, [(rank, begin, end), ...]), ...]"""
-    p = {"format": "alloy-plan", "version": 1, "global_batch": gb, "schedule": schedule,
+    """pipelines: [(mbs, nmb, [(rank, begin, end), ...]), ...]; a stage may be a tensor-parallel
+    group instead: ([ranks], begin, end, tp_split or None)."""
+    def stage(s):
+        ranks = s[0] if isinstance(s[0], list) else [s[0]]
+        st = {"ranks": ranks, "layers": [s[1], s[2]]}
+        if len(s) > 3 and s[3]:
+            st["tp_split"] = s[3]
+        return st
+    tp = any(isinstance(s[0], list) and len(s[0]) > 1 for _, _, st in pipelines for s in st)
+    p = {"format": "alloy-plan", "version": 4 if tp else 1, "global_batch": gb, "schedule": schedule,
          "pipelines": [{"micro_batch_size": m, "num_micro_batches": n,
-                        "stages": [{"ranks": [r], "layers": [b, e]} for r, b, e in st]} for m, n, st in pipelines]}
+                        "stages": [stage(s) for s in st]} for m, n, st in pipelines]}
     if slow_links:
         p["grad_sync"] = {"slow_links": slow_links}
     return p

@@ -26,6 +26,10 @@ LAYOUTS = {
     "pp2-6+2": (plan(24, [(4, 6, [(0, 0, 6), (1, 6, 8)])]), 2),
     "mixed-5+3_and_8": (plan(24, [(4, 4, [(0, 0, 5), (1, 5, 8)]), (2, 4, full(2))]), 3),
     "dp2-9x2-3x2": (plan(24, [(9, 2, full(0)), (3, 2, full(1))]), 2),
+    # Tensor parallelism: a 3:1 group in a pipeline; a 2:2 group (LLaMA's two key/value groups)
+    # beside a replica without it, whose adapter gradients sum with the group's parts.
+    "tp2-3:1-in-pp2": (plan(24, [(4, 6, [([0, 1], 0, 5, [3, 1]), (2, 5, 8)])]), 3),
+    "tp2-2:2-beside-replica": (plan(24, [(4, 4, [([0, 1], 0, 8, [2, 2])]), (2, 4, full(2))]), 3),
 }
 # name: (arch, layout, LoRA flags (the one-device reference uses them too), other flags)
 # LoRA takes a larger learning rate than pretraining (its updates start from B = 0).
@@ -41,6 +45,8 @@ CASES = {
     "gpt2-recompute-pp2": ("gpt2", "pp2-6+2", GPT2, ["--recompute"]),
     "gpt2-int8-mixed": ("gpt2", "mixed-5+3_and_8", GPT2 + ["--base-dtype", "int8"], []),
     "llama-nf4-pp2": ("llama", "pp2-6+2", LLAMA + ["--base-dtype", "nf4", "--set", "lora.double_quant=true"], []),
+    "gpt2-tp2-in-pp2": ("gpt2", "tp2-3:1-in-pp2", GPT2 + ["--lora-targets", "all"], []),
+    "llama-gqa-tp2-beside-replica": ("llama", "tp2-2:2-beside-replica", LLAMA, ["--zero-stage", "1"]),
 }
 
 
@@ -73,6 +79,12 @@ def worst_difference(got, base):
     return ok and worst <= RTOL, worst
 
 
+def safetensors_names(path):
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return sorted(k for k in json.loads(f.read(n)) if k != "__metadata__")
+
+
 def launch(alloy, work, name, arch, layout, flags, env, resume=None):
     out = os.path.join(work, name)
     layout_plan, world = LAYOUTS[layout]
@@ -89,7 +101,7 @@ def launch(alloy, work, name, arch, layout, flags, env, resume=None):
 
 def main():
     alloy, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
-    wanted = sys.argv[3:] or list(CASES) + ["adapters-only", "resume"]
+    wanted = sys.argv[3:] or list(CASES) + ["adapters-only", "resume", "resume-tp"]
     fresh_workdir_with_corpus(alloy, work)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
@@ -162,6 +174,25 @@ def main():
             ok = ok and [r["step"] for r in got] == list(range(1, STEPS + 1))
             print(f"{'ok  ' if ok else 'FAIL'} resume                 LoRA steps 1-10 pipeline+replica, 11-20 two "
                   f"replicas: worst relative loss difference {worst:.2e}", flush=True)
+        elif name == "resume-tp":
+            # Steps 1-10 with a 3:1 tensor-parallel group in a pipeline (the checkpoint holds the
+            # adapters' pieces), 11-20 on two unlike replicas; the exported PEFT adapter of the
+            # tensor-parallel run holds every factor whole.
+            flags = GPT2 + ["--lora-targets", "all"]
+            ref_out, ref = reference("gpt2", flags)
+            a = launch(alloy, work, "resume-tp-a", "gpt2", "tp2-3:1-in-pp2",
+                       ["--init-from", base("gpt2"), "--set", "train.checkpoint_interval=10"] + flags, env)
+            b = launch(alloy, work, "resume-tp-b", "gpt2", "dp2-6x2-2x6", flags, env,
+                       resume=os.path.join(a, "checkpoints", "step_00000010"))
+            got = [r for r in metrics(a) if r["step"] <= 10] + metrics(b)
+            ok, worst = worst_difference(got, ref)
+            ok = ok and [r["step"] for r in got] == list(range(1, STEPS + 1))
+            names = safetensors_names(os.path.join(a, "adapter", "adapter_model.safetensors"))
+            ref_names = safetensors_names(os.path.join(ref_out, "adapter", "adapter_model.safetensors"))
+            ok = ok and names == ref_names and len(names) == 8 * 4 * 2
+            print(f"{'ok  ' if ok else 'FAIL'} resume-tp              LoRA steps 1-10 tensor-parallel 3:1 in a pipeline, "
+                  f"11-20 two replicas: worst relative loss difference {worst:.2e}; its PEFT adapter holds "
+                  f"{len(names)} tensors, the one-device run's {len(ref_names)}, same names: {names == ref_names}", flush=True)
         else:
             print(f"unknown case {name}")
             ok = False

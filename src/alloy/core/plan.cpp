@@ -149,8 +149,10 @@ bool Plan::has_tensor_parallel() const {
 }
 
 std::string Plan::training_problem(const Config& cfg) const {
-  if (cfg.lora.enabled() && has_tensor_parallel())
-    return "LoRA with tensor parallelism is not built: fine-tune on a plan whose stages have one rank each";
+  if (cfg.lora.enabled() && cfg.lora.base_dtype != "fp32" && has_tensor_parallel())
+    return "a quantized LoRA base (lora.base_dtype " + cfg.lora.base_dtype +
+           ") with tensor parallelism is not built: its quantization blocks would follow the pieces, so each layout would "
+           "fine-tune a different base; use lora.base_dtype fp32, or a plan whose stages have one rank each";
   return "";
 }
 

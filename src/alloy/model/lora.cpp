@@ -58,7 +58,8 @@ std::vector<std::string> lora_modules(const ModelConfig& m, const LoraConfig& l)
   return out;
 }
 
-bool is_adapter_name(const std::string& n) {
+bool is_adapter_name(const std::string& name) {
+  const std::string n = name.substr(0, name.rfind('#'));  // a tensor-parallel piece: its whole parameter's name
   return ends_with(n, ".lora_A.weight") || ends_with(n, ".lora_B.weight");
 }
 

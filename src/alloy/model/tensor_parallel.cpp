@@ -97,6 +97,20 @@ TpParam tp_param(const std::string& name) {
       {".mlp.gate_proj.weight", {TpKind::Ffn, 0}},
       {".mlp.up_proj.weight", {TpKind::Ffn, 0}},
       {".mlp.down_proj.weight", {TpKind::Ffn, 1}},
+      // LoRA's adapters (A [r, in], B [out, r]) split where their projection's split dimension
+      // meets them: B's rows beside a column-parallel weight, A's columns beside a row-parallel
+      // one. The other factor is whole on every rank.
+      {".attn.c_attn.lora_B.weight", {TpKind::Qkv, 0}},
+      {".attn.c_proj.lora_A.weight", {TpKind::Heads, 1}},
+      {".mlp.c_fc.lora_B.weight", {TpKind::Ffn, 0}},
+      {".mlp.c_proj.lora_A.weight", {TpKind::Ffn, 1}},
+      {".self_attn.q_proj.lora_B.weight", {TpKind::Heads, 0}},
+      {".self_attn.k_proj.lora_B.weight", {TpKind::KvHeads, 0}},
+      {".self_attn.v_proj.lora_B.weight", {TpKind::KvHeads, 0}},
+      {".self_attn.o_proj.lora_A.weight", {TpKind::Heads, 1}},
+      {".mlp.gate_proj.lora_B.weight", {TpKind::Ffn, 0}},
+      {".mlp.up_proj.lora_B.weight", {TpKind::Ffn, 0}},
+      {".mlp.down_proj.lora_A.weight", {TpKind::Ffn, 1}},
       // the vocabulary's rows: GPT-2's (tied) wte, LLaMA's embedding and head
       {"wte.weight", {TpKind::Vocab, 0}},
       {"model.embed_tokens.weight", {TpKind::Vocab, 0}},
@@ -125,6 +139,11 @@ bool parse_piece(const std::string& name, std::string* base, int64_t* h0, int64_
   *h1 = std::stoll(range.substr(dash + 1));
   const TpKind k = tp_param(*base).kind;
   return *h0 < *h1 && k != TpKind::None && (k == TpKind::Vocab) == vocab;
+}
+
+int64_t tp_extent(TpParam k, const ModelConfig& c) {
+  const int64_t n = offset_of(k, k.kind == TpKind::Vocab ? c.vocab_size : c.heads, c);
+  return k.kind == TpKind::Qkv ? 3 * n : n;
 }
 
 at::Tensor tp_cut(const at::Tensor& full, TpParam k, int64_t h0, int64_t h1, const ModelConfig& c) {

@@ -65,6 +65,8 @@ std::string piece_name(const std::string& name, int64_t h0, int64_t h1);
 // NAME is a piece: its whole parameter's name and its heads (rows for the vocabulary).
 bool parse_piece(const std::string& name, std::string* base, int64_t* h0, int64_t* h1);
 
+// The whole parameter's size along the dimension K splits.
+int64_t tp_extent(TpParam k, const ModelConfig& c);
 // Heads [H0, H1)'s part of the whole parameter FULL (contiguous).
 at::Tensor tp_cut(const at::Tensor& full, TpParam k, int64_t h0, int64_t h1, const ModelConfig& c);
 // Consecutive pieces (heads [bounds[i], bounds[i + 1])) joined into heads [bounds.front(), bounds.back()).

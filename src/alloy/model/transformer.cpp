@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <set>
 #include <stdexcept>
@@ -90,6 +91,28 @@ void Layer::add_adapter(size_t w, int64_t rank, double scale, double dropout, co
   add(stem + ".lora_A.weight", init_a.to(W.dtype()).requires_grad_(true), false);
   add(stem + ".lora_B.weight", at::zeros({out, rank}, W.options().requires_grad(false)).requires_grad_(true), false);
   adapters_[w] = {a, a + 1, scale, dropout};
+}
+
+// "a.b" for a weight "a.b.weight", else "".
+static std::string weight_module(const std::string& name) {
+  const std::string suffix = ".weight";
+  const bool weight = name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return weight ? name.substr(0, name.size() - suffix.size()) : std::string();
+}
+
+at::Tensor Layer::draw_lora_a(int64_t in, int64_t rank, at::Generator& gen, const at::Tensor& like) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));  // kaiming_uniform_(a=sqrt(5)), as PEFT
+  return at::empty({rank, in}, at::kFloat).uniform_(-bound, bound, gen).to(like.device());
+}
+
+void Layer::add_adapters(const std::set<std::string>& wanted, int64_t rank, double scale, double dropout, at::Generator& gen) {
+  const size_t n = params_.size();
+  for (size_t w = 0; w < n; ++w) {
+    const std::string& name = params_[w].name;
+    if (!wanted.count(weight_module(name))) continue;
+    const at::Tensor& W = params_[w].tensor;
+    add_adapter(w, rank, scale, dropout, draw_lora_a(in_out_ ? W.size(0) : W.size(1), rank, gen, W));
+  }
 }
 
 at::Tensor Layer::adapter_delta(size_t w) const {
@@ -262,11 +285,66 @@ class BlockLayer : public Layer {
   }
   at::Tensor proj(size_t i, const at::Tensor& x, const at::Tensor* bias) const {
     if (logical_.empty()) return project(i, x, bias);
-    if (logical_[i].idx.size() == 1) return project(logical_[i].idx[0], x, bias);
-    const at::Tensor W = w(i);
-    if (in_out_) return bias ? at::addmm(*bias, x, W) : at::mm(x, W);
-    return bias ? at::linear(x, W, *bias) : at::linear(x, W);
+    const Logical& L = logical_[i];
+    at::Tensor y;
+    if (L.idx.size() == 1) {
+      y = project(L.idx[0], x, bias);
+    } else {
+      const at::Tensor W = w(i);
+      y = in_out_ ? (bias ? at::addmm(*bias, x, W) : at::mm(x, W)) : (bias ? at::linear(x, W, *bias) : at::linear(x, W));
+    }
+    if (L.lora_a < 0) return y;
+    // Row-parallel: this rank's heads' part of the update, summed with the product's (tp_exit).
+    const at::Tensor h = L.lora_dropout > 0 ? at::dropout(x, L.lora_dropout, at::GradMode::is_enabled()) : x;
+    return y + at::linear(at::linear(h, w(static_cast<size_t>(L.lora_a))), w(static_cast<size_t>(L.lora_b))) * L.lora_scale;
   }
+
+ public:
+  void add_adapters(const std::set<std::string>& wanted, int64_t rank, double scale, double dropout, at::Generator& gen) override {
+    if (logical_.empty()) return Layer::add_adapters(wanted, rank, scale, dropout, gen);
+    // Pieces: a column-parallel weight (split along its outputs) gets B in the same pieces and A
+    // whole; a row-parallel one (split along its inputs) A in pieces and B whole. A is drawn whole,
+    // exactly as without tensor parallelism, then cut.
+    const int out_dim = in_out_ ? 1 : 0;
+    const size_t n = logical_.size();
+    for (size_t i = 0; i < n; ++i) {
+      const Param& first = params_[logical_[i].idx[0]];
+      std::string base = first.name;
+      int64_t h0 = 0, h1 = 0;
+      parse_piece(first.name, &base, &h0, &h1);
+      const std::string stem = weight_module(base);
+      if (!wanted.count(stem)) continue;
+      const TpParam k = logical_[i].kind;
+      const bool row = k.kind != TpKind::None && k.dim != out_dim, column = k.kind != TpKind::None && !row;
+      const int64_t in = row ? tp_extent(k, *cfg_) : first.tensor.size(1 - out_dim);
+      const at::Tensor a = draw_lora_a(in, rank, gen, first.tensor).to(first.tensor.dtype());
+      const auto add_factor = [&](const std::string& name, bool split, const std::function<at::Tensor(size_t piece)>& make) {
+        Logical F;
+        F.kind = split ? TpParam{k.kind, name.find(".lora_A.") != std::string::npos ? 1 : 0} : TpParam{};
+        const std::vector<size_t> idx = logical_[i].idx;
+        for (size_t j = 0; j < (split ? idx.size() : 1); ++j) {
+          F.idx.push_back(params_.size());
+          const std::string pname = split ? piece_name(name, logical_[i].bounds[j], logical_[i].bounds[j + 1]) : name;
+          add(pname, make(j).requires_grad_(true), false);  // no decay: see add_adapter
+          params_.back().tp_partial = !split && comm_ != nullptr && k.kind != TpKind::None;
+        }
+        if (split) F.bounds = logical_[i].bounds;
+        logical_.push_back(std::move(F));
+        return static_cast<int64_t>(logical_.size() - 1);
+      };
+      const int64_t la = add_factor(stem + ".lora_A.weight", row, [&](size_t j) {
+        return row ? tp_cut(a, {k.kind, 1}, logical_[i].bounds[j], logical_[i].bounds[j + 1], *cfg_) : a.clone();
+      });
+      const int64_t lb = add_factor(stem + ".lora_B.weight", column, [&](size_t j) {
+        const at::Tensor& wj = params_[logical_[i].idx[column ? j : 0]].tensor;
+        return at::zeros({wj.size(out_dim), rank}, wj.options().requires_grad(false));
+      });
+      Logical& L = logical_[i];
+      L.lora_a = la, L.lora_b = lb, L.lora_scale = scale, L.lora_dropout = dropout;
+    }
+  }
+
+ protected:
   // The row-parallel product of I, summed over the group, plus BIAS (added once, after the sum).
   at::Tensor proj_summed(size_t i, const at::Tensor& x, const at::Tensor* bias) const {
     if (!comm_) return proj(i, x, bias);
@@ -281,6 +359,8 @@ class BlockLayer : public Layer {
     std::vector<size_t> idx;      // into params_
     std::vector<int64_t> bounds;  // head boundaries of the pieces
     TpParam kind;
+    int64_t lora_a = -1, lora_b = -1;  // its LoRA factors' logical parameters (-1: no adapter)
+    double lora_scale = 0, lora_dropout = 0;
   };
   std::vector<Logical> logical_;  // empty: no pieces, parameter I is params_[I]
   const ModelConfig* cfg_ = nullptr;
@@ -635,8 +715,9 @@ void Transformer::to(const at::Device& device) {
 
 void Transformer::apply_lora(const LoraConfig& l, uint64_t seed) {
   if (!l.enabled() || lora_) return;
-  if (pieces_)
-    throw std::invalid_argument("LoRA with tensor parallelism is not built: fine-tune on a plan whose stages have one rank each");
+  if (pieces_ && l.base_dtype != "fp32")
+    throw std::invalid_argument("a quantized LoRA base (" + l.base_dtype + ") with tensor parallelism is not built: its blocks would "
+                                "follow the pieces, so each layout would fine-tune a different base; use lora.base_dtype fp32");
   const auto modules = lora_modules(cfg_, l);  // validates the targets
   const std::set<std::string> wanted(modules.begin(), modules.end());
   const double scale = l.alpha / static_cast<double>(l.rank);
@@ -648,17 +729,7 @@ void Transformer::apply_lora(const LoraConfig& l, uint64_t seed) {
     // Adapters draw from their own generator per layer position: the base's weights stay those of
     // the same seed without LoRA.
     at::Generator gen = at::detail::createCPUGenerator(layer_seed(seed ^ 0x4C6F5241ULL, pos));
-    const size_t n = layer.params().size();
-    for (size_t w = 0; w < n; ++w) {
-      const std::string& name = layer.params()[w].name;
-      const std::string module = name.substr(0, name.size() - std::string(".weight").size());
-      if (!wanted.count(module)) continue;
-      const at::Tensor& W = layer.params()[w].tensor;
-      const int64_t in = layer.projection_in_out() ? W.size(0) : W.size(1);
-      const double bound = 1.0 / std::sqrt(static_cast<double>(in));  // kaiming_uniform_(a=sqrt(5)), as PEFT
-      at::Tensor a = at::empty({l.rank, in}, at::kFloat).uniform_(-bound, bound, gen).to(W.device());
-      layer.add_adapter(w, l.rank, scale, l.dropout, a);
-    }
+    layer.add_adapters(wanted, l.rank, scale, l.dropout, gen);
     for (auto& p : layer.params()) {
       if (is_adapter_name(p.name)) continue;
       p.frozen = true;
@@ -707,12 +778,31 @@ std::vector<std::string> param_names(const ModelConfig& m, const LoraConfig& l, 
   if (!l.enabled()) return names;
   const auto modules = lora_modules(m, l);
   const std::set<std::string> wanted(modules.begin(), modules.end());
-  // Only who holds what matters to the callers, so each adapter simply follows its weight.
+  // Only who holds what matters to the callers, so each adapter simply follows its weight (after
+  // its last piece), in the weight's pieces where tp_param splits the factor.
   std::vector<std::string> out;
-  for (const auto& n : names) {
-    out.push_back(n);
-    const std::string module = n.size() > 7 ? n.substr(0, n.size() - 7) : "";
-    if (wanted.count(module)) out.insert(out.end(), {module + ".lora_A.weight", module + ".lora_B.weight"});
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // the current weight's pieces
+  for (size_t i = 0; i < names.size(); ++i) {
+    out.push_back(names[i]);
+    std::string base = names[i], next;
+    int64_t h0 = 0, h1 = 0;
+    if (parse_piece(names[i], &base, &h0, &h1)) ranges.push_back({h0, h1});
+    if (i + 1 < names.size()) {
+      next = names[i + 1];
+      parse_piece(names[i + 1], &next, &h0, &h1);
+      if (next == base) continue;
+    }
+    const std::string module = weight_module(base);
+    if (wanted.count(module))
+      for (const char* f : {".lora_A.weight", ".lora_B.weight"}) {
+        const std::string name = module + f;
+        if (ranges.empty() || tp_param(name).kind == TpKind::None) {
+          out.push_back(name);
+        } else {
+          for (const auto& [a, b] : ranges) out.push_back(piece_name(name, a, b));
+        }
+      }
+    ranges.clear();
   }
   return out;
 }

@@ -12,6 +12,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -29,6 +30,10 @@ struct Param {
   at::Tensor tensor;  // undefined while the weight lives quantized (QUANT)
   bool decay;        // AdamW weight decay applies (matrices, not biases or norms)
   bool frozen = false;  // LoRA's base: no gradient, no optimizer state, not synced
+  // Held whole by every rank of a tensor-parallel group, but each rank's gradient is only its
+  // heads' part (a LoRA factor beside a split projection): the sum over holders adds the parts,
+  // where a norm's gradient, the same on every rank, counts once.
+  bool tp_partial = false;
   std::shared_ptr<QuantizedWeight> quant;  // a frozen weight in int8 / nf4 storage (model/lora.h)
 
   // The weight's values: TENSOR, or QUANT dequantized.
@@ -79,9 +84,10 @@ class Layer {
   virtual bool is_block() const { return false; }  // a transformer block (recomputable), not embedding or head
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
-  // LoRA: trainable A [R, in] and B [out, R] beside projection weight W (an index into params()),
-  // A drawn from INIT_A (Kaiming-uniform, PEFT's init), B zero.
-  void add_adapter(size_t w, int64_t rank, double scale, double dropout, const at::Tensor& init_a);
+  // LoRA: trainable A [R, in] and B [out, R] beside each projection weight whose module name
+  // (the weight's name less ".weight") is in WANTED, in parameter order, A drawn from GEN
+  // (Kaiming-uniform, PEFT's init), B zero. A tensor-parallel block's adapters follow its pieces.
+  virtual void add_adapters(const std::set<std::string>& wanted, int64_t rank, double scale, double dropout, at::Generator& gen);
   // The adapter's update folded into W's values: (B A) or its transpose, times the scale; nullopt-like
   // undefined tensor when W has no adapter.
   at::Tensor adapter_delta(size_t w) const;
@@ -107,8 +113,11 @@ class Layer {
   std::vector<size_t> vocab_idx_;
   int64_t vocab_v0_ = 0;
   TpComm* vocab_comm_ = nullptr;
+  // A for a projection taking IN inputs, drawn as PEFT draws it, on the device and in the dtype of LIKE.
+  static at::Tensor draw_lora_a(int64_t in, int64_t rank, at::Generator& gen, const at::Tensor& like);
 
  private:
+  void add_adapter(size_t w, int64_t rank, double scale, double dropout, const at::Tensor& init_a);
   struct Adapter {
     size_t a, b;
     double scale, dropout;

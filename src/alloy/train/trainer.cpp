@@ -161,9 +161,11 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   model_->set_recompute(cfg_.train.recompute || st.recompute);
   if (pos_.tp_rank > 0) {
     // What the group holds whole (norms, row-parallel biases, embedding, head) gets the same
-    // gradient on each of its ranks; the first rank's alone joins the sum over holders.
+    // gradient on each of its ranks; the first rank's alone joins the sum over holders. LoRA
+    // factors beside split projections get each rank's part, and all parts join.
     for (auto* p : model_->trainable())
-      if (p->name.find('#') == std::string::npos) p->tensor.register_hook([](const at::Tensor& g) { return at::zeros_like(g); });
+      if (p->name.find('#') == std::string::npos && !p->tp_partial)
+        p->tensor.register_hook([](const at::Tensor& g) { return at::zeros_like(g); });
   }
   sync_ = std::make_unique<dist::SyncLayout>(*plan_, cfg_.model, cfg_.lora);
   plan_shards();
