@@ -170,6 +170,26 @@ TEST_P(LoraArch, SlicesHoldTheFullModelsAdaptersAndNamesAreKnownWithoutBuilding)
   EXPECT_TRUE(at::equal(full->forward(x), slices[2]->forward(slices[1]->forward(slices[0]->forward(x)))));
 }
 
+TEST_P(LoraArch, HalfBlockSlicesHoldTheWholeBlocksAdapters) {
+  // A slice starting at block 1's MLP half, one ending at block 1's attention half: each adapter
+  // is the whole model's, whichever half draws first.
+  ModelConfig c = tiny(GetParam());
+  const LoraConfig l = lora(3, "all");
+  auto full = Transformer::full(c, 11);
+  full->apply_lora(l, 11);
+  int64_t compared = 0;
+  for (auto [u0, u1] : {std::pair<int64_t, int64_t>{3, 6}, {0, 3}}) {
+    Transformer s(c, LayerRange::for_units(u0, u1, c.layers), 11);
+    s.apply_lora(l, 11);
+    for (auto* p : s.trainable()) {
+      ASSERT_NE(full->find(p->name), nullptr) << p->name;
+      EXPECT_TRUE(at::equal(p->tensor, full->find(p->name)->tensor)) << p->name;
+      compared += p->name.find("lora_A") != std::string::npos;
+    }
+  }
+  EXPECT_GT(compared, 0);
+}
+
 TEST_P(LoraArch, MergedWeightsComputeTheAdaptedModel) {
   ModelConfig c = tiny(GetParam());
   auto adapted = Transformer::full(c, 21);

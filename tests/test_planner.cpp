@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <set>
 #include <sstream>
@@ -451,6 +452,23 @@ TEST(ExpectedMax, KnownValues) {
   // A steady floor beside draws: max(0, Z) has mean 1/sqrt(2 pi); two steady values, the larger.
   EXPECT_NEAR(expected_max({{0, 0}, {-3, 0}, {0, 1}}), 1 / std::sqrt(2 * M_PI), 1e-9);
   EXPECT_EQ(expected_max({{0, 0}, {-3, 0}, {4, 0}}), 4);
+  // What cannot be a timing gives NaN at once (never an integration that does not converge).
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(expected_max({{0, 1}, {1, 1}, {nan, 1}})));
+  EXPECT_TRUE(std::isnan(expected_max({{0, 1}, {1, 1}, {2, inf}})));
+  EXPECT_TRUE(std::isnan(expected_max({{0, 1}, {1, 1}, {nan, 0}})));
+  // Unequal spreads beyond two, against the integral done here by the midpoint rule on a fine grid.
+  {
+    const std::vector<std::pair<double, double>> x = {{1.0, 0.2}, {1.1, 0.05}, {0.9, 0.4}, {1.05, 0}};
+    double e = 1.05, dt = 1e-5;
+    for (double t = 1.05; t < 4; t += dt) {
+      double below = 1;
+      for (const auto& [mu, sd] : x)
+        if (sd > 0) below *= 0.5 * std::erfc(-(t + dt / 2 - mu) / (sd * std::sqrt(2.0)));
+      e += (1 - below) * dt;
+    }
+    EXPECT_NEAR(expected_max(x), e, 1e-7);
+  }
   // The case moment matching missed by 6% of the spread (found by the property below):
   // 0.33 + integral over t > 0.33 of P(0.17 + 0.21 Z > t) = 0.33 + 0.21 * (phi(c) - c (1 - Phi(c))),
   // c = 0.16 / 0.21.

@@ -38,11 +38,46 @@ model::TpLayout tp_layout(const Plan& plan, const ModelConfig& model, int rank) 
 int GroupTpComm::size() const { return group_->size(); }
 int GroupTpComm::rank() const { return group_->rank(); }
 
-void GroupTpComm::allreduce_sum(at::Tensor& t) {
+namespace {
+// What goes on the wire: on the CPU (Gloo), in fp32 for reduced precisions (sums lose least there).
+at::Tensor wire(const at::Tensor& t) {
   const bool narrow = t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble;
-  at::Tensor buf = t.to(at::kCPU, narrow ? at::kFloat : t.scalar_type()).contiguous();
+  return t.to(at::kCPU, narrow ? at::kFloat : t.scalar_type()).contiguous();
+}
+}  // namespace
+
+void GroupTpComm::allreduce_sum(at::Tensor& t) {
+  at::Tensor buf = wire(t);
   wait_work(group_->allreduce_sum(buf), "the tensor-parallel sum in group " + group_->name());
   t.copy_(buf);
+}
+
+at::Tensor GroupTpComm::gather_rows(const at::Tensor& mine, const std::vector<int64_t>& rows) {
+  const int n = size();
+  at::Tensor one = wire(mine);
+  std::vector<at::Tensor> copies(static_cast<size_t>(n), one);  // the same rows to every member
+  at::Tensor in = at::cat(copies, 0);
+  std::vector<int64_t> shape(one.sizes().begin(), one.sizes().end());
+  shape[0] = 0;
+  for (int64_t r : rows) shape[0] += r;
+  at::Tensor out = at::empty(shape, one.options());
+  wait_work(group_->alltoall_rows(out, in, rows, std::vector<int64_t>(static_cast<size_t>(n), one.size(0))),
+            "the sequence-parallel all-gather in group " + group_->name());
+  return out.to(mine.device(), mine.scalar_type());
+}
+
+at::Tensor GroupTpComm::scatter_sum_rows(const at::Tensor& full, const std::vector<int64_t>& rows) {
+  const int n = size();
+  const int64_t r = rows[static_cast<size_t>(rank())];
+  at::Tensor in = wire(full);
+  std::vector<int64_t> shape(in.sizes().begin(), in.sizes().end());
+  shape[0] = n * r;
+  at::Tensor out = at::empty(shape, in.options());
+  wait_work(group_->alltoall_rows(out, in, std::vector<int64_t>(static_cast<size_t>(n), r), rows),
+            "the sequence-parallel reduce-scatter in group " + group_->name());
+  shape[0] = r;
+  shape.insert(shape.begin(), n);
+  return out.view(shape).sum(0).to(full.device(), full.scalar_type());
 }
 
 }  // namespace alloy::dist

@@ -22,6 +22,10 @@ class GroupTpComm : public model::TpComm {
  public:
   explicit GroupTpComm(std::shared_ptr<Group> group) : group_(std::move(group)) {}
   void allreduce_sum(at::Tensor& t) override;
+  // Sequence parallelism's exchanges, each one all-to-all (Gloo has no reduce-scatter): the bytes
+  // of a ring's all-gather or reduce-scatter, with uneven shares.
+  at::Tensor gather_rows(const at::Tensor& mine, const std::vector<int64_t>& rows) override;
+  at::Tensor scatter_sum_rows(const at::Tensor& full, const std::vector<int64_t>& rows) override;
   int size() const override;
   int rank() const override;
   Group& group() { return *group_; }

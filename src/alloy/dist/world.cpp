@@ -75,6 +75,10 @@ c10::intrusive_ptr<c10d::Work> Group::allgather(std::vector<at::Tensor>& out, at
   return w;
 }
 
+c10::intrusive_ptr<c10d::Work> Group::alltoall_rows(at::Tensor& out, at::Tensor& in, std::vector<int64_t> out_rows, std::vector<int64_t> in_rows) {
+  return gloo_->alltoall_base(out, in, out_rows, in_rows);
+}
+
 c10::intrusive_ptr<c10d::Work> Group::reduce_sum(at::Tensor& t, int root) {
   std::vector<at::Tensor> v{t};
   c10d::ReduceOptions o;

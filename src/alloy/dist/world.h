@@ -40,6 +40,9 @@ class Group {
   c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor& t);
   // Asynchronous all-gather of equal-sized tensors: OUT[i] receives group rank i's IN.
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<at::Tensor>& out, at::Tensor& in);
+  // Asynchronous all-to-all along dimension 0: IN's first IN_ROWS[i] rows (after those for
+  // lower ranks) go to group rank i, and OUT receives OUT_ROWS[i] rows from each rank i, in order.
+  c10::intrusive_ptr<c10d::Work> alltoall_rows(at::Tensor& out, at::Tensor& in, std::vector<int64_t> out_rows, std::vector<int64_t> in_rows);
   // Asynchronous SUM reduce in place onto group rank ROOT (the others' T is left unspecified).
   c10::intrusive_ptr<c10d::Work> reduce_sum(at::Tensor& t, int root);
   // Asynchronous broadcast from group rank ROOT, in place.

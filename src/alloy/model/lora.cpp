@@ -63,6 +63,15 @@ bool is_adapter_name(const std::string& name) {
   return ends_with(n, ".lora_A.weight") || ends_with(n, ".lora_B.weight");
 }
 
+int64_t lora_in_features(const ModelConfig& m, const std::string& module, int64_t block) {
+  const std::string prefix = block_prefix(m.arch, block);
+  if (module.rfind(prefix, 0) != 0) return 0;
+  const std::string proj = module.substr(prefix.size());
+  if (proj == "mlp.c_proj" || proj == "mlp.down_proj") return m.ffn_resolved();
+  if (proj == "self_attn.o_proj") return m.heads * m.head_dim();
+  return m.hidden;
+}
+
 std::string peft_name(const std::string& arch, const std::string& adapter_param) {
   return kPeftPrefix + std::string(arch == "gpt2" ? "transformer." : "") + adapter_param;
 }
@@ -76,7 +85,7 @@ std::string from_peft_name(const std::string& arch, const std::string& peft) {
     const std::string s = ab;
     if (ends_with(n, s)) n = n.substr(0, n.size() - s.size()) + s.substr(0, 7) + ".weight";
   }
-  return is_adapter_name(n) ? n : "";
+  return is_adapter_name(n) && n.find('#') == std::string::npos ? n : "";
 }
 
 nlohmann::json peft_adapter_config(const ModelConfig& m, const LoraConfig& l, const std::string& base_model) {

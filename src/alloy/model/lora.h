@@ -36,6 +36,9 @@ bool lora_matches(const std::vector<std::string>& patterns, const std::string& m
 // naming lora.targets when a pattern matches no projection (lists the projections there are).
 std::vector<std::string> lora_modules(const ModelConfig& m, const LoraConfig& l);
 bool is_adapter_name(const std::string& param_name);
+// The input features of projection MODULE (a full module name, "h.3.mlp.c_proj") when it belongs
+// to block BLOCK, else 0: A's width.
+int64_t lora_in_features(const ModelConfig& m, const std::string& module, int64_t block);
 
 // PEFT's tensor name for an adapter parameter of ours, and back ("" when NAME is not one).
 std::string peft_name(const std::string& arch, const std::string& adapter_param);

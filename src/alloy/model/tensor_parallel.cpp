@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <set>
+#include <stdexcept>
+#include <string>
 
 namespace alloy::model {
 
@@ -77,7 +79,112 @@ struct TpExit : torch::autograd::Function<TpExit> {
   }
 };
 
+// Sequence parallelism's four edges, over dimension 0 of [T, ...] views.
+at::Tensor rows_first(const at::Tensor& x) { return x.transpose(0, 1).contiguous(); }
+std::vector<int64_t> shares(const std::vector<int64_t>& b) {
+  std::vector<int64_t> r;
+  for (size_t i = 0; i + 1 < b.size(); ++i) r.push_back(b[i + 1] - b[i]);
+  return r;
+}
+at::Tensor gather_seq(const at::Tensor& shard, const SeqSplit& s) {
+  return s.comm->gather_rows(rows_first(shard), shares(s.bounds)).transpose(0, 1);
+}
+at::Tensor scatter_seq(const at::Tensor& full, const SeqSplit& s) {
+  return s.comm->scatter_sum_rows(rows_first(full), shares(s.bounds)).transpose(0, 1);
+}
+at::Tensor cut_seq(const at::Tensor& full, const SeqSplit& s) {
+  const auto i = static_cast<size_t>(s.comm->rank());
+  return full.narrow(1, s.bounds[i], s.bounds[i + 1] - s.bounds[i]);
+}
+
+SeqSplit unpack(torch::autograd::AutogradContext* ctx) {
+  SeqSplit s;
+  s.comm = reinterpret_cast<TpComm*>(static_cast<intptr_t>(ctx->saved_data["comm"].toInt()));
+  s.bounds = ctx->saved_data["bounds"].toIntVector();
+  return s;
+}
+void pack(torch::autograd::AutogradContext* ctx, const SeqSplit& s) {
+  ctx->saved_data["comm"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(s.comm));
+  ctx->saved_data["bounds"] = s.bounds;
+}
+
+// KIND: 0 gather (backward reduce-scatter), 1 reduce-scatter (backward gather), 2 split (backward
+// gather), 3 join (backward cut).
+struct SeqEdge : torch::autograd::Function<SeqEdge> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t kind, TpComm* comm,
+                            std::vector<int64_t> bounds) {
+    SeqSplit s{comm, std::move(bounds)};
+    pack(ctx, s);
+    ctx->saved_data["kind"] = kind;
+    return apply_edge(x, kind, s);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const SeqSplit s = unpack(ctx);
+    // A gather's gradient is reduce-scattered; a reduce-scatter's and a split's gathered; a join's
+    // cut to this member's positions.
+    const int64_t kind = ctx->saved_data["kind"].toInt();
+    const at::Tensor& g = grads[0];
+    at::Tensor out = kind == 0 ? scatter_seq(g, s) : kind == 3 ? cut_seq(g, s).contiguous() : gather_seq(g, s);
+    return {out, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+  static at::Tensor apply_edge(const at::Tensor& x, int64_t kind, const SeqSplit& s) {
+    switch (kind) {
+      case 0:
+      case 3:
+        return gather_seq(x, s);
+      case 1:
+        return scatter_seq(x, s);
+      default:
+        return cut_seq(x, s).contiguous();
+    }
+  }
+};
+
+at::Tensor seq_edge(const at::Tensor& x, int64_t kind, const SeqSplit& s) {
+  if (!at::GradMode::is_enabled() || !x.requires_grad()) return SeqEdge::apply_edge(x, kind, s);
+  return SeqEdge::apply(x, kind, s.comm, s.bounds);
+}
+
 }  // namespace
+
+at::Tensor TpComm::gather_rows(const at::Tensor& mine, const std::vector<int64_t>& rows) {
+  // By a sum of zero-padded copies: exact (x + 0 is x), twice a gather's bytes; GroupTpComm does better.
+  int64_t total = 0, first = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (static_cast<int>(i) < rank()) first += rows[i];
+    total += rows[i];
+  }
+  std::vector<int64_t> shape(mine.sizes().begin(), mine.sizes().end());
+  shape[0] = total;
+  at::Tensor full = at::zeros(shape, mine.options());
+  full.narrow(0, first, mine.size(0)).copy_(mine);
+  allreduce_sum(full);
+  return full;
+}
+
+at::Tensor TpComm::scatter_sum_rows(const at::Tensor& full, const std::vector<int64_t>& rows) {
+  int64_t first = 0;
+  for (int i = 0; i < rank(); ++i) first += rows[static_cast<size_t>(i)];
+  at::Tensor s = full.contiguous().clone();
+  allreduce_sum(s);
+  return s.narrow(0, first, rows[static_cast<size_t>(rank())]).contiguous();
+}
+
+std::vector<int64_t> sequence_bounds(const std::vector<int64_t>& heads, int64_t T) {
+  std::vector<int64_t> b;
+  for (int64_t h : heads) b.push_back(T * h / heads.back());
+  for (size_t i = 0; i + 1 < b.size(); ++i)
+    if (b[i + 1] == b[i])
+      throw std::invalid_argument("sequence parallelism over heads " + std::to_string(heads[i]) + "-" + std::to_string(heads[i + 1]) +
+                                  " of " + std::to_string(heads.back()) + " leaves a member none of the " + std::to_string(T) +
+                                  " positions: use a longer sequence or a more even tp_split");
+  return b;
+}
+
+at::Tensor sp_gather(const at::Tensor& shard, const SeqSplit& s) { return seq_edge(shard, 0, s); }
+at::Tensor sp_scatter(const at::Tensor& full, const SeqSplit& s) { return seq_edge(full, 1, s); }
+at::Tensor sp_split(const at::Tensor& full, const SeqSplit& s) { return seq_edge(full, 2, s); }
+at::Tensor sp_join(const at::Tensor& shard, const SeqSplit& s) { return seq_edge(shard, 3, s); }
 
 TpParam tp_param(const std::string& name) {
   if (name.find('#') != std::string::npos) return {};
@@ -236,11 +343,11 @@ struct VocabParallelLoss : torch::autograd::Function<VocabParallelLoss> {
 
 }  // namespace
 
-at::Tensor vocab_parallel_embedding(const at::Tensor& w, const at::Tensor& ids, int64_t v0, TpComm* comm) {
+at::Tensor vocab_parallel_embedding(const at::Tensor& w, const at::Tensor& ids, int64_t v0, TpComm* comm, const SeqSplit& seq) {
   const at::Tensor local = ids - v0;
   const at::Tensor mine = (local >= 0) & (local < w.size(0));
   at::Tensor e = at::embedding(w, local.clamp(0, w.size(0) - 1)) * mine.unsqueeze(-1).to(w.scalar_type());
-  return tp_exit(e, comm);
+  return seq ? sp_scatter(e, seq) : tp_exit(e, comm);
 }
 
 at::Tensor vocab_parallel_loss_sum(const at::Tensor& logits, const at::Tensor& targets, int64_t v0, TpComm* comm) {

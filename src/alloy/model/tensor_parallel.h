@@ -35,6 +35,11 @@ class TpComm {
   virtual void allreduce_sum(at::Tensor& t) = 0;
   virtual int size() const = 0;
   virtual int rank() const = 0;  // within the group
+  // Sequence parallelism. Member i's MINE has ROWS[i] rows (dimension 0): all of them stacked in
+  // member order, on every member.
+  virtual at::Tensor gather_rows(const at::Tensor& mine, const std::vector<int64_t>& rows);
+  // FULL (the sum of ROWS' rows) summed over the group: this member's rows of the sum.
+  virtual at::Tensor scatter_sum_rows(const at::Tensor& full, const std::vector<int64_t>& rows);
 };
 
 // What one rank's slice stores and computes.
@@ -50,7 +55,31 @@ struct TpLayout {
   std::vector<int64_t> vocab_pieces;
   int64_t vocab_begin = 0, vocab_end = 0;
   bool splits_vocab() const { return !vocab_pieces.empty(); }
+  // Sequence parallelism (Megatron's): between the group's products each member holds only its
+  // share of the sequence positions, in the heads' ratio (group_heads: the stage's head
+  // boundaries), so norms and the residual stream are computed and stored once, not on every
+  // member. The sums become reduce-scatters and the products' inputs all-gathers.
+  bool sequence_parallel = false;
+  std::vector<int64_t> group_heads;
 };
+
+// Sequence parallelism: positions [bounds[i], bounds[i + 1]) of T are member i's, in the ratio
+// of the group's head boundaries HEADS (0, ..., heads).
+std::vector<int64_t> sequence_bounds(const std::vector<int64_t>& heads, int64_t T);
+struct SeqSplit {
+  TpComm* comm = nullptr;  // null: no sequence parallelism
+  std::vector<int64_t> bounds;
+  explicit operator bool() const { return comm != nullptr; }
+};
+// Along dimension 1 ([B, T, ...]): the group's shards joined, whose gradient is reduce-scattered
+// (before a column-parallel product: each member's input gradient is a part).
+at::Tensor sp_gather(const at::Tensor& shard, const SeqSplit& s);
+// The group's sum, this member's positions only; gradient all-gathered (after a row-parallel one).
+at::Tensor sp_scatter(const at::Tensor& full, const SeqSplit& s);
+// At a stage's edges, where every member has the same whole tensor and the same whole gradient:
+// this member's positions (gradient all-gathered), and the shards joined (gradient cut).
+at::Tensor sp_split(const at::Tensor& full, const SeqSplit& s);
+at::Tensor sp_join(const at::Tensor& shard, const SeqSplit& s);
 
 // How a parameter splits: by its HuggingFace name's suffix.
 enum class TpKind { None, Qkv, Heads, KvHeads, Ffn, Vocab };
@@ -86,8 +115,9 @@ at::Tensor tp_enter(const at::Tensor& x, TpComm* comm);
 at::Tensor tp_exit(const at::Tensor& y, TpComm* comm);
 
 // Vocabulary-parallel embedding: the rows [V0, V0 + W.size(0)) of the embedding W looked up,
-// other ids giving zeros, summed over the group: every member gets the whole embedding.
-at::Tensor vocab_parallel_embedding(const at::Tensor& w, const at::Tensor& ids, int64_t v0, TpComm* comm);
+// other ids giving zeros, summed over the group: every member gets the whole embedding (with SEQ,
+// its positions of it).
+at::Tensor vocab_parallel_embedding(const at::Tensor& w, const at::Tensor& ids, int64_t v0, TpComm* comm, const SeqSplit& seq = {});
 // Vocabulary-parallel cross-entropy: LOGITS [..., Vl] are this member's columns [V0, V0 + Vl) of
 // the whole logits; the sum of the token cross-entropies (targets < 0 ignored) of the whole
 // vocabulary, the same on every member, by three sums over the group (the rows' maxima, their

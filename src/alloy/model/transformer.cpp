@@ -100,18 +100,11 @@ static std::string weight_module(const std::string& name) {
   return weight ? name.substr(0, name.size() - suffix.size()) : std::string();
 }
 
-at::Tensor Layer::draw_lora_a(int64_t in, int64_t rank, at::Generator& gen, const at::Tensor& like) {
-  const double bound = 1.0 / std::sqrt(static_cast<double>(in));  // kaiming_uniform_(a=sqrt(5)), as PEFT
-  return at::empty({rank, in}, at::kFloat).uniform_(-bound, bound, gen).to(like.device());
-}
-
-void Layer::add_adapters(const std::set<std::string>& wanted, int64_t rank, double scale, double dropout, at::Generator& gen) {
+void Layer::add_adapters(const std::map<std::string, at::Tensor>& init_a, int64_t rank, double scale, double dropout) {
   const size_t n = params_.size();
   for (size_t w = 0; w < n; ++w) {
-    const std::string& name = params_[w].name;
-    if (!wanted.count(weight_module(name))) continue;
-    const at::Tensor& W = params_[w].tensor;
-    add_adapter(w, rank, scale, dropout, draw_lora_a(in_out_ ? W.size(0) : W.size(1), rank, gen, W));
+    auto a = init_a.find(weight_module(params_[w].name));
+    if (a != init_a.end()) add_adapter(w, rank, scale, dropout, a->second.to(params_[w].tensor.device()));
   }
 }
 
@@ -203,8 +196,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 // Token ids through the embedding rows a layer holds: the group's sum under vocabulary parallelism.
-at::Tensor embed(const Layer& l, const at::Tensor& ids) {
-  if (l.vocab_comm()) return vocab_parallel_embedding(l.vocab_rows(), ids, l.vocab_first_row(), l.vocab_comm());
+at::Tensor embed(const Layer& l, const at::Tensor& ids, const SeqSplit& seq) {
+  if (l.vocab_comm()) return vocab_parallel_embedding(l.vocab_rows(), ids, l.vocab_first_row(), l.vocab_comm(), seq);
   return at::embedding(l.vocab_rows(), ids);
 }
 
@@ -216,8 +209,10 @@ class Gpt2Embedding : public Layer {
     split_vocab(0, tp, c);
   }
   at::Tensor forward(const at::Tensor& ids) override {
-    int64_t T = ids.size(1);
-    return embed(*this, ids) + params_.back().tensor.narrow(0, 0, T);  // wpe stays last
+    // wpe stays last; under sequence parallelism this member's positions of it.
+    const int64_t p0 = seq_ ? seq_.bounds[static_cast<size_t>(seq_.comm->rank())] : 0;
+    const at::Tensor e = embed(*this, ids, seq_);
+    return e + params_.back().tensor.narrow(0, p0, e.size(1));
   }
 };
 
@@ -300,27 +295,27 @@ class BlockLayer : public Layer {
   }
 
  public:
-  void add_adapters(const std::set<std::string>& wanted, int64_t rank, double scale, double dropout, at::Generator& gen) override {
-    if (logical_.empty()) return Layer::add_adapters(wanted, rank, scale, dropout, gen);
+  void add_adapters(const std::map<std::string, at::Tensor>& init_a, int64_t rank, double scale, double dropout) override {
+    if (logical_.empty()) return Layer::add_adapters(init_a, rank, scale, dropout);
     // Pieces: a column-parallel weight (split along its outputs) gets B in the same pieces and A
     // whole; a row-parallel one (split along its inputs) A in pieces and B whole. A is drawn whole,
     // exactly as without tensor parallelism, then cut.
     const int out_dim = in_out_ ? 1 : 0;
     const size_t n = logical_.size();
     for (size_t i = 0; i < n; ++i) {
-      const Param& first = params_[logical_[i].idx[0]];
-      std::string base = first.name;
+      std::string base = params_[logical_[i].idx[0]].name;
       int64_t h0 = 0, h1 = 0;
-      parse_piece(first.name, &base, &h0, &h1);
+      parse_piece(base, &base, &h0, &h1);
       const std::string stem = weight_module(base);
-      if (!wanted.count(stem)) continue;
+      auto drawn = init_a.find(stem);
+      if (drawn == init_a.end()) continue;
+      const at::Tensor like = params_[logical_[i].idx[0]].tensor;  // a handle: add() below moves params_
+      const at::Tensor a = drawn->second.to(like.device(), like.scalar_type());
       const TpParam k = logical_[i].kind;
       const bool row = k.kind != TpKind::None && k.dim != out_dim, column = k.kind != TpKind::None && !row;
-      const int64_t in = row ? tp_extent(k, *cfg_) : first.tensor.size(1 - out_dim);
-      const at::Tensor a = draw_lora_a(in, rank, gen, first.tensor).to(first.tensor.dtype());
       const auto add_factor = [&](const std::string& name, bool split, const std::function<at::Tensor(size_t piece)>& make) {
         Logical F;
-        F.kind = split ? TpParam{k.kind, name.find(".lora_A.") != std::string::npos ? 1 : 0} : TpParam{};
+        F.kind = split ? tp_param(name) : TpParam{};
         const std::vector<size_t> idx = logical_[i].idx;
         for (size_t j = 0; j < (split ? idx.size() : 1); ++j) {
           F.idx.push_back(params_.size());
@@ -345,12 +340,17 @@ class BlockLayer : public Layer {
   }
 
  protected:
-  // The row-parallel product of I, summed over the group, plus BIAS (added once, after the sum).
-  at::Tensor proj_summed(size_t i, const at::Tensor& x, const at::Tensor* bias) const {
-    if (!comm_) return proj(i, x, bias);
-    at::Tensor y = tp_exit(proj(i, x, nullptr), comm_);
+  // The row-parallel product of I ([B, T, out]), summed over the group (under sequence
+  // parallelism, this member's positions of the sum), plus BIAS (added once, after the sum).
+  at::Tensor proj_summed(size_t i, const at::Tensor& x, const at::Tensor* bias, int64_t B, int64_t T) const {
+    if (!comm_) return proj(i, x, bias).view({B, T, -1});
+    at::Tensor y = proj(i, x, nullptr).view({B, T, -1});
+    y = seq_ ? sp_scatter(y, seq_) : tp_exit(y, comm_);
     return bias ? y + *bias : y;
   }
+  // A normed input [B, T (this member's positions under sequence parallelism), H] as the
+  // column-parallel products read it: every position, the group's input gradients summed.
+  at::Tensor enter(const at::Tensor& h) const { return seq_ ? sp_gather(h, seq_) : tp_enter(h, comm_); }
   int64_t h0_ = 0, h1_ = 0;  // the heads this slice computes
   TpComm* comm_ = nullptr;   // its tensor-parallel group, if any
 
@@ -392,8 +392,9 @@ class Gpt2Block : public BlockLayer {
 
  protected:
   at::Tensor attention_half(const at::Tensor& x) override {
-    int64_t B = x.size(0), T = x.size(1), H = c_.hidden, nh = h1_ - h0_, hd = c_.head_dim();
-    auto h = tp_enter(at::layer_norm(x, {H}, w(0), w(1), c_.norm_eps), comm_);
+    const int64_t H = c_.hidden, nh = h1_ - h0_, hd = c_.head_dim();
+    auto h = enter(at::layer_norm(x, {H}, w(0), w(1), c_.norm_eps));
+    const int64_t B = h.size(0), T = h.size(1);
     // HF's Conv1D: y = x @ W + b with W stored [in, out].
     // unbind, not qkv[i]: select's backward writes each gradient into a zeroed full-size tensor
     // and adds the three; unbind's backward is one stack.
@@ -401,15 +402,16 @@ class Gpt2Block : public BlockLayer {
     auto qkv = proj(2, h.reshape({B * T, H}), &b_qkv).view({B, T, 3, nh, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
     auto y = attention(qkv[0], qkv[1], qkv[2], sh_->causal_mask(T, x.device()));
     y = y.transpose(1, 2).reshape({B * T, nh * hd});
-    return x + proj_summed(4, y, &b_out).view({B, T, H});
+    return x + proj_summed(4, y, &b_out, B, T);
   }
   at::Tensor mlp_half(const at::Tensor& x) override {
     const size_t m = mlp0_;
-    int64_t B = x.size(0), T = x.size(1), H = c_.hidden;
-    auto h2 = tp_enter(at::layer_norm(x, {H}, w(m), w(m + 1), c_.norm_eps).reshape({B * T, H}), comm_);
+    const int64_t H = c_.hidden;
+    auto h2 = enter(at::layer_norm(x, {H}, w(m), w(m + 1), c_.norm_eps));
+    const int64_t B = h2.size(0), T = h2.size(1);
     const at::Tensor b_fc = w(m + 3), b_out = w(m + 5);
-    auto f = at::gelu(proj(m + 2, h2, &b_fc), "tanh");
-    return x + proj_summed(m + 4, f, &b_out).view({B, T, H});
+    auto f = at::gelu(proj(m + 2, h2.reshape({B * T, H}), &b_fc), "tanh");
+    return x + proj_summed(m + 4, f, &b_out, B, T);
   }
 
  private:
@@ -433,7 +435,8 @@ class Gpt2Head : public Layer {
   }
   at::Tensor forward(const at::Tensor& x) override {
     const Layer& rows = tied_ ? *tied_ : *this;
-    auto h = tp_enter(at::layer_norm(x, {c_.hidden}, params_[0].tensor, params_[1].tensor, c_.norm_eps), rows.vocab_comm());
+    const at::Tensor n = at::layer_norm(x, {c_.hidden}, params_[0].tensor, params_[1].tensor, c_.norm_eps);
+    auto h = seq_ ? sp_gather(n, seq_) : tp_enter(n, rows.vocab_comm());
     return at::matmul(h, rows.vocab_rows().t());
   }
   static at::ScalarType init_dtype(const ModelConfig& c) { return dtype_of(c); }
@@ -459,7 +462,7 @@ class LlamaEmbedding : public Layer {
     add("model.embed_tokens.weight", init.normal({c.vocab_size, c.hidden}, c.init_std), true);
     split_vocab(0, tp, c);
   }
-  at::Tensor forward(const at::Tensor& ids) override { return embed(*this, ids); }
+  at::Tensor forward(const at::Tensor& ids) override { return embed(*this, ids, seq_); }
 };
 
 class LlamaBlock : public BlockLayer {
@@ -483,9 +486,10 @@ class LlamaBlock : public BlockLayer {
  protected:
   at::Tensor attention_half(const at::Tensor& x) override {
     // This slice's heads (all without tensor parallelism); whole key/value groups (plan.h).
-    int64_t B = x.size(0), T = x.size(1), nh = h1_ - h0_, nkv = nh * c_.kv_heads_resolved() / c_.heads, hd = c_.head_dim();
+    const int64_t nh = h1_ - h0_, nkv = nh * c_.kv_heads_resolved() / c_.heads, hd = c_.head_dim();
+    auto h = enter(rms_norm(x, w(0), c_.norm_eps));
+    const int64_t B = h.size(0), T = h.size(1);
     sh_->rope(T, x.device());
-    auto h = tp_enter(rms_norm(x, w(0), c_.norm_eps), comm_);
     auto q = proj(1, h, nullptr).view({B, T, nh, hd}).transpose(1, 2);
     auto k = proj(2, h, nullptr).view({B, T, nkv, hd}).transpose(1, 2);
     auto v = proj(3, h, nullptr).view({B, T, nkv, hd}).transpose(1, 2);
@@ -499,13 +503,13 @@ class LlamaBlock : public BlockLayer {
       v = v.unsqueeze(2).expand({B, nkv, rep, T, hd}).reshape({B, nh, T, hd});
     }
     auto y = attention(q, k, v, sh_->causal_mask(T, x.device())).transpose(1, 2).reshape({B, T, nh * hd});
-    return x + proj_summed(4, y, nullptr);
+    return x + proj_summed(4, y, nullptr, B, T);
   }
   at::Tensor mlp_half(const at::Tensor& x) override {
     const size_t m = mlp0_;
-    auto h2 = tp_enter(rms_norm(x, w(m), c_.norm_eps), comm_);
+    auto h2 = enter(rms_norm(x, w(m), c_.norm_eps));
     auto g = at::silu(proj(m + 1, h2, nullptr)) * proj(m + 2, h2, nullptr);
-    return x + proj_summed(m + 3, g, nullptr);
+    return x + proj_summed(m + 3, g, nullptr, h2.size(0), h2.size(1));
   }
 
  private:
@@ -521,7 +525,8 @@ class LlamaHead : public Layer {
     split_vocab(1, tp, c);
   }
   at::Tensor forward(const at::Tensor& x) override {
-    return at::linear(tp_enter(rms_norm(x, params_[0].tensor, c_.norm_eps), vocab_comm()), vocab_rows());
+    const at::Tensor n = rms_norm(x, params_[0].tensor, c_.norm_eps);
+    return at::linear(seq_ ? sp_gather(n, seq_) : tp_enter(n, vocab_comm()), vocab_rows());
   }
 
  private:
@@ -572,6 +577,12 @@ Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed
     p->tensor.requires_grad_(true);
     pieces_ = pieces_ || p->name.find('#') != std::string::npos;
   }
+  if (tp && tp->sequence_parallel && tp->comm) {
+    // Every member computes norms, row-parallel biases and positions on its own positions only:
+    // what it holds whole gets a part of the gradient.
+    sp_comm_ = tp->comm, sp_heads_ = tp->group_heads;
+    for (auto* p : parameters()) p->tp_partial = p->tp_partial || p->name.find('#') == std::string::npos;
+  }
   tied_in_slice_ = wte && range.has_head(cfg_);
   rebuild_uses();
 }
@@ -598,6 +609,13 @@ at::Tensor Transformer::forward_units(const at::Tensor& x, int64_t unit_begin, i
 
 at::Tensor Transformer::run(const at::Tensor& x, const LayerRange& want) {
   at::Tensor h = x;
+  SeqSplit seq;
+  if (sp_comm_) {
+    seq = {sp_comm_, sequence_bounds(sp_heads_, x.size(1))};
+    for (auto& l : layers_) l->set_seq(seq);
+    // A stage's input and output are whole on every member (the first one sends for all).
+    if (want.begin != 0) h = sp_split(h, seq);
+  }
   for (int64_t pos = want.begin; pos < want.end; ++pos) {
     const size_t i = static_cast<size_t>(pos - range_.begin);
     Layer& l = *layers_[i];
@@ -612,6 +630,7 @@ at::Tensor Transformer::run(const at::Tensor& x, const LayerRange& want) {
       h = backward_entry(h, hooks_, i);
     }
   }
+  if (seq && !want.has_head(cfg_)) h = sp_join(h, seq);
   return h;
 }
 
@@ -719,17 +738,24 @@ void Transformer::apply_lora(const LoraConfig& l, uint64_t seed) {
     throw std::invalid_argument("a quantized LoRA base (" + l.base_dtype + ") with tensor parallelism is not built: its blocks would "
                                 "follow the pieces, so each layout would fine-tune a different base; use lora.base_dtype fp32");
   const auto modules = lora_modules(cfg_, l);  // validates the targets
-  const std::set<std::string> wanted(modules.begin(), modules.end());
   const double scale = l.alpha / static_cast<double>(l.rank);
   const auto& projs = adaptable_projections(cfg_.arch);
   for (size_t i = 0; i < layers_.size(); ++i) {
     Layer& layer = *layers_[i];
     if (!layer.is_block()) continue;
     const int64_t pos = range_.begin + static_cast<int64_t>(i);
-    // Adapters draw from their own generator per layer position: the base's weights stay those of
-    // the same seed without LoRA.
+    // Adapters draw from their own generator per layer position (the base's weights stay those of
+    // the same seed without LoRA), every adapted projection of the whole block in the block's
+    // order, whichever half this slice holds: a half gets exactly the whole block's adapters.
     at::Generator gen = at::detail::createCPUGenerator(layer_seed(seed ^ 0x4C6F5241ULL, pos));
-    layer.add_adapters(wanted, l.rank, scale, l.dropout, gen);
+    std::map<std::string, at::Tensor> init_a;
+    for (const auto& module : modules) {
+      const int64_t in = lora_in_features(cfg_, module, pos - 1);
+      if (in <= 0) continue;  // another block's
+      const double bound = 1.0 / std::sqrt(static_cast<double>(in));  // kaiming_uniform_(a=sqrt(5)), as PEFT
+      init_a[module] = at::empty({l.rank, in}, at::kFloat).uniform_(-bound, bound, gen).to(dtype_);
+    }
+    layer.add_adapters(init_a, l.rank, scale, l.dropout);
     for (auto& p : layer.params()) {
       if (is_adapter_name(p.name)) continue;
       p.frozen = true;
@@ -760,6 +786,7 @@ std::vector<Param*> Transformer::trainable() {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Transformer::merged_weights() const {
+  if (pieces_) throw std::invalid_argument("merged weights are made from a model without tensor-parallel pieces (load the checkpoint whole)");
   at::NoGradGuard ng;
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& layer : layers_)

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "alloy/core/config.h"
+#include "alloy/model/tensor_parallel.h"
 
 namespace alloy::model {
 
@@ -85,9 +86,9 @@ class Layer {
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
   // LoRA: trainable A [R, in] and B [out, R] beside each projection weight whose module name
-  // (the weight's name less ".weight") is in WANTED, in parameter order, A drawn from GEN
-  // (Kaiming-uniform, PEFT's init), B zero. A tensor-parallel block's adapters follow its pieces.
-  virtual void add_adapters(const std::set<std::string>& wanted, int64_t rank, double scale, double dropout, at::Generator& gen);
+  // (the weight's name less ".weight") has an A in INIT_A (drawn for the whole block, whichever
+  // half this layer holds), B zero. A tensor-parallel block's adapters follow its pieces.
+  virtual void add_adapters(const std::map<std::string, at::Tensor>& init_a, int64_t rank, double scale, double dropout);
   // The adapter's update folded into W's values: (B A) or its transpose, times the scale; nullopt-like
   // undefined tensor when W has no adapter.
   at::Tensor adapter_delta(size_t w) const;
@@ -98,6 +99,9 @@ class Layer {
   int64_t vocab_first_row() const { return vocab_v0_; }
   TpComm* vocab_comm() const { return vocab_comm_; }
   const std::vector<size_t>& vocab_params() const { return vocab_idx_; }
+  // Sequence parallelism: how the group splits the positions of the batch now running (set by
+  // the Transformer before each run; empty without it).
+  void set_seq(const SeqSplit& s) { seq_ = s; }
 
  protected:
   at::Tensor& add(std::string name, at::Tensor t, bool decay);
@@ -113,8 +117,7 @@ class Layer {
   std::vector<size_t> vocab_idx_;
   int64_t vocab_v0_ = 0;
   TpComm* vocab_comm_ = nullptr;
-  // A for a projection taking IN inputs, drawn as PEFT draws it, on the device and in the dtype of LIKE.
-  static at::Tensor draw_lora_a(int64_t in, int64_t rank, at::Generator& gen, const at::Tensor& like);
+  SeqSplit seq_;
 
  private:
   void add_adapter(size_t w, int64_t rank, double scale, double dropout, const at::Tensor& init_a);
@@ -217,7 +220,10 @@ class Transformer {
   bool recompute_ = false;
   bool lora_ = false;
   bool pieces_ = false;  // some parameters are tensor-parallel pieces
-  bool tied_in_slice_ = false;  // a GPT-2 head reading the embedding's wte of the same slice
+  bool tied_in_slice_ = false;
+  // Sequence parallelism's group and head boundaries (model/tensor_parallel.h); null: off.
+  TpComm* sp_comm_ = nullptr;
+  std::vector<int64_t> sp_heads_;  // a GPT-2 head reading the embedding's wte of the same slice
   LayerHooks* hooks_ = nullptr;
   std::vector<std::vector<Param*>> uses_;
   void rebuild_uses();

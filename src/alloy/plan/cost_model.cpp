@@ -458,6 +458,8 @@ double simpson(const F& f, double a, double b, double fa, double fm, double fb, 
 
 double expected_max(std::vector<std::pair<double, double>> mean_sd) {
   if (mean_sd.empty()) return 0;
+  for (const auto& [mu, sd] : mean_sd)
+    if (!std::isfinite(mu) || !std::isfinite(sd) || sd < 0) return std::numeric_limits<double>::quiet_NaN();
   if (mean_sd.size() <= 2) {
     const auto& x = mean_sd[0];
     if (mean_sd.size() == 1) return x.first;
