@@ -5,8 +5,6 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
-#include <condition_variable>
-#include <mutex>
 #include <set>
 #include <thread>
 
@@ -15,6 +13,7 @@
 #include "alloy/model/lora.h"
 #include "alloy/model/tensor_parallel.h"
 #include "alloy/model/transformer.h"
+#include "tp_threads.h"
 
 using alloy::Config;
 using alloy::LoraConfig;
@@ -227,40 +226,6 @@ TEST_P(LoraArch, QuantizedBaseStaysCloseToFullPrecision) {
   }
 }
 
-namespace {
-// A tensor-parallel group of threads: each sum waits for every member, adds, and hands the sum back.
-class ThreadGroup {
- public:
-  explicit ThreadGroup(int n) : n_(n) {}
-  void sum(at::Tensor& t) {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return !handing_out_; });  // the previous sum has been taken by everyone
-    acc_ = arrived_ == 0 ? t.clone() : acc_ + t;
-    if (++arrived_ == n_) handing_out_ = true, cv_.notify_all();
-    cv_.wait(lock, [&] { return handing_out_; });
-    t.copy_(acc_);
-    if (--arrived_ == 0) handing_out_ = false, cv_.notify_all();
-  }
-
- private:
-  int n_, arrived_ = 0;
-  bool handing_out_ = false;
-  at::Tensor acc_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-};
-class ThreadComm : public m::TpComm {
- public:
-  ThreadComm(ThreadGroup* g, int rank, int size) : g_(g), rank_(rank), size_(size) {}
-  void allreduce_sum(at::Tensor& t) override { g_->sum(t); }
-  int size() const override { return size_; }
-  int rank() const override { return rank_; }
-
- private:
-  ThreadGroup* g_;
-  int rank_, size_;
-};
-}  // namespace
 
 // LoRA on a block split by tensor parallelism (heads 3:1 for GPT-2, 2:2 for LLaMA's two key/value
 // groups), each member a thread: the adapters are the one-device model's (A drawn whole then
@@ -281,10 +246,10 @@ TEST_P(LoraArch, TensorParallelAdaptersComputeTheOneDeviceBlock) {
   const at::Tensor yr = ref.forward(xr);
   torch::autograd::backward({(yr * w).sum()});
 
-  ThreadGroup group(2);
+  alloy::testing::ThreadGroup group(2);
   struct Member {
     m::TpLayout layout;
-    std::unique_ptr<ThreadComm> comm;
+    std::unique_ptr<alloy::testing::ThreadComm> comm;
     std::unique_ptr<Transformer> t;
     at::Tensor x, y;
     std::string failure;
@@ -294,7 +259,7 @@ TEST_P(LoraArch, TensorParallelAdaptersComputeTheOneDeviceBlock) {
     Member& mb = ms[static_cast<size_t>(k)];
     mb.layout.pieces[1] = bounds;
     mb.layout.head_begin = bounds[static_cast<size_t>(k)], mb.layout.head_end = bounds[static_cast<size_t>(k) + 1];
-    mb.comm = std::make_unique<ThreadComm>(&group, k, 2);
+    mb.comm = std::make_unique<alloy::testing::ThreadComm>(&group, k, 2);
     mb.layout.comm = mb.comm.get();
     mb.t = std::make_unique<Transformer>(c, range, 11, &mb.layout);
     mb.t->apply_lora(l, 11);

@@ -188,6 +188,11 @@ LAYOUTS["synerfuse-tp2-pp2"] = ("gpt2", 24, ["--num-layers", "8", "--pipeline-mo
                                              "--tensor-model-parallel-size", "2", "--tp-split", "3", "1",
                                              "--hetero-pipeline-stages", "1", "5", "1", "3", "--micro-batch-size", "4"], 4)
 LAYOUTS["tp2-beside-replica-zero1"] = LAYOUTS["tp2-beside-replica"] + (["--zero-stage", "1"],)
+# Sequence parallelism: the whole model as a 3:1 group (positions 24:8), a pipeline of two LLaMA
+# groups (the stage edges gather and cut), a group beside a replica with recomputation.
+LAYOUTS["tp2-3:1-sp"] = LAYOUTS["tp2-3:1"] + (["--sequence-parallel"],)
+LAYOUTS["tp-pp-tp-llama-sp"] = LAYOUTS["tp-pp-tp-llama"] + (["--sequence-parallel"],)
+LAYOUTS["tp2-beside-replica-sp-recompute"] = LAYOUTS["tp2-beside-replica"] + (["--sequence-parallel", "--recompute"],)
 
 # name: (layout above, or None for one rank training alone; device of each rank). Compared with
 # the one-device run on the CPU.

@@ -47,6 +47,7 @@ struct TrainArgs {
   std::vector<double> shard_ratio;
   bool distributed_optimizer = false;
   bool recompute = false;
+  bool sequence_parallel = false;
   // LoRA, PEFT's names.
   int64_t lora_rank = -1;
   double lora_alpha = 0, lora_dropout = -1;
@@ -89,6 +90,7 @@ std::vector<std::string> sharding_overrides(const TrainArgs& a) {
   if (a.zero_stage >= 0) out.push_back("train.zero_stage=" + std::to_string(a.zero_stage));
   if (a.distributed_optimizer) out.push_back("train.zero_stage=1");
   if (a.recompute) out.push_back("train.recompute=true");
+  if (a.sequence_parallel) out.push_back("train.sequence_parallel=true");
   if (!a.shard_ratio.empty()) {
     std::string r;
     for (double v : a.shard_ratio) {  // validated with the config (train.shard_ratio)
@@ -205,6 +207,10 @@ void add_train_commands(CLI::App& app, Action& action) {
       ->group(g_sf);
   cmd->add_option("--tp-split", a->src.synerfuse.tp_split,
                   "h0 h1 ...: attention heads per rank of a tensor-parallel stage, e.g. 3 1 (default: even)")
+      ->group(g_sf);
+  cmd->add_flag("--sequence-parallel", a->sequence_parallel,
+                "Tensor-parallel stages split norms and the residual stream by sequence position, in the heads' ratio "
+                "(train.sequence_parallel)")
       ->group(g_sf);
   cmd->add_option("--global-batch-size", a->src.synerfuse.global_batch_size, "Overrides train.global_batch")->group(g_sf);
   cmd->add_option("--micro-batch-size", a->src.synerfuse.micro_batch_size, "Uniform micro-batch size")->group(g_sf);

@@ -121,6 +121,10 @@ const std::vector<Field>& schema() {
                                    "layer (DeepSpeed's levels)"),
       ALLOY_BOOL(train, recompute, "recompute every block's activations in the backward instead of keeping them "
                                    "(a plan's stage may ask for it alone: \"recompute\": true)"),
+      ALLOY_BOOL(train, sequence_parallel, "tensor-parallel groups keep norms and the residual stream split by sequence "
+                                           "position between their products (Megatron's sequence parallelism): each member "
+                                           "stores its share of those activations; the sums become reduce-scatters and "
+                                           "all-gathers"),
       ALLOY_STR(train, shard_ratio, "shares of each group's shards, in rank order (\"3,1\"; one per group member or one per "
                                     "rank); empty = even"),
       ALLOY_FLOAT(grad_sync, bucket_mb, "gradient buckets (and fixed fusion buffers), MiB of fp32 gradient"),

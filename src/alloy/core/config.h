@@ -69,6 +69,7 @@ struct TrainConfig {
   int64_t zero_stage = 0;       // sharded data parallelism per holder set (dist/sharding.h): 0 | 1 | 2
   std::string shard_ratio;      // shares of each holder set's shards ("3,1"); empty = even
   bool recompute = false;       // every stage recomputes its blocks' activations in the backward
+  bool sequence_parallel = false;  // tensor-parallel groups split norms and the residual stream by position
 
   int64_t micro_batch_resolved() const { return micro_batch > 0 ? micro_batch : global_batch; }
   // shard_ratio's numbers ("3,1", "3 1" or "3:1"); throws InputError naming train.shard_ratio.

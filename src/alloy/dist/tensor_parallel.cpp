@@ -17,7 +17,7 @@ model::TpLayout tp_layout(const Plan& plan, const ModelConfig& model, int rank) 
       const auto b = st.tp_bounds(model.heads);
       for (int64_t blk = st.layer_begin; blk < st.layer_end; ++blk) bounds[blk].insert(b.begin(), b.end());
       for (size_t k = 0; k < st.ranks.size(); ++k)
-        if (st.ranks[k] == rank) out.head_begin = b[k], out.head_end = b[k + 1];
+        if (st.ranks[k] == rank) out.head_begin = b[k], out.head_end = b[k + 1], out.group_heads = b;
     }
   for (const auto& [blk, s] : bounds) out.pieces[blk] = std::vector<int64_t>(s.begin(), s.end());
   // The vocabulary's rows, for the stages holding the embedding or the head: in the heads' ratio.

@@ -129,6 +129,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   if (const std::string why = plan_->training_problem(cfg_); !why.empty()) throw InputError("plan", why);
   if (plan_->has_tensor_parallel()) {
     tp_ = std::make_unique<model::TpLayout>(dist::tp_layout(*plan_, cfg_.model, rank_));
+    tp_->sequence_parallel = cfg_.train.sequence_parallel;
     // Every rank is in at most one stage, so the groups are created in plan order without waiting
     // on each other.
     if (st.tp() > 1) {
@@ -136,6 +137,13 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
       for (int r : st.ranks) name += "-" + std::to_string(r);
       tp_comm_ = std::make_unique<dist::GroupTpComm>(world_->new_group(name, st.ranks));
       tp_->comm = tp_comm_.get();
+      if (tp_->sequence_parallel && pos_.tp_rank == 0 && !opts_.quiet) {
+        const auto b = model::sequence_bounds(tp_->group_heads, cfg_.model.seq_len);  // refuses an empty share here
+        std::string shares;
+        for (size_t i = 0; i + 1 < b.size(); ++i) shares += (i ? ":" : "") + std::to_string(b[i + 1] - b[i]);
+        log_info("tensor-parallel ranks " + join(st.ranks, "+") + ": sequence parallel, positions " + shares + " of " +
+                 std::to_string(cfg_.model.seq_len));
+      }
     }
   }
   model_ = std::make_unique<model::Transformer>(
