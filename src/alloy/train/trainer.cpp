@@ -256,10 +256,6 @@ void Trainer::plan_shards() {
       throw InputError(entry ? "plan" : "train.zero_stage", "sharding the group of ranks " + join(ranks, ",") +
                                                               ", which grad_sync compresses (" + plan_->grad_sync.compression +
                                                               "), is not built yet: shard it or compress it");
-    if (stage == 3 && tp_)
-      throw InputError(entry ? "plan" : "train.zero_stage", "ZeRO-3 with tensor parallelism is not built (the group's pieces "
-                                                              "would be gathered per layer): use stage 1 or 2 for ranks " +
-                                                              join(ranks, ","));
     std::string split_schedule;  // a member's, when it splits the backward
     for (int r : ranks) {
       const std::string& sc = plan_->schedule_of(static_cast<size_t>(plan_->locate(r).pipeline));
