@@ -47,6 +47,8 @@ CASES = {
     "llama-nf4-pp2": ("llama", "pp2-6+2", LLAMA + ["--base-dtype", "nf4", "--set", "lora.double_quant=true"], []),
     "gpt2-tp2-in-pp2": ("gpt2", "tp2-3:1-in-pp2", GPT2 + ["--lora-targets", "all"], []),
     "llama-gqa-tp2-beside-replica": ("llama", "tp2-2:2-beside-replica", LLAMA, ["--zero-stage", "1"]),
+    "gpt2-tp2-sp-zero3": ("gpt2", "tp2-2:2-beside-replica", GPT2 + ["--lora-targets", "all"],
+                          ["--sequence-parallel", "--zero-stage", "3"]),
 }
 
 
