@@ -284,21 +284,26 @@ def tp_split_held(out, single, layout):
 # figure of ranks.json that must fall on each of the ranks listed. Not tp-pp-tp-llama-sp: on stages
 # of 3 and 5 tiny blocks the stage edges' whole copies and the all-to-all's buffers outweigh what
 # the blocks save (peaks -2% to +5%, docs/DESIGN.md).
+# {rank: the most this layout may have, as a fraction of the other's}. Parameter bytes are counted
+# exactly; peak activations are the process heap's high-water mark, which other threads' buffers
+# move by a few tens of KB: the 1-head member's fall (12% measured) is asserted with room, the
+# 3-head member's (2%, about 55 KB) only as "no rise beyond 2%".
 SHRINKS = {
-    "tp2-3:1-sp": ("tp2-3:1", "peak_activation_bytes", [0, 1]),
-    "tp2-beside-replica-zero3": ("tp2-beside-replica", "param_bytes", [0, 1, 2]),
-    "tp2-3:1-zero3-sp": ("tp2-3:1", "param_bytes", [0, 1]),
+    "tp2-3:1-sp": ("tp2-3:1", "peak_activation_bytes", {0: 1.02, 1: 0.95}),
+    "tp2-beside-replica-zero3": ("tp2-beside-replica", "param_bytes", {0: 0.99, 1: 0.99, 2: 0.99}),
+    "tp2-3:1-zero3-sp": ("tp2-3:1", "param_bytes", {0: 0.99, 1: 0.99}),
 }
 
 
-def shrank(base_dir, out, key, ranks):
+def shrank(base_dir, out, key, at_most):
     def figure(d):
         with open(os.path.join(d, "ranks.json")) as f:
             return {r["rank"]: r[key] for r in json.load(f)}
     a, b = figure(base_dir), figure(out)
-    ok = all(b[r] < a[r] for r in ranks)
+    ok = all(b[r] <= f * a[r] for r, f in at_most.items())
     print(f"     {key} per rank, {os.path.basename(base_dir)} -> this: " +
-          ", ".join(f"{a[r]} -> {b[r]}" for r in ranks) + ("" if ok else "  <- did not fall"))
+          ", ".join(f"{a[r]} -> {b[r]} ({b[r] / a[r]:.3f}, at most {f})" for r, f in at_most.items()) +
+          ("" if ok else "  <- did not fall"))
     return ok
 
 
@@ -437,8 +442,8 @@ def main():
         if name.startswith("tp") and isinstance(layout, dict):
             ok = tp_split_held(out, os.path.join(work, f"single-{arch}-{gb}"), layout) and ok
         if name in SHRINKS and os.path.exists(os.path.join(work, SHRINKS[name][0], "ranks.json")):
-            base_name, key, ranks = SHRINKS[name]
-            ok = shrank(os.path.join(work, base_name), out, key, ranks) and ok
+            base_name, key, at_most = SHRINKS[name]
+            ok = shrank(os.path.join(work, base_name), out, key, at_most) and ok
         if name == "recompute-pp2" and os.path.exists(os.path.join(work, "pp2-6+2-1f1b", "ranks.json")):
             ok = activations_shrank(os.path.join(work, "pp2-6+2-1f1b"), out) and ok
         failures += not ok
