@@ -171,6 +171,30 @@ TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
   EXPECT_GT(make_plan(c, prof, o, false).chosen.cost.step_s, r.chosen.cost.step_s);
 }
 
+TEST(TensorParallelPlanner, LoraKeepsItsGroupsUnlessTheBaseIsQuantized) {
+  // The pool and batch of PutsTheGroupOnTheFastLinkOnly, fine-tuning: over an fp32 base the group
+  // is chosen as before; over an nf4 base, which tensor-parallel stages do not train, it is not
+  // tried and the plan says why.
+  ClusterSpec c;
+  Profile prof;
+  four_device_pool(c, prof);
+  for (auto* f : {&prof.devices["fast"].head_fwd, &prof.devices["fast"].head_bwd, &prof.devices["fast"].embed_fwd,
+                  &prof.devices["fast"].embed_bwd})
+    *f = {f->fixed_s * 0.1, f->per_sample_s * 0.1};
+  SearchOptions o;
+  o.global_batch = 4;
+  o.micro_batch_sizes = {1};
+  o.schedules = {"1f1b", "gpipe"};
+  prof.lora.rank = 4;
+  EXPECT_TRUE(make_plan(c, prof, o, false).chosen.plan.has_tensor_parallel());
+  prof.lora.base_dtype = "nf4";
+  PlanReport r = make_plan(c, prof, o, false);
+  EXPECT_FALSE(r.chosen.plan.has_tensor_parallel()) << r.text();
+  bool noted = false;
+  for (const auto& n : r.chosen.notes) noted = noted || n.find("not tried, the LoRA base is quantized (lora.base_dtype nf4)") != std::string::npos;
+  EXPECT_TRUE(noted) << r.text();
+}
+
 TEST(TensorParallelPlanner, KeepsGroupsInsideARegionOfTheTwoRegionPool) {
   ClusterSpec c = ClusterSpec::load(std::string(ALLOY_EXAMPLES_DIR) + "/cluster-2region.yaml");
   Profile prof = base_profile(4, "gpt2");
