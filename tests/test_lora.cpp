@@ -13,6 +13,7 @@
 #include "alloy/model/lora.h"
 #include "alloy/model/tensor_parallel.h"
 #include "alloy/model/transformer.h"
+#include "tiny_model.h"
 #include "tp_threads.h"
 
 using alloy::Config;
@@ -23,17 +24,7 @@ using alloy::model::Transformer;
 namespace m = alloy::model;
 
 namespace {
-ModelConfig tiny(const std::string& arch) {
-  ModelConfig c;
-  c.arch = arch;
-  c.layers = 3;
-  c.hidden = 32;
-  c.heads = 4;
-  c.kv_heads = arch == "llama" ? 2 : 0;
-  c.seq_len = 16;
-  c.vocab_size = 61;
-  return c;
-}
+ModelConfig tiny(const std::string& arch) { return alloy::testing::tiny_model(arch); }
 LoraConfig lora(int64_t rank, const std::string& targets = "", const std::string& base = "fp32") {
   LoraConfig l;
   l.rank = rank;

@@ -443,6 +443,19 @@ TEST(Plan, LoraTrainsOnTensorParallelStagesOverAFullPrecisionBaseOnly) {
   EXPECT_HAS(p.training_problem(cfg), "quantized LoRA base (lora.base_dtype nf4) with tensor parallelism is not built");
   p.pipelines[1].stages[0].ranks = {2};
   EXPECT_EQ(p.training_problem(cfg), "");
+  // Sequence parallelism needs a position for every member: heads 7:1 of 8 over 4 positions is 3:1,
+  // 1:15 of 16 over 8 positions leaves the first member none.
+  alloy::Config sp;
+  sp.train.sequence_parallel = true;
+  sp.model.heads = 8, sp.model.seq_len = 4;
+  p.pipelines[1].stages[0].ranks = {2, 3};
+  p.pipelines[1].stages[0].tp_split = {7, 1};
+  EXPECT_EQ(p.training_problem(sp), "");
+  sp.model.heads = 16, sp.model.seq_len = 8;
+  p.pipelines[1].stages[0].tp_split = {1, 15};
+  EXPECT_HAS(p.training_problem(sp), "pipelines[1].stages[0]: train.sequence_parallel gives rank 2 (heads 0-1 of 16) none of the 8 positions");
+  sp.train.sequence_parallel = false;
+  EXPECT_EQ(p.training_problem(sp), "");
 }
 
 TEST(Plan, TensorParallelStagesRoundTripAsVersion4AndCheckTheirSplit) {

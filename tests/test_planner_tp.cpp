@@ -129,12 +129,13 @@ void four_device_pool(ClusterSpec& c, Profile& prof) {
 }
 }  // namespace
 
-TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
-  // The batch is small. A pipeline over the pair idles in its fill and drain; as one
-  // tensor-parallel stage it computes each micro-batch together and sums over its fast link.
-  // Embedding and head are cheap beside a block (each member computes them).
-  ClusterSpec c;
-  Profile prof;
+namespace {
+// The batch is small. A pipeline over the fast pair idles in its fill and drain; as one
+// tensor-parallel stage it computes each micro-batch together and sums over its fast link.
+// Embedding and head are cheap beside a block (each member computes them). TP against the
+// pipelines it can be part of: zb-h1 runs no tensor-parallel stage, and on this pool its
+// four-stage pipeline (465 ms) beats the TP plan (565 ms, 1F1B).
+SearchOptions fast_pair_case(ClusterSpec& c, Profile& prof) {
   four_device_pool(c, prof);
   for (auto* f : {&prof.devices["fast"].head_fwd, &prof.devices["fast"].head_bwd, &prof.devices["fast"].embed_fwd,
                   &prof.devices["fast"].embed_bwd})
@@ -142,9 +143,15 @@ TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
   SearchOptions o;
   o.global_batch = 4;
   o.micro_batch_sizes = {1};
-  // TP against the pipelines it can be part of: zb-h1 runs no tensor-parallel stage, and on this
-  // pool its four-stage pipeline (465 ms) beats the TP plan (565 ms, 1F1B).
   o.schedules = {"1f1b", "gpipe"};
+  return o;
+}
+}  // namespace
+
+TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
+  ClusterSpec c;
+  Profile prof;
+  SearchOptions o = fast_pair_case(c, prof);
   PlanReport r = make_plan(c, prof, o, false);
   int tp_stages = 0;
   for (const auto& pl : r.chosen.plan.pipelines)
@@ -177,14 +184,7 @@ TEST(TensorParallelPlanner, LoraKeepsItsGroupsUnlessTheBaseIsQuantized) {
   // tried and the plan says why.
   ClusterSpec c;
   Profile prof;
-  four_device_pool(c, prof);
-  for (auto* f : {&prof.devices["fast"].head_fwd, &prof.devices["fast"].head_bwd, &prof.devices["fast"].embed_fwd,
-                  &prof.devices["fast"].embed_bwd})
-    *f = {f->fixed_s * 0.1, f->per_sample_s * 0.1};
-  SearchOptions o;
-  o.global_batch = 4;
-  o.micro_batch_sizes = {1};
-  o.schedules = {"1f1b", "gpipe"};
+  const SearchOptions o = fast_pair_case(c, prof);
   prof.lora.rank = 4;
   EXPECT_TRUE(make_plan(c, prof, o, false).chosen.plan.has_tensor_parallel());
   prof.lora.base_dtype = "nf4";

@@ -163,38 +163,31 @@ def main():
             print(f"{'ok  ' if ok else 'FAIL'} adapters-only          gradient bytes per step LoRA/full "
                   f"{lora_bytes:.0f}/{full_bytes:.0f} = {lora_bytes / full_bytes:.4f}; checkpoint holds {len(names)} "
                   f"tensors, all adapters: {adapters_only}; base {state.get('base')}", flush=True)
-        elif name == "resume":
-            # Steps 1-10 on the mixed pipeline+replica layout, 11-20 on two unlike replicas: the
-            # trajectory of one device, the base re-read from where the first run took it.
-            ref_out, ref = reference("gpt2", GPT2)
-            a = launch(alloy, work, "resume-a", "gpt2", "mixed-5+3_and_8",
-                       ["--init-from", base("gpt2"), "--set", "train.checkpoint_interval=10"] + GPT2, env)
-            b = launch(alloy, work, "resume-b", "gpt2", "dp2-6x2-2x6", GPT2, env,
-                       resume=os.path.join(a, "checkpoints", "step_00000010"))
-            got = [r for r in metrics(a) if r["step"] <= 10] + metrics(b)
-            ok, worst = worst_difference(got, ref)
-            ok = ok and [r["step"] for r in got] == list(range(1, STEPS + 1))
-            print(f"{'ok  ' if ok else 'FAIL'} resume                 LoRA steps 1-10 pipeline+replica, 11-20 two "
-                  f"replicas: worst relative loss difference {worst:.2e}", flush=True)
-        elif name == "resume-tp":
-            # Steps 1-10 with a 3:1 tensor-parallel group in a pipeline (the checkpoint holds the
-            # adapters' pieces), 11-20 on two unlike replicas; the exported PEFT adapter of the
-            # tensor-parallel run holds every factor whole.
-            flags = GPT2 + ["--lora-targets", "all"]
+        elif name in ("resume", "resume-tp"):
+            # Steps 1-10 on a first layout, 11-20 on two unlike replicas: the trajectory of one
+            # device, the base re-read from where the first run took it. "resume": a pipeline beside
+            # a replica; "resume-tp": a 3:1 tensor-parallel group in a pipeline, whose checkpoint
+            # holds the adapters' pieces and whose exported PEFT adapter holds every factor whole.
+            tp = name == "resume-tp"
+            flags = GPT2 + (["--lora-targets", "all"] if tp else [])
             ref_out, ref = reference("gpt2", flags)
-            a = launch(alloy, work, "resume-tp-a", "gpt2", "tp2-3:1-in-pp2",
+            a = launch(alloy, work, name + "-a", "gpt2", "tp2-3:1-in-pp2" if tp else "mixed-5+3_and_8",
                        ["--init-from", base("gpt2"), "--set", "train.checkpoint_interval=10"] + flags, env)
-            b = launch(alloy, work, "resume-tp-b", "gpt2", "dp2-6x2-2x6", flags, env,
+            b = launch(alloy, work, name + "-b", "gpt2", "dp2-6x2-2x6", flags, env,
                        resume=os.path.join(a, "checkpoints", "step_00000010"))
             got = [r for r in metrics(a) if r["step"] <= 10] + metrics(b)
             ok, worst = worst_difference(got, ref)
             ok = ok and [r["step"] for r in got] == list(range(1, STEPS + 1))
-            names = safetensors_names(os.path.join(a, "adapter", "adapter_model.safetensors"))
-            ref_names = safetensors_names(os.path.join(ref_out, "adapter", "adapter_model.safetensors"))
-            ok = ok and names == ref_names and len(names) == 8 * 4 * 2
-            print(f"{'ok  ' if ok else 'FAIL'} resume-tp              LoRA steps 1-10 tensor-parallel 3:1 in a pipeline, "
-                  f"11-20 two replicas: worst relative loss difference {worst:.2e}; its PEFT adapter holds "
-                  f"{len(names)} tensors, the one-device run's {len(ref_names)}, same names: {names == ref_names}", flush=True)
+            export = ""
+            if tp:
+                names = safetensors_names(os.path.join(a, "adapter", "adapter_model.safetensors"))
+                ref_names = safetensors_names(os.path.join(ref_out, "adapter", "adapter_model.safetensors"))
+                ok = ok and names == ref_names and len(names) == 8 * 4 * 2
+                export = (f"; its PEFT adapter holds {len(names)} tensors, the one-device run's {len(ref_names)}, "
+                          f"same names: {names == ref_names}")
+            first = "tensor-parallel 3:1 in a pipeline" if tp else "pipeline+replica"
+            print(f"{'ok  ' if ok else 'FAIL'} {name:<22} LoRA steps 1-10 {first}, 11-20 two replicas: worst relative "
+                  f"loss difference {worst:.2e}{export}", flush=True)
         else:
             print(f"unknown case {name}")
             ok = False

@@ -149,6 +149,20 @@ bool Plan::has_tensor_parallel() const {
 }
 
 std::string Plan::training_problem(const Config& cfg) const {
+  if (cfg.train.sequence_parallel)
+    for (size_t p = 0; p < pipelines.size(); ++p)
+      for (size_t s = 0; s < pipelines[p].stages.size(); ++s) {
+        const StagePlan& st = pipelines[p].stages[s];
+        if (st.tp() < 2) continue;
+        // model/tensor_parallel.h's sequence_bounds: positions in the heads' ratio.
+        const auto b = st.tp_bounds(cfg.model.heads);
+        for (size_t k = 0; k + 1 < b.size(); ++k)
+          if (cfg.model.seq_len * b[k] / cfg.model.heads == cfg.model.seq_len * b[k + 1] / cfg.model.heads)
+            return "pipelines[" + std::to_string(p) + "].stages[" + std::to_string(s) + "]: train.sequence_parallel gives rank " +
+                   std::to_string(st.ranks[k]) + " (heads " + std::to_string(b[k]) + "-" + std::to_string(b[k + 1]) + " of " +
+                   std::to_string(cfg.model.heads) + ") none of the " + std::to_string(cfg.model.seq_len) +
+                   " positions: use a longer sequence or a more even tp_split";
+      }
   if (cfg.lora.enabled() && cfg.lora.base_dtype != "fp32" && has_tensor_parallel())
     return "a quantized LoRA base (lora.base_dtype " + cfg.lora.base_dtype +
            ") with tensor parallelism is not built: its quantization blocks would follow the pieces, so each layout would "

@@ -92,9 +92,11 @@ at::Tensor gather_seq(const at::Tensor& shard, const SeqSplit& s) {
 at::Tensor scatter_seq(const at::Tensor& full, const SeqSplit& s) {
   return s.comm->scatter_sum_rows(rows_first(full), shares(s.bounds)).transpose(0, 1);
 }
+// A copy, never a view: with one sample per micro-batch the cut is contiguous, and a view of an
+// autograd function's input must not leave it.
 at::Tensor cut_seq(const at::Tensor& full, const SeqSplit& s) {
   const auto i = static_cast<size_t>(s.comm->rank());
-  return full.narrow(1, s.bounds[i], s.bounds[i + 1] - s.bounds[i]);
+  return full.narrow(1, s.bounds[i], s.bounds[i + 1] - s.bounds[i]).clone(at::MemoryFormat::Contiguous);
 }
 
 SeqSplit unpack(torch::autograd::AutogradContext* ctx) {
@@ -124,7 +126,7 @@ struct SeqEdge : torch::autograd::Function<SeqEdge> {
     // cut to this member's positions.
     const int64_t kind = ctx->saved_data["kind"].toInt();
     const at::Tensor& g = grads[0];
-    at::Tensor out = kind == 0 ? scatter_seq(g, s) : kind == 3 ? cut_seq(g, s).contiguous() : gather_seq(g, s);
+    at::Tensor out = kind == 0 ? scatter_seq(g, s) : kind == 3 ? cut_seq(g, s) : gather_seq(g, s);
     return {out, at::Tensor(), at::Tensor(), at::Tensor()};
   }
   static at::Tensor apply_edge(const at::Tensor& x, int64_t kind, const SeqSplit& s) {
@@ -135,7 +137,7 @@ struct SeqEdge : torch::autograd::Function<SeqEdge> {
       case 1:
         return scatter_seq(x, s);
       default:
-        return cut_seq(x, s).contiguous();
+        return cut_seq(x, s);
     }
   }
 };

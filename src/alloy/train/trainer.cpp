@@ -127,6 +127,8 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   // the device, recomputation; then sharding (plan_shards, build_groups) over what trains.
   heap_before_model_ = pipeline::heap_bytes_in_use();
   if (const std::string why = plan_->training_problem(cfg_); !why.empty()) throw InputError("plan", why);
+  if (cfg_.train.sequence_parallel && !plan_->has_tensor_parallel() && rank_ == 0)
+    log_warn("train.sequence_parallel has no effect: the plan has no tensor-parallel stage");
   if (plan_->has_tensor_parallel()) {
     tp_ = std::make_unique<model::TpLayout>(dist::tp_layout(*plan_, cfg_.model, rank_));
     tp_->sequence_parallel = cfg_.train.sequence_parallel;
@@ -138,7 +140,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
       tp_comm_ = std::make_unique<dist::GroupTpComm>(world_->new_group(name, st.ranks));
       tp_->comm = tp_comm_.get();
       if (tp_->sequence_parallel && pos_.tp_rank == 0 && !opts_.quiet) {
-        const auto b = model::sequence_bounds(tp_->group_heads, cfg_.model.seq_len);  // refuses an empty share here
+        const auto b = model::sequence_bounds(tp_->group_heads, cfg_.model.seq_len);
         std::string shares;
         for (size_t i = 0; i + 1 < b.size(); ++i) shares += (i ? ":" : "") + std::to_string(b[i + 1] - b[i]);
         log_info("tensor-parallel ranks " + join(st.ranks, "+") + ": sequence parallel, positions " + shares + " of " +
