@@ -68,6 +68,15 @@ void Layer::split_vocab(size_t i, const TpLayout* tp, const ModelConfig& c) {
   for (size_t j = 0; j < pieces.size(); ++j) vocab_idx_.push_back(i + j);
 }
 
+at::Tensor Layer::vocab_logits(const at::Tensor& h, bool as_linear) const {
+  const auto product = [&](const at::Tensor& rows) { return as_linear ? at::linear(h, rows) : at::matmul(h, rows.t()); };
+  if (vocab_idx_.size() == 1) return product(params_[vocab_idx_[0]].tensor);
+  // Piece by piece: the backward keeps the pieces, not a joined copy of the whole matrix.
+  std::vector<at::Tensor> outs;
+  for (size_t j : vocab_idx_) outs.push_back(product(params_[j].tensor));
+  return at::cat(outs, -1);
+}
+
 at::Tensor Layer::vocab_rows() const {
   if (vocab_idx_.size() == 1) return params_[vocab_idx_[0]].tensor;
   std::vector<at::Tensor> ps;
@@ -285,8 +294,25 @@ class BlockLayer : public Layer {
     if (L.idx.size() == 1) {
       y = project(L.idx[0], x, bias);
     } else {
-      const at::Tensor W = w(i);
-      y = in_out_ ? (bias ? at::addmm(*bias, x, W) : at::mm(x, W)) : (bias ? at::linear(x, W, *bias) : at::linear(x, W));
+      // Piece by piece, never through the joined weight: the backward would keep that copy of the
+      // whole weight alive from the forward on (and a ZeRO-3 holder's freed pieces with it).
+      const int out_dim = in_out_ ? 1 : 0;
+      const auto product = [&](const at::Tensor& in, const at::Tensor& W) { return in_out_ ? at::matmul(in, W) : at::linear(in, W); };
+      if (L.kind.dim == out_dim) {  // column-parallel: each piece gives its heads' outputs
+        std::vector<at::Tensor> outs;
+        for (size_t j : L.idx) outs.push_back(product(x, params_[j].tensor));
+        y = tp_join(outs, L.bounds, TpParam{L.kind.kind, static_cast<int>(x.dim()) - 1}, *cfg_);
+      } else {  // row-parallel: each piece reads its heads' inputs
+        int64_t first = 0;
+        for (size_t j : L.idx) {
+          const at::Tensor& W = params_[j].tensor;
+          const int64_t n = W.size(1 - out_dim);
+          const at::Tensor part = product(x.narrow(-1, first, n), W);
+          y = y.defined() ? y + part : part;
+          first += n;
+        }
+      }
+      if (bias) y = y + *bias;
     }
     if (L.lora_a < 0) return y;
     // Row-parallel: this rank's heads' part of the update, summed with the product's (tp_exit).
@@ -437,7 +463,7 @@ class Gpt2Head : public Layer {
     const Layer& rows = tied_ ? *tied_ : *this;
     const at::Tensor n = at::layer_norm(x, {c_.hidden}, params_[0].tensor, params_[1].tensor, c_.norm_eps);
     auto h = seq_ ? sp_gather(n, seq_) : tp_enter(n, rows.vocab_comm());
-    return at::matmul(h, rows.vocab_rows().t());
+    return rows.vocab_logits(h, false);
   }
   static at::ScalarType init_dtype(const ModelConfig& c) { return dtype_of(c); }
   const Layer& vocab_layer() const { return tied_ ? *tied_ : *this; }
@@ -526,7 +552,7 @@ class LlamaHead : public Layer {
   }
   at::Tensor forward(const at::Tensor& x) override {
     const at::Tensor n = rms_norm(x, params_[0].tensor, c_.norm_eps);
-    return at::linear(seq_ ? sp_gather(n, seq_) : tp_enter(n, vocab_comm()), vocab_rows());
+    return vocab_logits(seq_ ? sp_gather(n, seq_) : tp_enter(n, vocab_comm()), true);
   }
 
  private:

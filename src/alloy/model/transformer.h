@@ -96,6 +96,9 @@ class Layer {
   // The vocabulary rows this layer holds of its embedding / output matrix (its pieces joined under
   // vocabulary parallelism), their first row, and the group that holds the others (null: none).
   at::Tensor vocab_rows() const;
+  // H times those rows transposed (the logits of this layer's rows), piece by piece; AS_LINEAR:
+  // through at::linear (LLaMA's head) rather than matmul (GPT-2's tied one).
+  at::Tensor vocab_logits(const at::Tensor& h, bool as_linear) const;
   int64_t vocab_first_row() const { return vocab_v0_; }
   TpComm* vocab_comm() const { return vocab_comm_; }
   const std::vector<size_t>& vocab_params() const { return vocab_idx_; }
