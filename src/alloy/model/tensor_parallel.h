@@ -13,8 +13,9 @@
 // "NAME#hA-B" (heads [A, B)). So a piece is one parameter to everything that works by name (the
 // gradient sync's holder sets, ZeRO, AdamW, checkpoints): a rank with heads [0, 3) of group split
 // 3:1 and a replica without tensor parallelism beside it both hold "h.0.attn.c_attn.weight#h0-3"
-// and sum its gradient as any other parameter's. A holder whose range spans several pieces joins
-// them for its product (the joined tensor has exactly the whole parameter's values).
+// and sum its gradient as any other parameter's. A holder whose range spans several pieces
+// multiplies piece by piece (a column-parallel weight's outputs joined, a row-parallel one's inputs
+// split and the products summed), so its backward keeps the pieces, not a joined copy.
 // Checkpoints stay layout-independent: a reader joins pieces into the whole tensor and cuts the
 // range it needs (tp_resolve).
 #include <ATen/ATen.h>
