@@ -281,15 +281,14 @@ def tp_split_held(out, single, layout):
 
 
 # What a layout is for, against the layout it extends (when that ran in the same invocation): the
-# figure of ranks.json that must fall on each of the ranks listed. Not tp-pp-tp-llama-sp: on stages
-# of 3 and 5 tiny blocks the stage edges' whole copies and the all-to-all's buffers outweigh what
-# the blocks save (peaks -2% to +5%, docs/DESIGN.md).
+# figure of ranks.json that must fall on each of the ranks listed.
 # {rank: the most this layout may have, as a fraction of the other's}. Parameter bytes are counted
 # exactly; peak activations are the process heap's high-water mark, which other threads' buffers
-# move by a few tens of KB: the 1-head member's fall (12% measured) is asserted with room, the
-# 3-head member's (2%, about 55 KB) only as "no rise beyond 2%".
+# move by a few tens of KB (about 1%), so the bounds leave room: measured 0.966 and 0.776 for the
+# 3:1 group, 0.747, 0.956, 0.878 and 0.877 for the two LLaMA groups.
 SHRINKS = {
-    "tp2-3:1-sp": ("tp2-3:1", "peak_activation_bytes", {0: 1.02, 1: 0.95}),
+    "tp2-3:1-sp": ("tp2-3:1", "peak_activation_bytes", {0: 1.0, 1: 0.9}),
+    "tp-pp-tp-llama-sp": ("tp-pp-tp-llama", "peak_activation_bytes", {0: 0.9, 1: 1.0, 2: 0.95, 3: 0.95}),
     "tp2-beside-replica-zero3": ("tp2-beside-replica", "param_bytes", {0: 0.99, 1: 0.99, 2: 0.99}),
     "tp2-3:1-zero3-sp": ("tp2-3:1", "param_bytes", {0: 0.99, 1: 0.99}),
 }

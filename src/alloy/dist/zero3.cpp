@@ -70,28 +70,6 @@ Zero3::~Zero3() {
     for (auto& w : u.works) w->wait();
 }
 
-int64_t release_storage(const at::Tensor& t) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  const auto n = static_cast<int64_t>(s->nbytes());
-  s->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
-  s->set_nbytes(0);
-  return n;
-}
-
-int64_t restore_storage(const at::Tensor& t, const at::Tensor& values) {
-  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  const size_t n = static_cast<size_t>(bytes_of(t));
-  if (s->nbytes() == 0) {
-    c10::Allocator* a = s->allocator() ? s->allocator() : c10::GetAllocator(t.device().type());
-    s->set_data_ptr_noswap(a->allocate(n));
-    s->set_nbytes(n);
-  }
-  at::NoGradGuard ng;
-  // variable_data(): the same storage under a version counter of its own.
-  t.variable_data().reshape({-1}).copy_(values.reshape({-1}));
-  return static_cast<int64_t>(n);
-}
-
 void Zero3::free_param(model::Param* p) { resident_bytes_ -= release_storage(p->tensor); }
 
 void Zero3::start_gather(size_t ui) {

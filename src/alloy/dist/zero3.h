@@ -21,6 +21,7 @@
 #include <memory>
 #include <vector>
 
+#include "alloy/model/recompute.h"
 #include "alloy/model/transformer.h"
 
 namespace c10d {
@@ -31,12 +32,8 @@ namespace alloy::dist {
 
 class Group;
 
-// T's storage released in place (T keeps its shape; reading it is an error until restored), and
-// given back holding VALUES (T's elements, flat). In place, so every view and every reference the
-// autograd graph saved sees the restored values, and without bumping T's version counter, so the
-// graph does not take the restore for an in-place change. Returns the bytes released / taken.
-int64_t release_storage(const at::Tensor& t);
-int64_t restore_storage(const at::Tensor& t, const at::Tensor& values);
+using model::release_storage;  // model/recompute.h
+using model::restore_storage;
 
 class Zero3 : public model::LayerHooks {
  public:

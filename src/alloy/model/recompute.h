@@ -25,4 +25,12 @@ at::Tensor forward_recomputed(Layer& layer, const at::Tensor& x, bool attention 
 at::Tensor backward_entry(const at::Tensor& x, LayerHooks* hooks, size_t i);
 at::Tensor backward_exit(const at::Tensor& x, LayerHooks* hooks, size_t i);
 
+// T's storage released in place (T keeps its shape; reading it is an error until restored), and
+// given back holding VALUES (T's elements, flat). In place, so every view and every reference the
+// autograd graph saved sees the restored values, and without bumping T's version counter, so the
+// graph does not take the restore for an in-place change. Returns the bytes released / taken.
+// (ZeRO-3's parameters between uses; sequence parallelism's gathered block inputs.)
+int64_t release_storage(const at::Tensor& t);
+int64_t restore_storage(const at::Tensor& t, const at::Tensor& values);
+
 }  // namespace alloy::model

@@ -1,5 +1,7 @@
 #include "alloy/model/tensor_parallel.h"
 
+#include "alloy/model/recompute.h"
+
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
@@ -87,7 +89,9 @@ std::vector<int64_t> shares(const std::vector<int64_t>& b) {
   return r;
 }
 at::Tensor gather_seq(const at::Tensor& shard, const SeqSplit& s) {
-  return s.comm->gather_rows(rows_first(shard), shares(s.bounds)).transpose(0, 1);
+  // Contiguous: the products' saved input is then a view of this tensor's storage (which
+  // regather_on_backward releases), never a reshaped copy.
+  return s.comm->gather_rows(rows_first(shard), shares(s.bounds)).transpose(0, 1).contiguous();
 }
 at::Tensor scatter_seq(const at::Tensor& full, const SeqSplit& s) {
   return s.comm->scatter_sum_rows(rows_first(full), shares(s.bounds)).transpose(0, 1);
@@ -147,7 +151,27 @@ at::Tensor seq_edge(const at::Tensor& x, int64_t kind, const SeqSplit& s) {
   return SeqEdge::apply(x, kind, s.comm, s.bounds);
 }
 
+struct Regather : torch::autograd::Function<Regather> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, c10::intrusive_ptr<SeqGathered> g) {
+    ctx->saved_data["g"] = c10::IValue::make_capsule(std::move(g));
+    return x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    auto g = c10::static_intrusive_pointer_cast<SeqGathered>(ctx->saved_data["g"].toCapsule());
+    at::NoGradGuard ng;
+    for (auto& [full, shard] : g->full_and_shard) restore_storage(full, gather_seq(shard, g->seq));
+    g->full_and_shard.clear();  // the block's nodes hold the tensors from here on
+    return {grads[0], at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor regather_on_backward(const at::Tensor& block_output, const c10::intrusive_ptr<SeqGathered>& g) {
+  if (g->full_and_shard.empty()) return block_output;
+  for (auto& [full, shard] : g->full_and_shard) release_storage(full);
+  return Regather::apply(block_output, g);
+}
 
 at::Tensor TpComm::gather_rows(const at::Tensor& mine, const std::vector<int64_t>& rows) {
   // By a sum of zero-padded copies: exact (x + 0 is x), twice a gather's bytes; GroupTpComm does better.

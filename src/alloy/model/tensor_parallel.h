@@ -82,6 +82,18 @@ at::Tensor sp_scatter(const at::Tensor& full, const SeqSplit& s);
 at::Tensor sp_split(const at::Tensor& full, const SeqSplit& s);
 at::Tensor sp_join(const at::Tensor& shard, const SeqSplit& s);
 
+// What a block's column-parallel products keep for the backward under sequence parallelism is its
+// all-gathered inputs: every position, on every member. A block records them here (each with this
+// member's shard), the Transformer releases their storage after the block's forward, and the
+// block's output passes through regather_on_backward, whose backward gathers them again before any
+// of the block's backward runs (every member does so in the same order: they run the same
+// schedule). So between a micro-batch's forward and backward a member keeps its shard only.
+struct SeqGathered : torch::CustomClassHolder {
+  SeqSplit seq;
+  std::vector<std::pair<at::Tensor, at::Tensor>> full_and_shard;
+};
+at::Tensor regather_on_backward(const at::Tensor& block_output, const c10::intrusive_ptr<SeqGathered>& g);
+
 // How a parameter splits: by its HuggingFace name's suffix.
 enum class TpKind { None, Qkv, Heads, KvHeads, Ffn, Vocab };
 struct TpParam {

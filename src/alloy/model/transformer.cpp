@@ -376,7 +376,12 @@ class BlockLayer : public Layer {
   }
   // A normed input [B, T (this member's positions under sequence parallelism), H] as the
   // column-parallel products read it: every position, the group's input gradients summed.
-  at::Tensor enter(const at::Tensor& h) const { return seq_ ? sp_gather(h, seq_) : tp_enter(h, comm_); }
+  at::Tensor enter(const at::Tensor& h) const {
+    if (!seq_) return tp_enter(h, comm_);
+    at::Tensor full = sp_gather(h, seq_);
+    if (gathered_ && at::GradMode::is_enabled()) gathered_->full_and_shard.emplace_back(full, h.detach());
+    return full;
+  }
   int64_t h0_ = 0, h1_ = 0;  // the heads this slice computes
   TpComm* comm_ = nullptr;   // its tensor-parallel group, if any
 
@@ -650,7 +655,18 @@ at::Tensor Transformer::run(const at::Tensor& x, const LayerRange& want) {
       hooks_->before_forward(i);
       h = backward_exit(h, hooks_, i);
     }
-    h = recompute_ && l.is_block() ? forward_recomputed(l, h, attention, mlp) : l.forward_halves(h, attention, mlp);
+    if (recompute_ && l.is_block()) {
+      h = forward_recomputed(l, h, attention, mlp);
+    } else if (seq && l.is_block() && at::GradMode::is_enabled()) {
+      auto g = c10::make_intrusive<SeqGathered>();
+      g->seq = seq;
+      l.record_gathered(g.get());
+      h = l.forward_halves(h, attention, mlp);
+      l.record_gathered(nullptr);
+      h = regather_on_backward(h, g);
+    } else {
+      h = l.forward_halves(h, attention, mlp);
+    }
     if (hooks_) {
       hooks_->after_forward(i);
       h = backward_entry(h, hooks_, i);

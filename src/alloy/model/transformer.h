@@ -105,6 +105,8 @@ class Layer {
   // Sequence parallelism: how the group splits the positions of the batch now running (set by
   // the Transformer before each run; empty without it).
   void set_seq(const SeqSplit& s) { seq_ = s; }
+  // Where a block records its gathered inputs during one forward (null: it does not).
+  void record_gathered(SeqGathered* g) { gathered_ = g; }
 
  protected:
   at::Tensor& add(std::string name, at::Tensor t, bool decay);
@@ -121,6 +123,7 @@ class Layer {
   int64_t vocab_v0_ = 0;
   TpComm* vocab_comm_ = nullptr;
   SeqSplit seq_;
+  SeqGathered* gathered_ = nullptr;
 
  private:
   void add_adapter(size_t w, int64_t rank, double scale, double dropout, const at::Tensor& init_a);
