@@ -9,6 +9,7 @@
 #include "alloy/model/deferred_weights.h"
 #include "alloy/model/precision.h"
 #include "alloy/model/transformer.h"
+#include "tiny_model.h"
 
 using alloy::ModelConfig;
 using alloy::model::LayerRange;
@@ -16,14 +17,8 @@ using alloy::model::Transformer;
 
 namespace {
 ModelConfig tiny(const std::string& arch) {
-  ModelConfig m;
-  m.arch = arch;
+  ModelConfig m = alloy::testing::tiny_model(arch);
   m.layers = 4;
-  m.hidden = 32;
-  m.heads = 4;
-  m.kv_heads = arch == "llama" ? 2 : 0;
-  m.seq_len = 16;
-  m.vocab_size = 61;
   return m;
 }
 at::Tensor tokens(const ModelConfig& m, int64_t B, int64_t seed) {

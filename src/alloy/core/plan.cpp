@@ -136,6 +136,12 @@ std::vector<int64_t> StagePlan::tp_bounds(int64_t heads) const {
   return b;
 }
 
+std::vector<int64_t> StagePlan::positions_by_heads(const std::vector<int64_t>& head_bounds, int64_t seq_len) {
+  std::vector<int64_t> b;
+  for (int64_t h : head_bounds) b.push_back(seq_len * h / head_bounds.back());
+  return b;
+}
+
 bool PipelinePlan::has_tensor_parallel() const {
   for (const auto& s : stages)
     if (s.ranks.size() > 1) return true;
@@ -154,16 +160,15 @@ std::string Plan::training_problem(const Config& cfg) const {
       for (size_t s = 0; s < pipelines[p].stages.size(); ++s) {
         const StagePlan& st = pipelines[p].stages[s];
         if (st.tp() < 2) continue;
-        // model/tensor_parallel.h's sequence_bounds: positions in the heads' ratio.
-        const auto b = st.tp_bounds(cfg.model.heads);
+        const auto h = st.tp_bounds(cfg.model.heads), b = st.sequence_bounds(cfg.model.heads, cfg.model.seq_len);
         for (size_t k = 0; k + 1 < b.size(); ++k)
-          if (cfg.model.seq_len * b[k] / cfg.model.heads == cfg.model.seq_len * b[k + 1] / cfg.model.heads)
+          if (b[k] == b[k + 1])
             return "pipelines[" + std::to_string(p) + "].stages[" + std::to_string(s) + "]: train.sequence_parallel gives rank " +
-                   std::to_string(st.ranks[k]) + " (heads " + std::to_string(b[k]) + "-" + std::to_string(b[k + 1]) + " of " +
+                   std::to_string(st.ranks[k]) + " (heads " + std::to_string(h[k]) + "-" + std::to_string(h[k + 1]) + " of " +
                    std::to_string(cfg.model.heads) + ") none of the " + std::to_string(cfg.model.seq_len) +
                    " positions: use a longer sequence or a more even tp_split";
       }
-  if (cfg.lora.enabled() && cfg.lora.base_dtype != "fp32" && has_tensor_parallel())
+  if (cfg.lora.quantized_base() && has_tensor_parallel())
     return "a quantized LoRA base (lora.base_dtype " + cfg.lora.base_dtype +
            ") with tensor parallelism is not built: its quantization blocks would follow the pieces, so each layout would "
            "fine-tune a different base; use lora.base_dtype fp32, or a plan whose stages have one rank each";

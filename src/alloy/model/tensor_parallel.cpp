@@ -1,5 +1,6 @@
 #include "alloy/model/tensor_parallel.h"
 
+#include "alloy/core/plan.h"
 #include "alloy/model/recompute.h"
 
 #include <torch/csrc/autograd/custom_function.h>
@@ -197,8 +198,7 @@ at::Tensor TpComm::scatter_sum_rows(const at::Tensor& full, const std::vector<in
 }
 
 std::vector<int64_t> sequence_bounds(const std::vector<int64_t>& heads, int64_t T) {
-  std::vector<int64_t> b;
-  for (int64_t h : heads) b.push_back(T * h / heads.back());
+  const std::vector<int64_t> b = StagePlan::positions_by_heads(heads, T);
   for (size_t i = 0; i + 1 < b.size(); ++i)
     if (b[i + 1] == b[i])
       throw std::invalid_argument("sequence parallelism over heads " + std::to_string(heads[i]) + "-" + std::to_string(heads[i + 1]) +

@@ -3,7 +3,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
-#include <functional>
 #include <limits>
 #include <set>
 #include <stdexcept>
@@ -339,7 +338,7 @@ class BlockLayer : public Layer {
       const at::Tensor a = drawn->second.to(like.device(), like.scalar_type());
       const TpParam k = logical_[i].kind;
       const bool row = k.kind != TpKind::None && k.dim != out_dim, column = k.kind != TpKind::None && !row;
-      const auto add_factor = [&](const std::string& name, bool split, const std::function<at::Tensor(size_t piece)>& make) {
+      const auto add_factor = [&](const std::string& name, bool split, const auto& make) {  // make(piece)
         Logical F;
         F.kind = split ? tp_param(name) : TpParam{};
         const std::vector<size_t> idx = logical_[i].idx;
@@ -776,7 +775,7 @@ void Transformer::to(const at::Device& device) {
 
 void Transformer::apply_lora(const LoraConfig& l, uint64_t seed) {
   if (!l.enabled() || lora_) return;
-  if (pieces_ && l.base_dtype != "fp32")
+  if (pieces_ && l.quantized_base())
     throw std::invalid_argument("a quantized LoRA base (" + l.base_dtype + ") with tensor parallelism is not built: its blocks would "
                                 "follow the pieces, so each layout would fine-tune a different base; use lora.base_dtype fp32");
   const auto modules = lora_modules(cfg_, l);  // validates the targets

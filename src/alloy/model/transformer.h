@@ -12,7 +12,6 @@
 
 #include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -226,10 +225,10 @@ class Transformer {
   bool recompute_ = false;
   bool lora_ = false;
   bool pieces_ = false;  // some parameters are tensor-parallel pieces
-  bool tied_in_slice_ = false;
+  bool tied_in_slice_ = false;  // a GPT-2 head reading the embedding's wte of the same slice
   // Sequence parallelism's group and head boundaries (model/tensor_parallel.h); null: off.
   TpComm* sp_comm_ = nullptr;
-  std::vector<int64_t> sp_heads_;  // a GPT-2 head reading the embedding's wte of the same slice
+  std::vector<int64_t> sp_heads_;
   LayerHooks* hooks_ = nullptr;
   std::vector<std::vector<Param*>> uses_;
   void rebuild_uses();

@@ -130,7 +130,7 @@ struct Tried {
 void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
   const int n = static_cast<int>(cluster.devices.size());
   if (n < 2 || n > kTensorParallelMaxDevices || !result.plan.sharding.empty()) return;
-  if (profile.lora.enabled() && profile.lora.base_dtype != "fp32") {
+  if (profile.lora.quantized_base()) {
     result.notes.push_back("tensor parallelism: not tried, the LoRA base is quantized (lora.base_dtype " + profile.lora.base_dtype +
                            "), which tensor-parallel stages do not train");
     return;

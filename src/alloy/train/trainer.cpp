@@ -140,7 +140,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
       tp_comm_ = std::make_unique<dist::GroupTpComm>(world_->new_group(name, st.ranks));
       tp_->comm = tp_comm_.get();
       if (tp_->sequence_parallel && pos_.tp_rank == 0 && !opts_.quiet) {
-        const auto b = model::sequence_bounds(tp_->group_heads, cfg_.model.seq_len);
+        const auto b = st.sequence_bounds(cfg_.model.heads, cfg_.model.seq_len);
         std::string shares;
         for (size_t i = 0; i + 1 < b.size(); ++i) shares += (i ? ":" : "") + std::to_string(b[i + 1] - b[i]);
         log_info("tensor-parallel ranks " + join(st.ranks, "+") + ": sequence parallel, positions " + shares + " of " +
