@@ -72,6 +72,27 @@ def layout(path):
     return "; ".join(out)
 
 
+def tp_sums(plan_path, rounds):
+    """Per tensor-parallel stage: the step's sums as the cost model priced them (predicted
+    per_stage tp_comm_s) and as measured (ranks.json's tp_comm_s_median: each member's time inside
+    the group's exchanges, waits included; the member that waits least, the group's slowest, is
+    the transfer itself), the median over rounds."""
+    plan = json.load(open(plan_path))
+    pred = {(s["pipeline"], s["stage"]): s for s in plan.get("predicted", {}).get("per_stage", []) if s.get("tp", 1) > 1}
+    out = []
+    for (p, st), s in sorted(pred.items()):
+        ranks = plan["pipelines"][p]["stages"][st]["ranks"]
+        per_round = []
+        for r in rounds:
+            figs = [x["tp_comm_s_median"] for x in r["ranks"] if x.get("rank") in ranks and "tp_comm_s_median" in x]
+            if figs:
+                per_round.append(min(figs))
+        if per_round:
+            out.append(dict(pipeline=p, stage=st, ranks=ranks, predicted_s=s["tp_comm_s"],
+                            measured_s=statistics.median(per_round), rounds_s=sorted(per_round)))
+    return out
+
+
 def plans_order():
     return ("even-tp", "uneven-tp", "pipeline", "best")
 
@@ -136,6 +157,7 @@ def main():
     for name in plans_order():
         pred = hb.predicted_of(plans[name]).get("step_s", float("nan"))
         rs = runs[same_as.get(name, name)]
+        sums = tp_sums(plans[name], rs)
         steps = sorted(r["step_s"] for r in rs)
         step = statistics.median(steps)
         err = (step - pred) / pred
@@ -143,7 +165,11 @@ def main():
             f"predicted {pred * 1e3:.0f} ms ({100 * err:+.1f}%)")
         results.append(dict(name=name, plan=layout(plans[name]), measured_step_s=step, rounds_step_s=steps,
                             predicted_step_s=pred, relative_error=err,
-                            tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs), same_plan_as=same_as.get(name)))
+                            tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs), same_plan_as=same_as.get(name),
+                            tp_sums=sums))
+        for g in sums:
+            log(f"{name}: the tensor-parallel sums of ranks {'+'.join(str(r) for r in g['ranks'])}: measured "
+                f"{g['measured_s'] * 1e3:.0f} ms/step (median round), predicted {g['predicted_s'] * 1e3:.0f} ms")
     fastest = min(results, key=lambda x: x["measured_step_s"])
     best = next(x for x in results if x["name"] == "best")
     within = best["measured_step_s"] <= 1.05 * fastest["measured_step_s"]

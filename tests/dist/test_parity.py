@@ -280,6 +280,24 @@ def tp_split_held(out, single, layout):
     return ok
 
 
+def tp_sums_reported(out, layout):
+    """ranks.json: every member of a tensor-parallel stage reports the time its group's exchanges
+    took per step, more than nothing and less than its step; ranks outside such stages report none."""
+    tp_ranks = {r for pl in layout["pipelines"] for st in pl["stages"] if len(st["ranks"]) > 1 for r in st["ranks"]}
+    with open(os.path.join(out, "ranks.json")) as f:
+        ranks = json.load(f)
+    ok = True
+    for r in ranks:
+        got = r.get("tp_comm_s_median")
+        good = (0 < got < r["step_s_median"] and len(r["steps_tp_comm_s"]) == len(r["steps_step_compute_syncwait_s"])
+                if r["rank"] in tp_ranks else got is None)
+        ok = ok and good
+        if not good:
+            print(f"     rank {r['rank']}: tp_comm_s_median {got} (step {r['step_s_median']:.4f} s)  <- "
+                  f"{'tensor-parallel sums not reported' if r['rank'] in tp_ranks else 'sums reported outside a group'}")
+    return ok
+
+
 # What a layout is for, against the layout it extends (when that ran in the same invocation): the
 # figure of ranks.json that must fall on each of the ranks listed.
 # {rank: the most this layout may have, as a fraction of the other's}. Parameter bytes are counted
@@ -440,6 +458,7 @@ def main():
             ok = shares_followed(out, extra_flags) and ok
         if name.startswith("tp") and isinstance(layout, dict):
             ok = tp_split_held(out, os.path.join(work, f"single-{arch}-{gb}"), layout) and ok
+            ok = tp_sums_reported(out, layout) and ok
         if name in SHRINKS and os.path.exists(os.path.join(work, SHRINKS[name][0], "ranks.json")):
             base_name, key, at_most = SHRINKS[name]
             ok = shrank(os.path.join(work, base_name), out, key, at_most) and ok

@@ -2,6 +2,7 @@
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <chrono>
 #include <set>
 
 #include "alloy/dist/world.h"
@@ -39,6 +40,20 @@ int GroupTpComm::size() const { return group_->size(); }
 int GroupTpComm::rank() const { return group_->rank(); }
 
 namespace {
+// Adds the seconds from its construction to its end to BUSY.
+class BusyTimer {
+ public:
+  explicit BusyTimer(GroupTpComm::Busy& busy) : busy_(busy), t0_(std::chrono::steady_clock::now()) {}
+  ~BusyTimer() {
+    busy_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    ++busy_.exchanges;
+  }
+
+ private:
+  GroupTpComm::Busy& busy_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
 // What goes on the wire: on the CPU (Gloo), in fp32 for reduced precisions (sums lose least there).
 at::Tensor wire(const at::Tensor& t) {
   const bool narrow = t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble;
@@ -47,12 +62,14 @@ at::Tensor wire(const at::Tensor& t) {
 }  // namespace
 
 void GroupTpComm::allreduce_sum(at::Tensor& t) {
+  BusyTimer timer(busy_);
   at::Tensor buf = wire(t);
   wait_work(group_->allreduce_sum(buf), "the tensor-parallel sum in group " + group_->name());
   t.copy_(buf);
 }
 
 at::Tensor GroupTpComm::gather_rows(const at::Tensor& mine, const std::vector<int64_t>& rows) {
+  BusyTimer timer(busy_);
   const int n = size();
   at::Tensor one = wire(mine);
   std::vector<at::Tensor> copies(static_cast<size_t>(n), one);  // the same rows to every member
@@ -67,6 +84,7 @@ at::Tensor GroupTpComm::gather_rows(const at::Tensor& mine, const std::vector<in
 }
 
 at::Tensor GroupTpComm::scatter_sum_rows(const at::Tensor& full, const std::vector<int64_t>& rows) {
+  BusyTimer timer(busy_);
   const int n = size();
   const int64_t r = rows[static_cast<size_t>(rank())];
   at::Tensor in = wire(full);

@@ -1,7 +1,9 @@
 #pragma once
 // Tensor parallelism from the Plan: which pieces every block is stored in, which heads a rank
 // computes, and the group's sum over c10d (model/tensor_parallel.h has the layers' side).
+#include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "alloy/core/plan.h"
 #include "alloy/model/tensor_parallel.h"
@@ -29,9 +31,18 @@ class GroupTpComm : public model::TpComm {
   int size() const override;
   int rank() const override;
   Group& group() { return *group_; }
+  // Seconds spent in the group's exchanges (copies to the wire and the wait) and how many, since
+  // the last take_busy(): the trainer records them per step (ranks.json), beside the cost model's
+  // price of the same sums.
+  struct Busy {
+    double seconds = 0;
+    int64_t exchanges = 0;
+  };
+  Busy take_busy() { return std::exchange(busy_, Busy{}); }
 
  private:
   std::shared_ptr<Group> group_;
+  Busy busy_;
 };
 
 }  // namespace alloy::dist

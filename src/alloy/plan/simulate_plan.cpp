@@ -375,7 +375,7 @@ nlohmann::json PlanCost::to_json() const {
                               {"own_done_s", p.own_done_s},
                               {"noise_s", p.noise_s}});
   j["per_stage"] = json::array();
-  for (const auto& s : stages)
+  for (const auto& s : stages) {
     j["per_stage"].push_back({{"pipeline", s.pipeline},
                               {"stage", s.stage},
                               {"rank", s.rank},
@@ -407,6 +407,12 @@ nlohmann::json PlanCost::to_json() const {
                               {"memory_bytes", s.memory_bytes},
                               {"memory_capacity_bytes", s.memory_capacity_bytes},
                               {"fits", s.fits}});
+    if (s.tp > 1) {
+      // ranks.json's tp_comm_s_median measures the same sums on each member.
+      j["per_stage"].back()["tp"] = s.tp;
+      j["per_stage"].back()["tp_comm_s"] = s.tp_comm_s;
+    }
+  }
   j["sync_groups"] = json::array();
   for (const auto& g : sync_groups) {
     json gj = {{"ranks", g.ranks},

@@ -640,6 +640,7 @@ TrainResult Trainer::run() {
     const bool tracing = step == trace_step;
     if (tracing && world_) world_->all().barrier();  // aligns the ranks' trace clocks
     auto t0 = std::chrono::steady_clock::now();
+    if (tp_comm_) tp_comm_->take_busy();  // an evaluation's sums belong to no step
     exec_->tracing = tracing;
     exec_->set_trace_origin(t0);
     const double lr = lr_at(t, step);
@@ -730,6 +731,7 @@ TrainResult Trainer::run() {
     const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     StepRecord rec{step + 1, sums[0] / batch_tokens, lr, grad_norm, step_s, batch_tokens / step_s, exec_->compute_s(), sync.wait_s,
                    phase_s};
+    if (tp_comm_) rec.tp_comm_s = tp_comm_->take_busy().seconds;
     rec.grad_bytes = sync_fig[0].item<double>();
     rec.grad_elements = sync_fig[1].item<double>();
     rec.grad_selected = sync_fig[2].item<double>();

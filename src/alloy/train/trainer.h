@@ -65,6 +65,7 @@ struct StepRecord {
   double loss, lr, grad_norm, step_s, tokens_per_s;
   double compute_s = 0, sync_wait_s = 0;  // this rank's share
   double phase_s = 0;  // from the step's start to this rank's last schedule action
+  double tp_comm_s = 0;  // inside compute_s: the tensor-parallel group's exchanges (0 without TP)
   // Gradient sync, summed over ranks: bytes put on the wire, elements synced and sent (density),
   // seconds spent compressing and decompressing, and the error-feedback residuals' norm.
   double grad_bytes = 0, grad_elements = 0, grad_selected = 0, compress_s = 0, residual_norm = 0;

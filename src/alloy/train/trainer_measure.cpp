@@ -34,9 +34,10 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
   // activation memory) go to rank 0 through the store and into OUTPUT/ranks.json, so a user can
   // see each stage's share without collecting logs from every host.
   if (r.steps.empty()) return;
-  std::vector<double> step_s, compute_s, sync_s, phase_s;
+  std::vector<double> step_s, compute_s, sync_s, phase_s, tp_s;
   for (size_t i = r.steps.size() > 3 ? 1 : 0; i < r.steps.size(); ++i) {  // the first step warms up
     step_s.push_back(r.steps[i].step_s);
+    tp_s.push_back(r.steps[i].tp_comm_s);
     compute_s.push_back(r.steps[i].compute_s);
     sync_s.push_back(r.steps[i].sync_wait_s);
     phase_s.push_back(r.steps[i].phase_s);
@@ -75,6 +76,13 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
   nlohmann::json per_step = nlohmann::json::array();
   for (const auto& s : r.steps) per_step.push_back({s.step_s, s.compute_s, s.sync_wait_s});
   me["steps_step_compute_syncwait_s"] = per_step;
+  if (st.tp() > 1) {
+    // The tensor-parallel exchanges inside compute_s (the cost model's tp_comm_s for the stage).
+    me["tp_comm_s_median"] = median(tp_s);
+    nlohmann::json tp_steps = nlohmann::json::array();
+    for (const auto& s : r.steps) tp_steps.push_back(s.tp_comm_s);
+    me["steps_tp_comm_s"] = tp_steps;
+  }
   nlohmann::json all = nlohmann::json::array();
   if (!world_) {
     all.push_back(me);
