@@ -1082,6 +1082,67 @@ TEST(Search, MinmaxSplitMatchesBruteForce) {
   });
 }
 
+TEST(CostModel, PipelineLinkSharesCountPipelinesPerHostPair) {
+  ClusterSpec c;
+  for (int h = 0; h < 4; ++h) c.devices.push_back(device("d" + std::to_string(h), "h" + std::to_string(h), "t"));
+  Profile p = base_profile(4);
+  p.devices["t"] = dev_profile(1);
+  const CostContext ctx(c, p);
+  // Three pipelines cross h0-h1 (one of them backwards: its gradients go h0 -> h1), one stays in
+  // h0, one crosses h2-h3 alone, one crosses h0-h1 twice and counts once.
+  const auto k = ctx.pipeline_link_shares({{0, 1}, {0, 1}, {1, 0}, {0, 0}, {2, 3}, {0, 1, 0}});
+  const std::vector<std::vector<int>> want = {{4}, {4}, {4}, {1}, {1}, {4, 4}};
+  EXPECT_EQ(k, want);
+  EXPECT_DOUBLE_EQ(ctx.p2p_s(0, 1, 2, 3) - ctx.link_latency_s(0, 1), 3 * (ctx.p2p_s(0, 1, 2) - ctx.link_latency_s(0, 1)));
+}
+
+// Two pipelines that must both cross one thin link (the first stages' devices on one host hold
+// only the embedding's half, the other host's only the head's): each message there takes twice as
+// long as alone, in simulate_plan and in the search's own figures, and the exact search still finds
+// exhaustive()'s optimum.
+TEST(Search, PipelinesCrossingOneLinkShareIt) {
+  ClusterSpec c;
+  c.devices = {device("a0", "h0", "A", 0.05), device("a1", "h0", "A", 0.05), device("b0", "h1", "B", 0.06),
+               device("b1", "h1", "B", 0.06)};
+  c.rules.push_back({"h0", "h1", Link{0.05, 0.1}});
+  Profile p = base_profile(2);
+  p.memory.param_bytes_embed = 8e6;   // a block and the embedding: 45 MB with AdamW and the sync buckets
+  p.memory.param_bytes_head = 10e6;   // a block and the head: 55 MB
+  p.memory.act_bytes_per_sample_block = p.memory.act_bytes_per_sample_embed = p.memory.act_bytes_per_sample_head = 1e3;
+  p.model.hidden = 256;  // messages of 16 KB per sample over 6.25 MB/s: the link matters
+  p.devices["A"] = dev_profile(1);
+  p.devices["B"] = dev_profile(1);
+  SearchOptions o;
+  o.global_batch = 8;
+  o.max_micro_batch = 2;
+  o.fit_memory = false;
+  o.split_schedule_min_gain = 0;
+  const SearchResult s = search(c, p, o), e = exhaustive(c, p, o);
+  ASSERT_EQ(s.plan.pipelines.size(), 2u) << s.plan.describe();
+  EXPECT_TRUE(near_rel(s.search_step_s, s.cost.step_s)) << s.search_step_s << " vs " << s.cost.step_s;
+  EXPECT_TRUE(near_rel(s.cost.step_s - s.cost.straggler_s, e.cost.step_s - e.cost.straggler_s));
+  const CostContext ctx(c, p);
+  for (const auto& st : s.cost.stages) {
+    if (st.stage != 0) continue;
+    const auto& pl = s.plan.pipelines[static_cast<size_t>(st.pipeline)];
+    ASSERT_EQ(pl.stages.size(), 2u);
+    const double one = ctx.p2p_s(0, 1, pl.micro_batch_size), two = ctx.p2p_s(0, 1, pl.micro_batch_size, 2);
+    EXPECT_GT(two, 1.9 * one);
+    // Every activation it sends crosses the shared link (the sends may also wait for the link).
+    EXPECT_GE(st.p2p_s, static_cast<double>(pl.num_micro_batches) * two * (1 - 1e-9)) << st.p2p_s;
+  }
+  // Its first pipeline alone on the pool has the link to itself.
+  Plan alone = s.plan;
+  alone.pipelines.resize(1);
+  alone.global_batch = alone.pipelines[0].micro_batch_size * alone.pipelines[0].num_micro_batches;
+  alone.pipelines[0].stages[0].ranks = {0};
+  alone.pipelines[0].stages[1].ranks = {1};
+  const PlanCost a = simulate_plan(alone, c, p);
+  EXPECT_NEAR(a.stages[0].p2p_s, static_cast<double>(alone.pipelines[0].num_micro_batches) * ctx.p2p_s(0, 1, alone.pipelines[0].micro_batch_size),
+              1e-9);
+  EXPECT_LT(a.stages[0].p2p_s, s.cost.stages[0].p2p_s);
+}
+
 TEST(Search, SpaceSizeFormula) {
   EXPECT_EQ(search_space_configurations(1, 8), 1);
   EXPECT_EQ(search_space_configurations(2, 8), 15);    // {a}{b} + 2 orders x 7 splits
@@ -1148,6 +1209,20 @@ TEST(Search, ExactSearchMatchesExhaustiveEnumeration) {
       return;
     }
     RC_CLASSIFY(n >= 5, "5-6 devices");
+    {
+      // Pipelines crossing one host pair share it (CostContext::pipeline_link_shares): the search
+      // must price that as simulate_plan does.
+      std::vector<std::vector<int>> hosts;
+      const CostContext ctx(pl.cluster, pl.profile);
+      for (const auto& pipe : s.plan.pipelines) {
+        hosts.emplace_back();
+        for (const auto& st : pipe.stages) hosts.back().push_back(ctx.host_of(pl.cluster.device_index(st.device)));
+      }
+      bool shared = false;
+      for (const auto& v : ctx.pipeline_link_shares(hosts))
+        for (int k : v) shared = shared || k > 1;
+      RC_CLASSIFY(shared, "pipelines sharing a link");
+    }
     RC_ASSERT(s.exact);
     RC_ASSERT(s.cost.fits);
     RC_ASSERT(e.cost.fits);

@@ -402,9 +402,32 @@ double CostContext::full_model_s_per_sample(int type, int64_t m) const {
   return (forward_s(type, layers(), true, true, m) + backward_s(type, layers(), true, true, m)) / static_cast<double>(m);
 }
 
-double CostContext::p2p_s(int host_a, int host_b, int64_t m) const {
+double CostContext::p2p_s(int host_a, int host_b, int64_t m, int share) const {
   const size_t i = idx(host_a, host_b);
-  return lat_[i] + message_bytes(m) / bw_[i];
+  return lat_[i] + static_cast<double>(share) * message_bytes(m) / bw_[i];
+}
+
+std::vector<std::vector<int>> CostContext::pipeline_link_shares(const std::vector<std::vector<int>>& pipeline_hosts) const {
+  const size_t H = hosts_.size();
+  auto pair = [&](int a, int b) { return static_cast<size_t>(std::min(a, b)) * H + static_cast<size_t>(std::max(a, b)); };
+  // Per unordered host pair: the pipelines crossing it (each counted once however often it does).
+  std::vector<int> crossing(H * H, 0);
+  std::vector<size_t> seen;
+  for (const auto& hosts : pipeline_hosts) {
+    seen.clear();
+    for (size_t s = 0; s + 1 < hosts.size(); ++s)
+      if (hosts[s] != hosts[s + 1]) seen.push_back(pair(hosts[s], hosts[s + 1]));
+    std::sort(seen.begin(), seen.end());
+    seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
+    for (size_t k : seen) ++crossing[k];
+  }
+  std::vector<std::vector<int>> out;
+  for (const auto& hosts : pipeline_hosts) {
+    out.emplace_back();
+    for (size_t s = 0; s + 1 < hosts.size(); ++s)
+      out.back().push_back(hosts[s] == hosts[s + 1] ? 1 : std::max(1, crossing[pair(hosts[s], hosts[s + 1])]));
+  }
+  return out;
 }
 
 double CostContext::param_bytes(double blocks, bool first, bool last) const {

@@ -10,8 +10,11 @@
 //     link between the two hosts (a measured profile link wins over the cluster spec). Sends do not
 //     block the sender; the messages of one link direction go one at a time, in order (a message
 //     leaves once the one before has arrived), so a thin link that carries them slower than the
-//     stage computes them makes them queue. Messages of different pipelines (or directions) on one
-//     host pair do not slow each other here (not modelled).
+//     stage computes them makes them queue. Pipelines that cross the same pair of hosts share it:
+//     each of their messages there takes share x bytes / bandwidth, share = the number of
+//     pipelines crossing the pair (pipeline_link_shares; alike pipelines send at the same moments
+//     of their schedules). A link inside a host is not shared out. The search prices its layouts
+//     the same way (search_detail.h, Tables::get with the layout's shares).
 //     Under zb-h1 a stage's backward is split: its BackwardWeight takes weight_share(type) of the
 //     blocks' backward (profiled; else the projections' weight products' share by shape), its
 //     Backward the rest; the stage's gradients are final at the end of its last weight pass.
@@ -252,8 +255,17 @@ class CostContext {
   }
   // Seconds per sample through the whole model at micro-batch M (forward + backward): a type's speed.
   double full_model_s_per_sample(int type, int64_t m) const;
-  // One activation (or gradient) message of M samples between two hosts.
-  double p2p_s(int host_a, int host_b, int64_t m) const;
+  // One activation (or gradient) message of M samples between two hosts, on a link that SHARE
+  // pipelines cross at once (pipeline_link_shares): its bytes take SHARE times as long.
+  double p2p_s(int host_a, int host_b, int64_t m, int share = 1) const;
+  // Pipelines sharing links: PIPELINE_HOSTS[p] are pipeline p's stages' hosts in stage order.
+  // Returns, per pipeline and link s (between stages s and s+1), how many pipelines send their
+  // messages over that host pair: 1 for a link within a host or one no other pipeline crosses,
+  // else 1 + the other pipelines crossing the pair (either direction: one pipeline's activations
+  // and another's gradients meet there). Pipelines alike in shape send their messages at the same
+  // moments of the schedule (one per micro-batch each way), so each gets the link's bandwidth /
+  // SHARE while they cross; unlike ones overlap less, and this is the upper end for them.
+  std::vector<std::vector<int>> pipeline_link_shares(const std::vector<std::vector<int>>& pipeline_hosts) const;
   double message_bytes(int64_t m) const { return static_cast<double>(m) * act_message_bytes_; }
   double link_bytes_per_s(int host_a, int host_b) const { return bw_[idx(host_a, host_b)]; }
   double link_latency_s(int host_a, int host_b) const { return lat_[idx(host_a, host_b)]; }

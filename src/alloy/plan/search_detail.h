@@ -62,6 +62,7 @@ struct ConfigTable {
   int sched = 0;
   int S = 0;
   std::vector<int> types, hosts;
+  std::vector<int> shares;  // per link: the pipelines sending over its host pair (CostContext::pipeline_link_shares)
   std::vector<int64_t> blocks;
   // per stage: activation bytes per sample, (trained) parameter bytes, optimizer seconds, frozen base bytes
   std::vector<double> act, param, opt, frozen;
@@ -81,8 +82,10 @@ class Tables {
   int64_t global_batch() const { return G_; }
   const CostContext& ctx() const { return ctx_; }
 
-  // The table of devices DEV (stage order) with split BLOCKS under schedule SCHED.
-  ConfigTable* get(int sched, const int* dev, const int64_t* blocks, int S);
+  // The table of devices DEV (stage order) with split BLOCKS under schedule SCHED, its links
+  // shared with SHARES[s] - 1 other pipelines (S - 1 entries; null: none shared). Unshared tables
+  // are lower bounds of shared ones (a slower link never ends a schedule sooner).
+  ConfigTable* get(int sched, const int* dev, const int64_t* blocks, int S, const int* shares = nullptr);
 
   // Timing of B samples in micro-batches of cands[ci] (which must divide B).
   const PipeTiming& timing(ConfigTable& t, int64_t b, size_t ci);
@@ -270,6 +273,9 @@ class Evaluator {
   }
 
   void compute_sync(const Layout& L);
+  // tabs_ for L's replicas, their links shared as L's pipelines share them (CostContext::pipeline_link_shares).
+  void fetch_tables(const Layout& L);
+  std::vector<std::vector<int>> link_hosts_;
 
   // Buckets of one set and their tails; every member gets its (set, bucket) pairs.
   void add_set(const CostContext::SyncShape& shape, const int* members, size_t n, const std::vector<std::pair<int, double>>& units,

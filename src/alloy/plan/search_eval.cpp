@@ -32,14 +32,17 @@ Tables::Tables(const CostContext& ctx, std::vector<std::string> schedules, std::
     }
 }
 
-ConfigTable* Tables::get(int sched, const int* dev, const int64_t* blocks, int S) {
+ConfigTable* Tables::get(int sched, const int* dev, const int64_t* blocks, int S, const int* shares) {
   key_.clear();
   key_.push_back(sched);
   const int H = ctx_.num_hosts();
   for (int s = 0; s < S; ++s) {
     key_.push_back(ctx_.type_of(dev[s]));
     key_.push_back(blocks[s]);
-    if (s + 1 < S) key_.push_back(link_class_[static_cast<size_t>(ctx_.host_of(dev[s]) * H + ctx_.host_of(dev[s + 1]))]);
+    if (s + 1 < S) {
+      key_.push_back(link_class_[static_cast<size_t>(ctx_.host_of(dev[s]) * H + ctx_.host_of(dev[s + 1]))]);
+      key_.push_back(shares ? shares[s] : 1);
+    }
   }
   auto it = configs_.find(key_);
   if (it != configs_.end()) return it->second.get();
@@ -50,6 +53,7 @@ ConfigTable* Tables::get(int sched, const int* dev, const int64_t* blocks, int S
     const bool first = s == 0, last = s + 1 == S;
     t->types.push_back(ctx_.type_of(dev[s]));
     t->hosts.push_back(ctx_.host_of(dev[s]));
+    if (s + 1 < S) t->shares.push_back(shares ? shares[s] : 1);
     t->blocks.push_back(blocks[s]);
     t->act.push_back(ctx_.act_bytes_per_sample(blocks[s], first, last));
     t->param.push_back(ctx_.param_bytes(blocks[s], first, last));
@@ -96,7 +100,7 @@ const std::vector<double>& Tables::costs(ConfigTable& t, size_t ci) {
     const double p2p_cpu = ctx_.p2p_cpu_s(t.types[s], first, last, m);
     x[s] = ctx_.forward_s(t.types[s], t.blocks[s], first, last, m) + p2p_cpu;
     x[S + s] = ctx_.backward_s(t.types[s], t.blocks[s], first, last, m) + p2p_cpu;
-    if (!last) x[2 * S + s] = ctx_.p2p_s(t.hosts[s], t.hosts[s + 1], m);
+    if (!last) x[2 * S + s] = ctx_.p2p_s(t.hosts[s], t.hosts[s + 1], m, t.shares[s]);
     x[3 * S - 1 + s] = ctx_.weight_s(t.types[s], t.blocks[s], m);
   }
   return x;
@@ -116,9 +120,7 @@ Evaluator::Evaluator(const CostContext& ctx, Tables& tables, double bucket_bytes
 double Evaluator::evaluate(Layout& L, Batch mode, bool stragglers) {
   ++evaluated;
   const size_t R = L.reps.size();
-  tabs_.resize(R);
-  for (size_t r = 0; r < R; ++r)
-    tabs_[r] = tables_.get(L.sched, L.reps[r].dev.data(), L.reps[r].blocks.data(), static_cast<int>(L.reps[r].dev.size()));
+  fetch_tables(L);
   compute_sync(L);
   double maxopt = 0;
   for (size_t r = 0; r < R; ++r)
@@ -183,11 +185,21 @@ double Evaluator::straggler_s(Layout& L, double latest) {
 }
 
 void Evaluator::prepare(Layout& L) {
+  fetch_tables(L);
+  compute_sync(L);
+}
+
+void Evaluator::fetch_tables(const Layout& L) {
   const size_t R = L.reps.size();
+  link_hosts_.resize(R);
+  for (size_t r = 0; r < R; ++r) {
+    link_hosts_[r].clear();
+    for (int d : L.reps[r].dev) link_hosts_[r].push_back(ctx_.host_of(d));
+  }
+  const std::vector<std::vector<int>> shares = ctx_.pipeline_link_shares(link_hosts_);
   tabs_.resize(R);
   for (size_t r = 0; r < R; ++r)
-    tabs_[r] = tables_.get(L.sched, L.reps[r].dev.data(), L.reps[r].blocks.data(), static_cast<int>(L.reps[r].dev.size()));
-  compute_sync(L);
+    tabs_[r] = tables_.get(L.sched, L.reps[r].dev.data(), L.reps[r].blocks.data(), static_cast<int>(L.reps[r].dev.size()), shares[r].data());
 }
 
 std::string Evaluator::overflow(Layout& L, double* total_over) {

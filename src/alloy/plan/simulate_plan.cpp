@@ -83,6 +83,12 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
   std::vector<size_t> stage_of_rank(static_cast<size_t>(W), 0);
   std::vector<double> gather_s(static_cast<size_t>(W), 0);
   std::map<std::pair<size_t, int64_t>, double> tp_comm;  // (pipeline, stage) -> the step's TP sums
+  std::vector<std::vector<int>> pipeline_hosts;
+  for (const auto& pl : plan.pipelines) {
+    pipeline_hosts.emplace_back();
+    for (const auto& st : pl.stages) pipeline_hosts.back().push_back(ctx.host_of(dev_of[static_cast<size_t>(st.ranks[0])]));
+  }
+  const std::vector<std::vector<int>> link_share = ctx.pipeline_link_shares(pipeline_hosts);
   for (size_t p = 0; p < plan.pipelines.size(); ++p) {
     const PipelinePlan& pl = plan.pipelines[p];
     const int64_t S = static_cast<int64_t>(pl.stages.size()), M = pl.num_micro_batches, m = pl.micro_batch_size;
@@ -139,7 +145,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       }
       if (!last) {
         const int next = dev_of[static_cast<size_t>(pl.stages[static_cast<size_t>(s + 1)].ranks[0])];
-        costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m));
+        costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m, link_share[p][static_cast<size_t>(s)]));
       }
       actions.push_back(pipeline::make_schedule(plan.schedule_of(p), s, S, M));
     }
