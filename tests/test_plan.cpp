@@ -263,7 +263,7 @@ TEST(Plan, ShardingEntriesRoundTripAndAreValidatedByField) {
   EXPECT_TRUE(Plan::from_json(r.to_json(), "x").pipelines[0].stages[1].recompute);
   EXPECT_NE(r.describe().find("recompute"), std::string::npos);
   auto v4 = j;  // a version this Alloy does not know
-  v4["version"] = 7;
+  v4["version"] = 8;
   EXPECT_THROW(Plan::from_json(v4, "x"), InputError);
 }
 
@@ -453,7 +453,7 @@ TEST(Plan, LoraTrainsOnTensorParallelStagesOverAFullPrecisionBaseOnly) {
   EXPECT_EQ(p.training_problem(sp), "");
   sp.model.heads = 16, sp.model.seq_len = 8;
   p.pipelines[1].stages[0].tp_split = {1, 15};
-  EXPECT_HAS(p.training_problem(sp), "pipelines[1].stages[0]: train.sequence_parallel gives rank 2 (heads 0-1 of 16) none of the 8 positions");
+  EXPECT_HAS(p.training_problem(sp), "pipelines[1].stages[0]: sequence parallelism gives rank 2 (heads 0-1 of 16) none of the 8 positions");
   sp.train.sequence_parallel = false;
   EXPECT_EQ(p.training_problem(sp), "");
 }
@@ -503,6 +503,44 @@ TEST(Plan, TensorParallelStagesRoundTripAsVersion4AndCheckTheirSplit) {
   EXPECT_TRUE(alloy::even_tp_split(heads_model(8, 2), 3).empty());  // 2 key/value groups cannot feed 3 ranks
 }
 
+TEST(Plan, SequenceParallelStagesRoundTripAsVersion7OnTensorParallelStagesOnly) {
+  Plan p = sample_plan();
+  p.pipelines[1].stages[0].ranks = {2, 3};
+  p.pipelines[1].stages[0].tp_split = {6, 2};
+  p.pipelines[1].stages[0].sequence_parallel = true;
+  const auto m = heads_model(8, 4);
+  EXPECT_NO_THROW(p.validate(m, "p.json"));
+  EXPECT_EQ(p.to_json()["version"], 7);
+  EXPECT_EQ(p.to_json()["pipelines"][1]["stages"][0]["sequence_parallel"], true);
+  EXPECT_FALSE(p.to_json()["pipelines"][0]["stages"][0].contains("sequence_parallel"));
+  EXPECT_EQ(Plan::from_json(p.to_json(), "x").to_json(), p.to_json());
+  EXPECT_HAS(p.describe(), "ranks 2+3 (tp heads 6:2, sequence parallel)");
+  // The stage's own flag asks what train.sequence_parallel asks: a position for every member.
+  alloy::Config cfg;
+  cfg.model.heads = 16, cfg.model.seq_len = 8;
+  p.pipelines[1].stages[0].tp_split = {1, 15};
+  EXPECT_HAS(p.training_problem(cfg), "pipelines[1].stages[0]: sequence parallelism gives rank 2 (heads 0-1 of 16) none of the 8 positions");
+  p.pipelines[1].stages[0].sequence_parallel = false;
+  EXPECT_EQ(p.training_problem(cfg), "");
+  // On a stage of one rank there is no group to split positions over.
+  Plan one = sample_plan();
+  one.pipelines[0].stages[0].sequence_parallel = true;
+  try {
+    one.validate(m, "p.json");
+    ADD_FAILURE() << "a one-rank stage with sequence_parallel validated";
+  } catch (const InputError& e) {
+    EXPECT_HAS(std::string(e.what()), "pipelines[0].stages[0].sequence_parallel: needs a tensor-parallel stage");
+  }
+  nlohmann::json bad = p.to_json();
+  bad["pipelines"][1]["stages"][0]["sequence_parallel"] = "yes";
+  try {
+    Plan::from_json(bad, "p.json");
+    ADD_FAILURE() << "a string sequence_parallel was read";
+  } catch (const InputError& e) {
+    EXPECT_HAS(std::string(e.what()), "pipelines[1].stages[0].sequence_parallel");
+  }
+}
+
 TEST(Plan, FromJsonDefaultsOptionalFields) {
   Plan p = Plan::from_json(nlohmann::json::parse(R"({"global_batch": 4,
       "pipelines": [{"micro_batch_size": 2, "num_micro_batches": 2, "stages": [{"ranks": [0], "layers": [0, 4]}]}]})"),
@@ -524,8 +562,8 @@ TEST(Plan, FromJsonNamesTheBadField) {
     return "";
   };
   EXPECT_HAS(error_of(R"({"format": "other", "global_batch": 1, "pipelines": []})"), "field 'format' is \"other\"");
-  EXPECT_HAS(error_of(R"({"version": 7, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 6");
-  EXPECT_HAS(error_of(R"({"version": 2.5, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 6");
+  EXPECT_HAS(error_of(R"({"version": 8, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 7");
+  EXPECT_HAS(error_of(R"({"version": 2.5, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 7");
   EXPECT_HAS(error_of(R"({"pipelines": []})"), "plan.json: field 'global_batch' is missing or ill-typed");
   EXPECT_HAS(
       error_of(

@@ -312,3 +312,49 @@ TEST(SchedulePlanner, SchedulePerPipeline) {
   EXPECT_EQ(kept.plan.schedules_text(), "1f1b");
   EXPECT_TRUE(kept.notes.empty());
 }
+
+// Sequence parallelism in the cost model and the planner: it splits a group's residual-stream
+// activations by position too (less memory per member) for more exchanges (more time); the
+// planner turns it on for a group that fits only with it, and on every group when asked.
+TEST(TensorParallelPlanner, SequenceParallelWhereTheGroupFitsOnlyWithIt) {
+  ClusterSpec c;
+  Profile prof;
+  SearchOptions o = fast_pair_case(c, prof);
+  o.fit_memory = false;  // groups against full replicas, not against ZeRO (whose plans keep their layout)
+  // Heavier blocks: sequence parallelism's extra exchanges (each at least the sums' floor) weigh less.
+  for (auto* f : {&prof.devices["fast"].block_fwd, &prof.devices["fast"].block_bwd}) *f = {f->fixed_s * 4, f->per_sample_s * 4};
+  const PlanReport r = make_plan(c, prof, o, false);
+  ASSERT_TRUE(r.chosen.plan.has_tensor_parallel()) << r.text();
+  Plan sp = r.chosen.plan;
+  int group = -1;
+  for (auto& pl : sp.pipelines)
+    for (auto& st : pl.stages)
+      if (st.tp() > 1) st.sequence_parallel = true;
+  const PlanCost whole = simulate_plan(r.chosen.plan, c, prof), split = simulate_plan(sp, c, prof);
+  for (size_t i = 0; i < whole.stages.size(); ++i)
+    if (whole.stages[i].tp > 1) group = static_cast<int>(i);
+  ASSERT_GE(group, 0);
+  const StageCost &w = whole.stages[static_cast<size_t>(group)], &s = split.stages[static_cast<size_t>(group)];
+  EXPECT_LT(s.activation_bytes, 0.9 * w.activation_bytes);  // the residual stream's share of the blocks' tensors
+  EXPECT_GT(s.tp_comm_s, w.tp_comm_s);
+  EXPECT_GT(split.step_s, whole.step_s);
+  // Memory between the two: the group fits only with its positions split, and the planner says so.
+  for (auto& d : c.devices)
+    if (d.name == "a0" || d.name == "a1") d.memory_gb = (s.memory_bytes + w.memory_bytes) / 2 / 1e9;
+  const PlanReport tight = make_plan(c, prof, o, false);
+  ASSERT_TRUE(tight.chosen.cost.fits) << tight.text();
+  bool sequence_parallel = false;
+  for (const auto& pl : tight.chosen.plan.pipelines)
+    for (const auto& st : pl.stages) sequence_parallel = sequence_parallel || st.sequence_parallel;
+  EXPECT_TRUE(sequence_parallel) << tight.text();
+  bool noted = false;
+  for (const auto& n : tight.chosen.notes) noted = noted || n.find("fits memory only with its activations split by position") != std::string::npos;
+  EXPECT_TRUE(noted) << tight.text();
+  EXPECT_NEAR(tight.chosen.cost.step_s, simulate_plan(tight.chosen.plan, c, prof).step_s, 1e-12);
+  // Asked for (train.sequence_parallel), every group runs it, however much memory there is.
+  for (auto& d : c.devices) d.memory_gb = 0;
+  o.sequence_parallel = true;
+  const PlanReport asked = make_plan(c, prof, o, false);
+  for (const auto& pl : asked.chosen.plan.pipelines)
+    for (const auto& st : pl.stages) EXPECT_EQ(st.sequence_parallel, st.tp() > 1) << asked.text();
+}

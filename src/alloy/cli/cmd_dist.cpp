@@ -270,12 +270,16 @@ void add_dist_commands(CLI::App& app, Action& action) {
         so.ptafm_stages = ptafm_stages;
         so.grad_sync = cfg.grad_sync;
         so.tensor_parallel = pa->tensor_parallel == "on";
+        so.sequence_parallel = cfg.train.sequence_parallel;
         so.float_boundaries = pa->float_boundaries == "on";
         so.schedules = pa->schedules;
         auto report = plan::make_plan(spec, prof, so, !pa->no_compare);
         if (!pa->evaluate.empty()) {
           Plan given = Plan::load(pa->evaluate);
           plan::apply_grad_sync(given, cfg, /*plan_from_file=*/true);  // --set grad_sync.* applies to it too
+          if (cfg.train.sequence_parallel)  // priced as the trainer will run it
+            for (auto& pl : given.pipelines)
+              for (auto& st : pl.stages) st.sequence_parallel = st.sequence_parallel || st.tp() > 1;
           report = plan::evaluate_plan(given, pa->evaluate, cfg.model, spec, prof, report);
         }
         std::printf("%s", report.text().c_str());

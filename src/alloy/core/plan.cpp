@@ -155,19 +155,18 @@ bool Plan::has_tensor_parallel() const {
 }
 
 std::string Plan::training_problem(const Config& cfg) const {
-  if (cfg.train.sequence_parallel)
-    for (size_t p = 0; p < pipelines.size(); ++p)
-      for (size_t s = 0; s < pipelines[p].stages.size(); ++s) {
-        const StagePlan& st = pipelines[p].stages[s];
-        if (st.tp() < 2) continue;
-        const auto h = st.tp_bounds(cfg.model.heads), b = st.sequence_bounds(cfg.model.heads, cfg.model.seq_len);
-        for (size_t k = 0; k + 1 < b.size(); ++k)
-          if (b[k] == b[k + 1])
-            return "pipelines[" + std::to_string(p) + "].stages[" + std::to_string(s) + "]: train.sequence_parallel gives rank " +
-                   std::to_string(st.ranks[k]) + " (heads " + std::to_string(h[k]) + "-" + std::to_string(h[k + 1]) + " of " +
-                   std::to_string(cfg.model.heads) + ") none of the " + std::to_string(cfg.model.seq_len) +
-                   " positions: use a longer sequence or a more even tp_split";
-      }
+  for (size_t p = 0; p < pipelines.size(); ++p)
+    for (size_t s = 0; s < pipelines[p].stages.size(); ++s) {
+      const StagePlan& st = pipelines[p].stages[s];
+      if (st.tp() < 2 || !(cfg.train.sequence_parallel || st.sequence_parallel)) continue;
+      const auto h = st.tp_bounds(cfg.model.heads), b = st.sequence_bounds(cfg.model.heads, cfg.model.seq_len);
+      for (size_t k = 0; k + 1 < b.size(); ++k)
+        if (b[k] == b[k + 1])
+          return "pipelines[" + std::to_string(p) + "].stages[" + std::to_string(s) + "]: sequence parallelism gives rank " +
+                 std::to_string(st.ranks[k]) + " (heads " + std::to_string(h[k]) + "-" + std::to_string(h[k + 1]) + " of " +
+                 std::to_string(cfg.model.heads) + ") none of the " + std::to_string(cfg.model.seq_len) +
+                 " positions: use a longer sequence or a more even tp_split";
+    }
   if (cfg.lora.quantized_base() && has_tensor_parallel())
     return "a quantized LoRA base (lora.base_dtype " + cfg.lora.base_dtype +
            ") with tensor parallelism is not built: its quantization blocks would follow the pieces, so each layout would "
@@ -311,6 +310,8 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
       if (st.ranks.empty()) fail(sf + ".ranks", "a stage needs a rank");
       if (!st.tp_split.empty() && st.tp_split.size() != st.ranks.size())
         fail(sf + ".tp_split", "has " + std::to_string(st.tp_split.size()) + " entries for " + std::to_string(st.ranks.size()) + " ranks");
+      if (st.sequence_parallel && st.ranks.size() < 2)
+        fail(sf + ".sequence_parallel", "needs a tensor-parallel stage (several ranks): it splits the group's positions");
       if (st.ranks.size() > 1) {
         if (st.tp_split.empty() && model.heads % static_cast<int64_t>(st.ranks.size()) != 0) {
           const auto even = even_tp_split(model, st.tp());
@@ -370,16 +371,17 @@ nlohmann::json Plan::to_json() const {
   j["format"] = "alloy-plan";
   // Each version is written only when the plan needs it: readers of version 1 know no sharding
   // and no recomputation, readers of 2 no half-block stages.
-  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel(), v5 = false, v6 = false;
+  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel(), v5 = false, v6 = false, v7 = false;
   for (const auto& p : pipelines) {
     v5 = v5 || p.floats();
     v6 = v6 || (!p.schedule.empty() && p.schedule != schedule);
     for (const auto& st : p.stages) {
       v2 = v2 || st.recompute;
       v3 = v3 || st.splits_block();
+      v7 = v7 || st.sequence_parallel;
     }
   }
-  j["version"] = v6 ? 6 : v5 ? 5 : v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
+  j["version"] = v7 ? 7 : v6 ? 6 : v5 ? 5 : v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
   j["global_batch"] = global_batch;
   j["schedule"] = schedule;
   j["pipelines"] = nlohmann::json::array();
@@ -395,6 +397,7 @@ nlohmann::json Plan::to_json() const {
       if (s.recompute) sj["recompute"] = true;
       if (!s.tp_split.empty()) sj["tp_split"] = s.tp_split;
       if (s.devices.size() > 1) sj["devices"] = s.devices;
+      if (s.sequence_parallel) sj["sequence_parallel"] = true;
       pj["stages"].push_back(sj);
     }
     j["pipelines"].push_back(pj);
@@ -438,10 +441,10 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
     if (j.contains("format") && j["format"] != "alloy-plan")
       throw InputError(where, "field 'format' is " + j["format"].dump() + ", not \"alloy-plan\"");
     const auto known_version = [](const nlohmann::json& v) {
-      return v.is_number() && v.get<double>() >= 1 && v.get<double>() <= 6 && v.get<double>() == std::floor(v.get<double>());
+      return v.is_number() && v.get<double>() >= 1 && v.get<double>() <= 7 && v.get<double>() == std::floor(v.get<double>());
     };
     if (j.contains("version") && !known_version(j["version"]))
-      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 6");
+      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 7");
     field = "global_batch";
     p.global_batch = whole<int64_t>(j.at("global_batch"));
     field = "schedule";
@@ -493,6 +496,12 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
           field = stage_field;
         }
         if (sts[s].contains("tp_split")) st.tp_split = whole_list<int64_t>(sts[s].at("tp_split"));
+        if (sts[s].contains("sequence_parallel")) {
+          const std::string stage_field = field;
+          field = stage_field + ".sequence_parallel";
+          st.sequence_parallel = sts[s].at("sequence_parallel").get<bool>();
+          field = stage_field;
+        }
         if (sts[s].contains("devices")) {
           st.devices = sts[s].at("devices").get<std::vector<std::string>>();
           if (st.devices.size() != st.ranks.size())
@@ -591,6 +600,7 @@ std::string Plan::describe() const {
         out << " (tp";
         if (!st.tp_split.empty())
           for (size_t k = 0; k < st.tp_split.size(); ++k) out << (k ? ":" : " heads ") << st.tp_split[k];
+        if (st.sequence_parallel) out << ", sequence parallel";
         out << ")";
       }
       if (st.devices.size() > 1) {

@@ -56,6 +56,10 @@ struct StagePlan {
   // are summed over its two holders by the holder-set sync, as for replicas. 0: no float.
   double float_share = 0;
   bool floats() const { return float_share > 0; }
+  // Sequence parallelism for this tensor-parallel stage (plan version 7; train.sequence_parallel
+  // turns it on for every such stage): between its products each member holds its share of the
+  // positions, in the heads' ratio. The planner sets it where the group fits memory only with it.
+  bool sequence_parallel = false;
   int tp() const { return static_cast<int>(ranks.size()); }
   std::vector<int64_t> tp_heads(int64_t heads) const;
   std::vector<int64_t> tp_bounds(int64_t heads) const;

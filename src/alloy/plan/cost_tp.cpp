@@ -15,7 +15,8 @@ double tp_share(const StagePlan& st, const ModelConfig& model, size_t k) {
 // group waits for its slowest member at each sum: one per half block forward and one backward,
 // the embedding's (forward) and the head's (backward), and the vocabulary-parallel loss's three
 // (forward). The members' compute is a max, the sums are added, all on the critical path; each
-// sum as CostContext::tp_sum_s prices it (the profile's measured pairs, else a floor).
+// sum as CostContext::tp_sum_s prices it (the profile's measured pairs, else a floor). Sequence
+// parallelism trades each sum for two exchanges of half its bytes and adds a regather per half block.
 TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, const StagePlan& st, const std::vector<int>& dev_of,
                           bool first, bool last, int64_t m) {
   const int64_t ub = st.unit_begin(), ue = st.unit_end();
@@ -31,10 +32,22 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
     t.forward_s = std::max(t.forward_s, f * (fb + fe));
     t.backward_s = std::max(t.backward_s, f * (bb + be) + (st.recompute ? f * fb : 0.0));
   }
-  const double one = ctx.tp_sum_s(devs, static_cast<double>(m * model.seq_len * model.hidden) * ctx.dtype_bytes());
+  const double bytes = static_cast<double>(m * model.seq_len * model.hidden) * ctx.dtype_bytes();
+  const double one = ctx.tp_sum_s(devs, bytes);
   const double small = ctx.tp_sum_s(devs, static_cast<double>(m * model.seq_len) * 4.0 * 2.0);
   const double units = static_cast<double>(ue - ub);
-  const double fwd = units * one + (first ? one : 0.0) + (last ? 3 * small : 0.0), bwd = units * one + (last ? one : 0.0);
+  double fwd = units * one + (first ? one : 0.0) + (last ? 3 * small : 0.0), bwd = units * one + (last ? one : 0.0);
+  if (st.sequence_parallel) {
+    // Sequence parallelism: every sum becomes an all-gather before the column-parallel products
+    // and a reduce-scatter after the row-parallel ones, each moving half a sum's bytes (priced as a
+    // sum of half the bytes: the measured line's fixed part is paid twice); the backward gathers
+    // each half block's released input once more. The embedding reduce-scatters its lookups (and
+    // gathers their gradient), the stage's output is gathered (for the next stage or the head;
+    // the head's input gradient is reduce-scattered back).
+    const double half = ctx.tp_sum_s(devs, bytes / 2);
+    fwd = units * 2 * half + (first ? half : 0.0) + half + (last ? 3 * small : 0.0);
+    bwd = units * 3 * half + (first ? half : 0.0) + (last ? half : 0.0);
+  }
   t.comm_s = fwd + bwd;
   t.forward_s += fwd;
   t.backward_s += bwd;

@@ -90,6 +90,9 @@ struct SearchOptions {
   bool float_boundaries = true;
   // make_plan tries groups of devices as tensor-parallel stages (consider_tensor_parallel).
   bool tensor_parallel = true;
+  // train.sequence_parallel: every tensor-parallel stage the planner makes runs sequence parallel
+  // (and is priced so). Without it, the planner turns it on for a group that fits memory only with it.
+  bool sequence_parallel = false;
 
   std::vector<int64_t> candidate_micro_batches() const;  // sorted ascending, validated
 };
@@ -163,8 +166,11 @@ void refine_schedules(SearchResult& result, const ClusterSpec& cluster, const Pr
 // simulate_plan on the real pool. RESULT's plan is replaced when the best is predicted more than
 // kTensorParallelMinGain faster; either way a note says what the best group predicted. A group
 // spanning a thin link pays for its sums there and loses to pipelines, which send one activation
-// per micro-batch instead of four sums per block. Applied by make_plan after refine_units and
-// tune_buckets when SearchOptions::tensor_parallel is on; plans with sharding entries are kept.
+// per micro-batch instead of four sums per block. A candidate whose groups do not fit memory is
+// tried again with sequence parallelism on them (their activations split by position too), which
+// costs more exchanges; SearchOptions::sequence_parallel puts it on every group. Applied by
+// make_plan after refine_units and tune_buckets when SearchOptions::tensor_parallel is on; plans
+// with sharding entries are kept.
 constexpr int kTensorParallelMaxDevices = 8;
 constexpr int kTensorParallelMaxGroups = 24;
 constexpr double kTensorParallelMinGain = 0.02;

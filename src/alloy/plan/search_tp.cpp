@@ -234,10 +234,31 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
           }
         }
       p.slow_links.clear();
+      auto price = [&](const Plan& plan, PlanCost* out) {
+        try {
+          *out = simulate_plan(plan, cluster, profile);
+          return true;
+        } catch (const std::exception&) {
+          return false;
+        }
+      };
       PlanCost c;
-      try {
-        c = simulate_plan(p, cluster, profile);
-      } catch (const std::exception&) {
+      const bool priced = !options.sequence_parallel && price(p, &c);
+      if (options.sequence_parallel || (priced && !c.fits)) {
+        // Sequence parallelism where asked, or where the groups' activations do not fit whole.
+        Plan sp = p;
+        bool every_member_has_positions = true;
+        for (auto& pl : sp.pipelines)
+          for (auto& st : pl.stages)
+            if (st.tp() > 1) {
+              st.sequence_parallel = true;
+              const auto b = st.sequence_bounds(profile.model.heads, profile.model.seq_len);
+              for (size_t k = 0; k + 1 < b.size(); ++k) every_member_has_positions = every_member_has_positions && b[k] < b[k + 1];
+            }
+        PlanCost csp;
+        if (!every_member_has_positions || !price(sp, &csp)) continue;
+        p = sp, c = csp;
+      } else if (!priced) {
         continue;
       }
       if (!c.fits) continue;
@@ -249,13 +270,18 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
   std::vector<std::string> names;
   for (int d : best.group) names.push_back(cluster.devices[static_cast<size_t>(d)].name);
   std::string split;
+  bool sequence_parallel = false;
   for (const auto& pl : best.plan.pipelines)
     for (const auto& st : pl.stages)
       if (st.tp() > 1) {
         std::vector<std::string> h;
         for (int64_t x : st.tp_heads(profile.model.heads)) h.push_back(std::to_string(x));
         split = joined(h, ":");
+        sequence_parallel = sequence_parallel || st.sequence_parallel;
       }
+  if (sequence_parallel)
+    split += options.sequence_parallel ? ", sequence parallel (train.sequence_parallel)"
+                                       : ", sequence parallel (the group fits memory only with its activations split by position)";
   const double before = result.cost.step_s;
   char buf[200];
   if (best.step_s < before * (1.0 - kTensorParallelMinGain)) {

@@ -207,8 +207,11 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       sc.zero_stage = rs.zero;
       sc.shard = rs.shard;
       // Under tensor parallelism a block's saved tensors split with its heads but for the residual
-      // stream's (block input, the two norms' outputs, the summed outputs: about a fifth of them).
-      const double act_blocks = st.tp() > 1 ? blocks * (0.2 + 0.8 * detail::tp_share(st, profile.model, mem_k)) : blocks;
+      // stream's (block input, the two norms' outputs, the summed outputs: about a fifth of them);
+      // sequence parallelism splits those too, by positions in the heads' ratio (the gathered
+      // inputs its products keep are released after the forward and gathered again in the backward).
+      const double tp_f = detail::tp_share(st, profile.model, mem_k);
+      const double act_blocks = st.tp() > 1 ? blocks * (st.sequence_parallel ? tp_f : 0.2 + 0.8 * tp_f) : blocks;
       sc.activation_bytes = static_cast<double>(sc.peak_in_flight * m) * ctx.act_bytes_per_sample(act_blocks, first, last, st.recompute) +
                             ctx.working_bytes(act_blocks, m, st.recompute);
       // zb-h1: a recomputing stage's held weight passes (s of them on stage s) keep the recomputed

@@ -74,6 +74,7 @@ AutoPlan auto_plan(const Config& cfg, const PlanSources& src, dist::World* world
   so.global_batch = cfg.train.global_batch;
   so.ptafm_stages = ptafm_stages;
   so.grad_sync = cfg.grad_sync;
+  so.sequence_parallel = cfg.train.sequence_parallel;
   if (rank == 0) {
     try {
       auto report = plan::make_plan(spec, prof, so, true);

@@ -131,7 +131,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     log_warn("train.sequence_parallel has no effect: the plan has no tensor-parallel stage");
   if (plan_->has_tensor_parallel()) {
     tp_ = std::make_unique<model::TpLayout>(dist::tp_layout(*plan_, cfg_.model, rank_));
-    tp_->sequence_parallel = cfg_.train.sequence_parallel;
+    tp_->sequence_parallel = cfg_.train.sequence_parallel || st.sequence_parallel;
     // Every rank is in at most one stage, so the groups are created in plan order without waiting
     // on each other.
     if (st.tp() > 1) {
