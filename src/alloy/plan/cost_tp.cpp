@@ -16,7 +16,8 @@ double tp_share(const StagePlan& st, const ModelConfig& model, size_t k) {
 // the embedding's (forward) and the head's (backward), and the vocabulary-parallel loss's three
 // (forward). The members' compute is a max, the sums are added, all on the critical path; each
 // sum as CostContext::tp_sum_s prices it (the profile's measured pairs, else a floor). Sequence
-// parallelism trades each sum for two exchanges of half its bytes and adds a regather per half block.
+// parallelism keeps the sums' price (a reduce-scatter and an all-gather in place of each) and adds a
+// re-gather per half block in the backward and a gather of the stage's output.
 TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, const StagePlan& st, const std::vector<int>& dev_of,
                           bool first, bool last, int64_t m) {
   const int64_t ub = st.unit_begin(), ue = st.unit_end();
@@ -38,15 +39,15 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
   const double units = static_cast<double>(ue - ub);
   double fwd = units * one + (first ? one : 0.0) + (last ? 3 * small : 0.0), bwd = units * one + (last ? one : 0.0);
   if (st.sequence_parallel) {
-    // Sequence parallelism: every sum becomes an all-gather before the column-parallel products
-    // and a reduce-scatter after the row-parallel ones, each moving half a sum's bytes (priced as a
-    // sum of half the bytes: the measured line's fixed part is paid twice); the backward gathers
-    // each half block's released input once more. The embedding reduce-scatters its lookups (and
-    // gathers their gradient), the stage's output is gathered (for the next stage or the head;
-    // the head's input gradient is reduce-scattered back).
+    // Sequence parallelism: each sum becomes a reduce-scatter and the all-gather before the next
+    // column-parallel product, the pair moving a sum's bytes back to back; priced as the sum they
+    // replace (measured on the emulated cluster-tp pair: the pairs cost about what the sums did).
+    // What comes on top, each an all-gather of half a sum's bytes at the measured line's price:
+    // the backward's re-gather of every half block's released input, the stage's output gathered
+    // (for the next stage or the head), the embedding's gradient gathered.
     const double half = ctx.tp_sum_s(devs, bytes / 2);
-    fwd = units * 2 * half + (first ? half : 0.0) + half + (last ? 3 * small : 0.0);
-    bwd = units * 3 * half + (first ? half : 0.0) + (last ? half : 0.0);
+    fwd += half;
+    bwd += units * half + (first ? half : 0.0);
   }
   t.comm_s = fwd + bwd;
   t.forward_s += fwd;
