@@ -358,3 +358,35 @@ TEST(TensorParallelPlanner, SequenceParallelWhereTheGroupFitsOnlyWithIt) {
   for (const auto& pl : asked.chosen.plan.pipelines)
     for (const auto& st : pl.stages) EXPECT_EQ(st.sequence_parallel, st.tp() > 1) << asked.text();
 }
+
+// A pool where full replicas do not fit and the search's plan needs ZeRO: the groups are tried
+// against it all the same (they hold a share of each block without sharding), and a group that
+// wins replaces the sharded plan, whose notes then say they were about the plan before.
+TEST(TensorParallelPlanner, GroupsCompeteWithAShardedPlan) {
+  ClusterSpec c;
+  Profile prof;
+  SearchOptions o = fast_pair_case(c, prof);
+  prof.memory.act_bytes_per_sample_block = 1e6;
+  for (auto& d : c.devices) d.memory_gb = 0.02;
+  o.tensor_parallel = false;
+  const PlanReport zero = make_plan(c, prof, o, false);
+  ASSERT_FALSE(zero.chosen.plan.sharding.empty()) << zero.text();  // the case: only ZeRO fits the fastest layout
+  o.tensor_parallel = true;
+  const PlanReport r = make_plan(c, prof, o, false);
+  bool tried = false;
+  for (const auto& n : r.chosen.notes) tried = tried || n.rfind("tensor parallelism: ", 0) == 0;
+  EXPECT_TRUE(tried) << r.text();
+  EXPECT_TRUE(r.chosen.cost.fits) << r.text();
+  EXPECT_LE(r.chosen.cost.step_s, zero.chosen.cost.step_s) << r.text();
+  // A group that wins replaces the sharded plan (here the sharded plan is made to look 100x slower).
+  SearchResult x = zero.chosen;
+  x.cost.step_s *= 100;
+  consider_tensor_parallel(x, c, prof, o);
+  ASSERT_TRUE(x.plan.has_tensor_parallel());
+  EXPECT_TRUE(x.plan.sharding.empty());
+  bool before = false;
+  for (const auto& n : x.notes) before = before || n.rfind("(the plan before tensor parallelism) memory:", 0) == 0;
+  EXPECT_TRUE(before);
+  EXPECT_NEAR(x.cost.step_s, simulate_plan(x.plan, c, prof).step_s, 1e-12);
+  EXPECT_TRUE(x.cost.fits);
+}

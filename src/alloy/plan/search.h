@@ -169,8 +169,9 @@ void refine_schedules(SearchResult& result, const ClusterSpec& cluster, const Pr
 // per micro-batch instead of four sums per block. A candidate whose groups do not fit memory is
 // tried again with sequence parallelism on them (their activations split by position too), which
 // costs more exchanges; SearchOptions::sequence_parallel puts it on every group. Applied by
-// make_plan after refine_units and tune_buckets when SearchOptions::tensor_parallel is on; plans
-// with sharding entries are kept.
+// make_plan after refine_units and tune_buckets when SearchOptions::tensor_parallel is on. A plan
+// that fits only with sharding (ZeRO, recomputation) is compared like any other: a group that fits
+// without it and is predicted faster replaces it.
 constexpr int kTensorParallelMaxDevices = 8;
 constexpr int kTensorParallelMaxGroups = 24;
 constexpr double kTensorParallelMinGain = 0.02;

@@ -129,7 +129,9 @@ struct Tried {
 
 void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
   const int n = static_cast<int>(cluster.devices.size());
-  if (n < 2 || n > kTensorParallelMaxDevices || !result.plan.sharding.empty()) return;
+  // A plan that fits only with sharding competes too: a group holds a share of each block, and with
+  // sequence parallelism of its activations, without gathering the layers ZeRO-3 gathers.
+  if (n < 2 || n > kTensorParallelMaxDevices) return;
   if (profile.lora.quantized_base()) {
     result.notes.push_back("tensor parallelism: not tried, the LoRA base is quantized (lora.base_dtype " + profile.lora.base_dtype +
                            "), which tensor-parallel stages do not train");
@@ -266,7 +268,12 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
     }
   }
   result.candidates_evaluated += tried;
-  if (best.group.empty()) return;
+  if (best.group.empty()) {
+    if (tried > 0)
+      result.notes.push_back("tensor parallelism: not used; none of the " + std::to_string(tried) +
+                             " device groups tried makes a plan that fits memory without sharding");
+    return;
+  }
   std::vector<std::string> names;
   for (int d : best.group) names.push_back(cluster.devices[static_cast<size_t>(d)].name);
   std::string split;
@@ -291,7 +298,7 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
       std::snprintf(buf, sizeof buf, "%.1f ms; no plan without it fits", best.step_s * 1e3);
     // The refinement phases' notes described the plan this one replaces.
     for (auto& n : result.notes)
-      for (const char* phase : {"pipeline boundaries inside blocks", "schedules per pipeline", "gradient buckets"})
+      for (const char* phase : {"pipeline boundaries inside blocks", "schedules per pipeline", "gradient buckets", "memory:"})
         if (n.rfind(phase, 0) == 0) n = "(the plan before tensor parallelism) " + n;
     result.plan = best.plan;
     result.plan.predicted = nlohmann::json();
