@@ -520,8 +520,18 @@ TEST(Plan, SequenceParallelStagesRoundTripAsVersion7OnTensorParallelStagesOnly) 
   cfg.model.heads = 16, cfg.model.seq_len = 8;
   p.pipelines[1].stages[0].tp_split = {1, 15};
   EXPECT_HAS(p.training_problem(cfg), "pipelines[1].stages[0]: sequence parallelism gives rank 2 (heads 0-1 of 16) none of the 8 positions");
+  // Validation says so too, by field, where the model is known.
+  auto few_positions = heads_model(16, 0);
+  few_positions.seq_len = 8;
+  try {
+    p.validate(few_positions, "p.json");
+    ADD_FAILURE() << "a member without positions validated";
+  } catch (const InputError& e) {
+    EXPECT_HAS(std::string(e.what()), "pipelines[1].stages[0].sequence_parallel: rank 2 would hold none of the 8 positions");
+  }
   p.pipelines[1].stages[0].sequence_parallel = false;
   EXPECT_EQ(p.training_problem(cfg), "");
+  EXPECT_NO_THROW(p.validate(few_positions, "p.json"));
   // On a stage of one rank there is no group to split positions over.
   Plan one = sample_plan();
   one.pipelines[0].stages[0].sequence_parallel = true;

@@ -351,10 +351,11 @@ TEST(TensorParallelPlanner, SequenceParallelWhereTheGroupFitsOnlyWithIt) {
   for (const auto& n : tight.chosen.notes) noted = noted || n.find("fits memory only with its activations split by position") != std::string::npos;
   EXPECT_TRUE(noted) << tight.text();
   EXPECT_NEAR(tight.chosen.cost.step_s, simulate_plan(tight.chosen.plan, c, prof).step_s, 1e-12);
-  // Asked for (train.sequence_parallel), every group runs it, however much memory there is.
-  for (auto& d : c.devices) d.memory_gb = 0;
+  // Asked for (train.sequence_parallel), every group runs it, with memory to spare for it whole.
+  for (auto& d : c.devices) d.memory_gb = 0.012;
   o.sequence_parallel = true;
   const PlanReport asked = make_plan(c, prof, o, false);
+  ASSERT_TRUE(asked.chosen.plan.has_tensor_parallel()) << asked.text();
   for (const auto& pl : asked.chosen.plan.pipelines)
     for (const auto& st : pl.stages) EXPECT_EQ(st.sequence_parallel, st.tp() > 1) << asked.text();
 }

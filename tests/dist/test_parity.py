@@ -304,7 +304,8 @@ def tp_sums_reported(out, layout):
     ok = True
     for r in ranks:
         got = r.get("tp_comm_s_median")
-        good = (0 < got < r["step_s_median"] and len(r["steps_tp_comm_s"]) == len(r["steps_step_compute_syncwait_s"])
+        good = (got is not None and 0 < got < r["step_s_median"]
+                and len(r.get("steps_tp_comm_s", [])) == len(r["steps_step_compute_syncwait_s"])
                 if r["rank"] in tp_ranks else got is None)
         ok = ok and good
         if not good:

@@ -154,6 +154,12 @@ bool Plan::has_tensor_parallel() const {
   return false;
 }
 
+void Plan::set_sequence_parallel() {
+  for (auto& p : pipelines)
+    for (auto& st : p.stages)
+      if (st.tp() > 1) st.sequence_parallel = true;
+}
+
 std::string Plan::training_problem(const Config& cfg) const {
   for (size_t p = 0; p < pipelines.size(); ++p)
     for (size_t s = 0; s < pipelines[p].stages.size(); ++s) {
@@ -312,6 +318,14 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
         fail(sf + ".tp_split", "has " + std::to_string(st.tp_split.size()) + " entries for " + std::to_string(st.ranks.size()) + " ranks");
       if (st.sequence_parallel && st.ranks.size() < 2)
         fail(sf + ".sequence_parallel", "needs a tensor-parallel stage (several ranks): it splits the group's positions");
+      if (st.sequence_parallel && st.ranks.size() > 1 && tp_split_problem(model, st.tp_heads(model.heads)).empty()) {
+        const auto b = st.sequence_bounds(model.heads, model.seq_len);
+        for (size_t k = 0; k + 1 < b.size(); ++k)
+          if (b[k] == b[k + 1])
+            fail(sf + ".sequence_parallel", "rank " + std::to_string(st.ranks[k]) + " would hold none of the " +
+                                                std::to_string(model.seq_len) + " positions (they split in the heads' ratio): use a longer "
+                                                "sequence or a more even tp_split");
+      }
       if (st.ranks.size() > 1) {
         if (st.tp_split.empty() && model.heads % static_cast<int64_t>(st.ranks.size()) != 0) {
           const auto even = even_tp_split(model, st.tp());

@@ -146,6 +146,9 @@ struct Plan {
   static Plan load(const std::string& path);
   void save(const std::string& path) const;  // atomic
   bool has_tensor_parallel() const;
+  // train.sequence_parallel: every tensor-parallel stage runs sequence parallel, so the cost model
+  // prices a plan as the trainer will run it.
+  void set_sequence_parallel();
   // Why CFG's training cannot run on this plan, known before any rank starts (LoRA adapters on
   // tensor-parallel stages); empty when it can. The trainer and `alloy sweep` both ask.
   std::string training_problem(const Config& cfg) const;

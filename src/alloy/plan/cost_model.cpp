@@ -408,26 +408,38 @@ double CostContext::p2p_s(int host_a, int host_b, int64_t m, int share) const {
 }
 
 std::vector<std::vector<int>> CostContext::pipeline_link_shares(const std::vector<std::vector<int>>& pipeline_hosts) const {
+  std::vector<std::vector<int>> out;
+  pipeline_link_shares(pipeline_hosts, &out);
+  return out;
+}
+
+void CostContext::pipeline_link_shares(const std::vector<std::vector<int>>& pipeline_hosts, std::vector<std::vector<int>>* out) const {
   const size_t H = hosts_.size();
   auto pair = [&](int a, int b) { return static_cast<size_t>(std::min(a, b)) * H + static_cast<size_t>(std::max(a, b)); };
   // Per unordered host pair: the pipelines crossing it (each counted once however often it does).
-  std::vector<int> crossing(H * H, 0);
-  std::vector<size_t> seen;
+  thread_local std::vector<int> crossing;
+  thread_local std::vector<size_t> seen, touched;
+  crossing.resize(H * H, 0);
+  touched.clear();
   for (const auto& hosts : pipeline_hosts) {
     seen.clear();
     for (size_t s = 0; s + 1 < hosts.size(); ++s)
       if (hosts[s] != hosts[s + 1]) seen.push_back(pair(hosts[s], hosts[s + 1]));
     std::sort(seen.begin(), seen.end());
     seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
-    for (size_t k : seen) ++crossing[k];
+    for (size_t k : seen) {
+      if (crossing[k]++ == 0) touched.push_back(k);
+    }
   }
-  std::vector<std::vector<int>> out;
-  for (const auto& hosts : pipeline_hosts) {
-    out.emplace_back();
+  out->resize(pipeline_hosts.size());
+  for (size_t p = 0; p < pipeline_hosts.size(); ++p) {
+    const auto& hosts = pipeline_hosts[p];
+    auto& row = (*out)[p];
+    row.clear();
     for (size_t s = 0; s + 1 < hosts.size(); ++s)
-      out.back().push_back(hosts[s] == hosts[s + 1] ? 1 : std::max(1, crossing[pair(hosts[s], hosts[s + 1])]));
+      row.push_back(hosts[s] == hosts[s + 1] ? 1 : std::max(1, crossing[pair(hosts[s], hosts[s + 1])]));
   }
-  return out;
+  for (size_t k : touched) crossing[k] = 0;  // clean for the next call (crossing is reused)
 }
 
 double CostContext::param_bytes(double blocks, bool first, bool last) const {

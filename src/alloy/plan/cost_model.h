@@ -266,6 +266,8 @@ class CostContext {
   // moments of the schedule (one per micro-batch each way), so each gets the link's bandwidth /
   // SHARE while they cross; unlike ones overlap less, and this is the upper end for them.
   std::vector<std::vector<int>> pipeline_link_shares(const std::vector<std::vector<int>>& pipeline_hosts) const;
+  // The same into OUT, reusing its storage (the search asks it for every layout it scores).
+  void pipeline_link_shares(const std::vector<std::vector<int>>& pipeline_hosts, std::vector<std::vector<int>>* out) const;
   double message_bytes(int64_t m) const { return static_cast<double>(m) * act_message_bytes_; }
   double link_bytes_per_s(int host_a, int host_b) const { return bw_[idx(host_a, host_b)]; }
   double link_latency_s(int host_a, int host_b) const { return lat_[idx(host_a, host_b)]; }

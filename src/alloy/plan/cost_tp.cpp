@@ -44,11 +44,16 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
     // replace (measured on the emulated cluster-tp pair: the pairs cost about what the sums did).
     // What comes on top, each an all-gather of half a sum's bytes at the measured line's price:
     // the backward's re-gather of every half block's released input, the stage's output gathered
-    // (for the next stage or the head), the embedding's gradient gathered.
+    // (for the next stage or the head), and in the backward the gradient of what the stage cut on
+    // entry (the embedding's lookups on the first stage, the received input on the others).
     const double half = ctx.tp_sum_s(devs, bytes / 2);
     fwd += half;
-    bwd += units * half + (first ? half : 0.0);
+    // Under recomputation nothing is released to re-gather (the recomputed forward's own
+    // exchanges are priced below, as without SP).
+    bwd += (st.recompute ? 0.0 : units * half) + half;  // + the embedding's gradient or the input's, gathered
   }
+  // Recomputation runs each block's forward again in the backward, its sums with it.
+  if (st.recompute) bwd += units * one;
   t.comm_s = fwd + bwd;
   t.forward_s += fwd;
   t.backward_s += bwd;

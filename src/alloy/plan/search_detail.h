@@ -275,7 +275,7 @@ class Evaluator {
   void compute_sync(const Layout& L);
   // tabs_ for L's replicas, their links shared as L's pipelines share them (CostContext::pipeline_link_shares).
   void fetch_tables(const Layout& L);
-  std::vector<std::vector<int>> link_hosts_;
+  std::vector<std::vector<int>> link_hosts_, link_shares_;
 
   // Buckets of one set and their tails; every member gets its (set, bucket) pairs.
   void add_set(const CostContext::SyncShape& shape, const int* members, size_t n, const std::vector<std::pair<int, double>>& units,

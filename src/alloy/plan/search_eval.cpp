@@ -196,10 +196,11 @@ void Evaluator::fetch_tables(const Layout& L) {
     link_hosts_[r].clear();
     for (int d : L.reps[r].dev) link_hosts_[r].push_back(ctx_.host_of(d));
   }
-  const std::vector<std::vector<int>> shares = ctx_.pipeline_link_shares(link_hosts_);
+  ctx_.pipeline_link_shares(link_hosts_, &link_shares_);
   tabs_.resize(R);
   for (size_t r = 0; r < R; ++r)
-    tabs_[r] = tables_.get(L.sched, L.reps[r].dev.data(), L.reps[r].blocks.data(), static_cast<int>(L.reps[r].dev.size()), shares[r].data());
+    tabs_[r] = tables_.get(L.sched, L.reps[r].dev.data(), L.reps[r].blocks.data(), static_cast<int>(L.reps[r].dev.size()),
+                           link_shares_[r].data());
 }
 
 std::string Evaluator::overflow(Layout& L, double* total_over) {

@@ -249,16 +249,9 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
       if (options.sequence_parallel || (priced && !c.fits)) {
         // Sequence parallelism where asked, or where the groups' activations do not fit whole.
         Plan sp = p;
-        bool every_member_has_positions = true;
-        for (auto& pl : sp.pipelines)
-          for (auto& st : pl.stages)
-            if (st.tp() > 1) {
-              st.sequence_parallel = true;
-              const auto b = st.sequence_bounds(profile.model.heads, profile.model.seq_len);
-              for (size_t k = 0; k + 1 < b.size(); ++k) every_member_has_positions = every_member_has_positions && b[k] < b[k + 1];
-            }
+        sp.set_sequence_parallel();
         PlanCost csp;
-        if (!every_member_has_positions || !price(sp, &csp)) continue;
+        if (!price(sp, &csp)) continue;  // simulate_plan validates: a member without positions is refused
         p = sp, c = csp;
       } else if (!priced) {
         continue;
@@ -271,7 +264,8 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
   if (best.group.empty()) {
     if (tried > 0)
       result.notes.push_back("tensor parallelism: not used; none of the " + std::to_string(tried) +
-                             " device groups tried makes a plan that fits memory without sharding");
+                             " device groups tried gives a plan that fits (memory without sharding, and positions for "
+                             "every member where sequence parallel)");
     return;
   }
   std::vector<std::string> names;

@@ -320,6 +320,7 @@ std::vector<SweepRow> run_sweep(const SweepOptions& o) {
                 if (st.tp() > 1)
                   for (int r : st.ranks) st.devices.push_back(spec.devices[static_cast<size_t>(r)].name);
               }
+            if (c.train.sequence_parallel) p.set_sequence_parallel();  // priced as the trainer will run it
             if (const std::string why = p.training_problem(c); !why.empty()) throw InputError(name, why);
             p.validate(c.model, name);
           } catch (const InputError& e) {
