@@ -1383,3 +1383,35 @@ TEST(Report, PredictedVsMeasuredSaysWhichCalibrationItComparesWith) {
   EXPECT_NE(cal.find("predicted 2000.0 ms, measured 2100.0 ms (+5.0%)"), std::string::npos) << cal;
   EXPECT_NE(cal.find("before calibrating 1900.0 ms (+10.5%)"), std::string::npos) << cal;
 }
+
+// A device that only slows the step: every device gets a rank, so the planner notes which one the
+// pool would be faster without, and by how much; none where every device helps.
+TEST(Planner, NotesADeviceThatOnlySlowsTheStep) {
+  Profile p = base_profile(4);
+  p.devices["t"] = dev_profile(1);
+  p.devices["slow"] = dev_profile(20);
+  ClusterSpec c = two_hosts(0.001, 5);  // 1 Mbit/s: any message or sync over it costs seconds
+  c.devices[1].type = "slow";
+  SearchOptions o;
+  o.global_batch = 8;
+  o.max_micro_batch = 4;
+  const PlanReport r = make_plan(c, p, o, false);
+  std::string note;
+  for (const auto& n : r.chosen.notes)
+    if (n.rfind("device '", 0) == 0) note = n;
+  EXPECT_NE(note.find("device 'b' slows the step: without it the plan is predicted"), std::string::npos) << r.text();
+  EXPECT_NE(note.find("leave it out of the cluster file"), std::string::npos);
+  // Without it: the fast device alone, as the note says.
+  ClusterSpec alone = c;
+  alone.devices.pop_back();
+  o.suggest_leaving_out = false;
+  const double without = make_plan(alone, p, o, false).chosen.cost.step_s;
+  EXPECT_LT(without, 0.95 * r.chosen.cost.step_s);
+  char ms[32];
+  std::snprintf(ms, sizeof ms, "%.1f ms per step", without * 1e3);
+  EXPECT_NE(note.find(ms), std::string::npos) << note;
+  // Two equal devices on a fast link: both help, no note.
+  ClusterSpec fair = two_hosts(10, 0.1);
+  o.suggest_leaving_out = true;
+  for (const auto& n : make_plan(fair, p, o, false).chosen.notes) EXPECT_EQ(n.rfind("device '", 0), std::string::npos) << n;
+}

@@ -1,5 +1,6 @@
 #include "alloy/plan/planner.h"
 
+#include <cmath>
 #include <limits>
 
 #include <algorithm>
@@ -66,10 +67,43 @@ GradSyncConfig lossy_candidate(const GradSyncConfig& g) {
   return c;
 }
 
+namespace {
+// Alloy trains on every device of the cluster (the search space, search.h). A device can still
+// slow the step: a slow one behind a thin link that every layout must route through, or whose
+// share costs more in messages and sync than it computes. The planner cannot leave it out of a
+// run (the job has a rank per device), so it says which one and by how much, once, for the one
+// whose absence gains most.
+template <typename Run>
+void note_device_left_out(SearchResult& chosen, const ClusterSpec& cluster, const SearchOptions& options, Run&& run) {
+  const size_t n = cluster.devices.size();
+  if (n < 2 || n > static_cast<size_t>(kLeaveOutMaxDevices) || !std::isfinite(chosen.cost.step_s)) return;
+  double best = chosen.cost.step_s;
+  std::string who, plan;
+  for (size_t d = 0; d < n; ++d) {
+    ClusterSpec sub = cluster;
+    sub.devices.erase(sub.devices.begin() + static_cast<long>(d));
+    sub.source_lines.clear();
+    SearchOptions o = options;
+    o.suggest_leaving_out = false;
+    try {
+      const SearchResult x = run(sub, o);
+      if (x.cost.step_s < best) best = x.cost.step_s, who = cluster.devices[d].name, plan = x.plan.describe();
+    } catch (const std::exception&) {
+      // Nothing fits without it: it is needed.
+    }
+  }
+  if (who.empty() || !(best < chosen.cost.step_s * (1 - kLeaveOutMinGain))) return;
+  chosen.notes.push_back("device '" + who + "' slows the step: without it the plan is predicted " + ms(best) + " per step against " +
+                         ms(chosen.cost.step_s) + " with it (" + fmt("%.0f", 100 * (1 - best / chosen.cost.step_s)) +
+                         "% less), for the same global batch. Every device of the cluster gets a rank, so leave it out of the "
+                         "cluster file to train without it");
+}
+}  // namespace
+
 PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& in_options, bool compare) {
   PlanReport r;
   SearchOptions options = in_options;
-  auto run = [&](const SearchOptions& o) {
+  auto run_on = [&](const ClusterSpec& cluster, const SearchOptions& o) {
     SearchResult x;
     try {
       x = search(cluster, profile, o);  // errors here are the user's: nothing fits
@@ -88,6 +122,7 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
     if (x.strategy == "alloy" && o.tensor_parallel) consider_tensor_parallel(x, cluster, profile, o);
     return x;
   };
+  auto run = [&](const SearchOptions& o) { return run_on(cluster, o); };
   r.chosen = run(options);
   const GradSyncConfig& g = options.grad_sync;
   if (g.lossy() || g.allow_lossy) {
@@ -105,6 +140,7 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
       r.chosen.notes.push_back("grad_sync.allow_lossy: chose " + options.grad_sync.compression + " across slow links");
     }
   }
+  if (options.strategy == "alloy" && options.suggest_leaving_out) note_device_left_out(r.chosen, cluster, options, run_on);
   if (compare) {
     for (const std::string s : {"alloy", "uniform", "proportional", "ptafm"}) {
       if (s == options.strategy) continue;

@@ -59,6 +59,10 @@ namespace alloy::plan {
 // faster than the best plan on the others (SearchOptions::split_schedule_min_gain): on the demo's
 // pool the model put zb-h1 0.7% ahead of 1F1B and it measured 2.5-5% behind (docs/DESIGN.md).
 constexpr double kSplitScheduleMinGain = 0.05;
+// A device is noted as slowing the step (SearchOptions::suggest_leaving_out) when the pool without
+// it is predicted at least this much faster, on pools of at most kLeaveOutMaxDevices (one search each).
+constexpr double kLeaveOutMinGain = 0.05;
+constexpr int kLeaveOutMaxDevices = 8;
 
 struct SearchOptions {
   std::string strategy = "alloy";  // alloy | uniform | proportional | ptafm
@@ -90,6 +94,10 @@ struct SearchOptions {
   bool float_boundaries = true;
   // make_plan tries groups of devices as tensor-parallel stages (consider_tensor_parallel).
   bool tensor_parallel = true;
+  // make_plan (alloy strategy, pools of at most kLeaveOutMaxDevices) also plans the pool without
+  // each device in turn and notes the device whose absence is predicted at least kLeaveOutMinGain
+  // faster: the run itself uses every device.
+  bool suggest_leaving_out = true;
   // train.sequence_parallel: every tensor-parallel stage the planner makes runs sequence parallel
   // (and is priced so). Without it, the planner turns it on for a group that fits memory only with it.
   bool sequence_parallel = false;
