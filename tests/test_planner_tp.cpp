@@ -391,3 +391,29 @@ TEST(TensorParallelPlanner, GroupsCompeteWithAShardedPlan) {
   EXPECT_NEAR(x.cost.step_s, simulate_plan(x.plan, c, prof).step_s, 1e-12);
   EXPECT_TRUE(x.cost.fits);
 }
+
+// What sequence parallelism adds to a group's exchanges, term by term (cost_tp.cpp): per micro-batch
+// a half-bytes gather of the stage's output, one per half block in the backward (the re-gather of
+// its released input) and one for the gradient of what the stage cut on entry; under recomputation
+// no re-gather, and the recomputed forward's sums with or without it.
+TEST(TensorParallelCost, SequenceParallelAddsItsGathersTermByTerm) {
+  ClusterSpec c = pair_and_far(0);
+  Profile prof = pair_profile(4);
+  const int64_t m = 2, M = 4, units = 6;  // blocks [0, 3): the first stage of a pipeline to b
+  Plan p = one_stage({0, 1}, {"a0", "a1"}, {2, 2}, 4, m, M);
+  p.pipelines[0].stages[0].layer_end = 3;
+  p.pipelines[0].stages.push_back({{2}, 3, 4, "b"});
+  Plan sp = p;
+  sp.set_sequence_parallel();
+  ASSERT_TRUE(sp.pipelines[0].stages[0].sequence_parallel);
+  ASSERT_FALSE(sp.pipelines[0].stages[1].sequence_parallel);
+  const CostContext ctx(c, prof);
+  const double bytes = static_cast<double>(m * prof.model.seq_len * prof.model.hidden) * ctx.dtype_bytes();
+  const double one = ctx.tp_sum_s({0, 1}, bytes), half = ctx.tp_sum_s({0, 1}, bytes / 2);
+  const double whole = simulate_plan(p, c, prof).stages[0].tp_comm_s, split = simulate_plan(sp, c, prof).stages[0].tp_comm_s;
+  EXPECT_NEAR(split - whole, static_cast<double>(M) * (units + 2) * half, 1e-12);
+  p.pipelines[0].stages[0].recompute = sp.pipelines[0].stages[0].recompute = true;
+  const double whole_rc = simulate_plan(p, c, prof).stages[0].tp_comm_s, split_rc = simulate_plan(sp, c, prof).stages[0].tp_comm_s;
+  EXPECT_NEAR(whole_rc - whole, static_cast<double>(M) * units * one, 1e-12);
+  EXPECT_NEAR(split_rc - whole_rc, static_cast<double>(M) * 2 * half, 1e-12);
+}
