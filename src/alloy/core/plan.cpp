@@ -142,6 +142,12 @@ std::vector<int64_t> StagePlan::positions_by_heads(const std::vector<int64_t>& h
   return b;
 }
 
+int StagePlan::member_without_positions(const std::vector<int64_t>& bounds) {
+  for (size_t k = 0; k + 1 < bounds.size(); ++k)
+    if (bounds[k] == bounds[k + 1]) return static_cast<int>(k);
+  return -1;
+}
+
 bool PipelinePlan::has_tensor_parallel() const {
   for (const auto& s : stages)
     if (s.ranks.size() > 1) return true;
@@ -165,13 +171,13 @@ std::string Plan::training_problem(const Config& cfg) const {
     for (size_t s = 0; s < pipelines[p].stages.size(); ++s) {
       const StagePlan& st = pipelines[p].stages[s];
       if (st.tp() < 2 || !(cfg.train.sequence_parallel || st.sequence_parallel)) continue;
-      const auto h = st.tp_bounds(cfg.model.heads), b = st.sequence_bounds(cfg.model.heads, cfg.model.seq_len);
-      for (size_t k = 0; k + 1 < b.size(); ++k)
-        if (b[k] == b[k + 1])
-          return "pipelines[" + std::to_string(p) + "].stages[" + std::to_string(s) + "]: sequence parallelism gives rank " +
-                 std::to_string(st.ranks[k]) + " (heads " + std::to_string(h[k]) + "-" + std::to_string(h[k + 1]) + " of " +
-                 std::to_string(cfg.model.heads) + ") none of the " + std::to_string(cfg.model.seq_len) +
-                 " positions: use a longer sequence or a more even tp_split";
+      const int k = StagePlan::member_without_positions(st.sequence_bounds(cfg.model.heads, cfg.model.seq_len));
+      if (k < 0) continue;
+      const auto h = st.tp_bounds(cfg.model.heads);
+      return "pipelines[" + std::to_string(p) + "].stages[" + std::to_string(s) + "]: sequence parallelism gives rank " +
+             std::to_string(st.ranks[static_cast<size_t>(k)]) + " (heads " + std::to_string(h[static_cast<size_t>(k)]) + "-" +
+             std::to_string(h[static_cast<size_t>(k) + 1]) + " of " + std::to_string(cfg.model.heads) + ") none of the " +
+             std::to_string(cfg.model.seq_len) + " positions: use a longer sequence or a more even tp_split";
     }
   if (cfg.lora.quantized_base() && has_tensor_parallel())
     return "a quantized LoRA base (lora.base_dtype " + cfg.lora.base_dtype +
@@ -316,16 +322,6 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
       if (st.ranks.empty()) fail(sf + ".ranks", "a stage needs a rank");
       if (!st.tp_split.empty() && st.tp_split.size() != st.ranks.size())
         fail(sf + ".tp_split", "has " + std::to_string(st.tp_split.size()) + " entries for " + std::to_string(st.ranks.size()) + " ranks");
-      if (st.sequence_parallel && st.ranks.size() < 2)
-        fail(sf + ".sequence_parallel", "needs a tensor-parallel stage (several ranks): it splits the group's positions");
-      if (st.sequence_parallel && st.ranks.size() > 1 && tp_split_problem(model, st.tp_heads(model.heads)).empty()) {
-        const auto b = st.sequence_bounds(model.heads, model.seq_len);
-        for (size_t k = 0; k + 1 < b.size(); ++k)
-          if (b[k] == b[k + 1])
-            fail(sf + ".sequence_parallel", "rank " + std::to_string(st.ranks[k]) + " would hold none of the " +
-                                                std::to_string(model.seq_len) + " positions (they split in the heads' ratio): use a longer "
-                                                "sequence or a more even tp_split");
-      }
       if (st.ranks.size() > 1) {
         if (st.tp_split.empty() && model.heads % static_cast<int64_t>(st.ranks.size()) != 0) {
           const auto even = even_tp_split(model, st.tp());
@@ -336,6 +332,15 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
         }
         if (const std::string why = tp_split_problem(model, st.tp_heads(model.heads)); !why.empty())
           fail(sf + (st.tp_split.empty() ? ".ranks" : ".tp_split"), why);
+      }
+      if (st.sequence_parallel && st.ranks.size() < 2)
+        fail(sf + ".sequence_parallel", "needs a tensor-parallel stage (several ranks): it splits the group's positions");
+      if (st.sequence_parallel) {  // the split is valid by now
+        const int k = StagePlan::member_without_positions(st.sequence_bounds(model.heads, model.seq_len));
+        if (k >= 0)
+          fail(sf + ".sequence_parallel", "rank " + std::to_string(st.ranks[static_cast<size_t>(k)]) + " would hold none of the " +
+                                              std::to_string(model.seq_len) + " positions (they split in the heads' ratio): use a longer "
+                                              "sequence or a more even tp_split");
       }
       for (int r : st.ranks) {
         if (r < 0) fail(sf + ".ranks", "rank " + std::to_string(r) + " is negative");

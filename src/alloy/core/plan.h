@@ -64,9 +64,11 @@ struct StagePlan {
   std::vector<int64_t> tp_heads(int64_t heads) const;
   std::vector<int64_t> tp_bounds(int64_t heads) const;
   // Sequence parallelism: the boundaries of each member's positions of SEQ_LEN, in the heads'
-  // ratio (a member may get none; Plan::training_problem refuses that).
+  // ratio (a member may get none; Plan::validate and Plan::training_problem refuse that).
   std::vector<int64_t> sequence_bounds(int64_t heads, int64_t seq_len) const { return positions_by_heads(tp_bounds(heads), seq_len); }
   static std::vector<int64_t> positions_by_heads(const std::vector<int64_t>& head_bounds, int64_t seq_len);
+  // The first member BOUNDS (positions_by_heads's) give no position, or -1 when each has some.
+  static int member_without_positions(const std::vector<int64_t>& bounds);
 };
 
 // Why SPLIT (heads per rank) cannot divide MODEL's attention heads, MLP columns and key/value

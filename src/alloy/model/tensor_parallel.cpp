@@ -199,11 +199,12 @@ at::Tensor TpComm::scatter_sum_rows(const at::Tensor& full, const std::vector<in
 
 std::vector<int64_t> sequence_bounds(const std::vector<int64_t>& heads, int64_t T) {
   const std::vector<int64_t> b = StagePlan::positions_by_heads(heads, T);
-  for (size_t i = 0; i + 1 < b.size(); ++i)
-    if (b[i + 1] == b[i])
-      throw std::invalid_argument("sequence parallelism over heads " + std::to_string(heads[i]) + "-" + std::to_string(heads[i + 1]) +
-                                  " of " + std::to_string(heads.back()) + " leaves a member none of the " + std::to_string(T) +
-                                  " positions: use a longer sequence or a more even tp_split");
+  if (const int k = StagePlan::member_without_positions(b); k >= 0) {
+    const auto i = static_cast<size_t>(k);
+    throw std::invalid_argument("sequence parallelism over heads " + std::to_string(heads[i]) + "-" + std::to_string(heads[i + 1]) +
+                                " of " + std::to_string(heads.back()) + " leaves a member none of the " + std::to_string(T) +
+                                " positions: use a longer sequence or a more even tp_split");
+  }
   return b;
 }
 

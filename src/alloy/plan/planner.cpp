@@ -78,7 +78,7 @@ void note_device_left_out(SearchResult& chosen, const ClusterSpec& cluster, cons
   const size_t n = cluster.devices.size();
   if (n < 2 || n > static_cast<size_t>(kLeaveOutMaxDevices) || !std::isfinite(chosen.cost.step_s)) return;
   double best = chosen.cost.step_s;
-  std::string who, plan;
+  std::string who;
   for (size_t d = 0; d < n; ++d) {
     ClusterSpec sub = cluster;
     sub.devices.erase(sub.devices.begin() + static_cast<long>(d));
@@ -87,7 +87,7 @@ void note_device_left_out(SearchResult& chosen, const ClusterSpec& cluster, cons
     o.suggest_leaving_out = false;
     try {
       const SearchResult x = run(sub, o);
-      if (x.cost.step_s < best) best = x.cost.step_s, who = cluster.devices[d].name, plan = x.plan.describe();
+      if (x.cost.step_s < best) best = x.cost.step_s, who = cluster.devices[d].name;
     } catch (const std::exception&) {
       // Nothing fits without it: it is needed.
     }
