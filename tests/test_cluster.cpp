@@ -243,6 +243,41 @@ links:
   EXPECT_EQ(c.link("a", "c").bandwidth_gbps, 10);
 }
 
+// A shared rule is one link for every pair it covers, a way per direction; a more specific rule
+// takes its pair off it (a private line), and the YAML keeps the flag.
+TEST(ClusterSpec, SharedRuleIsOneLinkPerWay) {
+  ClusterSpec c = ClusterSpec::from_yaml_string(R"(devices: [{host: e1}, {host: e2}, {host: u1}, {host: u2}]
+groups: {eu: [e1, e2], us: [u1, u2]}
+links:
+  - {within: eu, bandwidth_gbps: 10}
+  - {between: [eu, us], bandwidth_gbps: 0.1, shared: true}
+  - {between: [e2, u2], bandwidth_gbps: 1}
+)",
+                                                "c.yaml");
+  EXPECT_EQ(c.link("e1", "u1").bandwidth_gbps, 0.1);
+  EXPECT_EQ(c.link_rule("e1", "u1"), 1);
+  EXPECT_EQ(c.link_rule("e1", "e2"), 0);
+  EXPECT_EQ(c.link_rule("e1", "e1"), -1);
+  // eu -> us is way 2 x 1 + 0, us -> eu 2 x 1 + 1, from any pair the rule gives.
+  EXPECT_EQ(c.shared_link("e1", "u1"), 2);
+  EXPECT_EQ(c.shared_link("e2", "u1"), 2);
+  EXPECT_EQ(c.shared_link("e1", "u2"), 2);
+  EXPECT_EQ(c.shared_link("u1", "e1"), 3);
+  EXPECT_EQ(c.shared_link("u2", "e1"), 3);
+  EXPECT_EQ(c.shared_link("e2", "u2"), -1);  // its own line
+  EXPECT_EQ(c.shared_link("e1", "e2"), -1);  // not a shared rule
+  EXPECT_EQ(c.shared_link("e1", "e1"), -1);
+  const ClusterSpec back = ClusterSpec::from_yaml_string(c.to_yaml(), "back.yaml");
+  ASSERT_EQ(back.rules.size(), 3u);
+  EXPECT_FALSE(back.rules[0].shared);
+  EXPECT_TRUE(back.rules[1].shared);
+  EXPECT_EQ(back.shared_link("u2", "e1"), 3);
+  // Without the flag every pair is a path of its own.
+  ClusterSpec own = c;
+  own.rules[1].shared = false;
+  EXPECT_EQ(own.shared_link("e1", "u1"), -1);
+}
+
 // ---------------------------------------------------------------------------------------------
 // ClusterSpec validation: every message names the file, the field and, from YAML, the line.
 
@@ -366,6 +401,11 @@ TEST(ClusterSpecErrors, RuleShape) {
       "  - {between: [h1, h0], bandwidth_gbps: 2}\n");
   EXPECT_HAS(e, "c.yaml (line 4)");
   EXPECT_HAS(e, "links[1]: a second rule for between h1 and h0 (the first is links[0])");
+  e = yaml_error("devices: [{host: h0}, {host: h1}]\ngroups: {g: [h0, h1]}\nlinks:\n  - {within: g, bandwidth_gbps: 1, shared: true}\n");
+  EXPECT_HAS(e, "c.yaml (line 4)");
+  EXPECT_HAS(e, "links[0].shared: applies to 'between' rules");
+  EXPECT_HAS(yaml_error("devices: [{host: h0}, {host: h1}]\nlinks:\n  - {between: [h0, h1], bandwidth_gbps: 1, shared: maybe}\n"),
+             "links[0].shared: must be true or false");
 }
 
 TEST(ClusterSpecErrors, BadYamlAndMissingFile) {

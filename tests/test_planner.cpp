@@ -1096,6 +1096,49 @@ TEST(CostModel, PipelineLinkSharesCountPipelinesPerHostPair) {
   EXPECT_DOUBLE_EQ(ctx.p2p_s(0, 1, 2, 3) - ctx.link_latency_s(0, 1), 3 * (ctx.p2p_s(0, 1, 2) - ctx.link_latency_s(0, 1)));
 }
 
+// A `shared` rule is one line between two sites: pipelines and sets crossing it between
+// different host pairs share it as those crossing one pair do; without the flag each pair has
+// its own path.
+TEST(CostModel, ASharedRuleIsOneLinkForEveryPairItCovers) {
+  for (bool shared : {true, false}) {
+    SCOPED_TRACE(shared ? "shared" : "per pair");
+    ClusterSpec c;
+    c.devices = {device("e1", "e1", "t"), device("e2", "e2", "t"), device("u1", "u1", "t"), device("u2", "u2", "t")};
+    c.groups = {{"eu", {"e1", "e2"}}, {"us", {"u1", "u2"}}};
+    c.rules.push_back({"eu", "us", Link{8e6 / 1e9, 0}, shared});
+    c.rules.push_back({"eu", "eu", Link{8, 0}});
+    Profile p = base_profile(4);
+    p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+    const CostContext ctx(c, p);
+    const int k = shared ? 2 : 1;
+    // Hosts e1, e2, u1, u2 are 0..3. Two pipelines crossing from different pairs, one the other
+    // way (its gradients meet the others' activations), one inside eu.
+    const auto got = ctx.pipeline_link_shares({{0, 2}, {1, 3}, {0, 1}});
+    EXPECT_EQ(got, (std::vector<std::vector<int>>{{k}, {k}, {1}}));
+    EXPECT_EQ(ctx.pipeline_link_shares({{0, 2}, {3, 1}}), (std::vector<std::vector<int>>{{k}, {k}}));
+    // Two sets, e1-u1 and e2-u2: each ring crosses both ways once.
+    CostContext::LinkLoads loads = ctx.empty_loads();
+    ctx.add_load({0, 2}, 4e6, &loads);
+    ctx.add_load({1, 3}, 4e6, &loads);
+    EXPECT_NEAR(ctx.ring({0, 2}, &loads, 4e6).slowest_bytes_per_s, 1e6 / k, 1e-6);
+    // A set inside eu is not slowed by them.
+    CostContext::LinkLoads mixed = ctx.empty_loads();
+    ctx.add_load({0, 2}, 4e6, &mixed);
+    ctx.add_load({0, 1}, 4e6, &mixed);
+    EXPECT_NEAR(ctx.ring({0, 2}, &mixed, 4e6).slowest_bytes_per_s, 1e6, 1e-6);
+    EXPECT_NEAR(ctx.ring({0, 1}, &mixed, 4e6).slowest_bytes_per_s, 1e9, 1e-3);
+    // In a plan: two pipelines across the regions from different pairs; on the shared line each
+    // message takes twice as long.
+    Plan plan;
+    plan.global_batch = 4;
+    plan.pipelines.push_back({1, 2, {stage(0, 0, 2, "e1"), stage(2, 2, 4, "u1")}});
+    plan.pipelines.push_back({1, 2, {stage(1, 0, 2, "e2"), stage(3, 2, 4, "u2")}});
+    const PlanCost pc = simulate_plan(plan, c, p);
+    for (const auto& st : pc.stages)
+      if (st.stage == 0) EXPECT_NEAR(st.p2p_s, 2 * ctx.p2p_s(0, 2, 1, k), 1e-9);
+  }
+}
+
 // Two pipelines that must both cross one thin link (the first stages' devices on one host hold
 // only the embedding's half, the other host's only the head's): each message there takes twice as
 // long as alone, in simulate_plan and in the search's own figures, and the exact search still finds

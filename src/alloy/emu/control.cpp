@@ -104,9 +104,23 @@ std::string set_link(const std::string& host_a, const std::string& host_b, bool 
     for (const auto& [key, c] : st["shaping"].items()) {
       if (c["netns"].get<std::string>() != ns) continue;
       const size_t j = std::stoul(key.substr(key.find('>') + 1));
-      must({tc, "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst",
-            std::string(kSubnet) + std::to_string(j + 1) + "/32", "flowid", cuts.count(key) ? kCutClass : c["classid"].get<std::string>()},
-           std::string("cannot ") + (cut ? "cut" : "restore") + " the link " + hosts[k] + " -> " + hosts[j]);
+      const std::string dst = std::string(kSubnet) + std::to_string(j + 1) + "/32";
+      const std::string what = std::string("cannot ") + (cut ? "cut" : "restore") + " the link " + hosts[k] + " -> " + hosts[j];
+      if (cuts.count(key)) {
+        must({tc, "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst", dst,
+              "flowid", kCutClass},
+             what);
+        continue;
+      }
+      // As the emulator made them (emulator.cpp, add_link_classes): small packets first.
+      const std::string small = c.value("small", std::string());
+      if (!small.empty())
+        must({tc, "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst", dst,
+              "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", small},
+             what);
+      must({tc, "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "2", "u32", "match", "ip", "dst", dst,
+            "flowid", c["classid"].get<std::string>()},
+           what);
     }
   }
   nlohmann::json updated = st;

@@ -20,10 +20,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -39,6 +41,39 @@ std::atomic<int> g_launch_signal{0};
 void on_launch_signal(int sig) { g_launch_signal = sig; }
 
 int g_clusters_in_process = 0;
+
+// An htb class's arguments for a link of GBPS. Bursts of ~2 ms of traffic keep the long-run rate
+// at 95-96% of the limit (TCP goodput over 1514-byte frames is at most 95.6%) without letting
+// small messages jump the link; htb lets a GSO super-packet through a smaller bucket by going into
+// debt, so low rates need no 64 KiB bucket. An explicit quantum keeps the kernel from warning.
+struct HtbArgs {
+  std::string rate, burst, quantum;
+};
+HtbArgs htb_args(double gbps) {
+  const double bytes_per_s = gbps * 1e9 / 8;
+  const long long burst = std::max(3200LL, std::llround(bytes_per_s * 0.002));
+  const long long quantum = std::clamp(burst, 1600LL, 200000LL);
+  return {rate_str(gbps), std::to_string(burst), std::to_string(quantum)};
+}
+
+// One way of a link as htb classes under DEV's root: PARENT at the link's rate, and two leaves
+// borrowing all of it, SMALL (packets under 128 bytes, first) and BULK. In one FIFO the ACKs of a
+// transfer coming the other way would wait behind this way's data (up to the queue's 1000
+// packets, 60 ms at 0.2 Gbit/s) and slow that transfer by a fifth, or by half on a shared link;
+// a full-duplex link's two ways do not slow each other. Packets are sorted into the leaves by
+// the caller's filters (small_filter's match goes before the destination's).
+void add_link_classes(const std::string& tc, const std::string& ns, const std::string& dev, const std::string& parent,
+                      const std::string& small, const std::string& bulk, double gbps, const std::string& what) {
+  const HtbArgs a = htb_args(gbps);
+  must({tc, "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", parent, "htb", "rate", a.rate, "ceil", a.rate, "burst", a.burst,
+        "cburst", a.burst, "quantum", a.quantum},
+       "cannot shape " + what);
+  const std::string small_rate = rate_str(gbps / 20), bulk_rate = rate_str(gbps * 19 / 20);
+  for (const auto& [cls, rate, prio] : {std::tuple{small, small_rate, "0"}, std::tuple{bulk, bulk_rate, "1"}})
+    must({tc, "-n", ns, "class", "add", "dev", dev, "parent", parent, "classid", cls, "htb", "rate", rate, "ceil", a.rate, "burst", a.burst,
+          "cburst", a.burst, "quantum", a.quantum, "prio", prio},
+         "cannot shape " + what);
+}
 
 }  // namespace
 
@@ -183,6 +218,46 @@ std::unique_ptr<EmulatedCluster> EmulatedCluster::create(const plan::ClusterSpec
   return c;
 }
 
+void EmulatedCluster::shape_shared_links(const plan::ClusterSpec& spec, std::string* links) {
+  // A shared rule is one link for every host pair it covers, so no host's own egress can shape
+  // it: the switch does. Each host's packets for a peer across it are redirected, as they enter
+  // the switch, through one IFB device per rule and way, whose htb class is the link's rate; the
+  // IFB hands them back to the bridge. The pairs keep their own classes at the same rate on the
+  // hosts (emu cut/restore works on those).
+  const std::string& sw = switch_ns_;
+  std::map<int, std::string> ifb_of;  // ClusterSpec::shared_link -> IFB device
+  std::set<size_t> ingress;           // switch ports with an ingress qdisc
+  for (size_t k = 0; k < hosts_.size(); ++k)
+    for (size_t j = 0; j < hosts_.size(); ++j) {
+      if (j == k) continue;
+      const int way = spec.shared_link(hosts_[k], hosts_[j]);
+      if (way < 0) continue;
+      auto it = ifb_of.find(way);
+      if (it == ifb_of.end()) {
+        const plan::LinkRule& r = spec.rules[static_cast<size_t>(way / 2)];
+        const std::string dev = "ifb" + std::to_string(way);
+        const std::string what = "the shared link between " + r.a + " and " + r.b;
+        must({ip_tool_, "-n", sw, "link", "add", dev, "type", "ifb"}, "needs the ifb device (CONFIG_IFB) to emulate " + what);
+        must({ip_tool_, "-n", sw, "link", "set", dev, "up"}, "cannot bring up the device of " + what);
+        must({tc_tool_, "-n", sw, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"}, "cannot shape " + what);
+        add_link_classes(tc_tool_, sw, dev, "1:1", "1:10", "1:20", r.link.bandwidth_gbps, what);
+        must({tc_tool_, "-n", sw, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "u16", "0x0000",
+              "0xff80", "at", "2", "flowid", "1:10"},
+             "cannot shape " + what);
+        it = ifb_of.emplace(way, dev).first;
+        char b[64];
+        std::snprintf(b, sizeof b, "%g", r.link.bandwidth_gbps);
+        if (way % 2 == 0) *links += (links->empty() ? "" : ", ") + r.a + "-" + r.b + " " + b + " Gbit/s shared";
+      }
+      const std::string port = "h" + std::to_string(k);
+      if (ingress.insert(k).second)
+        must({tc_tool_, "-n", sw, "qdisc", "add", "dev", port, "ingress"}, "needs the ingress qdisc (sch_ingress) to emulate a shared link");
+      must({tc_tool_, "-n", sw, "filter", "add", "dev", port, "parent", "ffff:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst",
+            std::string(kSubnet) + std::to_string(j + 1) + "/32", "action", "mirred", "egress", "redirect", "dev", it->second},
+           "needs the mirred action (act_mirred) to emulate a shared link (" + hosts_[k] + " -> " + hosts_[j] + ")");
+    }
+}
+
 void EmulatedCluster::build(const plan::ClusterSpec& spec) {
   const std::string& ip = ip_tool_;
   const std::string& sw = switch_ns_;
@@ -228,24 +303,21 @@ void EmulatedCluster::build(const plan::ClusterSpec& spec) {
         if (!(l.bandwidth_gbps > 0))
           throw InputError(spec.source, "link " + hosts_[k] + " -> " + hosts_[j] + ": bandwidth must be > 0");
         latency_asked = latency_asked || l.latency_ms > 0;
-        // Bursts of ~2 ms of traffic keep the long-run rate at 95-96% of the limit (TCP goodput
-        // over 1514-byte frames is at most 95.6%) without letting small messages jump the link;
-        // htb lets a GSO super-packet through a smaller bucket by going into debt, so low rates
-        // need no 64 KiB bucket. An explicit quantum keeps the kernel from warning about it.
-        const double bytes_per_s = l.bandwidth_gbps * 1e9 / 8;
-        const long long burst = std::max(3200LL, std::llround(bytes_per_s * 0.002));
-        const long long quantum = std::clamp(burst, 1600LL, 200000LL);
-        char classid[24];
-        std::snprintf(classid, sizeof classid, "1:%zx", j + 1);  // tc reads class minors as hex
-        must({tc_tool_, "-n", ns, "class", "add", "dev", "eth0", "parent", "1:", "classid", classid, "htb", "rate", rate_str(l.bandwidth_gbps),
-              "ceil", rate_str(l.bandwidth_gbps), "burst", std::to_string(burst), "cburst", std::to_string(burst), "quantum", std::to_string(quantum)},
-             "cannot shape the link " + hosts_[k] + " -> " + hosts_[j]);
-        shaping[std::to_string(k) + ">" + std::to_string(j)] = {
-            {"netns", ns},       {"classid", classid},    {"rate", rate_str(l.bandwidth_gbps)},
-            {"burst", std::to_string(burst)}, {"quantum", std::to_string(quantum)}};
-        must({tc_tool_, "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst",
-              std::string(kSubnet) + std::to_string(j + 1) + "/32", "flowid", classid},
-             "cannot shape the link " + hosts_[k] + " -> " + hosts_[j]);
+        // Class minors (tc reads them as hex): the pair's own, its small packets', its bulk's.
+        char classid[24], small[24], bulk[24];
+        std::snprintf(classid, sizeof classid, "1:%zx", j + 1);
+        std::snprintf(small, sizeof small, "1:%zx", 0x4000 + j + 1);
+        std::snprintf(bulk, sizeof bulk, "1:%zx", 0x8000 + j + 1);
+        const std::string what = "the link " + hosts_[k] + " -> " + hosts_[j];
+        add_link_classes(tc_tool_, ns, "eth0", classid, small, bulk, l.bandwidth_gbps, what);
+        const std::string dst = std::string(kSubnet) + std::to_string(j + 1) + "/32";
+        must({tc_tool_, "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst", dst,
+              "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", small},
+             "cannot shape " + what);
+        must({tc_tool_, "-n", ns, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "2", "u32", "match", "ip", "dst", dst,
+              "flowid", bulk},
+             "cannot shape " + what);
+        shaping[std::to_string(k) + ">" + std::to_string(j)] = {{"netns", ns}, {"classid", bulk}, {"small", small}};
         if (k < j) {
           char b[64];
           std::snprintf(b, sizeof b, "%g", l.bandwidth_gbps);
@@ -253,6 +325,7 @@ void EmulatedCluster::build(const plan::ClusterSpec& spec) {
         }
       }
     }
+    shape_shared_links(spec, &links);
   }
 
   std::string quotas;

@@ -108,6 +108,8 @@ class EmulatedCluster {
  private:
   EmulatedCluster() = default;
   void build(const plan::ClusterSpec& spec);
+  // The links of the spec's `shared` rules, at the switch; appends them to LINKS (the log line).
+  void shape_shared_links(const plan::ClusterSpec& spec, std::string* links);
   void check_device(int device) const;
   int host_index(const std::string& host) const;
 

@@ -22,7 +22,7 @@ const std::vector<std::string> kKinds = {"cpu", "cuda", "mps", "rocm"};
 const std::vector<std::string> kTopKeys = {"name",  "devices",      "groups",
                                            "links", "default_link", "intra_host_link"};
 const std::vector<std::string> kDeviceKeys = {"name", "host", "kind", "type", "memory_gb", "speed", "flops"};
-const std::vector<std::string> kRuleKeys = {"between", "within", "bandwidth_gbps", "latency_ms"};
+const std::vector<std::string> kRuleKeys = {"between", "within", "bandwidth_gbps", "latency_ms", "shared"};
 const std::vector<std::string> kLinkKeys = {"bandwidth_gbps", "latency_ms"};
 
 std::string join(const std::vector<std::string>& v, const std::string& sep = ", ") {
@@ -215,6 +215,16 @@ class YamlReader {
         bool within_host = rule.a == rule.b && spec_.groups.count(rule.a) == 0;
         rule.link.latency_ms = within_host ? spec_.intra_host.latency_ms : spec_.default_link.latency_ms;
       }
+      if (r["shared"]) {
+        const YAML::Node sh = r["shared"];
+        bool v = false;
+        if (!sh.IsScalar() || !YAML::convert<bool>::decode(sh, v)) fail(line_of(sh), f + ".shared", "must be true or false");
+        if (v && rule.a == rule.b)
+          fail(line_of(sh), f + ".shared",
+               "applies to 'between' rules (one link joining two sites); a 'within' rule's pairs each have their own path");
+        rule.shared = v;
+        remember(f + ".shared", sh);
+      }
       spec_.rules.push_back(std::move(rule));
     }
   }
@@ -325,6 +335,7 @@ void ClusterSpec::validate() const {
                   " (the first is links[" + std::to_string(it->second) + "])");
     pairs[{key.first, key.second}] = i;
     check_link(r.link, f);
+    if (r.shared && r.a == r.b) fail(f + ".shared", "applies to 'between' rules (one link joining two sites), not to 'within " + r.a + "'");
   }
   check_link(default_link, "default_link");
   check_link(intra_host, "intra_host_link");
@@ -368,6 +379,7 @@ std::string ClusterSpec::to_yaml() const {
       }
       out << YAML::Key << "bandwidth_gbps" << YAML::Value << num(r.link.bandwidth_gbps);
       out << YAML::Key << "latency_ms" << YAML::Value << num(r.link.latency_ms);
+      if (r.shared) out << YAML::Key << "shared" << YAML::Value << true;
       out << YAML::EndMap;
     }
     out << YAML::EndSeq;
@@ -389,6 +401,12 @@ std::vector<std::string> ClusterSpec::hosts() const {
 }
 
 Link ClusterSpec::link(const std::string& host_a, const std::string& host_b) const {
+  const int r = link_rule(host_a, host_b);
+  if (r >= 0) return rules[static_cast<size_t>(r)].link;
+  return host_a == host_b ? intra_host : default_link;
+}
+
+int ClusterSpec::link_rule(const std::string& host_a, const std::string& host_b) const {
   for (const std::string* h : {&host_a, &host_b}) {
     bool known = std::any_of(devices.begin(), devices.end(), [&](const Device& d) { return d.host == *h; });
     if (!known) throw InputError(source.empty() ? "cluster" : source, "no device is on host '" + *h + "'");
@@ -405,17 +423,18 @@ Link ClusterSpec::link(const std::string& host_a, const std::string& host_b) con
 
   if (host_a == host_b) {
     // Traffic inside one host never crosses the network, so only a rule for this host applies.
-    for (const auto& r : rules)
-      if (r.a == host_a && r.b == host_a) return r.link;
-    return intra_host;
+    for (size_t i = 0; i < rules.size(); ++i)
+      if (rules[i].a == host_a && rules[i].b == host_a) return static_cast<int>(i);
+    return -1;
   }
 
   // Specificity: host pair (4) > host with a group (3) > group pair (2) > within a group (1);
   // at one level the rule covering fewer host pairs wins (a rack inside a region), then the later.
   int best_level = 0;
   size_t best_size = 0;
-  const Link* best = nullptr;
-  for (const auto& r : rules) {
+  int best = -1;
+  for (size_t i = 0; i < rules.size(); ++i) {
+    const LinkRule& r = rules[i];
     int level = 0;
     if (r.a == r.b) {
       if (in_group(r.a, host_a) && in_group(r.a, host_b)) level = 1;
@@ -427,10 +446,24 @@ Link ClusterSpec::link(const std::string& host_a, const std::string& host_b) con
     if (level > best_level || (level == best_level && size <= best_size)) {
       best_level = level;
       best_size = size;
-      best = &r.link;
+      best = static_cast<int>(i);
     }
   }
-  return best ? *best : default_link;
+  return best;
+}
+
+int ClusterSpec::shared_link(const std::string& host_a, const std::string& host_b) const {
+  if (host_a == host_b) return -1;
+  const int r = link_rule(host_a, host_b);
+  if (r < 0 || !rules[static_cast<size_t>(r)].shared) return -1;
+  const LinkRule& rule = rules[static_cast<size_t>(r)];
+  auto covers = [&](const std::string& end, const std::string& h) {
+    auto it = groups.find(end);
+    return end == h || (it != groups.end() && contains(it->second, h));
+  };
+  // Overlapping groups may put a host on both ends: first end to second whenever that reads right.
+  const bool forward = covers(rule.a, host_a) && covers(rule.b, host_b);
+  return 2 * r + (forward ? 0 : 1);
 }
 
 int ClusterSpec::device_index(const std::string& device_name) const {

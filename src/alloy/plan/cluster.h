@@ -13,9 +13,13 @@
 //   links:                  # between two hosts or groups; `within` a host or group
 //     - {between: [h0, h2], bandwidth_gbps: 0.1, latency_ms: 0.2}
 //     - {within: eu, bandwidth_gbps: 10}
+//     - {between: [eu, us], bandwidth_gbps: 1, shared: true}
 //   default_link: {bandwidth_gbps: 1, latency_ms: 0.1}
 //   intra_host_link: {bandwidth_gbps: 100, latency_ms: 0.01}
 // The most specific rule wins: host pair, then host-group pair, then `within`, then the defaults.
+// A `between` rule is a bandwidth per pair of hosts it covers (each pair its own path, as hosts
+// on the internet have) unless `shared: true`: then it is one link (a leased line or VPN between
+// two sites) whose bandwidth, each way, all the pairs it covers share.
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -46,6 +50,7 @@ struct Link {
 struct LinkRule {
   std::string a, b;  // host or group names; a == b for a `within` rule
   Link link;
+  bool shared = false;  // one link for all the host pairs it covers (`between` rules only)
 };
 
 struct ClusterSpec {
@@ -69,6 +74,12 @@ struct ClusterSpec {
   std::vector<std::string> hosts() const;  // in order of first appearance
   // The link between two hosts (same host: intra_host unless a `within` rule for it says more).
   Link link(const std::string& host_a, const std::string& host_b) const;
+  // The rule that gives that link (index into rules), -1 for the defaults.
+  int link_rule(const std::string& host_a, const std::string& host_b) const;
+  // Which physical link traffic from HOST_A to HOST_B crosses, for sharing its bandwidth: -1 when
+  // the pair has a path of its own (no shared rule gives its link, or the same host); else
+  // 2 x rule + 0 when HOST_A is on the rule's first end (`between[0]`), + 1 when on its second.
+  int shared_link(const std::string& host_a, const std::string& host_b) const;
   Link link_between_devices(int a, int b) const { return link(devices[static_cast<size_t>(a)].host, devices[static_cast<size_t>(b)].host); }
   int device_index(const std::string& name) const;  // -1 if absent
   std::vector<std::string> types() const;            // distinct device types

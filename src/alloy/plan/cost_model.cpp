@@ -89,6 +89,18 @@ CostContext::CostContext(const ClusterSpec& cluster, const Profile& profile) : c
       lat_[a * H + b] = lat;
       ring_bw_[a * H + b] = ring_bw;
     }
+  hop_link_.assign(H * H, 0);
+  pair_link_.assign(H * H, 0);
+  int max_shared = -1;
+  for (size_t a = 0; a < H; ++a)
+    for (size_t b = 0; b < H; ++b) {
+      const int sh = a == b ? -1 : cluster.shared_link(hosts_[a], hosts_[b]);
+      max_shared = std::max(max_shared, sh);
+      hop_link_[a * H + b] = sh < 0 ? a * H + b : H * H + static_cast<size_t>(sh);
+      pair_link_[a * H + b] = sh < 0 ? std::min(a, b) * H + std::max(a, b) : H * H + static_cast<size_t>(sh / 2);
+    }
+  num_links_ = H * H + static_cast<size_t>(max_shared + 1);
+  num_pair_links_ = H * H + (max_shared < 0 ? 0 : static_cast<size_t>(max_shared / 2 + 1));
 
   // Each measured pair's sums as a line in their bytes, through its two sizes (one size: the
   // link's slope through it).
@@ -195,7 +207,7 @@ double CostContext::LinkLoads::factor(size_t i, double own) const {
 
 CostContext::LinkLoads CostContext::empty_loads() const {
   LinkLoads l;
-  l.hop.resize(hosts_.size() * hosts_.size());
+  l.hop.resize(num_links_);
   return l;
 }
 
@@ -286,7 +298,7 @@ void CostContext::add_load(const std::vector<int>& d, double set_bytes, LinkLoad
   auto put = [&](const std::vector<int>& ring_devs, double per_hop) {
     if (ring_devs.size() < 2 || !(per_hop > 0)) return;
     for (size_t i = 0; i < ring_devs.size(); ++i)
-      loads->hop[idx(host_of(ring_devs[i]), host_of(ring_devs[(i + 1) % ring_devs.size()]))].push_back(per_hop);
+      loads->hop[hop_link_[idx(host_of(ring_devs[i]), host_of(ring_devs[(i + 1) % ring_devs.size()]))]].push_back(per_hop);
   };
   const int n = static_cast<int>(d.size());
   if (!s.compressed) {
@@ -414,12 +426,11 @@ std::vector<std::vector<int>> CostContext::pipeline_link_shares(const std::vecto
 }
 
 void CostContext::pipeline_link_shares(const std::vector<std::vector<int>>& pipeline_hosts, std::vector<std::vector<int>>* out) const {
-  const size_t H = hosts_.size();
-  auto pair = [&](int a, int b) { return static_cast<size_t>(std::min(a, b)) * H + static_cast<size_t>(std::max(a, b)); };
-  // Per unordered host pair: the pipelines crossing it (each counted once however often it does).
+  auto pair = [&](int a, int b) { return pair_link_[idx(a, b)]; };
+  // Per link (either way): the pipelines crossing it (each counted once however often it does).
   thread_local std::vector<int> crossing;
   thread_local std::vector<size_t> seen, touched;
-  crossing.resize(H * H, 0);
+  crossing.resize(num_pair_links_, 0);
   touched.clear();
   for (const auto& hosts : pipeline_hosts) {
     seen.clear();
@@ -544,7 +555,7 @@ CostContext::Ring CostContext::ring(const std::vector<int>& d, const LinkLoads* 
   if (r.n < 2) return r;
   for (size_t i = 0; i < d.size(); ++i) {
     const size_t k = idx(host_of(d[i]), host_of(d[(i + 1) % d.size()]));
-    const double share = loads ? loads->factor(k, own) : 1.0;
+    const double share = loads ? loads->factor(hop_link_[k], own) : 1.0;
     r.slowest_bytes_per_s = std::min(r.slowest_bytes_per_s, ring_bw_[k] / share);
     r.latency_sum_s += lat_[k];
   }

@@ -13,7 +13,9 @@
 //     stage computes them makes them queue. Pipelines that cross the same pair of hosts share it:
 //     each of their messages there takes share x bytes / bandwidth, share = the number of
 //     pipelines crossing the pair (pipeline_link_shares; alike pipelines send at the same moments
-//     of their schedules). A link inside a host is not shared out. The search prices its layouts
+//     of their schedules). A link a `shared` cluster rule gives (one line between two sites) is
+//     one link for every host pair it covers: pipelines crossing it between any of those pairs
+//     share it. A link inside a host is not shared out. The search prices its layouts
 //     the same way (search_detail.h, Tables::get with the layout's shares).
 //     Under zb-h1 a stage's backward is split: its BackwardWeight takes weight_share(type) of the
 //     blocks' backward (profiled; else the projections' weight products' share by shape), its
@@ -50,8 +52,8 @@
 //     only), 1/2 for fp16/bf16, PowerSGD's r * (rows + cols) / (rows * cols) over the block's
 //     matrices; all-gathers cost (n-1) * payload, all-reduces 2(n-1)/n * payload per hop. Flat
 //     sets encode on the autograd thread: a rank's backward ends its sets' encode time later.
-//     Shared links: every set's collectives put bytes on the directed host pairs of their rings;
-//     a hop carrying several sets is shared as a processor-sharing link whose sets start together
+//     Shared links: every set's collectives put bytes on the directed host pairs of their rings
+//     (one way of a `shared` rule's link for all the pairs it covers); a hop carrying several sets is shared as a processor-sharing link whose sets start together
 //     (a set of B bytes among sets B_j finishes after sum_j min(B_j, B) / bandwidth), so the
 //     set's ring runs at bandwidth * B / sum_j min(B_j, B) on that hop. Pipeline messages are not
 //     counted in (they cross during the phase, before the gradients are ready).
@@ -260,8 +262,9 @@ class CostContext {
   double p2p_s(int host_a, int host_b, int64_t m, int share = 1) const;
   // Pipelines sharing links: PIPELINE_HOSTS[p] are pipeline p's stages' hosts in stage order.
   // Returns, per pipeline and link s (between stages s and s+1), how many pipelines send their
-  // messages over that host pair: 1 for a link within a host or one no other pipeline crosses,
-  // else 1 + the other pipelines crossing the pair (either direction: one pipeline's activations
+  // messages over that link: 1 for a link within a host or one no other pipeline crosses, else
+  // 1 + the other pipelines crossing the same host pair, or the same shared link (a `shared`
+  // rule's: any pair it covers) (either direction: one pipeline's activations
   // and another's gradients meet there). Pipelines alike in shape send their messages at the same
   // moments of the schedule (one per micro-batch each way), so each gets the link's bandwidth /
   // SHARE while they cross; unlike ones overlap less, and this is the upper end for them.
@@ -316,9 +319,11 @@ class CostContext {
   // Whether two devices' hosts are joined by a slow link (grad_sync.slow_link_gbps).
   bool slow_pair(int dev_a, int dev_b) const { return slow_[static_cast<size_t>(host_of(dev_a)) * hosts_.size() + static_cast<size_t>(host_of(dev_b))] != 0; }
 
-  // Bytes the sets of one layout put on each directed host pair, for sharing links among them.
+  // Bytes the sets of one layout put on each link, for sharing links among them.
   struct LinkLoads {
-    std::vector<std::vector<double>> hop;  // host x host: bytes of every set crossing that hop
+    // Per directed link (a host pair's own path, or one way of a shared rule's link): bytes of
+    // every set crossing it.
+    std::vector<std::vector<double>> hop;
     double factor(size_t hop_index, double own) const;  // sum_j min(B_j, own) / own, >= 1
   };
 
@@ -435,6 +440,12 @@ class CostContext {
   std::vector<double> capacity_;
   std::vector<const DeviceProfile*> type_profile_;
   std::vector<double> bw_, lat_, ring_bw_;  // host x host
+  // Host x host: the link a directed pair's traffic crosses, for sharing its bandwidth (its own
+  // index unless a shared rule gives it: then H x H + ClusterSpec::shared_link, one per rule and
+  // way), and the same for messages that meet either way (pipelines: a pair's unordered index, or
+  // H x H + the rule).
+  std::vector<size_t> hop_link_, pair_link_;
+  size_t num_links_ = 0, num_pair_links_ = 0;
   std::vector<char> slow_;                  // host x host
   std::vector<std::pair<double, double>> tp_line_;  // device x device: a TP sum's (fixed s, s per byte); fixed < 0 unknown
   GradSyncConfig gs_;
