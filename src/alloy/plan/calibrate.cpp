@@ -68,8 +68,8 @@ Calibration calibrate(const Plan& plan, const ClusterSpec& cluster, const Profil
       o << ", kept x1.00: it computes " << std::lround(100 * t.busy_share)
         << "% of its step, in bursts that run faster than the device sustains";
     o << "\n";
-    if (k == 1.0 && burst_only) continue;
     c.factor[type] = k;
+    if (k == 1.0) continue;
     DeviceProfile& d = c.profile.devices.at(type);
     for (MicroBatchCost* mc : {&d.block_fwd, &d.block_bwd, &d.embed_fwd, &d.embed_bwd, &d.head_fwd, &d.head_bwd}) scale(*mc, k);
     d.optimizer_s_per_param *= k;
