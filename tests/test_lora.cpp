@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -130,6 +131,36 @@ TEST_P(LoraArch, AdaptersStartAtTheBaseModelsOutputsAndOnlyTheyTrain) {
   }
   EXPECT_EQ(adapters, 2 * m::lora_modules(c, lora(4, "all")).size());
   EXPECT_EQ(adapted->trainable().size(), adapters);
+}
+
+// Recomputation re-runs each block's forward in the backward: the adapters' dropout must draw the
+// same masks there as in the forward (torch.utils.checkpoint's preserve_rng_state), or the
+// gradients are those of another function than the loss; and the random stream after the step is
+// the same with and without it.
+TEST_P(LoraArch, RecomputedBlocksDrawTheForwardsDropoutMasks) {
+  ModelConfig c = tiny(GetParam());
+  LoraConfig l = lora(4, "all");
+  l.dropout = 0.3;
+  std::map<std::string, at::Tensor> grads[2];
+  at::Tensor after[2];
+  for (int recompute : {0, 1}) {
+    auto t = Transformer::full(c, 5);
+    t->apply_lora(l, 5);
+    perturb_adapters(*t, 9);
+    t->set_recompute(recompute == 1);
+    at::manual_seed(1234);
+    at::Tensor loss = Transformer::loss_sum(t->forward(tokens(c, 2, 3)), tokens(c, 2, 4));
+    torch::autograd::backward({loss});
+    for (auto* p : t->trainable()) grads[recompute][p->name] = p->tensor.grad().clone();
+    after[recompute] = at::rand({4});
+  }
+  ASSERT_FALSE(grads[0].empty());
+  for (const auto& [name, g] : grads[0]) {
+    ASSERT_TRUE(grads[1].count(name)) << name;
+    EXPECT_TRUE(at::allclose(grads[1].at(name), g, 1e-5, 1e-7)) << name << ": max diff "
+                                                                 << (grads[1].at(name) - g).abs().max().item<double>();
+  }
+  EXPECT_TRUE(at::equal(after[0], after[1]));
 }
 
 TEST_P(LoraArch, SlicesHoldTheFullModelsAdaptersAndNamesAreKnownWithoutBuilding) {

@@ -3,7 +3,11 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <ATen/Context.h>
+#include <ATen/core/Generator.h>
+
 #include <cstdint>
+#include <mutex>
 
 #include "alloy/model/transformer.h"
 
@@ -11,13 +15,36 @@ namespace alloy::model {
 
 namespace {
 
+thread_local bool t_recomputed_first_forward = false;
+
+// The random stream of X's device: the forward's state is kept so the recomputation draws the
+// same dropout masks (LoRA's), and the stream is put back after it, so a run with recomputation
+// draws what one without does (torch.utils.checkpoint's preserve_rng_state).
+at::Generator generator_of(const at::Tensor& x) { return at::globalContext().defaultGenerator(x.device()); }
+at::Tensor rng_state(at::Generator& g) {
+  std::lock_guard<std::mutex> lock(g.mutex());
+  return g.get_state();
+}
+void set_rng_state(at::Generator& g, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(g.mutex());
+  g.set_state(state);
+}
+
 struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, Layer* layer, bool attention, bool mlp) {
     ctx->saved_data["layer"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(layer));
     ctx->saved_data["attention"] = attention;
     ctx->saved_data["mlp"] = mlp;
+    at::Generator g = generator_of(x);
+    ctx->saved_data["rng"] = rng_state(g);
     ctx->save_for_backward({x});
     at::NoGradGuard no_graph;  // the block's intermediates are freed as soon as they are used
+    // Still training: its dropout draws the masks the recomputation will draw again.
+    struct Training {
+      bool before = t_recomputed_first_forward;
+      Training() { t_recomputed_first_forward = true; }
+      ~Training() { t_recomputed_first_forward = before; }
+    } training;
     return layer->forward_halves(x, attention, mlp);
   }
 
@@ -26,8 +53,17 @@ struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
     at::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     at::Tensor out;
     {
+      at::Generator g = generator_of(x);
+      const at::Tensor now = rng_state(g);
+      set_rng_state(g, ctx->saved_data["rng"].toTensor());
       at::AutoGradMode with_graph(true);
-      out = layer->forward_halves(x, ctx->saved_data["attention"].toBool(), ctx->saved_data["mlp"].toBool());
+      try {
+        out = layer->forward_halves(x, ctx->saved_data["attention"].toBool(), ctx->saved_data["mlp"].toBool());
+      } catch (...) {
+        set_rng_state(g, now);
+        throw;
+      }
+      set_rng_state(g, now);
     }
     // Accumulates into the block's parameters' .grad (their hooks fire as in a plain backward) and
     // into x.grad, which goes on to the layer before.
@@ -65,6 +101,8 @@ at::Tensor hooked(const at::Tensor& x, LayerHooks* hooks, size_t i, bool entry) 
 
 at::Tensor backward_entry(const at::Tensor& x, LayerHooks* hooks, size_t i) { return hooked(x, hooks, i, true); }
 at::Tensor backward_exit(const at::Tensor& x, LayerHooks* hooks, size_t i) { return hooked(x, hooks, i, false); }
+
+bool training_forward() { return at::GradMode::is_enabled() || t_recomputed_first_forward; }
 
 at::Tensor forward_recomputed(Layer& layer, const at::Tensor& x, bool attention, bool mlp) {
   if (!at::GradMode::is_enabled()) return layer.forward_halves(x, attention, mlp);

@@ -16,6 +16,11 @@ class LayerHooks;
 // nothing requires a gradient) it is the plain forward.
 at::Tensor forward_recomputed(Layer& layer, const at::Tensor& x, bool attention = true, bool mlp = true);
 
+// Whether a forward on this thread trains (LoRA's dropout draws masks): grad mode is on, or a
+// recomputed block runs its first forward, without a graph but as training. Validation's forward
+// (no grad mode) does not.
+bool training_forward();
+
 // Identities whose backward tells HOOKS about layer I (Transformer::set_layer_hooks): on a layer's
 // output, before_backward(I) runs when the output's gradient arrives, before any of the layer's
 // backward; on its input, after_backward(I) runs when the input's gradient is complete. The

@@ -141,7 +141,7 @@ at::Tensor Layer::project(size_t w, const at::Tensor& x, const at::Tensor* bias)
   auto it = adapters_.find(w);
   if (it == adapters_.end()) return y;
   const Adapter& a = it->second;
-  const at::Tensor h = a.dropout > 0 ? at::dropout(x, a.dropout, at::GradMode::is_enabled()) : x;
+  const at::Tensor h = a.dropout > 0 ? at::dropout(x, a.dropout, training_forward()) : x;
   return y + at::linear(at::linear(h, params_[a.a].tensor), params_[a.b].tensor) * a.scale;
 }
 
@@ -315,7 +315,7 @@ class BlockLayer : public Layer {
     }
     if (L.lora_a < 0) return y;
     // Row-parallel: this rank's heads' part of the update, summed with the product's (tp_exit).
-    const at::Tensor h = L.lora_dropout > 0 ? at::dropout(x, L.lora_dropout, at::GradMode::is_enabled()) : x;
+    const at::Tensor h = L.lora_dropout > 0 ? at::dropout(x, L.lora_dropout, training_forward()) : x;
     return y + at::linear(at::linear(h, w(static_cast<size_t>(L.lora_a))), w(static_cast<size_t>(L.lora_b))) * L.lora_scale;
   }
 
