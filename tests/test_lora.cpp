@@ -138,9 +138,12 @@ TEST_P(LoraArch, AdaptersStartAtTheBaseModelsOutputsAndOnlyTheyTrain) {
 // gradients are those of another function than the loss; and the random stream after the step is
 // the same with and without it.
 TEST_P(LoraArch, RecomputedBlocksDrawTheForwardsDropoutMasks) {
+ for (bool keyed : {false, true}) {  // the device's generator, and masks keyed by sample
+  SCOPED_TRACE(keyed ? "keyed masks" : "the generator's masks");
   ModelConfig c = tiny(GetParam());
   LoraConfig l = lora(4, "all");
   l.dropout = 0.3;
+  const m::DropoutKeys keys{5, 2, {3, 8}};
   std::map<std::string, at::Tensor> grads[2];
   at::Tensor after[2];
   for (int recompute : {0, 1}) {
@@ -149,7 +152,12 @@ TEST_P(LoraArch, RecomputedBlocksDrawTheForwardsDropoutMasks) {
     perturb_adapters(*t, 9);
     t->set_recompute(recompute == 1);
     at::manual_seed(1234);
-    at::Tensor loss = Transformer::loss_sum(t->forward(tokens(c, 2, 3)), tokens(c, 2, 4));
+    at::Tensor logits;
+    {
+      m::DropoutScope scope(keyed ? &keys : nullptr);
+      logits = t->forward(tokens(c, 2, 3));
+    }
+    at::Tensor loss = Transformer::loss_sum(logits, tokens(c, 2, 4));
     torch::autograd::backward({loss});
     for (auto* p : t->trainable()) grads[recompute][p->name] = p->tensor.grad().clone();
     after[recompute] = at::rand({4});
@@ -161,6 +169,7 @@ TEST_P(LoraArch, RecomputedBlocksDrawTheForwardsDropoutMasks) {
                                                                  << (grads[1].at(name) - g).abs().max().item<double>();
   }
   EXPECT_TRUE(at::equal(after[0], after[1]));
+ }
 }
 
 TEST_P(LoraArch, SlicesHoldTheFullModelsAdaptersAndNamesAreKnownWithoutBuilding) {
@@ -253,10 +262,16 @@ TEST_P(LoraArch, QuantizedBaseStaysCloseToFullPrecision) {
 // groups), each member a thread: the adapters are the one-device model's (A drawn whole then
 // cut, B in the weight's pieces), the output and the input's gradient are the one-device block's,
 // each piece's gradient is its part of the whole one, and the factors held whole beside a split
-// projection (tp_partial) sum to the whole gradient over the group.
+// projection (tp_partial) sum to the whole gradient over the group. With dropout the keyed masks
+// (model::DropoutKeys) make every member draw the one device's: the whole input's mask for a
+// column-parallel adapter, its columns of it for a row-parallel one.
 TEST_P(LoraArch, TensorParallelAdaptersComputeTheOneDeviceBlock) {
+ for (double dropout : {0.0, 0.3}) {
+  SCOPED_TRACE(dropout > 0 ? "dropout 0.3" : "no dropout");
   const ModelConfig c = tiny(GetParam());
-  const LoraConfig l = lora(3, "all");
+  LoraConfig l = lora(3, "all");
+  l.dropout = dropout;
+  const m::DropoutKeys keys{5, 3, {11, 4}};
   const LayerRange range = LayerRange::for_blocks(1, 2, c.layers);
   const std::vector<int64_t> bounds = c.arch == "llama" ? std::vector<int64_t>{0, 2, 4} : std::vector<int64_t>{0, 3, 4};
   Transformer ref(c, range, 11);
@@ -265,7 +280,11 @@ TEST_P(LoraArch, TensorParallelAdaptersComputeTheOneDeviceBlock) {
   auto g = at::detail::createCPUGenerator(8);
   const at::Tensor x0 = at::randn({2, c.seq_len, c.hidden}, g), w = at::randn({2, c.seq_len, c.hidden}, g);
   at::Tensor xr = x0.clone().requires_grad_(true);
-  const at::Tensor yr = ref.forward(xr);
+  at::Tensor yr;
+  {
+    m::DropoutScope scope(&keys);
+    yr = ref.forward(xr);
+  }
   torch::autograd::backward({(yr * w).sum()});
 
   alloy::testing::ThreadGroup group(2);
@@ -310,10 +329,13 @@ TEST_P(LoraArch, TensorParallelAdaptersComputeTheOneDeviceBlock) {
   }
   std::vector<std::thread> threads;
   for (auto& mb : ms)
-    threads.emplace_back([&mb, &x0, &w] {
+    threads.emplace_back([&mb, &x0, &w, &keys] {
       try {
         mb.x = x0.clone().requires_grad_(true);
-        mb.y = mb.t->forward(mb.x);
+        {
+          m::DropoutScope scope(&keys);
+          mb.y = mb.t->forward(mb.x);
+        }
         torch::autograd::backward({(mb.y * w).sum()});
       } catch (const std::exception& e) {
         mb.failure = e.what();
@@ -343,6 +365,34 @@ TEST_P(LoraArch, TensorParallelAdaptersComputeTheOneDeviceBlock) {
     EXPECT_TRUE(at::allclose(sum, whole, 1e-5, 1e-6)) << name;
     EXPECT_FALSE(at::allclose(ms[0].t->find(name)->tensor.grad(), whole, 1e-3, 1e-6)) << name << ": one member's part alone";
   }
+ }
+}
+
+// A sample's masks are its own: the same two samples in one micro-batch or in two, in either
+// order, draw the same masks; another step draws others; without keys (no scope) the generator's.
+TEST_P(LoraArch, DropoutMasksAreKeyedBySampleNotByMicroBatch) {
+  const ModelConfig c = tiny(GetParam());
+  LoraConfig l = lora(4, "all");
+  l.dropout = 0.3;
+  auto t = Transformer::full(c, 5);
+  t->apply_lora(l, 5);
+  perturb_adapters(*t, 9);
+  const at::Tensor x = tokens(c, 2, 3);
+  auto run = [&](const at::Tensor& in, std::vector<int64_t> samples, int64_t step) {
+    const m::DropoutKeys k{77, step, std::move(samples)};
+    m::DropoutScope scope(&k);
+    at::AutoGradMode training(true);  // dropout draws while training only
+    return t->forward(in).detach();
+  };
+  const at::Tensor both = run(x, {11, 4}, 1);
+  const at::Tensor first = run(x.narrow(0, 0, 1), {11}, 1), second = run(x.narrow(0, 1, 1), {4}, 1);
+  EXPECT_TRUE(at::allclose(both.narrow(0, 0, 1), first, 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(both.narrow(0, 1, 1), second, 1e-5, 1e-6));
+  const at::Tensor swapped = run(at::cat({x.narrow(0, 1, 1), x.narrow(0, 0, 1)}), {4, 11}, 1);
+  EXPECT_TRUE(at::allclose(swapped.narrow(0, 0, 1), second, 1e-5, 1e-6));
+  EXPECT_FALSE(at::allclose(run(x, {11, 4}, 2), both, 1e-3, 1e-5));  // another step, other masks
+  at::NoGradGuard eval;
+  EXPECT_TRUE(at::equal(t->forward(x), t->forward(x)));  // validation: no dropout
 }
 
 TEST(LoraTensorParallel, AQuantizedBaseIsRefusedNamingTheKey) {

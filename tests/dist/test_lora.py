@@ -6,8 +6,8 @@ A base model is pretrained for a few steps on one device; every case then fine-t
 loopback) and must reproduce the one-device LoRA run's per-step loss (and validation loss) within
 1e-5 relative over 20 steps. Beside the trajectories it checks what LoRA is for: only adapters
 cross the wire (grad_bytes per step against the same layout training everything), the checkpoint
-holds the adapters alone and resumes on another layout, and the quantized bases (int8, nf4) train
-the same on every layout as on one device.
+holds the adapters alone and resumes on another layout, the quantized bases (int8, nf4) train
+the same on every layout as on one device, and so does dropout on the adapters' inputs.
 
 usage: test_lora.py ALLOY WORKDIR [CASE...]
 """
@@ -49,6 +49,11 @@ CASES = {
     "llama-gqa-tp2-beside-replica": ("llama", "tp2-2:2-beside-replica", LLAMA, ["--zero-stage", "1"]),
     "gpt2-tp2-sp-zero3": ("gpt2", "tp2-2:2-beside-replica", GPT2 + ["--lora-targets", "all"],
                           ["--sequence-parallel", "--zero-stage", "3"]),
+    # Dropout on the adapters' inputs: masks keyed by sample (model::DropoutKeys), so a 3:1 group's
+    # members (one reading 3 heads' columns of a row-parallel input, one 1) and recomputed blocks
+    # in unlike micro-batches draw the one-device run's masks.
+    "gpt2-dropout-tp2-in-pp2": ("gpt2", "tp2-3:1-in-pp2", GPT2 + ["--lora-targets", "all", "--set", "lora.dropout=0.1"], []),
+    "llama-dropout-recompute-mixed": ("llama", "mixed-5+3_and_8", LLAMA + ["--set", "lora.dropout=0.1"], ["--recompute"]),
 }
 
 

@@ -2,8 +2,10 @@
 
 #include <fnmatch.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <set>
+#include <stdexcept>
 
 #include "alloy/core/error.h"
 
@@ -250,6 +252,50 @@ struct QuantizedMatmul : torch::autograd::Function<QuantizedMatmul> {
 at::Tensor quantized_matmul(const at::Tensor& x, const std::shared_ptr<QuantizedWeight>& q, bool w_in_out) {
   // The model owns Q and outlives every graph built through it.
   return QuantizedMatmul::apply(x, static_cast<int64_t>(reinterpret_cast<intptr_t>(q.get())), w_in_out);
+}
+
+namespace {
+thread_local const DropoutKeys* t_dropout_keys = nullptr;
+
+uint64_t splitmix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+// FNV-1a: the same on every platform, unlike std::hash.
+uint64_t name_hash(const std::string& s) {
+  uint64_t h = 0xCBF29CE484222325ULL;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001B3ULL;
+  return h;
+}
+}  // namespace
+
+DropoutScope::DropoutScope(const DropoutKeys* keys) : prev_(t_dropout_keys) { t_dropout_keys = keys; }
+DropoutScope::~DropoutScope() { t_dropout_keys = prev_; }
+const DropoutKeys* DropoutScope::current() { return t_dropout_keys; }
+
+at::Tensor lora_dropout(const at::Tensor& x, double p, bool training, const std::string& module, const at::Tensor& cols, int64_t c_full) {
+  if (!training || !(p > 0)) return x;
+  const DropoutKeys* k = t_dropout_keys;
+  if (!k) return at::dropout(x, p, true);
+  const int64_t rows = static_cast<int64_t>(k->samples.size()), C = x.size(-1);
+  // [rows, T, C] or flattened [rows * T, C]: sample-major either way.
+  if (rows == 0 || x.numel() % (rows * C) != 0)
+    throw std::logic_error("lora_dropout: an input of " + std::to_string(x.numel()) + " elements is not " + std::to_string(rows) +
+                           " samples of rows of " + std::to_string(C));
+  const int64_t positions = x.numel() / (rows * C);
+  const int64_t full = cols.defined() ? c_full : C;
+  const uint64_t base = splitmix(splitmix(k->seed ^ 0x4C6F526144726F70ULL) ^ static_cast<uint64_t>(k->step)) ^ name_hash(module);
+  std::vector<at::Tensor> masks;
+  masks.reserve(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    at::Generator g = at::detail::createCPUGenerator(splitmix(base ^ splitmix(static_cast<uint64_t>(k->samples[static_cast<size_t>(r)]))));
+    at::Tensor m = at::empty({positions, full}, at::kFloat).bernoulli_(1.0 - p, g);
+    masks.push_back(cols.defined() ? m.index_select(1, cols) : m);
+  }
+  const at::Tensor mask = at::stack(masks).view(x.sizes()).to(x.device(), x.scalar_type()) * (1.0 / (1.0 - p));
+  return x * mask;
 }
 
 }  // namespace alloy::model

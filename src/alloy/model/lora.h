@@ -76,4 +76,33 @@ std::shared_ptr<QuantizedWeight> quantize(const at::Tensor& w, const std::string
 // [out, in] (nn.Linear).
 at::Tensor quantized_matmul(const at::Tensor& x, const std::shared_ptr<QuantizedWeight>& q, bool w_in_out);
 
+// LoRA's dropout masks, keyed: a sample's mask over an adapter's input depends only on (seed,
+// step, the sample's index in the dataset, the adapter's module name), never on which rank draws
+// it or in what order. So a replica, a pipeline stage, a tensor-parallel member holding some of
+// the input's columns, a recomputed block and a resumed run all draw the masks one device running
+// the whole batch draws (a process-wide generator gave every replica the same stream, every
+// tensor-parallel member a different one, and a resumed run the start's).
+struct DropoutKeys {
+  uint64_t seed = 0;
+  int64_t step = 0;
+  std::vector<int64_t> samples;  // the micro-batch's rows' sample indices, in row order
+};
+// The keys of the micro-batch whose forward runs on this thread, for the scope's life (nests).
+class DropoutScope {
+ public:
+  explicit DropoutScope(const DropoutKeys* keys);
+  ~DropoutScope();
+  DropoutScope(const DropoutScope&) = delete;
+  DropoutScope& operator=(const DropoutScope&) = delete;
+  static const DropoutKeys* current();
+
+ private:
+  const DropoutKeys* prev_;
+};
+// X [rows, ..., C] (rows: the scope's samples) with dropout P applied while training: row r's mask
+// is the keyed mask of sample r over MODULE's whole input ([positions, C_FULL]) at the columns
+// COLS (undefined: all C_FULL = C of them). Without a scope, at::dropout from the device's
+// generator. TRAINING false: X itself.
+at::Tensor lora_dropout(const at::Tensor& x, double p, bool training, const std::string& module, const at::Tensor& cols, int64_t c_full);
+
 }  // namespace alloy::model

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <mutex>
 
+#include "alloy/model/lora.h"
 #include "alloy/model/transformer.h"
 
 namespace alloy::model {
@@ -37,6 +38,11 @@ struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
     ctx->saved_data["mlp"] = mlp;
     at::Generator g = generator_of(x);
     ctx->saved_data["rng"] = rng_state(g);
+    if (const DropoutKeys* k = DropoutScope::current()) {  // the micro-batch's keys, for the recomputation
+      ctx->saved_data["keys_seed"] = static_cast<int64_t>(k->seed);
+      ctx->saved_data["keys_step"] = k->step;
+      ctx->saved_data["keys_samples"] = at::tensor(k->samples, at::kLong);
+    }
     ctx->save_for_backward({x});
     at::NoGradGuard no_graph;  // the block's intermediates are freed as soon as they are used
     // Still training: its dropout draws the masks the recomputation will draw again.
@@ -53,6 +59,15 @@ struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
     at::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);
     at::Tensor out;
     {
+      DropoutKeys keys;
+      const bool keyed = ctx->saved_data.count("keys_seed") != 0;
+      if (keyed) {
+        keys.seed = static_cast<uint64_t>(ctx->saved_data["keys_seed"].toInt());
+        keys.step = ctx->saved_data["keys_step"].toInt();
+        const at::Tensor s = ctx->saved_data["keys_samples"].toTensor();
+        keys.samples.assign(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
+      }
+      DropoutScope scope(keyed ? &keys : DropoutScope::current());
       at::Generator g = generator_of(x);
       const at::Tensor now = rng_state(g);
       set_rng_state(g, ctx->saved_data["rng"].toTensor());

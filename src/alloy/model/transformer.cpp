@@ -98,7 +98,7 @@ void Layer::add_adapter(size_t w, int64_t rank, double scale, double dropout, co
   // would pull the fine-tuned model back to the base.
   add(stem + ".lora_A.weight", init_a.to(W.dtype()).requires_grad_(true), false);
   add(stem + ".lora_B.weight", at::zeros({out, rank}, W.options().requires_grad(false)).requires_grad_(true), false);
-  adapters_[w] = {a, a + 1, scale, dropout};
+  adapters_[w] = {a, a + 1, scale, dropout, stem};
 }
 
 // "a.b" for a weight "a.b.weight", else "".
@@ -141,7 +141,7 @@ at::Tensor Layer::project(size_t w, const at::Tensor& x, const at::Tensor* bias)
   auto it = adapters_.find(w);
   if (it == adapters_.end()) return y;
   const Adapter& a = it->second;
-  const at::Tensor h = a.dropout > 0 ? at::dropout(x, a.dropout, training_forward()) : x;
+  const at::Tensor h = a.dropout > 0 ? lora_dropout(x, a.dropout, training_forward(), a.module, {}, 0) : x;
   return y + at::linear(at::linear(h, params_[a.a].tensor), params_[a.b].tensor) * a.scale;
 }
 
@@ -315,7 +315,7 @@ class BlockLayer : public Layer {
     }
     if (L.lora_a < 0) return y;
     // Row-parallel: this rank's heads' part of the update, summed with the product's (tp_exit).
-    const at::Tensor h = L.lora_dropout > 0 ? at::dropout(x, L.lora_dropout, training_forward()) : x;
+    const at::Tensor h = L.lora_dropout > 0 ? lora_dropout(x, L.lora_dropout, training_forward(), L.lora_module, L.lora_cols, L.lora_in) : x;
     return y + at::linear(at::linear(h, w(static_cast<size_t>(L.lora_a))), w(static_cast<size_t>(L.lora_b))) * L.lora_scale;
   }
 
@@ -361,6 +361,14 @@ class BlockLayer : public Layer {
       });
       Logical& L = logical_[i];
       L.lora_a = la, L.lora_b = lb, L.lora_scale = scale, L.lora_dropout = dropout;
+      L.lora_module = stem;
+      if (row) {  // this member reads these columns of the whole input: its dropout masks' columns
+        L.lora_in = a.size(1);
+        const at::Tensor all = at::arange(L.lora_in, at::kLong).view({1, L.lora_in});
+        std::vector<at::Tensor> cols;
+        for (size_t j = 0; j + 1 < L.bounds.size(); ++j) cols.push_back(tp_cut(all, {k.kind, 1}, L.bounds[j], L.bounds[j + 1], *cfg_).reshape({-1}));
+        L.lora_cols = at::cat(cols);
+      }
     }
   }
 
@@ -391,6 +399,9 @@ class BlockLayer : public Layer {
     TpParam kind;
     int64_t lora_a = -1, lora_b = -1;  // its LoRA factors' logical parameters (-1: no adapter)
     double lora_scale = 0, lora_dropout = 0;
+    std::string lora_module;  // the adapter's module ("h.0.attn.c_proj"): its dropout masks' key
+    at::Tensor lora_cols;     // row-parallel: the whole input's columns this member reads (of lora_in)
+    int64_t lora_in = 0;
   };
   std::vector<Logical> logical_;  // empty: no pieces, parameter I is params_[I]
   const ModelConfig* cfg_ = nullptr;

@@ -129,6 +129,7 @@ class Layer {
   struct Adapter {
     size_t a, b;
     double scale, dropout;
+    std::string module;  // "h.0.attn.c_attn": its dropout masks' key
   };
   std::map<size_t, Adapter> adapters_;
 };

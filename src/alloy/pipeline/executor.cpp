@@ -1,5 +1,7 @@
 #include "alloy/pipeline/executor.h"
 
+#include "alloy/model/lora.h"
+
 #include "alloy/model/precision.h"
 
 #include <ATen/core/grad_mode.h>
@@ -164,6 +166,8 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
         {
           const auto recording = defer(m);
           model::AutocastScope amp(slice_.device(), precision);
+          const model::DropoutKeys keys{dropout_seed, step, mbs[static_cast<size_t>(m)].samples};
+          model::DropoutScope scope(keys.samples.empty() ? nullptr : &keys);
           at::Tensor out = forward_slice(first() ? mbs[static_cast<size_t>(m)].inputs : st.input, m);
           if (last()) {
             at::Tensor ls = slice_.loss(out, mbs[static_cast<size_t>(m)].targets);

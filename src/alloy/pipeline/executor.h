@@ -27,6 +27,7 @@ struct MicroBatch {
   at::Tensor inputs;   // [mbs, T] token ids (first stage)
   at::Tensor targets;  // [mbs, T] token ids (last stage)
   int64_t rows = 0;    // samples in this micro-batch (every stage knows it, even without data)
+  std::vector<int64_t> samples;  // their indices in the dataset (LoRA's dropout masks are keyed by them)
 };
 
 struct TraceEvent {
@@ -64,6 +65,10 @@ class StageExecutor {
   // A floating pipeline boundary (PipelinePlan::units_of): the units this stage runs for micro-batch
   // m are mb_units[m % size] (validation reuses the training pattern); empty: the whole slice.
   std::vector<std::pair<int64_t, int64_t>> mb_units;
+  // The keys of LoRA's dropout masks (model::DropoutKeys): the run's seed and the step (set per
+  // step); each micro-batch adds its samples.
+  uint64_t dropout_seed = 0;
+  int64_t step = 0;
   double run(const std::vector<Action>& actions, const std::vector<MicroBatch>& mbs, double loss_divisor,
              dist::Reducer* reducer);
   // Forward only (validation): returns the sum of token losses on the last stage.

@@ -464,6 +464,7 @@ std::vector<pipeline::MicroBatch> Trainer::micro_batches(const data::TokenWindow
     const int64_t rows = std::min<int64_t>(mbs, static_cast<int64_t>(samples.size() - i));
     pipeline::MicroBatch mb;
     mb.rows = rows;
+    mb.samples.assign(samples.begin() + static_cast<long>(i), samples.begin() + static_cast<long>(i) + rows);
     if (first || last) {
       std::vector<uint64_t> idx(samples.begin() + static_cast<long>(i), samples.begin() + static_cast<long>(i) + rows);
       at::Tensor t = at::empty({rows, T + 1}, at::kLong);
@@ -648,6 +649,8 @@ TrainResult Trainer::run() {
     // This pipeline's consecutive slice of the global batch, cut into its micro-batches.
     std::vector<uint64_t> samples = sampler_->take(static_cast<uint64_t>(step * gb + offset), static_cast<uint64_t>(mine));
     if (reducer_) reducer_->begin_step(step, t0);
+    exec_->dropout_seed = static_cast<uint64_t>(cfg_.train.seed);
+    exec_->step = step;
     double loss_local =
         exec_->run(actions, micro_batches(*train_, samples, pl.micro_batch_size), batch_tokens / scaler_.scale(), reducer_.get());
     auto sync_t0 = std::chrono::steady_clock::now();
