@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <mutex>
 #include <set>
 #include <stdexcept>
 
@@ -287,14 +288,26 @@ at::Tensor lora_dropout(const at::Tensor& x, double p, bool training, const std:
   const int64_t positions = x.numel() / (rows * C);
   const int64_t full = cols.defined() ? c_full : C;
   const uint64_t base = splitmix(splitmix(k->seed ^ 0x4C6F526144726F70ULL) ^ static_cast<uint64_t>(k->step)) ^ name_hash(module);
+  // On the CPU a fresh mt19937 per sample; on an accelerator its own generator, cloned and
+  // reseeded per sample, so masks are drawn where X lives (a CPU draw copied over would cost a
+  // host-to-device copy of every mask). Keys give the same masks on every device of one kind; a
+  // CPU rank and a GPU rank draw different (equally keyed) ones.
+  const bool cpu = x.device().is_cpu();
+  const at::TensorOptions opts = x.options().dtype(at::kFloat);
+  const at::Tensor where = cols.defined() ? cols.to(x.device()) : at::Tensor();
   std::vector<at::Tensor> masks;
   masks.reserve(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) {
-    at::Generator g = at::detail::createCPUGenerator(splitmix(base ^ splitmix(static_cast<uint64_t>(k->samples[static_cast<size_t>(r)]))));
-    at::Tensor m = at::empty({positions, full}, at::kFloat).bernoulli_(1.0 - p, g);
-    masks.push_back(cols.defined() ? m.index_select(1, cols) : m);
+    const uint64_t key = splitmix(base ^ splitmix(static_cast<uint64_t>(k->samples[static_cast<size_t>(r)])));
+    at::Generator g = cpu ? at::detail::createCPUGenerator(key) : at::globalContext().defaultGenerator(x.device()).clone();
+    if (!cpu) {
+      std::lock_guard<std::mutex> lock(g.mutex());
+      g.set_current_seed(key);
+    }
+    at::Tensor m = at::empty({positions, full}, opts).bernoulli_(1.0 - p, g);
+    masks.push_back(where.defined() ? m.index_select(1, where) : m);
   }
-  const at::Tensor mask = at::stack(masks).view(x.sizes()).to(x.device(), x.scalar_type()) * (1.0 / (1.0 - p));
+  const at::Tensor mask = at::stack(masks).view(x.sizes()).to(x.scalar_type()) * (1.0 / (1.0 - p));
   return x * mask;
 }
 
