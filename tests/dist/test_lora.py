@@ -108,7 +108,7 @@ def launch(alloy, work, name, arch, layout, flags, env, resume=None):
 
 def main():
     alloy, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
-    wanted = sys.argv[3:] or list(CASES) + ["adapters-only", "resume", "resume-tp"]
+    wanted = sys.argv[3:] or list(CASES) + ["adapters-only", "resume", "resume-tp", "resume-dropout"]
     fresh_workdir_with_corpus(alloy, work)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
@@ -168,13 +168,15 @@ def main():
             print(f"{'ok  ' if ok else 'FAIL'} adapters-only          gradient bytes per step LoRA/full "
                   f"{lora_bytes:.0f}/{full_bytes:.0f} = {lora_bytes / full_bytes:.4f}; checkpoint holds {len(names)} "
                   f"tensors, all adapters: {adapters_only}; base {state.get('base')}", flush=True)
-        elif name in ("resume", "resume-tp"):
+        elif name in ("resume", "resume-tp", "resume-dropout"):
             # Steps 1-10 on a first layout, 11-20 on two unlike replicas: the trajectory of one
             # device, the base re-read from where the first run took it. "resume": a pipeline beside
             # a replica; "resume-tp": a 3:1 tensor-parallel group in a pipeline, whose checkpoint
             # holds the adapters' pieces and whose exported PEFT adapter holds every factor whole.
+            # "resume-dropout": as "resume" with dropout 0.1: the masks after the resume are those of
+            # the uninterrupted run (keyed by step and sample, not a generator's position).
             tp = name == "resume-tp"
-            flags = GPT2 + (["--lora-targets", "all"] if tp else [])
+            flags = GPT2 + (["--lora-targets", "all"] if tp else []) + (["--set", "lora.dropout=0.1"] if name == "resume-dropout" else [])
             ref_out, ref = reference("gpt2", flags)
             a = launch(alloy, work, name + "-a", "gpt2", "tp2-3:1-in-pp2" if tp else "mixed-5+3_and_8",
                        ["--init-from", base("gpt2"), "--set", "train.checkpoint_interval=10"] + flags, env)
