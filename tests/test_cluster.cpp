@@ -406,6 +406,9 @@ TEST(ClusterSpecErrors, RuleShape) {
   EXPECT_HAS(e, "links[0].shared: applies to 'between' rules");
   EXPECT_HAS(yaml_error("devices: [{host: h0}, {host: h1}]\nlinks:\n  - {between: [h0, h1], bandwidth_gbps: 1, shared: maybe}\n"),
              "links[0].shared: must be true or false");
+  EXPECT_HAS(yaml_error("devices: [{host: h0}, {host: h1}, {host: h2}]\ngroups: {a: [h0, h1], b: [h1, h2]}\nlinks:\n"
+                        "  - {between: [a, b], bandwidth_gbps: 1, shared: true}\n"),
+             "links[0].shared: host 'h1' is on both ends (a, b)");
 }
 
 TEST(ClusterSpecErrors, BadYamlAndMissingFile) {

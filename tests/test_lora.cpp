@@ -393,6 +393,12 @@ TEST_P(LoraArch, DropoutMasksAreKeyedBySampleNotByMicroBatch) {
   EXPECT_FALSE(at::allclose(run(x, {11, 4}, 2), both, 1e-3, 1e-5));  // another step, other masks
   at::NoGradGuard eval;
   EXPECT_TRUE(at::equal(t->forward(x), t->forward(x)));  // validation: no dropout
+  // Keys for another number of samples than the input's rows are a bug, not a draw.
+  const m::DropoutKeys three{1, 1, {0, 1, 2}};
+  m::DropoutScope scope(&three);
+  EXPECT_THROW(m::lora_dropout(at::ones({2, 4, 8}), 0.5, true, "m", {}, 0), std::logic_error);
+  EXPECT_THROW(m::lora_dropout(at::ones({8, 8}), 0.5, true, "m", {}, 0), std::logic_error);
+  EXPECT_EQ(m::lora_dropout(at::ones({6, 8}), 0.5, true, "m", {}, 0).size(0), 6);
 }
 
 TEST(LoraTensorParallel, AQuantizedBaseIsRefusedNamingTheKey) {

@@ -282,9 +282,10 @@ at::Tensor lora_dropout(const at::Tensor& x, double p, bool training, const std:
   if (!k) return at::dropout(x, p, true);
   const int64_t rows = static_cast<int64_t>(k->samples.size()), C = x.size(-1);
   // [rows, T, C] or flattened [rows * T, C]: sample-major either way.
-  if (rows == 0 || x.numel() % (rows * C) != 0)
-    throw std::logic_error("lora_dropout: an input of " + std::to_string(x.numel()) + " elements is not " + std::to_string(rows) +
-                           " samples of rows of " + std::to_string(C));
+  const bool batched = x.dim() >= 3;
+  if (rows == 0 || (batched ? x.size(0) != rows : x.dim() != 2 || x.size(0) % rows != 0))
+    throw std::logic_error("lora_dropout: an input of shape " + c10::str(x.sizes()) + " is not the micro-batch's " + std::to_string(rows) +
+                           " samples");
   const int64_t positions = x.numel() / (rows * C);
   const int64_t full = cols.defined() ? c_full : C;
   const uint64_t base = splitmix(splitmix(k->seed ^ 0x4C6F526144726F70ULL) ^ static_cast<uint64_t>(k->step)) ^ name_hash(module);
@@ -299,10 +300,16 @@ at::Tensor lora_dropout(const at::Tensor& x, double p, bool training, const std:
   masks.reserve(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) {
     const uint64_t key = splitmix(base ^ splitmix(static_cast<uint64_t>(k->samples[static_cast<size_t>(r)])));
-    at::Generator g = cpu ? at::detail::createCPUGenerator(key) : at::globalContext().defaultGenerator(x.device()).clone();
-    if (!cpu) {
-      std::lock_guard<std::mutex> lock(g.mutex());
-      g.set_current_seed(key);
+    at::Generator g;
+    if (cpu) {
+      g = at::detail::createCPUGenerator(key);
+    } else {
+      at::Generator device_default = at::globalContext().defaultGenerator(x.device());
+      {
+        std::lock_guard<std::mutex> lock(device_default.mutex());  // other threads may draw from it meanwhile
+        g = device_default.clone();
+      }
+      g.set_current_seed(key);  // the clone is this call's alone
     }
     at::Tensor m = at::empty({positions, full}, opts).bernoulli_(1.0 - p, g);
     masks.push_back(where.defined() ? m.index_select(1, where) : m);

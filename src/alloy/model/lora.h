@@ -77,7 +77,7 @@ std::shared_ptr<QuantizedWeight> quantize(const at::Tensor& w, const std::string
 at::Tensor quantized_matmul(const at::Tensor& x, const std::shared_ptr<QuantizedWeight>& q, bool w_in_out);
 
 // LoRA's dropout masks, keyed: a sample's mask over an adapter's input depends only on (seed,
-// step, the sample's index in the dataset, the adapter's module name), never on which rank draws
+// step, the sample's place in the global batch, the adapter's module name), never on which rank draws
 // it or in what order. So a replica, a pipeline stage, a tensor-parallel member holding some of
 // the input's columns, a recomputed block and a resumed run all draw the masks one device running
 // the whole batch draws (a process-wide generator gave every replica the same stream, every
@@ -85,7 +85,10 @@ at::Tensor quantized_matmul(const at::Tensor& x, const std::shared_ptr<Quantized
 struct DropoutKeys {
   uint64_t seed = 0;
   int64_t step = 0;
-  std::vector<int64_t> samples;  // the micro-batch's rows' sample indices, in row order
+  // The micro-batch's rows' places in the global batch (0 .. global batch - 1), in row order: the
+  // same sample has the same place in every layout, and a sample drawn twice in one step (an
+  // epoch boundary inside the batch) two places.
+  std::vector<int64_t> samples;
 };
 // The keys of the micro-batch whose forward runs on this thread, for the scope's life (nests).
 class DropoutScope {

@@ -67,7 +67,7 @@ struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
         const at::Tensor s = ctx->saved_data["keys_samples"].toTensor();
         keys.samples.assign(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
       }
-      DropoutScope scope(keyed ? &keys : DropoutScope::current());
+      DropoutScope scope(keyed ? &keys : nullptr);  // as the forward: keyed or the generator's
       at::Generator g = generator_of(x);
       const at::Tensor now = rng_state(g);
       set_rng_state(g, ctx->saved_data["rng"].toTensor());

@@ -27,7 +27,7 @@ struct MicroBatch {
   at::Tensor inputs;   // [mbs, T] token ids (first stage)
   at::Tensor targets;  // [mbs, T] token ids (last stage)
   int64_t rows = 0;    // samples in this micro-batch (every stage knows it, even without data)
-  std::vector<int64_t> samples;  // their indices in the dataset (LoRA's dropout masks are keyed by them)
+  std::vector<int64_t> samples;  // their places in the global batch (LoRA's dropout masks are keyed by them)
 };
 
 struct TraceEvent {

@@ -336,6 +336,15 @@ void ClusterSpec::validate() const {
     pairs[{key.first, key.second}] = i;
     check_link(r.link, f);
     if (r.shared && r.a == r.b) fail(f + ".shared", "applies to 'between' rules (one link joining two sites), not to 'within " + r.a + "'");
+    if (r.shared && r.a != r.b) {
+      auto hosts_of = [&](const std::string& end) {
+        auto it = groups.find(end);
+        return it == groups.end() ? std::vector<std::string>{end} : it->second;
+      };
+      for (const auto& h : hosts_of(r.a))
+        if (contains(hosts_of(r.b), h))
+          fail(f + ".shared", "host '" + h + "' is on both ends (" + r.a + ", " + r.b + "): a shared line joins two separate sites");
+    }
   }
   check_link(default_link, "default_link");
   check_link(intra_host, "intra_host_link");

@@ -454,7 +454,7 @@ void Trainer::load_sync_state(const std::string& dir) {
 }
 
 std::vector<pipeline::MicroBatch> Trainer::micro_batches(const data::TokenWindows& src, const std::vector<uint64_t>& samples,
-                                                         int64_t mbs) const {
+                                                         int64_t mbs, int64_t first_place) const {
   const int64_t T = cfg_.model.seq_len;
   const bool first = pos_.stage == 0;
   const bool last = pos_.stage + 1 == static_cast<int>(plan_->pipelines[static_cast<size_t>(pos_.pipeline)].stages.size());
@@ -464,7 +464,7 @@ std::vector<pipeline::MicroBatch> Trainer::micro_batches(const data::TokenWindow
     const int64_t rows = std::min<int64_t>(mbs, static_cast<int64_t>(samples.size() - i));
     pipeline::MicroBatch mb;
     mb.rows = rows;
-    mb.samples.assign(samples.begin() + static_cast<long>(i), samples.begin() + static_cast<long>(i) + rows);
+    for (int64_t r = 0; r < rows; ++r) mb.samples.push_back(first_place + static_cast<int64_t>(i) + r);
     if (first || last) {
       std::vector<uint64_t> idx(samples.begin() + static_cast<long>(i), samples.begin() + static_cast<long>(i) + rows);
       at::Tensor t = at::empty({rows, T + 1}, at::kLong);
@@ -652,7 +652,7 @@ TrainResult Trainer::run() {
     exec_->dropout_seed = static_cast<uint64_t>(cfg_.train.seed);
     exec_->step = step;
     double loss_local =
-        exec_->run(actions, micro_batches(*train_, samples, pl.micro_batch_size), batch_tokens / scaler_.scale(), reducer_.get());
+        exec_->run(actions, micro_batches(*train_, samples, pl.micro_batch_size, offset), batch_tokens / scaler_.scale(), reducer_.get());
     auto sync_t0 = std::chrono::steady_clock::now();
     const double phase_s = std::chrono::duration<double>(sync_t0 - t0).count();
     const dist::ReducerStats sync = reducer_ ? reducer_->finish() : dist::ReducerStats{};

@@ -109,8 +109,10 @@ class Trainer {
   const Plan& plan() const { return *plan_; }
 
  private:
+  // SAMPLES (dataset indices) cut into micro-batches of MBS rows; FIRST_PLACE: the first's place in
+  // the global batch (MicroBatch::samples, the dropout masks' keys).
   std::vector<pipeline::MicroBatch> micro_batches(const data::TokenWindows& src, const std::vector<uint64_t>& samples,
-                                                  int64_t mbs) const;
+                                                  int64_t mbs, int64_t first_place = 0) const;
   double all_sum(double v);
   bool rejoin_requested();  // collective: an elastic launcher asks the job to stop at this checkpoint
   void save(int64_t step);   // the snapshot now; the files in the background (train.async_checkpoint)
