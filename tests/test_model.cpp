@@ -163,6 +163,27 @@ TEST_P(ModelTest, RecomputedBlocksGiveThePlainGradients) {
   EXPECT_TRUE(at::allclose(h.grad(), h2.grad(), 1e-6, 1e-9));
 }
 
+// Under autocast (bf16 on the CPU) the recomputation runs in the forward's precision, though the
+// backward runs outside the forward's autocast scope: gradients as without recomputation.
+TEST_P(ModelTest, RecomputedBlocksRunInTheForwardsPrecision) {
+  ModelConfig m = tiny(GetParam());
+  at::Tensor x = tokens(m, 2, 21), t = tokens(m, 2, 22);
+  auto plain = Transformer::full(m, 5), rec = Transformer::full(m, 5);
+  rec->set_recompute(true);
+  for (Transformer* model : {plain.get(), rec.get()}) {
+    at::Tensor logits;
+    {
+      alloy::model::AutocastScope amp(at::kCPU, "bf16");
+      logits = model->forward(x);
+    }
+    Transformer::loss_sum(logits.to(at::kFloat), t).backward();
+  }
+  auto pp = plain->parameters(), rp = rec->parameters();
+  for (size_t i = 0; i < pp.size(); ++i)
+    EXPECT_TRUE(at::allclose(pp[i]->tensor.grad(), rp[i]->tensor.grad(), 1e-5, 1e-7))
+        << pp[i]->name << ": max diff " << (pp[i]->tensor.grad() - rp[i]->tensor.grad()).abs().max().item<double>();
+}
+
 // zb-h1's split backward (model/deferred_weights.h): two micro-batches through a pipeline's second
 // slice with every projection's weight gradient held for the weight pass give the plain
 // backward's gradients, parameter and input alike, with and without recomputation; the input

@@ -30,6 +30,12 @@ void set_dtype(at::DeviceType t, at::ScalarType d) {
 #endif
 }  // namespace
 
+std::string autocast_precision(const at::Device& device) {
+  const at::DeviceType t = device.is_cuda() ? at::kCUDA : at::kCPU;
+  if (!enabled(t)) return "fp32";
+  return dtype(t) == at::kHalf ? "fp16" : "bf16";
+}
+
 std::string autocast_problem(const at::Device& device, const std::string& precision) {
   if (precision == "fp32") return "";
   if (device.is_cuda() || device.is_cpu()) {

@@ -13,6 +13,8 @@ namespace alloy::model {
 // LibTorch 1.13 autocasts CPU work to bf16 only; fp16 on the CPU needs LibTorch 2.x.
 std::string autocast_problem(const at::Device& device, const std::string& precision);
 
+// The precision autocast runs DEVICE's type in on this thread now: "fp32" (off), "bf16" or "fp16".
+std::string autocast_precision(const at::Device& device);
 // Autocast on DEVICE's type in PRECISION for this scope and this thread (nothing for fp32).
 // Covers forwards only: backward()s run outside, on the casts the forward recorded.
 class AutocastScope {

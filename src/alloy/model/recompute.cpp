@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "alloy/model/lora.h"
+#include "alloy/model/precision.h"
 #include "alloy/model/transformer.h"
 
 namespace alloy::model {
@@ -38,6 +39,8 @@ struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
     ctx->saved_data["mlp"] = mlp;
     at::Generator g = generator_of(x);
     ctx->saved_data["rng"] = rng_state(g);
+    // The recomputation runs in the forward's precision (the backward runs outside autocast).
+    ctx->saved_data["precision"] = autocast_precision(x.device());
     if (const DropoutKeys* k = DropoutScope::current()) {  // the micro-batch's keys, for the recomputation
       ctx->saved_data["keys_seed"] = static_cast<int64_t>(k->seed);
       ctx->saved_data["keys_step"] = k->step;
@@ -72,6 +75,7 @@ struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
       const at::Tensor now = rng_state(g);
       set_rng_state(g, ctx->saved_data["rng"].toTensor());
       at::AutoGradMode with_graph(true);
+      AutocastScope amp(x.device(), ctx->saved_data["precision"].toStringRef());
       try {
         out = layer->forward_halves(x, ctx->saved_data["attention"].toBool(), ctx->saved_data["mlp"].toBool());
       } catch (...) {
