@@ -19,9 +19,9 @@ namespace {
 
 thread_local bool t_recomputed_first_forward = false;
 
-// The random stream of X's device: the forward's state is kept so the recomputation draws the
-// same dropout masks (LoRA's), and the stream is put back after it, so a run with recomputation
-// draws what one without does (torch.utils.checkpoint's preserve_rng_state).
+// The random stream of X's device, for forwards without dropout keys: the forward's state is kept
+// so the recomputation draws the same masks, and the stream is put back after it, so a run with
+// recomputation draws what one without does (torch.utils.checkpoint's preserve_rng_state).
 at::Generator generator_of(const at::Tensor& x) { return at::globalContext().defaultGenerator(x.device()); }
 at::Tensor rng_state(at::Generator& g) {
   std::lock_guard<std::mutex> lock(g.mutex());
@@ -37,14 +37,17 @@ struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
     ctx->saved_data["layer"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(layer));
     ctx->saved_data["attention"] = attention;
     ctx->saved_data["mlp"] = mlp;
-    at::Generator g = generator_of(x);
-    ctx->saved_data["rng"] = rng_state(g);
     // The recomputation runs in the forward's precision (the backward runs outside autocast).
     ctx->saved_data["precision"] = autocast_precision(x.device());
-    if (const DropoutKeys* k = DropoutScope::current()) {  // the micro-batch's keys, for the recomputation
+    // And draws the forward's dropout masks: from the micro-batch's keys when it has them (every
+    // training forward the executor runs), else from the generator's state as the forward found it.
+    if (const DropoutKeys* k = DropoutScope::current()) {
       ctx->saved_data["keys_seed"] = static_cast<int64_t>(k->seed);
       ctx->saved_data["keys_step"] = k->step;
       ctx->saved_data["keys_samples"] = at::tensor(k->samples, at::kLong);
+    } else {
+      at::Generator g = generator_of(x);
+      ctx->saved_data["rng"] = rng_state(g);
     }
     ctx->save_for_backward({x});
     at::NoGradGuard no_graph;  // the block's intermediates are freed as soon as they are used
@@ -71,18 +74,23 @@ struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
         keys.samples.assign(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
       }
       DropoutScope scope(keyed ? &keys : nullptr);  // as the forward: keyed or the generator's
+      // Unkeyed: the forward's generator state for the recomputation, the stream put back after it.
       at::Generator g = generator_of(x);
-      const at::Tensor now = rng_state(g);
-      set_rng_state(g, ctx->saved_data["rng"].toTensor());
+      at::Tensor now;
+      if (!keyed) {
+        now = rng_state(g);
+        set_rng_state(g, ctx->saved_data["rng"].toTensor());
+      }
+      struct PutBack {
+        at::Generator& g;
+        const at::Tensor& state;
+        ~PutBack() {
+          if (state.defined()) set_rng_state(g, state);
+        }
+      } put_back{g, now};
       at::AutoGradMode with_graph(true);
       AutocastScope amp(x.device(), ctx->saved_data["precision"].toStringRef());
-      try {
-        out = layer->forward_halves(x, ctx->saved_data["attention"].toBool(), ctx->saved_data["mlp"].toBool());
-      } catch (...) {
-        set_rng_state(g, now);
-        throw;
-      }
-      set_rng_state(g, now);
+      out = layer->forward_halves(x, ctx->saved_data["attention"].toBool(), ctx->saved_data["mlp"].toBool());
     }
     // Accumulates into the block's parameters' .grad (their hooks fire as in a plain backward) and
     // into x.grad, which goes on to the layer before.

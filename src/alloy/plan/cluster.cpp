@@ -35,6 +35,18 @@ bool contains(const std::vector<std::string>& v, const std::string& x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
 
+// A link rule's end names a host or a group: the hosts it stands for, and whether H is one of them.
+using Groups = std::map<std::string, std::vector<std::string>>;
+std::vector<std::string> hosts_of(const Groups& groups, const std::string& end) {
+  auto it = groups.find(end);
+  return it == groups.end() ? std::vector<std::string>{end} : it->second;
+}
+bool in_group(const Groups& groups, const std::string& g, const std::string& h) {
+  auto it = groups.find(g);
+  return it != groups.end() && contains(it->second, h);
+}
+bool covers(const Groups& groups, const std::string& end, const std::string& h) { return end == h || in_group(groups, end, h); }
+
 // Shortest text that reads back as the same double, so to_yaml round-trips exactly without
 // printing 0.1 as 0.10000000000000001.
 std::string fmt_double(double v) {
@@ -337,12 +349,8 @@ void ClusterSpec::validate() const {
     check_link(r.link, f);
     if (r.shared && r.a == r.b) fail(f + ".shared", "applies to 'between' rules (one link joining two sites), not to 'within " + r.a + "'");
     if (r.shared && r.a != r.b) {
-      auto hosts_of = [&](const std::string& end) {
-        auto it = groups.find(end);
-        return it == groups.end() ? std::vector<std::string>{end} : it->second;
-      };
-      for (const auto& h : hosts_of(r.a))
-        if (contains(hosts_of(r.b), h))
+      for (const auto& h : hosts_of(groups, r.a))
+        if (covers(groups, r.b, h))
           fail(f + ".shared", "host '" + h + "' is on both ends (" + r.a + ", " + r.b + "): a shared line joins two separate sites");
     }
   }
@@ -420,11 +428,8 @@ int ClusterSpec::link_rule(const std::string& host_a, const std::string& host_b)
     bool known = std::any_of(devices.begin(), devices.end(), [&](const Device& d) { return d.host == *h; });
     if (!known) throw InputError(source.empty() ? "cluster" : source, "no device is on host '" + *h + "'");
   }
-  auto in_group = [&](const std::string& g, const std::string& h) {
-    auto it = groups.find(g);
-    return it != groups.end() && contains(it->second, h);
-  };
-  auto covers = [&](const std::string& end, const std::string& h) { return end == h || in_group(end, h); };
+  auto in_group = [&](const std::string& g, const std::string& h) { return alloy::plan::in_group(groups, g, h); };
+  auto covers = [&](const std::string& end, const std::string& h) { return alloy::plan::covers(groups, end, h); };
   auto size_of = [&](const std::string& end) -> size_t {
     auto it = groups.find(end);
     return it == groups.end() ? 1 : it->second.size();
@@ -466,12 +471,8 @@ int ClusterSpec::shared_link(const std::string& host_a, const std::string& host_
   const int r = link_rule(host_a, host_b);
   if (r < 0 || !rules[static_cast<size_t>(r)].shared) return -1;
   const LinkRule& rule = rules[static_cast<size_t>(r)];
-  auto covers = [&](const std::string& end, const std::string& h) {
-    auto it = groups.find(end);
-    return end == h || (it != groups.end() && contains(it->second, h));
-  };
-  // Overlapping groups may put a host on both ends: first end to second whenever that reads right.
-  const bool forward = covers(rule.a, host_a) && covers(rule.b, host_b);
+  // Overlapping ends (validate() refuses them for a shared rule): first to second when that reads right.
+  const bool forward = covers(groups, rule.a, host_a) && covers(groups, rule.b, host_b);
   return 2 * r + (forward ? 0 : 1);
 }
 
