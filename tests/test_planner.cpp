@@ -1322,32 +1322,6 @@ TEST(Calibrate, ScalesEachTypeByMeasuredOverPredicted) {
   EXPECT_EQ(calibrate(r.plan, c, p, measured).factor.at("slow"), 4.0);
 }
 
-// A rank that computes a small part of its step runs in bursts faster than its device sustains:
-// a speed-up measured only there is not carried over; a slow-down is.
-TEST(Calibrate, ASpeedUpMeasuredOnlyInBurstsIsNotCarriedOver) {
-  Profile p = base_profile(4);
-  p.devices["fast"] = dev_profile(1.0);
-  p.devices["slow"] = dev_profile(1.0);
-  ClusterSpec c = two_types();
-  Plan plan;
-  plan.global_batch = 4;
-  plan.pipelines.push_back({1, 4, {stage(0, 0, 3, "a"), stage(1, 3, 4, "b")}});
-  const PlanCost before = simulate_plan(plan, c, p);
-  std::map<int, double> predicted;
-  for (const auto& s : before.stages) predicted[s.rank] = s.forward_s + s.backward_s;
-  ASSERT_LT(predicted.at(1) / before.step_s, kBurstBusyShare);
-  ASSERT_GE(predicted.at(0) / before.step_s, kBurstBusyShare);
-  std::map<int, double> measured = {{0, predicted.at(0) * 0.8}, {1, predicted.at(1) * 0.4}};
-  Calibration cal = calibrate(plan, c, p, measured);
-  EXPECT_NEAR(cal.factor.at("fast"), 0.8, 1e-12);  // busy: its speed-up counts
-  EXPECT_EQ(cal.factor.at("slow"), 1.0);
-  EXPECT_EQ(cal.profile.devices.at("slow").block_fwd.per_sample_s, p.devices["slow"].block_fwd.per_sample_s);
-  EXPECT_NE(cal.text.find("slow: measured"), std::string::npos) << cal.text;
-  EXPECT_NE(cal.text.find("x0.40, kept x1.00"), std::string::npos) << cal.text;
-  measured[1] = predicted.at(1) * 1.5;  // slower even in bursts: slower
-  EXPECT_NEAR(calibrate(plan, c, p, measured).factor.at("slow"), 1.5, 1e-12);
-}
-
 TEST(Calibrate, ReplanSwitchesOnlyWhenTheSpeedsWereWrong) {
   Profile p = base_profile(4);
   p.devices["fast"] = dev_profile(1.0);

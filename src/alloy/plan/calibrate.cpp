@@ -35,46 +35,30 @@ nlohmann::json layout(const Plan& p) {
 Calibration calibrate(const Plan& plan, const ClusterSpec& cluster, const Profile& profile,
                       const std::map<int, double>& measured_compute) {
   const PlanCost predicted = simulate_plan(plan, cluster, profile);
-  // Per type: the ranks busy at least kBurstBusyShare of the step, and those computing in bursts.
-  struct Sums {
-    double meas = 0, pred = 0, busy_share = 1;
-    int ranks = 0;
-  };
-  std::map<std::string, Sums> busy, bursts;
+  std::map<std::string, double> meas, pred;
+  std::map<std::string, int> ranks;
   for (const auto& s : predicted.stages) {
     auto it = measured_compute.find(s.rank);
     const double p = s.forward_s + s.backward_s;
     if (it == measured_compute.end() || !(it->second > 0) || !(p > 0)) continue;
-    const double share = predicted.step_s > 0 ? p / predicted.step_s : 1.0;
-    Sums& t = (share >= kBurstBusyShare ? busy : bursts)[s.type];
-    t.meas += it->second;
-    t.pred += p;
-    t.busy_share = t.ranks == 0 ? share : std::max(t.busy_share, share);
-    ++t.ranks;
+    meas[s.type] += it->second;
+    pred[s.type] += p;
+    ++ranks[s.type];
   }
-  std::map<std::string, Sums> use = busy;
-  for (const auto& [type, t] : bursts)
-    if (!use.count(type)) use[type] = t;
   Calibration c;
   c.profile = profile;
   std::ostringstream o;
-  for (const auto& [type, t] : use) {
-    const double measured = std::clamp(t.meas / t.pred, 0.25, 4.0);
-    const bool burst_only = !busy.count(type);
-    const double k = burst_only ? std::max(measured, 1.0) : measured;
-    o << "  " << type << ": measured " << ms(t.meas / t.ranks) << " of compute per step against " << ms(t.pred / t.ranks)
-      << " predicted" << (t.ranks > 1 ? " (mean of " + std::to_string(t.ranks) + " ranks)" : "") << ": x" << f2(measured);
-    if (k != measured)
-      o << ", kept x1.00: it computes " << std::lround(100 * t.busy_share)
-        << "% of its step, in bursts that run faster than the device sustains";
-    o << "\n";
+  for (const auto& [type, m] : meas) {
+    const double k = std::clamp(m / pred[type], 0.25, 4.0);
     c.factor[type] = k;
-    if (k == 1.0) continue;
     DeviceProfile& d = c.profile.devices.at(type);
     for (MicroBatchCost* mc : {&d.block_fwd, &d.block_bwd, &d.embed_fwd, &d.embed_bwd, &d.head_fwd, &d.head_bwd}) scale(*mc, k);
     d.optimizer_s_per_param *= k;
     d.comm_cpu_s_per_byte *= k;  // the messages' CPU time slows with the device's compute
-    for (auto& [m, cc] : d.codecs) cc.encode_s_per_elem *= k, cc.decode_s_per_elem *= k;
+    for (auto& [m, c] : d.codecs) c.encode_s_per_elem *= k, c.decode_s_per_elem *= k;
+    o << "  " << type << ": measured " << ms(m / ranks[type]) << " of compute per step against " << ms(pred[type] / ranks[type])
+      << " predicted" << (ranks[type] > 1 ? " (mean of " + std::to_string(ranks[type]) + " ranks)" : "") << ": x" << f2(k)
+      << "\n";
   }
   c.text = o.str();
   return c;

@@ -29,14 +29,6 @@ struct Calibration {
 // MEASURED_COMPUTE: rank -> median seconds of forward and backward per step while PLAN ran. Types
 // with no rank measured (or none predicted to compute) keep their figures. Factors are clamped
 // to [1/4, 4]: a measurement further off than that is a stall, not a speed.
-// A rank predicted to compute under kBurstBusyShare of the step computes in short bursts between
-// waits, which run faster than the device sustains (CPU quotas here: a quarter-core rank that
-// waits most of each 5 ms period runs its burst at the whole core's speed; boost clocks on GPUs):
-// a type measured only on such ranks keeps its figures when they read faster (they still count
-// when slower). On examples/cluster-2region-shared.yaml a quarter device holding one attention
-// half (38% of the step) measured x0.39; carried over, it made the planner put two blocks and
-// the embedding on it, and the step went from 2.08 s to 4.41 s (1.69 s predicted).
-constexpr double kBurstBusyShare = 0.5;
 Calibration calibrate(const Plan& plan, const ClusterSpec& cluster, const Profile& profile,
                       const std::map<int, double>& measured_compute);
 
