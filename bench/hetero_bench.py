@@ -228,6 +228,10 @@ def latest_prediction(plan_path, run):
     if not events:
         return profile_s, "the profile", profile_s
     e = events[-1]
+    if "reverted_to" in e:  # went back to a plan measured faster: its own calibration predicted it
+        b = e["reverted_to"]
+        return b["calibrated_s"], f"the calibration after step {b['calibrated_after_step']}, the plan gone back to", \
+            predicted_of(plan_path).get("step_s", float("nan"))
     if any(x["switched"] or x.get("rebalance", {}).get("switched") for x in events):
         first = predicted_of(plan_path).get("step_s", float("nan"))
         if not (e["switched"] or e.get("rebalance", {}).get("switched")):
@@ -251,6 +255,7 @@ def report_predictions(name, plan_path, run):
                  profile_relative_error=(run["step_s"] - profile_s) / profile_s if profile_s else float("nan"))
     if events:
         extra.update(replans=[dict(step=e["step"], switched=e["switched"], factors=e["factors"],
+                                   **({"reverted_to": e["reverted_to"]} if "reverted_to" in e else {}),
                                    running_plan_predicted_s=e["running_plan_predicted_s"],
                                    running_plan_calibrated_s=e["running_plan_calibrated_s"],
                                    best_calibrated_s=e["best_calibrated_s"],
@@ -258,7 +263,10 @@ def report_predictions(name, plan_path, run):
         for e in events:
             log(f"{name}: after step {e['step']} measured/predicted compute per device type: " +
                 ", ".join(f"{t} x{f:.2f}" for t, f in e["factors"].items()) +
-                (f"; switched plans (the running plan {e['running_plan_calibrated_s'] * 1e3:.0f} ms calibrated, "
+                (f"; measured {e['measured_step_s'] * 1e3:.0f} ms per step, slower than the "
+                 f"{e['reverted_to']['measured_step_s'] * 1e3:.0f} ms of the plan run up to step "
+                 f"{e['reverted_to']['calibrated_after_step']}: went back to it" if "reverted_to" in e else
+                 f"; switched plans (the running plan {e['running_plan_calibrated_s'] * 1e3:.0f} ms calibrated, "
                  f"{e['running_plan_predicted_s'] * 1e3:.0f} ms predicted before; the new one "
                  f"{e['best_calibrated_s'] * 1e3:.0f} ms)" if e["switched"] else "; kept the plan"))
             if "rebalance" in e:

@@ -14,6 +14,7 @@
 #include "alloy/core/error.h"
 #include "alloy/pipeline/schedule.h"
 #include "alloy/plan/calibrate.h"
+#include "alloy/plan/replanner.h"
 #include "alloy/plan/cost_model.h"
 #include "alloy/plan/planner.h"
 #include "alloy/plan/search.h"
@@ -1357,6 +1358,83 @@ TEST(Calibrate, ReplanSwitchesOnlyWhenTheSpeedsWereWrong) {
   };
   EXPECT_GT(samples_of_b(fix.plan), samples_of_b(r.plan));
   EXPECT_TRUE(fix.plan.predicted.contains("step_s"));
+}
+
+// Try and revert (plan::Replanner): a calibration that misleads (a device read faster than it
+// trains) makes a plan that measures slower than the one before; the job goes back to that one,
+// with the prediction of the calibration that measured it, and switches no more.
+TEST(Calibrate, GoesBackToAPlanThatMeasuredFasterAndStaysThere) {
+  Profile p = base_profile(4);
+  p.devices["fast"] = dev_profile(1.0);
+  p.devices["slow"] = dev_profile(4.0);
+  ClusterSpec c = two_types();
+  SearchOptions o;
+  o.global_batch = 16;
+  SearchResult r = search(c, p, o);
+  r.plan.predicted = r.cost.to_json();
+  auto compute = [&](const Plan& plan, const Profile& prof) {
+    std::map<int, double> m;
+    for (const auto& s : simulate_plan(plan, c, prof).stages) m[s.rank] = s.forward_s + s.backward_s;
+    return m;
+  };
+  auto samples_of_b = [](const Plan& plan) {
+    int64_t n = 0;
+    for (const auto& pl : plan.pipelines)
+      for (const auto& st : pl.stages)
+        if (st.device == "b") n += pl.micro_batch_size * pl.num_micro_batches;
+    return n;
+  };
+  Profile fast_b = p;  // what the first steps seem to say: b as fast as a
+  fast_b.devices["slow"] = dev_profile(1.0);
+  const std::map<int, double> no_phase;
+
+  Replanner rp(r.plan, c, p, o);
+  std::shared_ptr<Plan> next = rp.measured(2, 6, compute(r.plan, fast_b), no_phase, 1.0);
+  ASSERT_TRUE(next) << rp.events().dump(2);
+  ASSERT_GT(samples_of_b(*next), samples_of_b(r.plan));
+  EXPECT_FALSE(rp.events()[0].contains("reverted_to"));
+  const double first_calibrated = rp.events()[0]["running_plan_calibrated_s"].get<double>();
+
+  // Within the margin of the first plan's step: no going back.
+  {
+    Replanner close(r.plan, c, p, o);
+    ASSERT_TRUE(close.measured(2, 6, compute(r.plan, fast_b), no_phase, 1.0));
+    EXPECT_FALSE(close.measured(8, 12, compute(close.running(), fast_b), no_phase, 1.04));
+    EXPECT_FALSE(close.reverted());
+  }
+
+  // The new plan measures half as slow again: back to the first, predicted as its calibration did.
+  std::shared_ptr<Plan> back = rp.measured(8, 12, compute(*next, fast_b), no_phase, 1.5);
+  ASSERT_TRUE(back) << rp.events().dump(2);
+  EXPECT_TRUE(rp.reverted());
+  EXPECT_EQ(samples_of_b(*back), samples_of_b(r.plan));
+  EXPECT_EQ(back->describe(), r.plan.describe());
+  const nlohmann::json& e = rp.events()[1];
+  EXPECT_TRUE(e["switched"].get<bool>());
+  EXPECT_EQ(e["reverted_to"]["calibrated_after_step"].get<int64_t>(), 6);
+  EXPECT_DOUBLE_EQ(e["reverted_to"]["measured_step_s"].get<double>(), 1.0);
+  EXPECT_EQ(rp.calibrated_prediction()["calibrated_after_step"].get<int64_t>(), 6);
+  EXPECT_DOUBLE_EQ(rp.calibrated_prediction()["step_s"].get<double>(), first_calibrated);
+
+  // The next calibration again reads b as fast as a, and the search again prefers the plan that
+  // measured slower: the plan gone back to stays.
+  EXPECT_FALSE(rp.measured(14, 18, compute(*back, fast_b), no_phase, 1.0));
+  EXPECT_LT(rp.events()[2]["best_calibrated_s"].get<double>(), 0.95 * rp.events()[2]["running_plan_calibrated_s"].get<double>());
+  EXPECT_FALSE(rp.events()[2]["switched"].get<bool>());
+  EXPECT_EQ(rp.running().describe(), r.plan.describe());
+
+  // The rule itself: the fastest earlier plan, only beyond the margin; unmeasured ones never.
+  auto tried = [](std::vector<double> steps) {
+    std::vector<TriedPlan> t;
+    for (double s : steps) t.push_back({Plan{}, 0, s, PlanCost{}});
+    return t;
+  };
+  EXPECT_EQ(revert_target(tried({2.09})), std::nullopt);
+  EXPECT_EQ(revert_target(tried({2.09, 4.41})), std::optional<size_t>(0));
+  EXPECT_EQ(revert_target(tried({2.09, 2.15})), std::nullopt);
+  EXPECT_EQ(revert_target(tried({2.0, 1.8, 2.3})), std::optional<size_t>(1));
+  EXPECT_EQ(revert_target(tried({0.0, 2.5})), std::nullopt);
+  EXPECT_EQ(revert_target(tried({2.0, 1.5})), std::nullopt);
 }
 
 TEST(Calibrate, RebalanceMovesSamplesFromAPipelineSlowerThanPredicted) {

@@ -193,4 +193,17 @@ Replan replan(const Plan& current, const ClusterSpec& cluster, const Calibration
   return r;
 }
 
+std::optional<size_t> revert_target(const std::vector<TriedPlan>& tried, double margin) {
+  if (tried.size() < 2) return std::nullopt;
+  const double running = tried.back().measured_step_s;
+  std::optional<size_t> best;
+  for (size_t i = 0; i + 1 < tried.size(); ++i) {
+    const double s = tried[i].measured_step_s;
+    if (s <= 0) continue;  // not measured
+    if (!best || s < tried[*best].measured_step_s) best = i;
+  }
+  if (!best || !(running > tried[*best].measured_step_s * (1.0 + margin))) return std::nullopt;
+  return best;
+}
+
 }  // namespace alloy::plan

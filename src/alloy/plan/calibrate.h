@@ -70,4 +70,22 @@ struct Replan {
 Replan replan(const Plan& current, const ClusterSpec& cluster, const Calibration& cal, const SearchOptions& options,
               double min_gain = 0.05, const std::map<int, double>* measured_phase = nullptr);
 
+// Try and revert. A calibration can mislead: under a CPU quota a rank that computes in short
+// bursts between long waits runs each burst at a whole core's speed, so it reads faster than it
+// trains once it is given the work (on the emulated shared-line pool the quarter device read
+// x0.39, and the plan made from it took the step from 2.09 s to 4.41 s). Ignoring such readings
+// would also ignore the correction re-planning exists for (a device the profile undersold gets
+// little work, and its real speed shows only in short bursts too). So every plan the job runs
+// keeps its measured step, and a measured step outranks a predicted one: when the running plan
+// measures slower than a plan the job ran before by more than the margin, the job goes back to
+// the fastest of those and stops re-planning.
+struct TriedPlan {
+  Plan plan;
+  int64_t calibrated_after_step = 0;  // the calibration that measured it
+  double measured_step_s = 0;         // the lower median of its steps
+  PlanCost calibrated;                // its prediction from that calibration
+};
+// The index in TRIED of the plan to go back to, or nullopt. TRIED's last entry is the running plan.
+std::optional<size_t> revert_target(const std::vector<TriedPlan>& tried, double margin = 0.05);
+
 }  // namespace alloy::plan

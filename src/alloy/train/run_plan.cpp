@@ -10,7 +10,7 @@
 #include "alloy/core/fs.h"
 #include "alloy/core/log.h"
 #include "alloy/dist/world.h"
-#include "alloy/plan/calibrate.h"
+#include "alloy/plan/replanner.h"
 #include "alloy/plan/planner.h"
 #include "alloy/plan/profiler.h"
 #include "alloy/plan/sync_scope.h"
@@ -110,60 +110,23 @@ Plan equal_data_parallel(const Config& cfg, int n) {
   return Plan::data_parallel(cfg.model.layers, std::vector<std::pair<int64_t, int64_t>>(static_cast<size_t>(n), {mbs, per / mbs}));
 }
 
-// Rank 0's side of train.replan_step: calibrate the profile with the compute each rank measured
-// in steps FROM..TO under the running plan, search again, record it in OUTPUT/replan.json, and
-// return the plan to switch to, if any. After a switch the calibrated profile and the new plan
-// become the running ones, so a later call corrects what the first calibration got wrong (the
-// profile's shape across micro-batch sizes, e.g.).
+// Rank 0's side of train.replan_step: plan::Replanner decides, and every decision is recorded in
+// OUTPUT/replan.json with the speeds measured (profile-calibrated.json, for `alloy plan
+// --profile`: a later job on the same pool, or predicting other plans with them).
 struct Replanning {
-  AutoPlan ap;
-  nlohmann::json events = nlohmann::json::array();
+  std::unique_ptr<plan::Replanner> replanner;
   std::shared_ptr<nlohmann::json> calibrated = std::make_shared<nlohmann::json>();  // TrainOptions::calibrated_prediction
 };
 
 std::shared_ptr<Plan> replan_from_measured(Replanning& st, const Config& cfg, int64_t from, int64_t to,
-                                           const std::map<int, double>& measured, const std::map<int, double>& phase) {
-  AutoPlan& ap = st.ap;
-  plan::Calibration cal = plan::calibrate(ap.plan, ap.spec, ap.profile, measured);
-  plan::Replan rp = plan::replan(ap.plan, ap.spec, cal, ap.options, 0.05, &phase);
-  log_info("re-planning with the compute measured in steps " + std::to_string(from) + "-" + std::to_string(to) + ":\n" + cal.text +
-           rp.text);
-  nlohmann::json m = nlohmann::json::object(), f = nlohmann::json::object();
-  nlohmann::json ph = nlohmann::json::object();
-  for (const auto& [r, v] : measured) m[std::to_string(r)] = v;
-  for (const auto& [r, v] : phase) ph[std::to_string(r)] = v;
-  for (const auto& [t, v] : cal.factor) f[t] = v;
-  nlohmann::json e = {{"step", to},
-                      {"measured_compute_s", m},
-                      {"measured_phase_s", ph},
-                      {"factors", f},
-                      {"running_plan_predicted_s", ap.plan.predicted.value("step_s", 0.0)},
-                      {"running_plan_calibrated_s", rp.current.step_s},
-                      {"best_calibrated_s", rp.best.step_s},
-                      {"switched", rp.change}};
-  if (rp.split)
-    e["rebalance"] = {{"pipeline_factors", rp.split->factor},
-                      {"running_split_s", rp.split->current_s},
-                      {"best_split_s", rp.split->best_s},
-                      {"switched", rp.split->change}};
-  if (rp.change) e["plan"] = rp.plan.to_json();
-  st.events.push_back(e);
-  // What the final report compares the measured step with: the running plan (kept, switched to or
-  // rebalanced) as predicted with the speeds just measured.
-  *st.calibrated = rp.change ? rp.plan.predicted : rp.current.to_json();
-  if (st.calibrated->is_object()) (*st.calibrated)["calibrated_after_step"] = to;
-  // The speeds this run measured, for `alloy plan --profile` (a later job on the same pool, or
-  // predicting other plans with them).
-  cal.profile.save(cfg.output.dir + "/profile-calibrated.json");
-  nlohmann::json doc = {{"format", "alloy-replan"}, {"version", 1}, {"replans", st.events}};
+                                           const std::map<int, double>& measured, const std::map<int, double>& phase,
+                                           double step_s) {
+  std::shared_ptr<Plan> next = st.replanner->measured(from, to, measured, phase, step_s);
+  *st.calibrated = st.replanner->calibrated_prediction();
+  st.replanner->calibrated_profile().save(cfg.output.dir + "/profile-calibrated.json");
+  nlohmann::json doc = {{"format", "alloy-replan"}, {"version", 1}, {"replans", st.replanner->events()}};
   write_file_atomic(cfg.output.dir + "/replan.json", doc.dump(2) + "\n");
-  if (!rp.change) return nullptr;
-  Plan next = rp.plan;
-  next.grad_sync = ap.plan.grad_sync;  // the search plans layouts; the sync settings stay the user's
-  next.slow_links = plan::slow_rank_pairs(next, ap.spec, next.grad_sync);
-  ap.plan = next;
-  ap.profile = cal.profile;
-  return std::make_shared<Plan>(next);
+  return next;
 }
 
 // OUTPUT/membership.json: one entry per start of an elastic job (which devices, which plan), so
@@ -306,11 +269,13 @@ TrainResult train_with_replanning(const Config& cfg, TrainOptions o, const Resol
   auto replanning = std::make_shared<Replanning>();
   int64_t measured_from = 2;
   if (rp.autoplan && o.world && cfg.train.replan_step > 0) {
-    replanning->ap = *rp.autoplan;
+    replanning->replanner = std::make_unique<plan::Replanner>(rp.autoplan->plan, rp.autoplan->spec, rp.autoplan->profile,
+                                                              rp.autoplan->options);
     o.calibrated_prediction = replanning->calibrated;
     o.replan_at = cfg.train.replan_step;
-    o.replan = [replanning, &cfg, &o, &measured_from](const std::map<int, double>& measured, const std::map<int, double>& phase) {
-      return replan_from_measured(*replanning, cfg, measured_from, o.replan_at, measured, phase);
+    o.replan = [replanning, &cfg, &o, &measured_from](const std::map<int, double>& measured, const std::map<int, double>& phase,
+                                                      double step_s) {
+      return replan_from_measured(*replanning, cfg, measured_from, o.replan_at, measured, phase, step_s);
     };
   }
   // A re-plan ends a run early at a checkpoint; the next one resumes from it under the new plan,

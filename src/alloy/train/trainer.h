@@ -49,8 +49,10 @@ struct TrainOptions {
   // early with TrainResult::next_plan, for the caller to resume under that plan.
   int64_t replan_at = 0;
   // Called on rank 0 with each rank's median compute and median phase (step start to its last
-  // schedule action) over the steps since the last plan started; returns the plan to switch to.
-  std::function<std::shared_ptr<Plan>(const std::map<int, double>& compute, const std::map<int, double>& phase)> replan;
+  // schedule action) over the steps since the last plan started, and the median step itself;
+  // returns the plan to switch to.
+  std::function<std::shared_ptr<Plan>(const std::map<int, double>& compute, const std::map<int, double>& phase, double step_s)>
+      replan;
   // Rank 0: the running plan's step as the last calibration predicted it (PlanCost::to_json with
   // "calibrated_after_step"), filled by REPLAN's caller; the final report compares the measured
   // step with it (and with the plan's own prediction beside it). Shared across re-plans.

@@ -137,7 +137,7 @@ std::shared_ptr<Plan> Trainer::replan_now(const TrainResult& r) {
       phase[q] = std::stod(get("phase/" + std::to_string(q)));
     }
     try {
-      auto next = opts_.replan ? opts_.replan(measured, phase) : nullptr;
+      auto next = opts_.replan ? opts_.replan(measured, phase, lower_median(&StepRecord::step_s)) : nullptr;
       if (next) decision = next->to_json().dump();
     } catch (const std::exception& e) {
       log_warn(std::string("re-planning failed, the running plan stays: ") + e.what());
