@@ -266,10 +266,10 @@ TEST_P(LoraArch, QuantizedBaseStaysCloseToFullPrecision) {
 // (model::DropoutKeys) make every member draw the one device's: the whole input's mask for a
 // column-parallel adapter, its columns of it for a row-parallel one.
 TEST_P(LoraArch, TensorParallelAdaptersComputeTheOneDeviceBlock) {
- for (double dropout : {0.0, 0.3}) {
-  SCOPED_TRACE(dropout > 0 ? "dropout 0.3" : "no dropout");
+ for (const auto& [dropout, base_dtype] : std::vector<std::pair<double, std::string>>{{0.0, "fp32"}, {0.3, "fp32"}, {0.0, "nf4"}, {0.3, "int8"}}) {
+  SCOPED_TRACE((dropout > 0 ? "dropout 0.3, " : "no dropout, ") + base_dtype + " base");
   const ModelConfig c = tiny(GetParam());
-  LoraConfig l = lora(3, "all");
+  LoraConfig l = lora(3, "all", base_dtype);
   l.dropout = dropout;
   const m::DropoutKeys keys{5, 3, {11, 4}};
   const LayerRange range = LayerRange::for_blocks(1, 2, c.layers);
@@ -303,12 +303,28 @@ TEST_P(LoraArch, TensorParallelAdaptersComputeTheOneDeviceBlock) {
     mb.comm = std::make_unique<alloy::testing::ThreadComm>(&group, k, 2);
     mb.layout.comm = mb.comm.get();
     mb.t = std::make_unique<Transformer>(c, range, 11, &mb.layout);
-    mb.t->apply_lora(l, 11);
+  }
+  {  // together: a quantized base's pieces are quantized from the whole weight, summed over the group
+    std::vector<std::thread> ts;
+    for (auto& mb : ms) ts.emplace_back([&mb, &l] { mb.t->apply_lora(l, 11); });
+    for (auto& th : ts) th.join();
+  }
+  for (int k = 0; k < 2; ++k) {
+    Member& mb = ms[static_cast<size_t>(k)];
     std::set<std::string> built, listed;
     for (auto* p : mb.t->parameters()) built.insert(p->name);
     for (const auto& n : m::param_names(c, l, range, &mb.layout)) listed.insert(n);
     EXPECT_EQ(built, listed) << "member " << k;
     at::NoGradGuard ng;
+    int64_t quantized = 0;
+    for (auto* p : mb.t->parameters()) {  // each piece of the base holds exactly its part of the whole's values
+      std::string base = p->name;
+      int64_t h0 = 0, h1 = 0;
+      if (!p->quant || !m::parse_piece(p->name, &base, &h0, &h1)) continue;
+      EXPECT_TRUE(at::equal(p->value(), m::tp_cut(ref.find(base)->value(), m::tp_param(base), h0, h1, c))) << p->name;
+      ++quantized;
+    }
+    EXPECT_EQ(quantized > 0, base_dtype != "fp32");
     for (auto* p : mb.t->trainable()) {
       std::string base = p->name;
       int64_t h0 = 0, h1 = 0;
@@ -401,16 +417,60 @@ TEST_P(LoraArch, DropoutMasksAreKeyedBySampleNotByMicroBatch) {
   EXPECT_EQ(m::lora_dropout(at::ones({6, 8}), 0.5, true, "m", {}, 0).size(0), 6);
 }
 
-TEST(LoraTensorParallel, AQuantizedBaseIsRefusedNamingTheKey) {
-  const ModelConfig c = tiny("gpt2");
-  m::TpLayout tp;
-  tp.pieces[1] = {0, 3, 4};
-  Transformer t(c, LayerRange::for_blocks(1, 2, c.layers), 11, &tp);
+// A holder of every piece without a group (a replica beside a tensor-parallel stage) quantizes
+// the whole weight as one device does: its pieces dequantize to the one device's values.
+TEST(LoraTensorParallel, AQuantizedBasesPiecesAreTheOneDeviceWeightsParts) {
+  for (const std::string arch : {"gpt2", "llama"})
+    for (const std::string kind : {"int8", "nf4"})
+      for (bool dq : {false, true}) {
+        SCOPED_TRACE(arch + " " + kind + (dq ? " double-quantized" : ""));
+        const ModelConfig c = tiny(arch);
+        LoraConfig l = lora(2, "all", kind);
+        l.double_quant = dq;
+        const LayerRange range = LayerRange::for_blocks(1, 2, c.layers);
+        Transformer whole(c, range, 11);
+        whole.apply_lora(l, 11);
+        m::TpLayout tp;
+        tp.pieces[1] = arch == "llama" ? std::vector<int64_t>{0, 2, 4} : std::vector<int64_t>{0, 1, 3, 4};
+        Transformer t(c, range, 11, &tp);
+        t.apply_lora(l, 11);
+        int64_t pieces = 0;
+        at::NoGradGuard ng;
+        for (auto* p : t.parameters()) {
+          std::string base = p->name;
+          int64_t h0 = 0, h1 = 0;
+          if (!m::parse_piece(p->name, &base, &h0, &h1) || !whole.find(base)->quant) continue;
+          ASSERT_TRUE(p->quant) << p->name;
+          EXPECT_TRUE(at::equal(p->value(), m::tp_cut(whole.find(base)->value(), m::tp_param(base), h0, h1, c))) << p->name;
+          EXPECT_LE(p->quant->bytes(), 2 * whole.find(base)->quant->bytes()) << p->name;
+          ++pieces;
+        }
+        EXPECT_GT(pieces, 0);
+        const at::Tensor x = at::randn({2, c.seq_len, c.hidden}, at::detail::createCPUGenerator(3));
+        EXPECT_TRUE(at::allclose(t.forward(x), whole.forward(x), 1e-5, 1e-6));
+      }
+}
+
+TEST(Quantize, APartKeepsTheWholesValuesOrSaysWhyItCannot) {
+  auto g = at::detail::createCPUGenerator(5);
+  const at::Tensor w = at::randn({12, 40}, g);
+  const at::Tensor index = at::arange(w.numel(), at::kLong).view({12, 40});
+  for (const std::string kind : {"int8", "nf4"})
+    for (int64_t ch : {0, 1}) {
+      const auto q = m::quantize(w, kind, ch, kind == "nf4" && ch == 1);
+      for (const at::Tensor& part : {index.narrow(1, 8, 16), index.narrow(0, 4, 6), index.narrow(1, 36, 4)}) {
+        const auto p = m::quantized_part(*q, part.contiguous());
+        EXPECT_TRUE(at::equal(p->dequantize(), q->dequantize().reshape({-1}).index_select(0, part.reshape({-1})).view(part.sizes())))
+            << kind << " " << part.sizes();
+      }
+    }
+  // Rows of 3 elements cross the 64-element blocks in no common run of 2.
+  const auto q = m::quantize(w, "nf4", 0, false);
   try {
-    t.apply_lora(lora(2, "", "nf4"), 11);
-    FAIL() << "a quantized base with pieces trained";
+    m::quantized_part(*q, index.narrow(1, 0, 3).narrow(0, 0, 1).contiguous());
+    FAIL() << "an odd piece of an nf4 weight";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("lora.base_dtype"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("head_dim"), std::string::npos) << e.what();
   }
 }
 

@@ -54,6 +54,10 @@ CASES = {
     # in unlike micro-batches draw the one-device run's masks.
     "gpt2-dropout-tp2-in-pp2": ("gpt2", "tp2-3:1-in-pp2", GPT2 + ["--lora-targets", "all", "--set", "lora.dropout=0.1"], []),
     "llama-dropout-recompute-mixed": ("llama", "mixed-5+3_and_8", LLAMA + ["--set", "lora.dropout=0.1"], ["--recompute"]),
+    # A quantized base under tensor parallelism: the whole weight quantized once (as on one
+    # device), each member keeping its piece's codes and its blocks' scales.
+    "gpt2-nf4-tp2-in-pp2": ("gpt2", "tp2-3:1-in-pp2", GPT2 + ["--lora-targets", "all", "--base-dtype", "nf4"], []),
+    "llama-int8-tp2-beside-replica": ("llama", "tp2-2:2-beside-replica", LLAMA + ["--base-dtype", "int8"], []),
 }
 
 

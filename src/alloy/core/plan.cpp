@@ -179,10 +179,6 @@ std::string Plan::training_problem(const Config& cfg) const {
              std::to_string(h[static_cast<size_t>(k) + 1]) + " of " + std::to_string(cfg.model.heads) + ") none of the " +
              std::to_string(cfg.model.seq_len) + " positions: use a longer sequence or a more even tp_split";
     }
-  if (cfg.lora.quantized_base() && has_tensor_parallel())
-    return "a quantized LoRA base (lora.base_dtype " + cfg.lora.base_dtype +
-           ") with tensor parallelism is not built: its quantization blocks would follow the pieces, so each layout would "
-           "fine-tune a different base; use lora.base_dtype fp32, or a plan whose stages have one rank each";
   return "";
 }
 

@@ -156,7 +156,7 @@ int64_t QuantizedWeight::bytes() const {
 namespace {
 at::Tensor block_absmax(const QuantizedWeight& q) {
   if (!q.qscales.defined()) return q.scales;
-  const int64_t nb = (q.numel() + kNf4Block - 1) / kNf4Block;
+  const int64_t nb = (q.numel() + q.block - 1) / q.block;
   auto deq = q.qscales.to(at::kFloat).view({-1, kNf4ScaleBlock}) * (q.scale2.unsqueeze(1) / 127.0);
   return deq.reshape({-1}).narrow(0, 0, nb) + q.scale_mean;
 }
@@ -178,7 +178,7 @@ at::Tensor QuantizedWeight::dequantize(at::ScalarType dtype) const {
     return at::tensor(t).view({256, 2});
   }();
   const at::Tensor& table = codes.device() == pairs.device() ? pairs : pairs.to(codes.device());
-  auto vals = table.index_select(0, codes.to(at::kLong)).view({-1, kNf4Block}) * block_absmax(*this).unsqueeze(1);
+  auto vals = table.index_select(0, codes.to(at::kLong)).view({-1, block}) * block_absmax(*this).unsqueeze(1);
   return vals.reshape({-1}).narrow(0, 0, n).view(shape).to(dtype);
 }
 
@@ -228,6 +228,50 @@ std::shared_ptr<QuantizedWeight> quantize(const at::Tensor& w_in, const std::str
   auto sb = centred.view({ns, kNf4ScaleBlock});
   q->scale2 = sb.abs().amax({1}).clamp_min(1e-12).contiguous();
   q->qscales = at::round(sb / q->scale2.unsqueeze(1) * 127.0).clamp(-127, 127).to(at::kChar).reshape({-1}).contiguous();
+  return q;
+}
+
+std::shared_ptr<QuantizedWeight> quantized_part(const QuantizedWeight& whole, const at::Tensor& index) {
+  at::NoGradGuard ng;
+  auto q = std::make_shared<QuantizedWeight>();
+  q->kind = whole.kind;
+  q->shape.assign(index.sizes().begin(), index.sizes().end());
+  q->channel_dim = whole.channel_dim;
+  const at::Tensor flat = index.reshape({-1}).to(whole.codes.device(), at::kLong);
+  if (whole.kind == "int8") {
+    if (whole.shape.size() != 2 || index.dim() != 2)
+      throw std::invalid_argument("quantized_part: int8 parts are cut from matrices");
+    q->codes = whole.codes.reshape({-1}).index_select(0, flat).view(index.sizes()).contiguous();
+    // Each element's output channel in WHOLE; along the part's channel dimension they are the
+    // part's channels (a rectangular cut), so one row of them is its scale vector.
+    const int64_t cols = whole.shape[1];
+    const at::Tensor channel = (whole.channel_dim == 1 ? flat.remainder(cols) : flat.div(cols, "floor")).view(index.sizes());
+    q->scales = whole.scales.index_select(0, channel.select(1 - whole.channel_dim, 0).contiguous()).contiguous();
+    return q;
+  }
+  // nf4: each element's code (high nibble first in a byte), and its block in WHOLE.
+  const at::Tensor bytes = whole.codes.reshape({-1}).index_select(0, flat.div(2, "floor"));
+  const at::Tensor high = flat.remainder(2).eq(0);
+  const at::Tensor codes = at::where(high, at::bitwise_right_shift(bytes, 4), at::bitwise_and(bytes, 15)).to(at::kByte);
+  const at::Tensor blk = flat.div(whole.block, "floor");
+  const int64_t n = flat.numel();
+  int64_t run = 0;
+  for (int64_t g = whole.block; g >= 2; g /= 2) {
+    if (n % g != 0 || whole.block % g != 0) continue;
+    const at::Tensor rows = blk.view({-1, g});
+    if (rows.eq(rows.select(1, 0).unsqueeze(1)).all().item<bool>()) {
+      run = g;
+      break;
+    }
+  }
+  if (run == 0)
+    throw std::invalid_argument("a piece of an nf4 weight of shape [" + std::to_string(whole.shape.front()) + ", " +
+                                std::to_string(whole.shape.back()) + "] whose elements share no run of 2 or more of one " +
+                                std::to_string(whole.block) + "-element block: give the heads an even head_dim");
+  q->block = run;
+  const at::Tensor pairs = codes.view({-1, 2});
+  q->codes = at::bitwise_or(at::bitwise_left_shift(pairs.select(1, 0), 4), pairs.select(1, 1)).contiguous();
+  q->scales = block_absmax(whole).index_select(0, blk.view({-1, run}).select(1, 0).contiguous()).contiguous();
   return q;
 }
 

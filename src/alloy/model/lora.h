@@ -57,6 +57,9 @@ struct QuantizedWeight {
   // (fp32) and the mean subtracted before quantizing.
   at::Tensor qscales, scale2;
   double scale_mean = 0;
+  // nf4: elements per scale. A tensor-parallel piece cut from a whole weight's quantization
+  // (quantized_part) may need fewer than kNf4Block where its rows cut across the whole's blocks.
+  int64_t block = 64;
 
   int64_t numel() const;
   int64_t bytes() const;  // storage actually held
@@ -70,6 +73,13 @@ inline constexpr int64_t kNf4ScaleBlock = 256;
 const std::vector<float>& nf4_levels();
 // W (fp32) quantized as KIND ("int8" | "nf4"); CHANNEL_DIM is the output-channel dimension (int8).
 std::shared_ptr<QuantizedWeight> quantize(const at::Tensor& w, const std::string& kind, int64_t channel_dim, bool double_quant);
+// The part of WHOLE at INDEX (int64, the part's shape: each element's flat index in WHOLE, e.g.
+// tp_cut of an arange), in storage that dequantizes to exactly WHOLE's values there. So a
+// tensor-parallel piece fine-tunes the same base whatever the layout: the whole weight is
+// quantized once, as on one device, and each piece keeps its codes and its blocks' scales (nf4:
+// as plain fp32 scales per run of elements that share a block of WHOLE, the longest run length
+// that divides them all). Throws std::invalid_argument when no run length of 2 or more does.
+std::shared_ptr<QuantizedWeight> quantized_part(const QuantizedWeight& whole, const at::Tensor& index);
 
 // x W for a weight in quantized storage, with W dequantized in the forward and again in the
 // backward (only the gradient of X flows). W_IN_OUT: W is [in, out] (GPT-2's Conv1D) rather than

@@ -230,6 +230,7 @@ class Gpt2Embedding : public Layer {
 class BlockLayer : public Layer {
  public:
   bool is_block() const override { return true; }
+  TpComm* tp_comm() const override { return comm_; }
   at::Tensor forward(const at::Tensor& x) override { return forward_halves(x, true, true); }
   at::Tensor forward_halves(const at::Tensor& x, bool attention, bool mlp) override {
     at::Tensor h = attn_ && attention ? attention_half(x) : x;
@@ -296,17 +297,21 @@ class BlockLayer : public Layer {
       // Piece by piece, never through the joined weight: the backward would keep that copy of the
       // whole weight alive from the forward on (and a ZeRO-3 holder's freed pieces with it).
       const int out_dim = in_out_ ? 1 : 0;
-      const auto product = [&](const at::Tensor& in, const at::Tensor& W) { return in_out_ ? at::matmul(in, W) : at::linear(in, W); };
+      const auto product = [&](const at::Tensor& in, size_t j) {
+        const Param& W = params_[j];
+        if (W.quant) return quantized_matmul(in, W.quant, in_out_);
+        return in_out_ ? at::matmul(in, W.tensor) : at::linear(in, W.tensor);
+      };
       if (L.kind.dim == out_dim) {  // column-parallel: each piece gives its heads' outputs
         std::vector<at::Tensor> outs;
-        for (size_t j : L.idx) outs.push_back(product(x, params_[j].tensor));
+        for (size_t j : L.idx) outs.push_back(product(x, j));
         y = tp_join(outs, L.bounds, TpParam{L.kind.kind, static_cast<int>(x.dim()) - 1}, *cfg_);
       } else {  // row-parallel: each piece reads its heads' inputs
         int64_t first = 0;
         for (size_t j : L.idx) {
-          const at::Tensor& W = params_[j].tensor;
-          const int64_t n = W.size(1 - out_dim);
-          const at::Tensor part = product(x.narrow(-1, first, n), W);
+          const Param& W = params_[j];
+          const int64_t n = W.quant ? W.quant->shape[static_cast<size_t>(1 - out_dim)] : W.tensor.size(1 - out_dim);
+          const at::Tensor part = product(x.narrow(-1, first, n), j);
           y = y.defined() ? y + part : part;
           first += n;
         }
@@ -784,11 +789,43 @@ void Transformer::to(const at::Device& device) {
   device_ = device;
 }
 
+// A split projection's pieces quantized as the whole weight is on one device, so every layout
+// fine-tunes the same base: the whole weight is put together (the group's pieces summed into it
+// where a tensor-parallel group holds them between its members, who all reach this in the same
+// order), quantized once, and each piece keeps its part of that (quantized_part).
+void Transformer::quantize_pieces(Layer& layer, const std::string& base, const std::vector<Param*>& held, const LoraConfig& l) {
+  at::NoGradGuard ng;
+  const TpParam k = tp_param(base);
+  const at::Tensor first = held.front()->tensor;
+  std::vector<int64_t> shape(first.sizes().begin(), first.sizes().end());
+  shape[static_cast<size_t>(k.dim)] = tp_extent(k, cfg_);
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const at::Tensor index = at::arange(numel, first.options().dtype(at::kLong)).view(shape);
+  at::Tensor whole = at::zeros(shape, first.options().dtype(at::kFloat));
+  std::vector<at::Tensor> where;
+  int64_t covered = 0;
+  for (Param* p : held) {
+    std::string b;
+    int64_t h0 = 0, h1 = 0;
+    parse_piece(p->name, &b, &h0, &h1);
+    where.push_back(tp_cut(index, k, h0, h1, cfg_));
+    whole.view({-1}).index_copy_(0, where.back().reshape({-1}), p->tensor.to(at::kFloat).reshape({-1}));
+    covered += p->tensor.numel();
+  }
+  if (TpComm* comm = layer.tp_comm())
+    comm->allreduce_sum(whole);  // the members' pieces are disjoint and cover the weight
+  else if (covered != numel)
+    throw std::logic_error(base + ": a holder outside a tensor-parallel group holds only part of it");
+  const auto q = quantize(whole, l.base_dtype, layer.projection_in_out() ? 1 : 0, l.double_quant);
+  for (size_t i = 0; i < held.size(); ++i) {
+    held[i]->quant = quantized_part(*q, where[i]);
+    held[i]->tensor = at::Tensor();
+  }
+}
+
 void Transformer::apply_lora(const LoraConfig& l, uint64_t seed) {
   if (!l.enabled() || lora_) return;
-  if (pieces_ && l.quantized_base())
-    throw std::invalid_argument("a quantized LoRA base (" + l.base_dtype + ") with tensor parallelism is not built: its blocks would "
-                                "follow the pieces, so each layout would fine-tune a different base; use lora.base_dtype fp32");
   const auto modules = lora_modules(cfg_, l);  // validates the targets
   const double scale = l.alpha / static_cast<double>(l.rank);
   const auto& projs = adaptable_projections(cfg_.arch);
@@ -808,17 +845,27 @@ void Transformer::apply_lora(const LoraConfig& l, uint64_t seed) {
       init_a[module] = at::empty({l.rank, in}, at::kFloat).uniform_(-bound, bound, gen).to(dtype_);
     }
     layer.add_adapters(init_a, l.rank, scale, l.dropout);
+    std::map<std::string, std::vector<Param*>> pieces;  // a split projection's pieces by its whole name
+    std::vector<std::string> split_order;
     for (auto& p : layer.params()) {
       if (is_adapter_name(p.name)) continue;
       p.frozen = true;
       p.tensor = p.tensor.detach().requires_grad_(false);
+      std::string base = p.name;
+      int64_t h0 = 0, h1 = 0;
+      const bool piece = parse_piece(p.name, &base, &h0, &h1);
       bool projection = false;
-      for (const auto& pr : projs) projection |= p.name.size() > pr.size() + 7 && p.name.find("." + pr + ".weight") != std::string::npos;
-      if (projection && l.base_dtype != "fp32") {
-        p.quant = quantize(p.tensor, l.base_dtype, layer.projection_in_out() ? 1 : 0, l.double_quant);
-        p.tensor = at::Tensor();
+      for (const auto& pr : projs) projection |= base.size() > pr.size() + 7 && base.find("." + pr + ".weight") != std::string::npos;
+      if (!projection || l.base_dtype == "fp32") continue;
+      if (piece) {
+        if (!pieces.count(base)) split_order.push_back(base);
+        pieces[base].push_back(&p);
+        continue;
       }
+      p.quant = quantize(p.tensor, l.base_dtype, layer.projection_in_out() ? 1 : 0, l.double_quant);
+      p.tensor = at::Tensor();
     }
+    for (const auto& base : split_order) quantize_pieces(layer, base, pieces[base], l);
   }
   for (auto& layer : layers_)
     if (!layer->is_block())

@@ -82,6 +82,7 @@ class Layer {
   // A block's attention and/or MLP half only (of those it holds); other layers ignore the flags.
   virtual at::Tensor forward_halves(const at::Tensor& x, bool attention, bool mlp) { return forward(x); }
   virtual bool is_block() const { return false; }  // a transformer block (recomputable), not embedding or head
+  virtual TpComm* tp_comm() const { return nullptr; }  // a block's tensor-parallel group (null: none)
   std::vector<Param>& params() { return params_; }
   const std::vector<Param>& params() const { return params_; }
   // LoRA: trainable A [R, in] and B [out, R] beside each projection weight whose module name
@@ -217,6 +218,7 @@ class Transformer {
   const std::vector<Param*>& layer_params(size_t i) const { return uses_[i]; }
 
  private:
+  void quantize_pieces(Layer& layer, const std::string& base, const std::vector<Param*>& held, const LoraConfig& l);
   ModelConfig cfg_;
   LayerRange range_;
   at::Device device_{at::kCPU};

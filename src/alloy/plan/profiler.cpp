@@ -619,8 +619,7 @@ Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::Wor
       for (const auto& [type, a] : measurer) comm_cpu[type] = std::stod(get("alloy/profile/commcpu/" + type));
   }
   // Tensor-parallel sums: every pair of devices, one pair at a time.
-  // Not over a quantized LoRA base, which tensor parallelism does not train (plan.h).
-  if (o.measure_tp_sums && !o.lora.quantized_base() && n >= 2 && n <= 8) {
+  if (o.measure_tp_sums && n >= 2 && n <= 8) {
     std::vector<std::pair<int, int>> pairs;
     for (int a = 0; a < n; ++a)
       for (int b = a + 1; b < n; ++b) pairs.emplace_back(a, b);

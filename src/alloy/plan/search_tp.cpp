@@ -132,11 +132,6 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
   // A plan that fits only with sharding competes too: a group holds a share of each block, and with
   // sequence parallelism of its activations, without gathering the layers ZeRO-3 gathers.
   if (n < 2 || n > kTensorParallelMaxDevices) return;
-  if (profile.lora.quantized_base()) {
-    result.notes.push_back("tensor parallelism: not tried, the LoRA base is quantized (lora.base_dtype " + profile.lora.base_dtype +
-                           "), which tensor-parallel stages do not train");
-    return;
-  }
   for (const auto& d : cluster.devices)
     if (!profile.devices.count(d.type)) return;
   const auto t0 = Clock::now();
