@@ -1292,6 +1292,14 @@ ClusterSpec two_types() {
   c.rules.push_back({"h0", "h1", Link{10, 0.01}});
   return c;
 }
+// The samples per step PLAN gives device "b".
+int64_t samples_on_b(const Plan& plan) {
+  int64_t n = 0;
+  for (const auto& pl : plan.pipelines)
+    for (const auto& st : pl.stages)
+      if (st.device == "b") n += pl.micro_batch_size * pl.num_micro_batches;
+  return n;
+}
 }  // namespace
 
 TEST(Calibrate, ScalesEachTypeByMeasuredOverPredicted) {
@@ -1349,14 +1357,7 @@ TEST(Calibrate, ReplanSwitchesOnlyWhenTheSpeedsWereWrong) {
   // The new plan is what the planner finds on the true speeds, and gives the slow device more.
   PlanReport on_truth = make_plan(c, truth, o, false);
   EXPECT_NEAR(simulate_plan(fix.plan, c, truth).step_s, on_truth.chosen.cost.step_s, 1e-9);
-  auto samples_of_b = [](const Plan& plan) {
-    int64_t n = 0;
-    for (const auto& pl : plan.pipelines)
-      for (const auto& st : pl.stages)
-        if (st.device == "b") n += pl.micro_batch_size * pl.num_micro_batches;
-    return n;
-  };
-  EXPECT_GT(samples_of_b(fix.plan), samples_of_b(r.plan));
+  EXPECT_GT(samples_on_b(fix.plan), samples_on_b(r.plan));
   EXPECT_TRUE(fix.plan.predicted.contains("step_s"));
 }
 
@@ -1377,51 +1378,64 @@ TEST(Calibrate, GoesBackToAPlanThatMeasuredFasterAndStaysThere) {
     for (const auto& s : simulate_plan(plan, c, prof).stages) m[s.rank] = s.forward_s + s.backward_s;
     return m;
   };
-  auto samples_of_b = [](const Plan& plan) {
-    int64_t n = 0;
-    for (const auto& pl : plan.pipelines)
-      for (const auto& st : pl.stages)
-        if (st.device == "b") n += pl.micro_batch_size * pl.num_micro_batches;
-    return n;
-  };
-  Profile fast_b = p;  // what the first steps seem to say: b as fast as a
+  Profile fast_b = p;  // what the first steps seem to say (b computes in bursts): b as fast as a
   fast_b.devices["slow"] = dev_profile(1.0);
   const std::map<int, double> no_phase;
+  const double first_step = simulate_plan(r.plan, c, p).step_s;  // b really is 4x slower
 
   Replanner rp(r.plan, c, p, o);
-  std::shared_ptr<Plan> next = rp.measured(2, 6, compute(r.plan, fast_b), no_phase, 1.0);
+  std::shared_ptr<Plan> next = rp.measured(2, 6, compute(r.plan, fast_b), no_phase, first_step);
   ASSERT_TRUE(next) << rp.events().dump(2);
-  ASSERT_GT(samples_of_b(*next), samples_of_b(r.plan));
+  ASSERT_GT(samples_on_b(*next), samples_on_b(r.plan));
   EXPECT_FALSE(rp.events()[0].contains("reverted_to"));
   const double first_calibrated = rp.events()[0]["running_plan_calibrated_s"].get<double>();
 
-  // Within the margin of the first plan's step: no going back.
-  {
-    Replanner close(r.plan, c, p, o);
-    ASSERT_TRUE(close.measured(2, 6, compute(r.plan, fast_b), no_phase, 1.0));
-    EXPECT_FALSE(close.measured(8, 12, compute(close.running(), fast_b), no_phase, 1.04));
-    EXPECT_FALSE(close.reverted());
-  }
-
-  // The new plan measures half as slow again: back to the first, predicted as its calibration did.
-  std::shared_ptr<Plan> back = rp.measured(8, 12, compute(*next, fast_b), no_phase, 1.5);
+  // Given the work, b shows its real speed, and the new plan measures slower: back to the first,
+  // predicted as the calibration that measured it did.
+  const double second_step = simulate_plan(*next, c, p).step_s;
+  ASSERT_GT(second_step, 1.05 * first_step);
+  std::shared_ptr<Plan> back = rp.measured(8, 12, compute(*next, p), no_phase, second_step);
   ASSERT_TRUE(back) << rp.events().dump(2);
   EXPECT_TRUE(rp.reverted());
-  EXPECT_EQ(samples_of_b(*back), samples_of_b(r.plan));
+  EXPECT_EQ(samples_on_b(*back), samples_on_b(r.plan));
   EXPECT_EQ(back->describe(), r.plan.describe());
   const nlohmann::json& e = rp.events()[1];
   EXPECT_TRUE(e["switched"].get<bool>());
   EXPECT_EQ(e["reverted_to"]["calibrated_after_step"].get<int64_t>(), 6);
-  EXPECT_DOUBLE_EQ(e["reverted_to"]["measured_step_s"].get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(e["reverted_to"]["measured_step_s"].get<double>(), first_step);
+  EXPECT_NEAR(e["reverted_to"]["now_predicted_s"].get<double>(), first_step, 1e-9 * first_step);
   EXPECT_EQ(rp.calibrated_prediction()["calibrated_after_step"].get<int64_t>(), 6);
   EXPECT_DOUBLE_EQ(rp.calibrated_prediction()["step_s"].get<double>(), first_calibrated);
 
-  // The next calibration again reads b as fast as a, and the search again prefers the plan that
-  // measured slower: the plan gone back to stays.
-  EXPECT_FALSE(rp.measured(14, 18, compute(*back, fast_b), no_phase, 1.0));
+  // The next calibration again reads b as fast as a (it idles again), and the search again prefers
+  // the plan that measured slower: the plan gone back to stays.
+  EXPECT_FALSE(rp.measured(14, 18, compute(*back, fast_b), no_phase, first_step));
   EXPECT_LT(rp.events()[2]["best_calibrated_s"].get<double>(), 0.95 * rp.events()[2]["running_plan_calibrated_s"].get<double>());
   EXPECT_FALSE(rp.events()[2]["switched"].get<bool>());
   EXPECT_EQ(rp.running().describe(), r.plan.describe());
+
+  // A slower step that the devices explain: b really was as fast as a, the switch was right, and
+  // then both became 2.5x slower (another job on the machine). The speeds just measured predict
+  // the first plan no faster, so the job does not go back.
+  {
+    Replanner env(r.plan, c, p, o);
+    ASSERT_TRUE(env.measured(2, 6, compute(r.plan, fast_b), no_phase, simulate_plan(r.plan, c, fast_b).step_s));
+    Profile slower = p;
+    slower.devices["fast"] = dev_profile(2.5);
+    slower.devices["slow"] = dev_profile(2.5);
+    const double slow_step = simulate_plan(env.running(), c, slower).step_s;
+    ASSERT_GT(slow_step, 1.05 * simulate_plan(r.plan, c, fast_b).step_s);
+    env.measured(8, 12, compute(env.running(), slower), no_phase, slow_step);
+    EXPECT_FALSE(env.reverted());
+    EXPECT_FALSE(env.events()[1].contains("reverted_to")) << env.events()[1].dump(2);
+  }
+  // Within the margin of the first plan's step: no going back.
+  {
+    Replanner close(r.plan, c, p, o);
+    ASSERT_TRUE(close.measured(2, 6, compute(r.plan, fast_b), no_phase, first_step));
+    close.measured(8, 12, compute(close.running(), p), no_phase, 1.04 * first_step);
+    EXPECT_FALSE(close.reverted());
+  }
 
   // The rule itself: the fastest earlier plan, only beyond the margin; unmeasured ones never.
   auto tried = [](std::vector<double> steps) {

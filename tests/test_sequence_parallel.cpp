@@ -152,4 +152,59 @@ TEST_P(SeqParallel, TheGroupComputesTheOneDeviceModel) {
   }
 }
 
+// A stage holding only the embedding or only the head gains nothing from sequence parallelism
+// (the head reads every position; the embedding's lookups are one sum either way), so it runs
+// without it: the same values as the group without SP, and no more exchanges.
+TEST_P(SeqParallel, AStageWithoutBlocksExchangesNoMoreThanWithoutIt) {
+  const ModelConfig c = tiny(GetParam());
+  const std::vector<int64_t> bounds = c.arch == "llama" ? std::vector<int64_t>{0, 2, 4} : std::vector<int64_t>{0, 3, 4};
+  auto gen = at::detail::createCPUGenerator(5);
+  const at::Tensor ids = at::randint(c.vocab_size, {2, c.seq_len}, gen, at::kLong);
+  const at::Tensor targets = at::randint(c.vocab_size, {2, c.seq_len}, gen, at::kLong);
+  const at::Tensor x0 = at::randn({2, c.seq_len, c.hidden}, gen), w = at::randn({2, c.seq_len, c.hidden}, gen);
+  struct Counting : alloy::testing::ThreadComm {
+    using ThreadComm::ThreadComm;
+    void allreduce_sum(at::Tensor& t) override {
+      ++calls;
+      ThreadComm::allreduce_sum(t);
+    }
+    int calls = 0;
+  };
+  for (const LayerRange range : {LayerRange{c.layers + 1, c.layers + 2}, LayerRange{0, 1}}) {
+    const bool head = range.has_head(c);
+    SCOPED_TRACE(head ? "head alone" : "embedding alone");
+    std::map<bool, std::vector<int>> calls;
+    std::map<bool, std::vector<at::Tensor>> values;
+    for (bool sp : {false, true}) {
+      alloy::testing::ThreadGroup g(2);
+      std::vector<Member> ms = group_of(c, range, bounds, sp, &g);
+      std::vector<std::unique_ptr<Counting>> comms;
+      for (int k = 0; k < 2; ++k) {
+        comms.push_back(std::make_unique<Counting>(&g, k, 2));
+        ms[static_cast<size_t>(k)].layout.comm = comms.back().get();
+        ms[static_cast<size_t>(k)].t = std::make_unique<Transformer>(c, range, 7, &ms[static_cast<size_t>(k)].layout);
+      }
+      run_all(ms, [&](Member& mb) {
+        if (head) {
+          mb.x = x0.clone().requires_grad_(true);
+          mb.loss = mb.t->loss(mb.t->forward(mb.x), targets);
+          torch::autograd::backward({mb.loss});
+        } else {
+          mb.out = mb.t->forward(ids);
+          torch::autograd::backward({(mb.out * w).sum()});
+        }
+      });
+      for (size_t k = 0; k < 2; ++k) {
+        ASSERT_EQ(ms[k].failure, "");
+        calls[sp].push_back(comms[k]->calls);
+        values[sp].push_back(head ? ms[k].loss.detach() : ms[k].out.detach());
+        if (head) values[sp].push_back(ms[k].x.grad());
+      }
+    }
+    EXPECT_EQ(calls[true], calls[false]);
+    EXPECT_GT(calls[false][0], 0);
+    for (size_t i = 0; i < values[false].size(); ++i) EXPECT_TRUE(at::allclose(values[true][i], values[false][i], 1e-6, 1e-7)) << i;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Archs, SeqParallel, ::testing::Values("gpt2", "llama"));

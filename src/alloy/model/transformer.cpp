@@ -656,11 +656,15 @@ at::Tensor Transformer::forward_units(const at::Tensor& x, int64_t unit_begin, i
 at::Tensor Transformer::run(const at::Tensor& x, const LayerRange& want) {
   at::Tensor h = x;
   SeqSplit seq;
+  // Only blocks gain from sequence parallelism. Around an embedding or head alone, cutting the
+  // stage's input and gathering it again are two exchanges that cancel (the head reads every
+  // position); without SP the embedding's lookups are one sum and the head needs none.
+  const bool blocks = std::min(want.end, cfg_.layers + 1) > std::max<int64_t>(want.begin, 1);
   if (sp_comm_) {
-    seq = {sp_comm_, sequence_bounds(sp_heads_, x.size(1))};
+    if (blocks) seq = {sp_comm_, sequence_bounds(sp_heads_, x.size(1))};
     for (auto& l : layers_) l->set_seq(seq);
     // A stage's input and output are whole on every member (the first one sends for all).
-    if (want.begin != 0) h = sp_split(h, seq);
+    if (seq && want.begin != 0) h = sp_split(h, seq);
   }
   for (int64_t pos = want.begin; pos < want.end; ++pos) {
     const size_t i = static_cast<size_t>(pos - range_.begin);

@@ -77,8 +77,10 @@ Replan replan(const Plan& current, const ClusterSpec& cluster, const Calibration
 // would also ignore the correction re-planning exists for (a device the profile undersold gets
 // little work, and its real speed shows only in short bursts too). So every plan the job runs
 // keeps its measured step, and a measured step outranks a predicted one: when the running plan
-// measures slower than a plan the job ran before by more than the margin, the job goes back to
-// the fastest of those and stops re-planning.
+// measures slower than a plan the job ran before by more than the margin, and the speeds just
+// measured agree (they predict that plan faster by the margin too; a machine that got slower for
+// every plan is no reason to go back), the job goes back to the fastest of those and stops
+// re-planning.
 struct TriedPlan {
   Plan plan;
   int64_t calibrated_after_step = 0;  // the calibration that measured it

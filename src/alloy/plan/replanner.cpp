@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "alloy/core/log.h"
+#include "alloy/plan/cost_model.h"
 #include "alloy/plan/sync_scope.h"
 
 namespace alloy::plan {
@@ -24,7 +25,20 @@ std::shared_ptr<Plan> Replanner::measured(int64_t from, int64_t to, const std::m
   Calibration cal = calibrate(running_, spec_, profile_, compute);
   Replan rp = replan(running_, spec_, cal, options_, min_gain_, &phase);
   tried_.push_back({running_, to, step_s, rp.current});
-  const std::optional<size_t> back = reverted_ ? std::nullopt : revert_target(tried_, revert_margin_);
+  std::optional<size_t> back = reverted_ ? std::nullopt : revert_target(tried_, revert_margin_);
+  // A slower step may also mean slower devices (another job on the machine): then the speeds just
+  // measured predict the earlier plan no faster than the running one, and re-planning goes on
+  // from them instead of going back.
+  double earlier_now_s = 0;
+  if (back) {
+    earlier_now_s = simulate_plan(tried_[*back].plan, spec_, cal.profile).step_s;
+    if (!(rp.current.step_s > earlier_now_s * (1.0 + revert_margin_))) {
+      log_info("the running plan measured slower than an earlier one, but the speeds just measured predict that one no faster (" +
+               std::to_string(earlier_now_s * 1e3).substr(0, 7) + " ms against " + std::to_string(rp.current.step_s * 1e3).substr(0, 7) +
+               " ms): the devices are slower, not the plan");
+      back.reset();
+    }
+  }
   log_info("re-planning with the compute measured in steps " + std::to_string(from) + "-" + std::to_string(to) + ":\n" + cal.text +
            (back ? "" : rp.text));
   nlohmann::json m = nlohmann::json::object(), f = nlohmann::json::object(), ph = nlohmann::json::object();
@@ -66,7 +80,8 @@ std::shared_ptr<Plan> Replanner::measured(int64_t from, int64_t to, const std::m
     e["switched"] = true;
     e["reverted_to"] = {{"calibrated_after_step", t.calibrated_after_step},
                         {"measured_step_s", t.measured_step_s},
-                        {"calibrated_s", t.calibrated.step_s}};
+                        {"calibrated_s", t.calibrated.step_s},
+                        {"now_predicted_s", earlier_now_s}};
     reverted_ = true;
   } else if (reverted_ && rp.change) {
     log_info("keeping the plan gone back to: re-planning stopped there");
