@@ -805,7 +805,10 @@ void Transformer::quantize_pieces(Layer& layer, const std::string& base, const s
   shape[static_cast<size_t>(k.dim)] = tp_extent(k, cfg_);
   int64_t numel = 1;
   for (int64_t d : shape) numel *= d;
-  const at::Tensor index = at::arange(numel, first.options().dtype(at::kLong)).view(shape);
+  // Each element's flat index in the whole weight, cut like the weights (int32 where it fits: this
+  // lives beside the whole fp32 weight while the pieces are made).
+  const bool narrow = numel <= std::numeric_limits<int32_t>::max();
+  const at::Tensor index = at::arange(numel, first.options().dtype(narrow ? at::kInt : at::kLong)).view(shape);
   at::Tensor whole = at::zeros(shape, first.options().dtype(at::kFloat));
   std::vector<at::Tensor> where;
   int64_t covered = 0;
@@ -813,7 +816,7 @@ void Transformer::quantize_pieces(Layer& layer, const std::string& base, const s
     std::string b;
     int64_t h0 = 0, h1 = 0;
     parse_piece(p->name, &b, &h0, &h1);
-    where.push_back(tp_cut(index, k, h0, h1, cfg_));
+    where.push_back(tp_cut(index, k, h0, h1, cfg_).to(at::kLong));
     whole.view({-1}).index_copy_(0, where.back().reshape({-1}), p->tensor.to(at::kFloat).reshape({-1}));
     covered += p->tensor.numel();
   }
