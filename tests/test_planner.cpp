@@ -1428,6 +1428,8 @@ TEST(Calibrate, GoesBackToAPlanThatMeasuredFasterAndStaysThere) {
     env.measured(8, 12, compute(env.running(), slower), no_phase, slow_step);
     EXPECT_FALSE(env.reverted());
     EXPECT_FALSE(env.events()[1].contains("reverted_to")) << env.events()[1].dump(2);
+    ASSERT_TRUE(env.events()[1].contains("not_reverted_to")) << env.events()[1].dump(2);
+    EXPECT_GT(env.events()[1]["not_reverted_to"]["now_predicted_s"].get<double>(), env.events()[1]["running_plan_calibrated_s"].get<double>());
   }
   // Within the margin of the first plan's step: no going back.
   {

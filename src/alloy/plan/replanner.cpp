@@ -30,12 +30,19 @@ std::shared_ptr<Plan> Replanner::measured(int64_t from, int64_t to, const std::m
   // measured predict the earlier plan no faster than the running one, and re-planning goes on
   // from them instead of going back.
   double earlier_now_s = 0;
+  nlohmann::json declined;
   if (back) {
     earlier_now_s = simulate_plan(tried_[*back].plan, spec_, cal.profile).step_s;
     if (!(rp.current.step_s > earlier_now_s * (1.0 + revert_margin_))) {
-      log_info("the running plan measured slower than an earlier one, but the speeds just measured predict that one no faster (" +
-               std::to_string(earlier_now_s * 1e3).substr(0, 7) + " ms against " + std::to_string(rp.current.step_s * 1e3).substr(0, 7) +
-               " ms): the devices are slower, not the plan");
+      char msg[320];
+      std::snprintf(msg, sizeof msg,
+                    "the running plan measured slower than the plan run up to step %lld, but the speeds just measured "
+                    "predict that one no faster (%.0f ms against %.0f ms): the devices are slower, not the plan",
+                    static_cast<long long>(tried_[*back].calibrated_after_step), earlier_now_s * 1e3, rp.current.step_s * 1e3);
+      log_info(msg);
+      declined = {{"calibrated_after_step", tried_[*back].calibrated_after_step},
+                  {"measured_step_s", tried_[*back].measured_step_s},
+                  {"now_predicted_s", earlier_now_s}};
       back.reset();
     }
   }
@@ -54,6 +61,7 @@ std::shared_ptr<Plan> Replanner::measured(int64_t from, int64_t to, const std::m
                       {"running_plan_calibrated_s", rp.current.step_s},
                       {"best_calibrated_s", rp.best.step_s},
                       {"switched", rp.change}};
+  if (!declined.is_null()) e["not_reverted_to"] = declined;  // slower, but the new speeds explain it
   if (rp.split)
     e["rebalance"] = {{"pipeline_factors", rp.split->factor},
                       {"running_split_s", rp.split->current_s},

@@ -27,7 +27,9 @@ class Replanner {
   Replanner(Plan running, ClusterSpec spec, Profile profile, SearchOptions options, double min_gain = 0.05,
             double revert_margin = 0.05);
 
-  // Steps FROM..TO ran the running plan. COMPUTE and PHASE: rank -> median seconds of compute and
+  // After a switch the calibrated profile and the new plan become the running ones, so a later
+  // call corrects what an earlier calibration got wrong (the profile's shape across micro-batch
+  // sizes, a device read in bursts). Steps FROM..TO ran the running plan. COMPUTE and PHASE: rank -> median seconds of compute and
   // of step start to its last schedule action; STEP_S: the median step. Returns the plan to run
   // from here on, or null to keep the running one.
   std::shared_ptr<Plan> measured(int64_t from, int64_t to, const std::map<int, double>& compute,
