@@ -3,12 +3,10 @@
 
 #include <set>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "alloy/core/error.h"
 #include "alloy/plan/cost_model.h"
-#include "alloy/plan/cost_tp.h"
 #include "alloy/plan/planner.h"
 #include "alloy/plan/search.h"
 #include "planner_fixtures.h"
@@ -149,36 +147,6 @@ SearchOptions fast_pair_case(ClusterSpec& c, Profile& prof) {
   return o;
 }
 }  // namespace
-
-// Sequence parallelism is priced only where it runs: a tensor-parallel stage holding the head (or
-// the embedding) alone runs without it (Transformer::run), so it costs what it costs without.
-TEST(TensorParallelCost, AStageWithoutBlocksPaysNothingForSequenceParallelism) {
-  ClusterSpec c;
-  Profile prof;
-  four_device_pool(c, prof);
-  const CostContext ctx(c, prof);
-  StagePlan st;
-  st.ranks = {0, 1};
-  st.devices = {c.devices[0].name, c.devices[1].name};
-  st.tp_split = {2, 2};
-  const std::vector<int> dev_of = {0, 1, 2, 3};
-  const int64_t L = prof.model.layers;
-  for (const auto& [ub, ue, first, last] : std::vector<std::tuple<int64_t, int64_t, bool, bool>>{{2 * L, 2 * L, false, true}, {0, 0, true, false}}) {
-    st.layer_begin = ub / 2, st.layer_end = ue / 2;
-    st.sequence_parallel = false;
-    const detail::TpStageTime plain = detail::tp_stage_time(ctx, prof.model, st, dev_of, first, last, 2);
-    st.sequence_parallel = true;
-    const detail::TpStageTime sp = detail::tp_stage_time(ctx, prof.model, st, dev_of, first, last, 2);
-    EXPECT_DOUBLE_EQ(sp.comm_s, plain.comm_s) << (last ? "head" : "embedding");
-    EXPECT_GT(plain.comm_s, 0.0);
-  }
-  // A stage with blocks pays for its gathers.
-  st.layer_begin = 0, st.layer_end = L;
-  st.sequence_parallel = false;
-  const double plain = detail::tp_stage_time(ctx, prof.model, st, dev_of, true, true, 2).comm_s;
-  st.sequence_parallel = true;
-  EXPECT_GT(detail::tp_stage_time(ctx, prof.model, st, dev_of, true, true, 2).comm_s, plain);
-}
 
 TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
   ClusterSpec c;

@@ -131,7 +131,7 @@ struct LoraConfig {
   bool double_quant = false;    // nf4: quantize the blocks' scales too (8-bit, blocks of 256)
 
   bool enabled() const { return rank > 0; }
-  // A frozen base stored quantized (what tensor-parallel stages do not train: plan.h).
+  // A frozen base stored quantized (int8 / nf4).
   bool quantized_base() const { return enabled() && base_dtype != "fp32"; }
   // The target patterns, split and trimmed; the arch's attention projections when none are given.
   std::vector<std::string> target_list(const std::string& arch) const;

@@ -231,6 +231,17 @@ std::shared_ptr<QuantizedWeight> quantize(const at::Tensor& w_in, const std::str
   return q;
 }
 
+int64_t nf4_run(const at::Tensor& index, int64_t block) {
+  const at::Tensor blk = index.reshape({-1}).to(at::kLong).div(block, "floor");
+  const int64_t n = blk.numel();
+  for (int64_t g = block; g >= 2; g /= 2) {
+    if (n % g != 0 || block % g != 0) continue;
+    const at::Tensor rows = blk.view({-1, g});
+    if (rows.eq(rows.select(1, 0).unsqueeze(1)).all().item<bool>()) return g;
+  }
+  return 0;
+}
+
 std::shared_ptr<QuantizedWeight> quantized_part(const QuantizedWeight& whole, const at::Tensor& index) {
   at::NoGradGuard ng;
   auto q = std::make_shared<QuantizedWeight>();
@@ -254,20 +265,13 @@ std::shared_ptr<QuantizedWeight> quantized_part(const QuantizedWeight& whole, co
   const at::Tensor high = flat.remainder(2).eq(0);
   const at::Tensor codes = at::where(high, at::bitwise_right_shift(bytes, 4), at::bitwise_and(bytes, 15)).to(at::kByte);
   const at::Tensor blk = flat.div(whole.block, "floor");
-  const int64_t n = flat.numel();
-  int64_t run = 0;
-  for (int64_t g = whole.block; g >= 2; g /= 2) {
-    if (n % g != 0 || whole.block % g != 0) continue;
-    const at::Tensor rows = blk.view({-1, g});
-    if (rows.eq(rows.select(1, 0).unsqueeze(1)).all().item<bool>()) {
-      run = g;
-      break;
-    }
-  }
+  const int64_t run = nf4_run(index, whole.block);
   if (run == 0)
     throw std::invalid_argument("a piece of an nf4 weight of shape [" + std::to_string(whole.shape.front()) + ", " +
                                 std::to_string(whole.shape.back()) + "] whose elements share no run of 2 or more of one " +
-                                std::to_string(whole.block) + "-element block: give the heads an even head_dim");
+                                std::to_string(whole.block) +
+                                "-element block (it starts at an odd column, or is an odd number of columns wide): use a "
+                                "tp_split whose pieces start at even columns of every split weight, or lora.base_dtype int8");
   q->block = run;
   const at::Tensor pairs = codes.view({-1, 2});
   q->codes = at::bitwise_or(at::bitwise_left_shift(pairs.select(1, 0), 4), pairs.select(1, 1)).contiguous();

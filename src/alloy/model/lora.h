@@ -80,6 +80,10 @@ std::shared_ptr<QuantizedWeight> quantize(const at::Tensor& w, const std::string
 // as plain fp32 scales per run of elements that share a block of WHOLE, the longest run length
 // that divides them all). Throws std::invalid_argument when no run length of 2 or more does.
 std::shared_ptr<QuantizedWeight> quantized_part(const QuantizedWeight& whole, const at::Tensor& index);
+// The run length quantized_part gives an nf4 part at INDEX of a whole quantized in blocks of BLOCK
+// (the longest power of two, at most BLOCK, whose aligned runs of the part each lie in one block);
+// 0 when there is none of 2 or more. It depends on the layout only, not on the values.
+int64_t nf4_run(const at::Tensor& index, int64_t block);
 
 // x W for a weight in quantized storage, with W dequantized in the forward and again in the
 // backward (only the gradient of X flows). W_IN_OUT: W is [in, out] (GPT-2's Conv1D) rather than

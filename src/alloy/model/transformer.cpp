@@ -656,15 +656,11 @@ at::Tensor Transformer::forward_units(const at::Tensor& x, int64_t unit_begin, i
 at::Tensor Transformer::run(const at::Tensor& x, const LayerRange& want) {
   at::Tensor h = x;
   SeqSplit seq;
-  // Only blocks gain from sequence parallelism. Around an embedding or head alone, cutting the
-  // stage's input and gathering it again are two exchanges that cancel (the head reads every
-  // position); without SP the embedding's lookups are one sum and the head needs none.
-  const bool blocks = std::min(want.end, cfg_.layers + 1) > std::max<int64_t>(want.begin, 1);
   if (sp_comm_) {
-    if (blocks) seq = {sp_comm_, sequence_bounds(sp_heads_, x.size(1))};
+    seq = {sp_comm_, sequence_bounds(sp_heads_, x.size(1))};
     for (auto& l : layers_) l->set_seq(seq);
     // A stage's input and output are whole on every member (the first one sends for all).
-    if (seq && want.begin != 0) h = sp_split(h, seq);
+    if (want.begin != 0) h = sp_split(h, seq);
   }
   for (int64_t pos = want.begin; pos < want.end; ++pos) {
     const size_t i = static_cast<size_t>(pos - range_.begin);
@@ -809,21 +805,33 @@ void Transformer::quantize_pieces(Layer& layer, const std::string& base, const s
   // lives beside the whole fp32 weight while the pieces are made).
   const bool narrow = numel <= std::numeric_limits<int32_t>::max();
   const at::Tensor index = at::arange(numel, first.options().dtype(narrow ? at::kInt : at::kLong)).view(shape);
-  at::Tensor whole = at::zeros(shape, first.options().dtype(at::kFloat));
+  // One element past the weight flags a member that cannot cut its pieces (nf4 needs runs of 2
+  // within the whole's blocks): the sum tells every member, so all fail here together instead of
+  // one failing while the others wait in the next projection's sum.
+  at::Tensor buffer = at::zeros({numel + 1}, first.options().dtype(at::kFloat));
+  at::Tensor whole = buffer.narrow(0, 0, numel).view(shape);
   std::vector<at::Tensor> where;
   int64_t covered = 0;
+  bool cuttable = true;
   for (Param* p : held) {
     std::string b;
     int64_t h0 = 0, h1 = 0;
     parse_piece(p->name, &b, &h0, &h1);
-    where.push_back(tp_cut(index, k, h0, h1, cfg_).to(at::kLong));
-    whole.view({-1}).index_copy_(0, where.back().reshape({-1}), p->tensor.to(at::kFloat).reshape({-1}));
+    where.push_back(tp_cut(index, k, h0, h1, cfg_));
+    whole.view({-1}).index_copy_(0, where.back().reshape({-1}).to(at::kLong), p->tensor.to(at::kFloat).reshape({-1}));
     covered += p->tensor.numel();
+    if (l.base_dtype == "nf4" && nf4_run(where.back(), kNf4Block) == 0) cuttable = false;
   }
+  if (!cuttable) buffer.narrow(0, numel, 1).fill_(1.0);
   if (TpComm* comm = layer.tp_comm())
-    comm->allreduce_sum(whole);  // the members' pieces are disjoint and cover the weight
+    comm->allreduce_sum(buffer);  // the members' pieces are disjoint and cover the weight
   else if (covered != numel)
     throw std::logic_error(base + ": a holder outside a tensor-parallel group holds only part of it");
+  if (buffer[numel].item<double>() > 0)
+    throw std::invalid_argument(base + ": " + (cuttable ? "another member of this tensor-parallel group" : "this rank") +
+                                " cannot cut its piece from the nf4 quantization (a piece starting at an odd column, or an odd "
+                                "number of columns wide): use a tp_split whose pieces start at even columns of every split "
+                                "weight, or lora.base_dtype int8");
   const auto q = quantize(whole, l.base_dtype, layer.projection_in_out() ? 1 : 0, l.double_quant);
   for (size_t i = 0; i < held.size(); ++i) {
     held[i]->quant = quantized_part(*q, where[i]);

@@ -38,7 +38,7 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
   const double small = ctx.tp_sum_s(devs, static_cast<double>(m * model.seq_len) * 4.0 * 2.0);
   const double units = static_cast<double>(ue - ub);
   double fwd = units * one + (first ? one : 0.0) + (last ? 3 * small : 0.0), bwd = units * one + (last ? one : 0.0);
-  if (st.sequence_parallel && units > 0) {  // a stage without blocks runs without it (Transformer::run)
+  if (st.sequence_parallel) {
     // Sequence parallelism: each sum becomes a reduce-scatter and the all-gather before the next
     // column-parallel product, the pair moving a sum's bytes back to back; priced as the sum they
     // replace (measured on the emulated cluster-tp pair: the pairs cost about what the sums did).

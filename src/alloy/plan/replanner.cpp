@@ -86,6 +86,7 @@ std::shared_ptr<Plan> Replanner::measured(int64_t from, int64_t to, const std::m
     rp.plan.predicted = t.calibrated.to_json();
     calibrated_after = t.calibrated_after_step;
     e["switched"] = true;
+    if (e.contains("rebalance")) e["rebalance"]["switched"] = false;  // what the search proposed is not run
     e["reverted_to"] = {{"calibrated_after_step", t.calibrated_after_step},
                         {"measured_step_s", t.measured_step_s},
                         {"calibrated_s", t.calibrated.step_s},

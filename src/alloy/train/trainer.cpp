@@ -167,6 +167,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     if (rank_ == 0 && !opts_.quiet) log_info((resume_dir.empty() ? "initial weights from " : "base weights from ") + base_);
   }
   model_->apply_lora(cfg_.lora, static_cast<uint64_t>(cfg_.train.seed));
+  if (tp_comm_) tp_comm_->take_busy();  // a quantized base's setup sums belong to no step
   model_->to(device_);
   model_->set_recompute(cfg_.train.recompute || st.recompute);
   if (pos_.tp_rank > 0) {
