@@ -502,7 +502,9 @@ def main():
                prediction_error_median_round=br["relative_error_median"], prediction_error_worst_round=br["relative_error_worst"],
                results=results)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    name = "hetero-demo.json" if a.demo else a.out + ".json"
+    # hetero-demo.json for the 3-device pool; another cluster's demo beside its benchmark's file,
+    # not over the 3-device one.
+    name = a.out + "-demo.json" if a.demo else a.out + ".json"
     path = os.path.join(HERE, "results", name)
     with open(path + ".tmp", "w") as f:
         json.dump(out, f, indent=2)
