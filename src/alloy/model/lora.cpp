@@ -66,6 +66,11 @@ bool is_adapter_name(const std::string& name) {
   return ends_with(n, ".lora_A.weight") || ends_with(n, ".lora_B.weight");
 }
 
+std::string weight_module(const std::string& name) {
+  const std::string suffix = ".weight";
+  return name.size() > suffix.size() && ends_with(name, suffix) ? name.substr(0, name.size() - suffix.size()) : std::string();
+}
+
 int64_t lora_in_features(const ModelConfig& m, const std::string& module, int64_t block) {
   const std::string prefix = block_prefix(m.arch, block);
   if (module.rfind(prefix, 0) != 0) return 0;

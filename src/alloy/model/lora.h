@@ -36,6 +36,8 @@ bool lora_matches(const std::vector<std::string>& patterns, const std::string& m
 // naming lora.targets when a pattern matches no projection (lists the projections there are).
 std::vector<std::string> lora_modules(const ModelConfig& m, const LoraConfig& l);
 bool is_adapter_name(const std::string& param_name);
+// "a.b" for a weight "a.b.weight", else "": the module an adapter of that weight is keyed by.
+std::string weight_module(const std::string& name);
 // The input features of projection MODULE (a full module name, "h.3.mlp.c_proj") when it belongs
 // to block BLOCK, else 0: A's width.
 int64_t lora_in_features(const ModelConfig& m, const std::string& module, int64_t block);
