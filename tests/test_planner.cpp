@@ -1292,6 +1292,22 @@ ClusterSpec two_types() {
   c.rules.push_back({"h0", "h1", Link{10, 0.01}});
   return c;
 }
+// base_profile(4) with the "fast" type at 1 and the "slow" one SLOW times as slow.
+Profile two_type_profile(double slow) {
+  Profile p = base_profile(4);
+  p.devices["fast"] = dev_profile(1.0);
+  p.devices["slow"] = dev_profile(slow);
+  return p;
+}
+
+// Each rank's compute per step (forward and backward) as PROF predicts it for PLAN: what a
+// calibration would measure if PROF were the truth.
+std::map<int, double> predicted_compute(const Plan& plan, const ClusterSpec& c, const Profile& prof) {
+  std::map<int, double> m;
+  for (const auto& s : simulate_plan(plan, c, prof).stages) m[s.rank] = s.forward_s + s.backward_s;
+  return m;
+}
+
 // The samples per step PLAN gives device "b".
 int64_t samples_on_b(const Plan& plan) {
   int64_t n = 0;
@@ -1303,9 +1319,7 @@ int64_t samples_on_b(const Plan& plan) {
 }  // namespace
 
 TEST(Calibrate, ScalesEachTypeByMeasuredOverPredicted) {
-  Profile p = base_profile(4);
-  p.devices["fast"] = dev_profile(1.0);
-  p.devices["slow"] = dev_profile(2.0);
+  Profile p = two_type_profile(2.0);
   p.devices["slow"].block_fwd.set_points({1, 2, 4}, {0.01, 0.02, 0.04});
   ClusterSpec c = two_types();
   SearchOptions o;
@@ -1332,18 +1346,12 @@ TEST(Calibrate, ScalesEachTypeByMeasuredOverPredicted) {
 }
 
 TEST(Calibrate, ReplanSwitchesOnlyWhenTheSpeedsWereWrong) {
-  Profile p = base_profile(4);
-  p.devices["fast"] = dev_profile(1.0);
-  p.devices["slow"] = dev_profile(4.0);  // the profile says 4x slower
+  Profile p = two_type_profile(4.0);  // the profile says 4x slower
   ClusterSpec c = two_types();
   SearchOptions o;
   o.global_batch = 16;
   SearchResult r = search(c, p, o);
-  auto compute = [&](const Profile& prof) {
-    std::map<int, double> m;
-    for (const auto& s : simulate_plan(r.plan, c, prof).stages) m[s.rank] = s.forward_s + s.backward_s;
-    return m;
-  };
+  auto compute = [&](const Profile& prof) { return predicted_compute(r.plan, c, prof); };
   // Measured as predicted: the same plan, no switch.
   Replan same = replan(r.plan, c, calibrate(r.plan, c, p, compute(p)), o);
   EXPECT_FALSE(same.change) << same.text;
@@ -1365,19 +1373,13 @@ TEST(Calibrate, ReplanSwitchesOnlyWhenTheSpeedsWereWrong) {
 // trains) makes a plan that measures slower than the one before; the job goes back to that one,
 // with the prediction of the calibration that measured it, and switches no more.
 TEST(Calibrate, GoesBackToAPlanThatMeasuredFasterAndStaysThere) {
-  Profile p = base_profile(4);
-  p.devices["fast"] = dev_profile(1.0);
-  p.devices["slow"] = dev_profile(4.0);
+  Profile p = two_type_profile(4.0);
   ClusterSpec c = two_types();
   SearchOptions o;
   o.global_batch = 16;
   SearchResult r = search(c, p, o);
   r.plan.predicted = r.cost.to_json();
-  auto compute = [&](const Plan& plan, const Profile& prof) {
-    std::map<int, double> m;
-    for (const auto& s : simulate_plan(plan, c, prof).stages) m[s.rank] = s.forward_s + s.backward_s;
-    return m;
-  };
+  auto compute = [&](const Plan& plan, const Profile& prof) { return predicted_compute(plan, c, prof); };
   Profile fast_b = p;  // what the first steps seem to say (b computes in bursts): b as fast as a
   fast_b.devices["slow"] = dev_profile(1.0);
   const std::map<int, double> no_phase;
@@ -1454,9 +1456,7 @@ TEST(Calibrate, GoesBackToAPlanThatMeasuredFasterAndStaysThere) {
 }
 
 TEST(Calibrate, RebalanceMovesSamplesFromAPipelineSlowerThanPredicted) {
-  Profile p = base_profile(4);
-  p.devices["fast"] = dev_profile(1.0);
-  p.devices["slow"] = dev_profile(1.0);
+  Profile p = two_type_profile(1.0);
   ClusterSpec c = two_types();
   SearchOptions o;
   o.global_batch = 32;

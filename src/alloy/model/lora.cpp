@@ -236,8 +236,9 @@ std::shared_ptr<QuantizedWeight> quantize(const at::Tensor& w_in, const std::str
   return q;
 }
 
-int64_t nf4_run(const at::Tensor& index, int64_t block) {
-  const at::Tensor blk = index.reshape({-1}).to(at::kLong).div(block, "floor");
+namespace {
+// The run length of nf4_run for BLK, each element's block in the whole.
+int64_t run_of_blocks(const at::Tensor& blk, int64_t block) {
   const int64_t n = blk.numel();
   for (int64_t g = block; g >= 2; g /= 2) {
     if (n % g != 0 || block % g != 0) continue;
@@ -245,6 +246,11 @@ int64_t nf4_run(const at::Tensor& index, int64_t block) {
     if (rows.eq(rows.select(1, 0).unsqueeze(1)).all().item<bool>()) return g;
   }
   return 0;
+}
+}  // namespace
+
+int64_t nf4_run(const at::Tensor& index, int64_t block) {
+  return run_of_blocks(index.reshape({-1}).to(at::kLong).div(block, "floor"), block);
 }
 
 std::shared_ptr<QuantizedWeight> quantized_part(const QuantizedWeight& whole, const at::Tensor& index) {
@@ -270,7 +276,7 @@ std::shared_ptr<QuantizedWeight> quantized_part(const QuantizedWeight& whole, co
   const at::Tensor high = flat.remainder(2).eq(0);
   const at::Tensor codes = at::where(high, at::bitwise_right_shift(bytes, 4), at::bitwise_and(bytes, 15)).to(at::kByte);
   const at::Tensor blk = flat.div(whole.block, "floor");
-  const int64_t run = nf4_run(index, whole.block);
+  const int64_t run = run_of_blocks(blk, whole.block);
   if (run == 0)
     throw std::invalid_argument("a piece of an nf4 weight of shape [" + std::to_string(whole.shape.front()) + ", " +
                                 std::to_string(whole.shape.back()) + "] whose elements share no run of 2 or more of one " +
