@@ -95,4 +95,10 @@ TEST(Config, GradSyncSectionIsCheckedWithAllowedValues) {
   // SAFusion's names map to Alloy's.
   EXPECT_EQ(Config::from_yaml_string("", "x", {"grad_sync.compression=gaussian"}).grad_sync.compression, "gaussiank");
   EXPECT_EQ(Config::from_yaml_string("", "x", {"grad_sync.compression=eftopk"}).grad_sync.compression, "topk");
+  EXPECT_EQ(Config::from_yaml_string("", "x", {"grad_sync.fusion=wfbp"}).grad_sync.fusion, "bucket");
+}
+
+TEST(Config, AHeteroShardFileGivenAsTheConfigSaysWhereItGoes) {
+  const std::string e = error_of("{\"version\": 1, \"shard_plan\": [{\"id\": \"local\"}]}", {});
+  EXPECT_NE(e.find("is a HeteroShard hetero_config.json, not an Alloy config: give it as --hetero-config"), std::string::npos) << e;
 }

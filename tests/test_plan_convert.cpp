@@ -178,7 +178,14 @@ TEST(SynerFuse, UniformFallbackUsesMicroBatchSize) {
     EXPECT_EQ(pl.stages[1].layer_begin, 3);
     EXPECT_EQ(pl.stages[1].layer_end, 6);
   }
-  EXPECT_EQ(p.pipelines[1].stages[0].ranks, std::vector<int>{3});
+  // Megatron's default order tp-dp-pp: stage s of pipeline d is rank s * dp + d.
+  EXPECT_EQ(p.pipelines[1].stages[0].ranks, std::vector<int>{1});
+  EXPECT_EQ(p.pipelines[0].stages[2].ranks, std::vector<int>{4});
+  // --use-tp-pp-dp-mapping: consecutive ranks form a pipeline.
+  Plan q = from_flags({"--num-layers", "9", "--pipeline-model-parallel-size", "3", "--data-parallel-size", "2",
+                       "--global-batch-size", "16", "--micro-batch-size", "2", "--use-tp-pp-dp-mapping"});
+  EXPECT_EQ(q.pipelines[1].stages[0].ranks, std::vector<int>{3});
+  EXPECT_EQ(q.pipelines[0].stages[2].ranks, std::vector<int>{2});
   EXPECT_HAS(flags_error({"--num-layers", "9", "--pipeline-model-parallel-size", "3", "--data-parallel-size", "2",
                           "--global-batch-size", "10", "--micro-batch-size", "2"}),
              "--global-batch-size 10 is not a multiple of the data-parallel size 2 x --micro-batch-size 2 = 4");
@@ -283,7 +290,7 @@ TEST(SynerFuse, ScalarsMustBePositive) {
 }
 
 TEST(SynerFuse, TensorParallelGroupsAreConsecutiveRanksPerStage) {
-  // Megatron's order, TP innermost: 2 pipelines x 2 stages x TP 2 = 8 ranks.
+  // TP innermost in both of Megatron's orders: 2 pipelines x 2 stages x TP 2 = 8 ranks.
   SynerFuseArgs a = alloy::parse_synerfuse_args({"--num-layers", "8", "--pipeline-model-parallel-size", "2",
                                                  "--tensor-model-parallel-size", "2", "--tp-split", "3", "1",
                                                  "--hetero-pipeline-stages", "1", "5", "1", "3", "--global-batch-size", "16",
@@ -291,8 +298,18 @@ TEST(SynerFuse, TensorParallelGroupsAreConsecutiveRanksPerStage) {
   a.num_attention_heads = 4;
   Plan p = alloy::plan_from_synerfuse(a);
   ASSERT_EQ(p.pipelines.size(), 2u);
+  // tp-dp-pp (Megatron's default, SynerFuse's run.sh): ranks 0-3 are stage 0 of both pipelines.
+  EXPECT_EQ(p.pipelines[0].stages[0].ranks, (std::vector<int>{0, 1}));
+  EXPECT_EQ(p.pipelines[1].stages[0].ranks, (std::vector<int>{2, 3}));
+  EXPECT_EQ(p.pipelines[0].stages[1].ranks, (std::vector<int>{4, 5}));
+  EXPECT_EQ(p.pipelines[1].stages[1].ranks, (std::vector<int>{6, 7}));
+  // tp-pp-dp: each pipeline on consecutive ranks.
+  a.tp_pp_dp_mapping = true;
+  p = alloy::plan_from_synerfuse(a);
+  EXPECT_EQ(p.pipelines[0].stages[1].ranks, (std::vector<int>{2, 3}));
   EXPECT_EQ(p.pipelines[1].stages[0].ranks, (std::vector<int>{4, 5}));
   EXPECT_EQ(p.pipelines[1].stages[1].ranks, (std::vector<int>{6, 7}));
+  a.tp_pp_dp_mapping = false;
   EXPECT_EQ(p.pipelines[0].stages[1].tp_split, (std::vector<int64_t>{3, 1}));
   EXPECT_EQ(p.pipelines[0].stages[1].layer_begin, 5);
   EXPECT_EQ(p.world_size(), 8);
@@ -375,9 +392,18 @@ TEST(SynerFuseArgs, BadTokensAreNamed) {
     }
     return "";
   };
-  std::string e = error_of({"--num-layers", "8", "--hidden-size", "1024"});
-  EXPECT_HAS(e, "unknown flag '--hidden-size'");
+  std::string e = error_of({"--num-layers", "8", "--hidden-sizes", "1024"});
+  EXPECT_HAS(e, "unknown flag '--hidden-sizes'");
   EXPECT_HAS(e, "--hetero-pipeline-stages");  // lists what it does read
+  // run.sh's model and training flags are skipped with their values, named, and the heads kept.
+  std::vector<std::string> ignored;
+  SynerFuseArgs r = alloy::parse_synerfuse_args({"--num-layers", "8", "--hidden-size", "1024", "--swiglu", "--lr=3e-4",
+                                                 "--num-attention-heads", "16", "--pipeline-model-parallel-size", "2"},
+                                                &ignored);
+  EXPECT_EQ(r.pipeline_model_parallel_size, 2);
+  EXPECT_EQ(r.num_attention_heads, 16);
+  EXPECT_EQ(ignored, (std::vector<std::string>{"--hidden-size", "--swiglu", "--lr"}));
+  EXPECT_HAS(error_of({"--hidden-size"}), "--hidden-size needs a value");
   EXPECT_HAS(error_of({"--num-layers", "8", "9"}), "unexpected value '9'");
   EXPECT_HAS(error_of({"8"}), "unexpected value '8'");
   EXPECT_HAS(error_of({"--num-layers", "eight"}), "--num-layers: expected an integer, got 'eight'");
@@ -453,6 +479,11 @@ RC_GTEST_PROP(SynerFuseProperty, ValidInputsAlwaysGiveValidPlans, ()) {
   else
     argv = concat(argv, {"--micro-batch-size", std::to_string(uniform_mbs)});
   if (nmb_list) argv = concat(concat(argv, {"--num-micro-batches-per-dp"}), grouped(nmb));
+  const bool mapping_flag = *rc::gen::arbitrary<bool>();
+  if (mapping_flag) argv = concat(argv, {"--use-tp-pp-dp-mapping"});
+  // SynerFuse's per-dp lists work only in the tp-pp-dp order; without them or the flag Megatron's
+  // default tp-dp-pp applies.
+  const bool pipeline_major = mapping_flag || mbs_list || nmb_list;
   // How the data-parallel size is known: stated, through the world size, or from the lists.
   const int how = *rc::gen::inRange(0, 3);
   if (how == 0 || (!mbs_list && !nmb_list && dp > 1))
@@ -474,7 +505,7 @@ RC_GTEST_PROP(SynerFuseProperty, ValidInputsAlwaysGiveValidPlans, ()) {
     int64_t begin = 0;
     for (int64_t s = 0; s < pp; ++s) {
       const auto& st = pl.stages[static_cast<size_t>(s)];
-      RC_ASSERT(st.ranks == std::vector<int>{static_cast<int>(d * pp + s)});
+      RC_ASSERT(st.ranks == std::vector<int>{static_cast<int>(pipeline_major ? d * pp + s : s * dp + d)});
       RC_ASSERT(st.layer_begin == begin);
       RC_ASSERT(st.layer_end == begin + layers[static_cast<size_t>(s)]);
       begin = st.layer_end;

@@ -97,6 +97,20 @@ expect_ok "plan from SynerFuse flags" "$alloy" plan --from-synerfuse --num-layer
   --hetero-pipeline-stages 1 6 1 2 --global-batch-size 32 --micro-batch-size 4 -o sf.json
 grep -q '"layers": \[\s*0,\s*6' sf.json 2>/dev/null || /usr/bin/python3 -c "import json,sys; p=json.load(open('sf.json')); s=p['pipelines'][0]['stages']; sys.exit(0 if [st['layers'] for st in s]==[[0,6],[6,8]] else 1)" \
   && ok "SynerFuse plan splits 6/2" || bad "SynerFuse plan split"
+echo '{"version": 1, "shard_plan": [{"id": "local", "start": 0, "end": 2}]}' > hetero-as-config.json
+# --- Megatron's model and training flags (SynerFuse's run.sh) override the config; --micro-batch-size
+# alone sets every rank's micro-batch; nothing is accepted silently
+out=$("$alloy" train --config tiny.yaml --set output.dir=mgrun --train-iters 3 --hidden-size 32 --num-attention-heads 2 \
+  --micro-batch-size 2 --lr 2e-3 --lr-warmup-fraction .34 --lr-decay-style cosine --use-flash-attn --attention-dropout 0 \
+  --tensorboard-dir mgtb --seed 9 2>&1) && ok "train with Megatron flags" || { bad "train with Megatron flags"; echo "$out" | tail -5; }
+grep -q "hidden: 32" mgrun/config.yaml && grep -q "steps: 3" mgrun/config.yaml && grep -q "warmup: 1" mgrun/config.yaml \
+  && ok "Megatron flags in the run's config" || bad "Megatron flags not in mgrun/config.yaml"
+grep -q '"micro_batch_size": 2' mgrun/plan.json && ok "--micro-batch-size alone sets the micro-batch" || bad "--micro-batch-size ignored"
+ls mgtb/events.out.tfevents.* >/dev/null 2>&1 && ok "--tensorboard-dir" || bad "no events in --tensorboard-dir"
+grep -q -- "--use-flash-attn: Alloy uses" <<<"$out" && ok "a flag without effect says so" || bad "--use-flash-attn accepted silently"
+expect_fail "Megatron flag misspelled" "--lr-decay-styel" "did you mean --lr-decay-style" -- \
+  "$alloy" train --config tiny.yaml --set output.dir=mgbad --lr-decay-styel cosine
+expect_fail "HeteroShard file as the config" "--hetero-config" -- "$alloy" train --config hetero-as-config.json
 expect_fail "SynerFuse constraint" "--hetero-pipeline-stages" "7" -- "$alloy" plan --from-synerfuse --num-layers 8 \
   --pipeline-model-parallel-size 2 --hetero-pipeline-stages 1 6 1 1 --global-batch-size 32 --micro-batch-size 4
 cat > hetero.json <<JSON

@@ -91,7 +91,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
       }
       dist::LaunchResult r;
       if (!emu_path->empty()) {
-        auto spec = plan::ClusterSpec::load(*emu_path);
+        auto spec = plan::load_cluster(*emu_path);
         if (!nproc_given) lo->nproc = static_cast<int>(spec.devices.size());
         if (lo->nproc != static_cast<int>(spec.devices.size()))
           throw InputError("--nproc", std::to_string(lo->nproc) + " ranks, but " + *emu_path + " has " +
@@ -231,9 +231,15 @@ void add_dist_commands(CLI::App& app, Action& action) {
           throw InputError("--global-batch", "is for --from-shard-plan; SynerFuse says --global-batch-size");
       }
       if (pa->from_synerfuse) {
-        SynerFuseArgs sf = parse_synerfuse_args(extras);
+        std::vector<std::string> ignored;
+        SynerFuseArgs sf = parse_synerfuse_args(extras, &ignored);
+        if (!ignored.empty()) {
+          std::string names;
+          for (const auto& n : ignored) names += " " + n;
+          std::printf("note: the plan does not depend on%s (alloy train reads them)\n", names.c_str());
+        }
         if (sf.num_layers <= 0) sf.num_layers = cfg.model.layers;
-        if (!pa->config.empty()) sf.num_attention_heads = cfg.model.heads;
+        if (!pa->config.empty() && sf.num_attention_heads <= 0) sf.num_attention_heads = cfg.model.heads;
         if (sf.global_batch_size <= 0) sf.global_batch_size = cfg.train.global_batch;
         if (sf.micro_batch_size <= 0) sf.micro_batch_size = default_micro_batch(cfg, sf, 0);
         p = plan_from_synerfuse(sf);

@@ -58,7 +58,7 @@ void add_planner_commands(CLI::App& app, Action& action) {
   prof->callback([a, &action]() {
     action = [a]() {
       Config cfg = Config::load(a->config, a->sets);
-      auto spec = plan::ClusterSpec::load(a->cluster);
+      auto spec = plan::load_cluster(a->cluster);
       auto rv = dist::resolve_rendezvous(a->rv);
       train::configure_threads(cfg.train.threads > 0 ? cfg.train.threads : 1);
       std::shared_ptr<dist::World> world;

@@ -13,6 +13,7 @@
 #include "alloy/core/config.h"
 #include "alloy/core/error.h"
 #include "alloy/core/log.h"
+#include "alloy/core/megatron_args.h"
 #include "alloy/core/plan.h"
 #include "alloy/core/plan_convert.h"
 #include "alloy/dist/rendezvous.h"
@@ -36,7 +37,7 @@ struct TrainArgs {
   dist::RendezvousFlags rv;
   double timeout_s = 300;
   double stall_s = -1;
-  bool tp_pp_dp_mapping = false;
+  std::vector<std::string> megatron;  // the arguments CLI11 did not know: Megatron's (megatron_args.h)
   // SAFusion's flags, as --set grad_sync.* overrides.
   std::string compressor, memory;
   double density = 0;
@@ -218,7 +219,13 @@ void add_train_commands(CLI::App& app, Action& action) {
       ->group(g_sf);
   cmd->add_option("--micro-batch-size-per-dp", a->src.synerfuse.micro_batch_size_per_dp, "n0 mbs0 n1 mbs1 ...")->group(g_sf);
   cmd->add_option("--num-micro-batches-per-dp", a->src.synerfuse.num_micro_batches_per_dp, "n0 nmb0 n1 nmb1 ...")->group(g_sf);
-  cmd->add_flag("--use-tp-pp-dp-mapping", a->tp_pp_dp_mapping, "Accepted for SynerFuse compatibility (always on)")->group(g_sf);
+  cmd->add_flag("--use-tp-pp-dp-mapping", a->src.synerfuse.tp_pp_dp_mapping,
+                "Rank order tp-pp-dp (consecutive ranks form a pipeline; implied by the per-dp lists); without it Megatron's "
+                "tp-dp-pp (stage 0 on the first tp x dp ranks)")
+      ->group(g_sf);
+  // Megatron's model, training, data and logging flags (run.sh's other arrays) are read by the
+  // library's table (core/megatron_args.h), which the footer lists.
+  cmd->allow_extras();
 
   auto* g_gs = "Gradient compression, SAFusion's flags (or --set grad_sync.KEY=VALUE; see the keys below)";
   cmd->add_option("--compressor", a->compressor,
@@ -269,27 +276,35 @@ void add_train_commands(CLI::App& app, Action& action) {
                   "Report which ranks have not entered a collective this rank has waited in this long (default: a quarter "
                   "of --timeout; 0 = off)")
       ->group(g_rv);
-  cmd->footer("Config keys (section.key, help, type and default):\n" + config_reference());
+  cmd->footer("Config keys (section.key, help, type and default):\n" + config_reference() +
+              "\nMegatron flags (SynerFuse's run.sh) and what they become; they override the config as --set does:\n" +
+              megatron_flags_reference());
 
-  cmd->callback([a, &action]() {
+  cmd->callback([a, cmd, &action]() {
+    a->megatron = cmd->remaining();
     action = [a]() {
       // A HeteroShard file says more than the layout: its settings come first, so --set still wins.
       HeteroShardRun hs;
       if (!a->src.hetero_config.empty()) hs = hetero_run_settings_file(a->src.hetero_config);
       std::vector<std::string> sets = hs.config_overrides;
+      const MegatronTranslation mt = translate_megatron_args(a->megatron);
+      sets.insert(sets.end(), mt.sets.begin(), mt.sets.end());
       sets.insert(sets.end(), a->sets.begin(), a->sets.end());
+      const SynerFuseArgs& sf = a->src.synerfuse;
+      if (sf.num_layers > 0) sets.push_back("model.layers=" + std::to_string(sf.num_layers));
+      // Megatron's --micro-batch-size is every rank's micro-batch, with or without a SynerFuse layout.
+      if (sf.micro_batch_size > 0) sets.push_back("train.micro_batch=" + std::to_string(sf.micro_batch_size));
       for (auto& o : safusion_overrides(*a)) sets.push_back(o);
       for (auto& o : sharding_overrides(*a)) sets.push_back(o);
       for (auto& o : lora_overrides(*a)) sets.push_back(o);
       if (a->bf16) sets.push_back("train.precision=bf16");
       if (a->fp16) sets.push_back("train.precision=fp16");
       Config cfg = Config::load(a->config, sets);
+      if (mt.warmup_fraction) cfg.train.warmup = std::llround(*mt.warmup_fraction * static_cast<double>(cfg.train.steps));
       dist::Rendezvous rv = dist::resolve_rendezvous(a->rv);
-      const SynerFuseArgs& sf = a->src.synerfuse;
+      if (rv.rank == 0)
+        for (const auto& n : mt.notes) log_info(n);
       if (sf.global_batch_size > 0) cfg.train.global_batch = sf.global_batch_size;
-      if (sf.num_layers > 0 && sf.num_layers != cfg.model.layers)
-        throw InputError("--num-layers", std::to_string(sf.num_layers) + " differs from model.layers " +
-                                             std::to_string(cfg.model.layers) + " in " + a->config);
       if (static_cast<size_t>(rv.rank) < hs.stage_devices.size() && !hs.stage_devices[static_cast<size_t>(rv.rank)].empty() &&
           !std::getenv("ALLOY_DEVICE"))
         cfg.train.device = hetero_device(hs.stage_devices[static_cast<size_t>(rv.rank)], a->src.hetero_config, rv.rank);
@@ -306,6 +321,12 @@ void add_train_commands(CLI::App& app, Action& action) {
         if (!a->resume_from.empty()) o.resume = a->resume_from;
         else if (a->resume) o.resume = cfg.output.dir;
         else if (hs.resume_step >= 0) o.resume = hetero_resume_dir(cfg, hs, a->src.hetero_config);
+        else if (!mt.load.empty()) {
+          // Megatron's --load: the latest complete checkpoint there, or a fresh start when there is none.
+          Config from = cfg;
+          from.output.dir = mt.load;
+          o.resume = train::last_checkpoint_agreed(from, world.get());
+        }
         else if (a->auto_resume || train::restart_count() > 0) o.resume = train::last_checkpoint_agreed(cfg, world.get());
         if (hs.visualize && rv.rank == 0 && rp.plan) {
           const std::string path = cfg.output.dir + "/architecture." + hs.visualization_format;

@@ -130,7 +130,7 @@ const std::vector<Field>& schema() {
       ALLOY_FLOAT(grad_sync, bucket_mb, "gradient buckets (and fixed fusion buffers), MiB of fp32 gradient"),
       ALLOY_STR(grad_sync, compression, "none (exact) | fp16 | bf16 | topk | randomk | dgc | gaussiank | redsync | sidco | powersgd"),
       ALLOY_FLOAT(grad_sync, density, "sparsifiers: fraction of each tensor's elements sent, in (0, 1]"),
-      ALLOY_STR(grad_sync, fusion, "tensor | bucket | omgs | cupcake | saf | saf-inter | saf-adaptive"),
+      ALLOY_STR(grad_sync, fusion, "tensor | bucket (SAFusion: wfbp) | omgs | cupcake | saf | saf-inter | saf-adaptive"),
       ALLOY_BOOL(grad_sync, error_feedback, "add what was not sent to the next step's gradient (SAFusion: --memory residual)"),
       ALLOY_INT(grad_sync, warmup_steps, "density warm-up steps after dense_steps: from 0.25 down to density, exponentially (DGC)"),
       ALLOY_INT(grad_sync, dense_steps, "lossy methods: exact sync for the first steps; sparsifiers then freeze Adam's "
@@ -153,6 +153,7 @@ const std::vector<Field>& schema() {
       ALLOY_BOOL(lora, double_quant, "LoRA with nf4: quantize the blocks' scales too (QLoRA's double quantization)"),
       ALLOY_STR(output, dir, "run directory (metrics.jsonl, checkpoints/)"),
       ALLOY_BOOL(output, tensorboard, "also write TensorBoard event files"),
+      ALLOY_STR(output, tensorboard_dir, "where the TensorBoard event files go; empty = DIR/tensorboard (Megatron: --tensorboard-dir)"),
   };
   return fields;
 }
@@ -163,17 +164,6 @@ const Field* find_field(const std::string& key) {
   return nullptr;
 }
 
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j)
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
-}
 
 std::string unknown_key_message(const std::string& key) {
   std::string best;
@@ -236,12 +226,17 @@ void set_key(Config& c, const std::string& key, const std::string& text, const s
   if (!f) throw InputError(where, unknown_key_message(key));
   f->set(c, check_scalar(*f, text, where));
   if (key == "grad_sync.compression") c.grad_sync.compression = GradSyncConfig::canonical_method(c.grad_sync.compression);
+  // SAFusion's name for its no-merging baseline: wait-free backprop's fixed buckets.
+  if (key == "grad_sync.fusion" && c.grad_sync.fusion == "wfbp") c.grad_sync.fusion = "bucket";
   c.explicit_keys.insert(key);
 }
 
 void load_node(Config& c, const YAML::Node& root, const std::string& where) {
   if (!root || root.IsNull()) return;
   if (!root.IsMap()) throw InputError(where, "top level must be a mapping of sections (model, data, train, grad_sync, lora, output)");
+  if (root["shard_plan"])
+    throw InputError(where, "is a HeteroShard hetero_config.json, not an Alloy config: give it as --hetero-config " + where +
+                                " beside a YAML config (-c) that names the model and the data");
   for (const auto& sec : root) {
     // A key that is itself a list or mapping ("[a]: 1", "? {a: 1}") has no name: as<std::string>()
     // would throw yaml-cpp's BadConversion.
@@ -547,6 +542,18 @@ std::vector<std::string> model_differences(const ModelConfig& a_in, const ModelC
   return out;
 }
 
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
 std::string config_reference() {
   Config defaults;
   std::ostringstream out;
@@ -554,7 +561,7 @@ std::string config_reference() {
     std::string d = f.get(defaults);
     out << "  " << f.key;
     for (size_t i = f.key.size(); i < 26; ++i) out << ' ';
-    out << f.help << "  [" << kind_name(f.kind) << ", default " << (d.empty() ? "\"\"" : d) << "]\n";
+    out << ' ' << f.help << "  [" << kind_name(f.kind) << ", default " << (d.empty() ? "\"\"" : d) << "]\n";
   }
   return out.str();
 }

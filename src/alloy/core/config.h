@@ -140,6 +140,7 @@ struct LoraConfig {
 struct OutputConfig {
   std::string dir = "runs/default";
   bool tensorboard = true;
+  std::string tensorboard_dir;  // empty: DIR/tensorboard (Megatron: --tensorboard-dir)
 };
 
 struct Config {
@@ -173,5 +174,7 @@ std::vector<std::string> model_differences(const ModelConfig& a, const ModelConf
 
 // One line per key: "section.key  (type, default X)  help"; for --help texts.
 std::string config_reference();
+// Levenshtein distance, for "did you mean" in messages about unknown names.
+size_t edit_distance(const std::string& a, const std::string& b);
 
 }  // namespace alloy

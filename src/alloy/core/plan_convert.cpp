@@ -1,5 +1,7 @@
 #include "alloy/core/plan_convert.h"
 
+#include "alloy/core/megatron_args.h"
+
 #include <charconv>
 #include <climits>
 #include <map>
@@ -142,7 +144,7 @@ std::vector<int64_t> stage_layers(const SynerFuseArgs& a) {
 
 }  // namespace
 
-SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv) {
+SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv, std::vector<std::string>* ignored) {
   SynerFuseArgs a;
   const std::map<std::string, int64_t*> ints = {
       {"--num-layers", &a.num_layers},
@@ -186,13 +188,24 @@ SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv) {
       *lt->second = std::move(values);
     } else if (switches.count(name)) {
       if (inline_value) sf_fail(name + " takes no value, got '" + *inline_value + "'");
+      a.tp_pp_dp_mapping = true;
+    } else if (const int arity = megatron_flag_arity(name); arity >= 0) {
+      // run.sh's model and training flags: a plan does not depend on them, but a pasted argument
+      // list holds them. The heads do matter to a tensor-parallel split.
+      std::string value = inline_value.value_or("");
+      if (arity == 1 && !inline_value) {
+        if (i >= argv.size() || is_flag(argv[i])) sf_fail(name + " needs a value");
+        value = argv[i++];
+      }
+      if (name == "--num-attention-heads") a.num_attention_heads = parse_int(name, value);
+      else if (ignored) ignored->push_back(name);
     } else {
       std::string known;
       for (const auto& [k, _] : ints) known += " " + k;
       for (const auto& [k, _] : lists) known += " " + k;
       for (const auto& k : switches) known += " " + k;
-      sf_fail("unknown flag '" + name + "'; Alloy reads only the parallelism flags" + known +
-              " (the model's shape comes from the Alloy config)");
+      sf_fail("unknown flag '" + name + "'; Alloy reads the parallelism flags" + known +
+              " and skips Megatron's model and training flags (`alloy train --help` lists them)");
     }
   }
   return a;
@@ -287,6 +300,8 @@ Plan plan_from_synerfuse(const SynerFuseArgs& a) {
     nmb.assign(static_cast<size_t>(dp), a.global_batch_size / per_step);
   }
 
+  // SynerFuse's heterogeneous data parallelism works only in the tp-pp-dp order (see the header).
+  const bool pipeline_major = a.tp_pp_dp_mapping || mbs_groups || nmb_groups;
   Plan plan;
   plan.global_batch = a.global_batch_size;
   plan.schedule = a.schedule;
@@ -298,7 +313,8 @@ Plan plan_from_synerfuse(const SynerFuseArgs& a) {
     for (int64_t s = 0; s < pp; ++s) {
       const int64_t end = begin + layers[static_cast<size_t>(s)];
       StagePlan st;
-      for (int64_t t = 0; t < tp; ++t) st.ranks.push_back(static_cast<int>((d * pp + s) * tp + t));
+      const int64_t group = pipeline_major ? d * pp + s : s * dp + d;
+      for (int64_t t = 0; t < tp; ++t) st.ranks.push_back(static_cast<int>(group * tp + t));
       st.layer_begin = begin, st.layer_end = end;
       if (tp > 1) st.tp_split = a.tp_split;
       pl.stages.push_back(std::move(st));

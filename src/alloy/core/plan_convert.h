@@ -5,16 +5,17 @@
 // front-end's vocabulary (flag names, JSON paths) with the offending values, then returns a Plan
 // that already passes Plan::validate for a model with the given number of blocks.
 //
-// SynerFuse rank layout. Alloy uses the order SynerFuse itself assumes under
-// --use-tp-pp-dp-mapping (its arguments.py gives rank r the micro-batch size of data-parallel index
-// r / (tp*pp)), and ignores that flag since there is no other order to choose. Pipeline-major:
-//   pipeline d (the data-parallel index, 0..dp-1) holds ranks [d*pp, (d+1)*pp),
-//   stage s of pipeline d is rank d*pp + s.
-// So consecutive ranks form one pipeline, and a `n0 mbs0 n1 mbs1 ...` group list assigns mbs0 to
-// data-parallel indices 0..n0-1 (ranks 0..n0*pp-1), mbs1 to the next n1 indices, and so on.
-// With --tensor-model-parallel-size tp each stage is a tensor-parallel group of tp consecutive
-// ranks (Megatron's tp-pp-dp order, TP innermost): stage s of pipeline d holds ranks
-// (d*pp + s)*tp .. +tp-1, splitting the heads as --tp-split says (Alloy's flag; even by default).
+// SynerFuse rank layout: Megatron's two rank orders (innermost dimension first).
+//  - tp-pp-dp, under --use-tp-pp-dp-mapping (SynerFuse's heterogeneous data parallelism needs it:
+//    its arguments.py gives rank r the micro-batch size of data-parallel index r / (tp*pp), so the
+//    per-dp lists imply it): consecutive ranks form a pipeline; stage s of pipeline d holds ranks
+//    (d*pp + s)*tp .. +tp-1, and a `n0 mbs0 n1 mbs1 ...` group list assigns mbs0 to data-parallel
+//    indices 0..n0-1 (ranks 0..n0*pp*tp-1), mbs1 to the next n1 indices, and so on.
+//  - tp-dp-pp, Megatron's default (run.sh without the flag): the first tp*dp ranks are stage 0 of
+//    every pipeline; stage s of pipeline d holds ranks (s*dp + d)*tp .. +tp-1.
+// The two differ only when both pp and dp exceed 1. Each stage is a tensor-parallel group of tp
+// consecutive ranks (TP innermost in both), splitting the heads as --tp-split says (Alloy's flag;
+// even by default).
 // Every pipeline gets the same --hetero-pipeline-stages split, because SynerFuse cannot express
 // anything else; a hand-written Alloy plan may give each pipeline its own split.
 // Alloy accepts some inputs SynerFuse's own checks refuse, because each still names one valid
@@ -49,6 +50,7 @@ struct SynerFuseArgs {
   std::vector<int64_t> hetero_pipeline_stages;    // n0 l00 l01 ... n1 l10 ...: n_i stages, then their n_i layer counts
   std::vector<int64_t> micro_batch_size_per_dp;   // n0 mbs0 n1 mbs1 ...
   std::vector<int64_t> num_micro_batches_per_dp;  // n0 nmb0 n1 nmb1 ...
+  bool tp_pp_dp_mapping = false;                  // --use-tp-pp-dp-mapping (the per-dp lists imply it)
   std::string schedule = "1f1b";                  // not a Megatron flag; set by the caller
 };
 
@@ -56,11 +58,12 @@ struct SynerFuseArgs {
 //   {"--num-layers", "8", "--pipeline-model-parallel-size", "2", "--hetero-pipeline-stages", "1", "6", "1", "2"}.
 // Accepts "--flag value" and "--flag=value". Multi-value flags take every following token up to the
 // next one starting with "--" (so "-3" is read as a value, and then rejected as non-positive by
-// plan_from_synerfuse). --use-tp-pp-dp-mapping is accepted and has no effect (see the layout note
-// above). --data-parallel-size and --world-size are Alloy's own (Megatron takes them from torchrun).
+// plan_from_synerfuse). --data-parallel-size and --world-size are Alloy's own (Megatron takes them
+// from torchrun). Megatron's model and training flags (megatron_args.h) are skipped with their
+// values, and named in IGNORED when given: a plan does not depend on them.
 // A repeated flag keeps its last value, as argparse does. Unknown flags, stray values and
 // non-integers throw InputError naming the token.
-SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv);
+SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv, std::vector<std::string>* ignored = nullptr);
 
 // Checks SynerFuse's constraints (stage counts sum to --pipeline-model-parallel-size, layer counts
 // sum to --num-layers, per-dp group sizes sum to the data-parallel size, global batch =

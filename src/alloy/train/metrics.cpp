@@ -9,7 +9,7 @@
 
 namespace alloy::train {
 
-Metrics::Metrics(const std::string& run_dir, bool tensorboard, int64_t resume_step) {
+Metrics::Metrics(const std::string& run_dir, bool tensorboard, int64_t resume_step, const std::string& tb_dir) {
   path_ = run_dir + "/metrics.jsonl";
   if (resume_step >= 0 && file_exists(path_)) {
     std::istringstream in(read_file(path_));
@@ -30,8 +30,9 @@ Metrics::Metrics(const std::string& run_dir, bool tensorboard, int64_t resume_st
   f_.reset(std::fopen(path_.c_str(), "a"));
   if (!f_) throw InputError(path_, "cannot open for appending");
   if (tensorboard) {
-    ensure_writable_dir(run_dir + "/tensorboard");
-    tb_ = std::make_unique<TensorBoardWriter>(run_dir + "/tensorboard");
+    const std::string dir = tb_dir.empty() ? run_dir + "/tensorboard" : tb_dir;
+    ensure_writable_dir(dir);
+    tb_ = std::make_unique<TensorBoardWriter>(dir);
   }
 }
 

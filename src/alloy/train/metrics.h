@@ -16,7 +16,8 @@ class Metrics {
  public:
   // RESUME_STEP >= 0 keeps only the lines of steps <= RESUME_STEP from an earlier run, so a
   // resumed run's file reads as one uninterrupted run.
-  Metrics(const std::string& run_dir, bool tensorboard, int64_t resume_step);
+  // TB_DIR: where the TensorBoard event files go (empty: RUN_DIR/tensorboard).
+  Metrics(const std::string& run_dir, bool tensorboard, int64_t resume_step, const std::string& tb_dir = "");
   ~Metrics();
   // Appends REC (must hold "step"); numeric fields also go to TensorBoard as "train/<key>" or,
   // for keys starting with "val_", "val/<rest>".

@@ -17,6 +17,7 @@
 #include "alloy/core/json_file.h"
 #include "alloy/core/log.h"
 #include "alloy/plan/cluster.h"
+#include "alloy/plan/planner.h"
 #include "alloy/plan/cost_model.h"
 #include "alloy/plan/profile.h"
 
@@ -260,7 +261,7 @@ std::vector<SweepRow> run_sweep(const SweepOptions& o) {
     cluster = o.out_dir + "/local-cluster.yaml";
     write_file_atomic(cluster, y.str());
   }
-  const plan::ClusterSpec spec = plan::ClusterSpec::load(cluster);
+  const plan::ClusterSpec spec = plan::load_cluster(cluster);
   if (n < 1) n = static_cast<int>(spec.devices.size());
   if (n != static_cast<int>(spec.devices.size()))
     throw InputError(cluster, "has " + std::to_string(spec.devices.size()) + " devices, the sweep runs " + std::to_string(n) + " ranks");

@@ -602,7 +602,8 @@ TrainResult Trainer::run() {
     remove_stale_staging(cfg_.output.dir);
     write_file_atomic(cfg_.output.dir + "/config.yaml", cfg_.to_yaml());
     plan_->save(cfg_.output.dir + "/plan.json");
-    metrics = std::make_unique<Metrics>(cfg_.output.dir, cfg_.output.tensorboard, opts_.resume.empty() ? -1 : start_step_);
+    metrics = std::make_unique<Metrics>(cfg_.output.dir, cfg_.output.tensorboard, opts_.resume.empty() ? -1 : start_step_,
+                                        cfg_.output.tensorboard_dir);
   }
   if (lead && !opts_.quiet && start_step_ == 0) {
     auto full = model::Transformer::full(cfg_.model, 0);
