@@ -359,8 +359,15 @@ Layout ptafm_layout(Problem& P, double* step) {
     const double v = eval(P, l, Batch::FixedSamples);
     if (v < kInf) {
       *step = v;
+      size_t deepest = 0;
+      for (const auto& r : l.reps) deepest = std::max(deepest, r.dev.size());
       P.notes.push_back("ptafm: " + std::to_string(K) + " stage group(s) of hosts, PTAFM cost " + fmt(grp.cost) + ", " +
-                        std::to_string(R) + " replica(s)");
+                        std::to_string(R) + " replica(s)" +
+                        (deepest > static_cast<size_t>(K)
+                             ? "; PTAFM runs a group's devices data-parallel inside one stage, while an Alloy stage is one "
+                               "rank (or a tensor-parallel group), so a replica's several devices of one group take "
+                               "consecutive stages: pipelines of up to " + std::to_string(deepest) + " stages"
+                             : std::string()));
       return l;
     }
     for (auto& r : l.reps) r.mbs = P.cands.front();
