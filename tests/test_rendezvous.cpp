@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <map>
 
 #include "alloy/core/error.h"
@@ -87,4 +90,31 @@ TEST(Rendezvous, MissingRankWithFlagsIsAnError) {
   RendezvousFlags f;
   f.world_size = 2;
   EXPECT_NE(error_of(f, {}).find("--rank"), std::string::npos);
+}
+
+TEST(Rendezvous, IdenticalProcessesClaimTheStagesTheirMachineHoldsInTurn) {
+  // hetero_config.json's stages: the coordinator and the second worker on host "a", one on "b".
+  const std::vector<std::vector<std::string>> addresses = {{"10.0.0.1", "a"}, {"10.0.0.2", "b"}, {"10.0.0.1", "a"}};
+  const std::string dir = ::testing::TempDir();
+  const std::string key = "test" + std::to_string(::getpid());
+  // Each claim holds its lock for the life of the process (here: of this test), so the same
+  // machine's next process gets the next of its stages, then none is left.
+  EXPECT_EQ(alloy::dist::claim_rank_by_address(addresses, {"localhost", "a"}, key, "hc.json", dir), 0);
+  EXPECT_EQ(alloy::dist::claim_rank_by_address(addresses, {"localhost", "10.0.0.1"}, key, "hc.json", dir), 2);
+  try {
+    alloy::dist::claim_rank_by_address(addresses, {"a"}, key, "hc.json", dir);
+    ADD_FAILURE() << "a third process got a stage";
+  } catch (const alloy::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("hc.json: every stage it places on this machine (ranks 0, 2) is already taken"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(alloy::dist::claim_rank_by_address(addresses, {"b"}, key, "hc.json", dir), 1);
+  try {
+    alloy::dist::claim_rank_by_address(addresses, {"localhost", "c", "10.9.9.9"}, key, "hc.json", dir);
+    ADD_FAILURE() << "a machine the file does not name got a stage";
+  } catch (const alloy::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("names no stage on this machine (localhost, c, 10.9.9.9)"), std::string::npos) << e.what();
+  }
+  const auto local = alloy::dist::local_addresses();
+  EXPECT_NE(std::find(local.begin(), local.end(), "127.0.0.1"), local.end());
 }

@@ -324,6 +324,21 @@ expect_fail "HeteroShard resume_step without a checkpoint" "hs-bad.json" "resume
 /usr/bin/python3 -c "import json; j=json.load(open('hs.json')); j['workers'][1]['device']='mps'; json.dump(j, open('hs-mps.json','w'))"
 expect_fail "HeteroShard mps device named" "hs-mps.json" "shard_plan[2] (rank 2)" "'mps'" -- \
   "$alloy" launch --nproc 3 -- "$alloy" train --config tiny3.yaml --hetero-config hs-mps.json --set output.dir=mps
+# HeteroShard's "same command on every machine": no ranks given, each process finds its stage in the
+# file (all three machines are this one here, so the processes take the stages in turn); its own
+# --checkpoint_dir and --resume_step flags override the file's
+port=$(/usr/bin/python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+same() {
+  for i in 0 1 2; do "$alloy" train --config tiny3.yaml --hetero-config hs.json --master-port "$port" --checkpoint_dir hs_same "$@" > same$i.log 2>&1 & done
+  wait
+}
+same --set train.steps=2
+roles=$(grep -ho "runs shard_plan\[[0-9]\]" same0.log same1.log same2.log | sort | tr '\n' ' ')
+[ "$roles" = "runs shard_plan[0] runs shard_plan[1] runs shard_plan[2] " ] && [ "$(wc -l < hs_same/metrics.jsonl)" -eq 2 ] \
+  && ok "HeteroShard: the same command on every machine finds each stage" || { bad "HeteroShard same command: roles '$roles'"; tail -3 same*.log; }
+same --set train.steps=3 --resume_step 2
+grep -q "resumed from hs_same/checkpoints/step_00000002 at step 2" same0.log same1.log same2.log && [ "$(wc -l < hs_same/metrics.jsonl)" -eq 3 ] \
+  && ok "HeteroShard --resume_step and --checkpoint_dir flags" || { bad "HeteroShard --resume_step flag"; tail -3 same*.log; }
 expect_ok "plan --from-shard-plan --diagram" "$alloy" plan --from-shard-plan hs.json --global-batch 4 --micro-batch 1 --diagram hs-plan.mmd
 grep -q "gpu-a" hs-plan.mmd && ok "converted plan's diagram written" || bad "converted plan's diagram"
 expect_ok "plan --from-synerfuse --diagram" "$alloy" plan --from-synerfuse --num-layers 8 --pipeline-model-parallel-size 2 \

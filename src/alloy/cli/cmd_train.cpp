@@ -38,6 +38,9 @@ struct TrainArgs {
   double timeout_s = 300;
   double stall_s = -1;
   std::vector<std::string> megatron;  // the arguments CLI11 did not know: Megatron's (megatron_args.h)
+  // HeteroShard's own command-line overrides of its hetero_config.json.
+  int64_t hs_resume_step = -1;
+  std::string hs_checkpoint_dir;
   // SAFusion's flags, as --set grad_sync.* overrides.
   std::string compressor, memory;
   double density = 0;
@@ -141,6 +144,26 @@ std::string hetero_resume_dir(const Config& cfg, const HeteroShardRun& hs, const
                              (have.empty() ? "none written yet" : "there are " + have) + ")");
 }
 
+// HeteroShard's "same command on every machine": with no rank given, hetero_config.json's
+// coordinator and workers say which stage this machine runs (dist::claim_rank_by_address), and the
+// coordinator hosts the rendezvous store.
+dist::Rendezvous hetero_rendezvous(const HeteroShardRun& hs, const std::string& file, int port_flag) {
+  if (hs.coordinator_address.empty())
+    throw InputError(file, "coordinator.ip: needed to find the coordinator when every machine runs the same command "
+                           "(or give --rank, --world-size and --master-addr)");
+  dist::Rendezvous rv;
+  rv.world_size = static_cast<int>(hs.stage_addresses.size());
+  rv.master_addr = hs.coordinator_address;
+  if (port_flag > 0) rv.master_port = port_flag;
+  std::ostringstream key;
+  key << std::hex << std::hash<std::string>{}(std::filesystem::absolute(file).string() + ":" + std::to_string(rv.master_port));
+  rv.rank = dist::claim_rank_by_address(hs.stage_addresses, dist::local_addresses(), key.str(), file);
+  rv.source = "hetero_config";
+  log_info(file + ": this process runs shard_plan[" + std::to_string(rv.rank) + "] (rank " + std::to_string(rv.rank) + " of " +
+           std::to_string(rv.world_size) + "), the coordinator at " + rv.master_addr + ":" + std::to_string(rv.master_port));
+  return rv;
+}
+
 void print_summary(const train::TrainResult& r) {
   if (r.steps.empty()) return;
   std::printf("\nloss curve (step: train loss%s)\n", r.val_loss.empty() ? "" : " | validation loss");
@@ -197,6 +220,10 @@ void add_train_commands(CLI::App& app, Action& action) {
       ->group(g_plan);
   cmd->add_option("--hetero-config", a->src.hetero_config, "HeteroShard hetero_config.json: its shard_plan becomes the plan")
       ->group(g_plan)->check(CLI::ExistingFile);
+  cmd->add_option("--resume_step", a->hs_resume_step, "HeteroShard: resume at this step's checkpoint (overrides resume_step)")
+      ->group(g_plan);
+  cmd->add_option("--checkpoint_dir", a->hs_checkpoint_dir, "HeteroShard: the run directory (overrides checkpoint_dir; output.dir)")
+      ->group(g_plan);
   cmd->add_option("--trace", a->trace, "Write a Chrome trace (chrome://tracing, Perfetto) of one step's schedule, all ranks")
       ->group(g_plan);
 
@@ -286,6 +313,8 @@ void add_train_commands(CLI::App& app, Action& action) {
       // A HeteroShard file says more than the layout: its settings come first, so --set still wins.
       HeteroShardRun hs;
       if (!a->src.hetero_config.empty()) hs = hetero_run_settings_file(a->src.hetero_config);
+      if (a->hs_resume_step >= 0) hs.resume_step = a->hs_resume_step;
+      if (!a->hs_checkpoint_dir.empty()) hs.config_overrides.push_back("output.dir=" + a->hs_checkpoint_dir);
       std::vector<std::string> sets = hs.config_overrides;
       const MegatronTranslation mt = translate_megatron_args(a->megatron);
       sets.insert(sets.end(), mt.sets.begin(), mt.sets.end());
@@ -302,6 +331,8 @@ void add_train_commands(CLI::App& app, Action& action) {
       Config cfg = Config::load(a->config, sets);
       if (mt.warmup_fraction) cfg.train.warmup = std::llround(*mt.warmup_fraction * static_cast<double>(cfg.train.steps));
       dist::Rendezvous rv = dist::resolve_rendezvous(a->rv);
+      if (!a->src.hetero_config.empty() && rv.source == "single process" && hs.stage_addresses.size() > 1)
+        rv = hetero_rendezvous(hs, a->src.hetero_config, a->rv.master_port);
       if (rv.rank == 0)
         for (const auto& n : mt.notes) log_info(n);
       if (sf.global_batch_size > 0) cfg.train.global_batch = sf.global_batch_size;

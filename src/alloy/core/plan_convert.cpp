@@ -543,18 +543,35 @@ HeteroShardRun hetero_run_settings(const nlohmann::json& j, const std::string& w
     return d;
   };
   // Stage k runs on the coordinator (k = 0) or on the worker its shard_plan entry names.
+  auto addresses_of = [&](const nlohmann::json& obj, const std::string& path) {
+    std::vector<std::string> a;
+    for (const char* key : {"ip", "hostname"})
+      if (std::string v = string_of(obj, key, path + "." + key); !v.empty()) a.push_back(v);
+    return a;
+  };
   std::map<std::string, std::string> worker_device;
+  std::map<std::string, std::vector<std::string>> worker_addresses;
   if (j.contains("workers") && j["workers"].is_array())
     for (size_t w = 0; w < j["workers"].size(); ++w) {
       const auto& wk = j["workers"][w];
       if (!wk.is_object() || !wk.contains("id")) continue;  // plan_from_hetero_config names these
-      if (auto id = id_key(wk["id"])) worker_device[*id] = device_of(wk, "workers[" + std::to_string(w) + "]");
+      const std::string path = "workers[" + std::to_string(w) + "]";
+      if (auto id = id_key(wk["id"])) {
+        worker_device[*id] = device_of(wk, path);
+        worker_addresses[*id] = addresses_of(wk, path);
+      }
     }
-  const std::string coordinator = j.contains("coordinator") && j["coordinator"].is_object() ? device_of(j["coordinator"], "coordinator") : "";
+  const bool has_coordinator = j.contains("coordinator") && j["coordinator"].is_object();
+  const std::string coordinator = has_coordinator ? device_of(j["coordinator"], "coordinator") : "";
+  const std::vector<std::string> coordinator_addresses = has_coordinator ? addresses_of(j["coordinator"], "coordinator")
+                                                                         : std::vector<std::string>{};
+  if (!coordinator_addresses.empty()) r.coordinator_address = coordinator_addresses.front();
   if (j.contains("shard_plan") && j["shard_plan"].is_array())
     for (const auto& e : j["shard_plan"]) {
       auto id = e.is_object() && e.contains("id") ? id_key(e["id"]) : std::nullopt;
-      r.stage_devices.push_back(!id || *id == "local" ? coordinator : worker_device[*id]);
+      const bool local = !id || *id == "local";
+      r.stage_devices.push_back(local ? coordinator : worker_device[*id]);
+      r.stage_addresses.push_back(local ? coordinator_addresses : worker_addresses[*id]);
     }
   if (j.contains("lora") && !j["lora"].is_null()) {
     const auto& l = j["lora"];

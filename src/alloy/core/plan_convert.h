@@ -94,11 +94,15 @@ Plan plan_from_hetero_config_file(const std::string& path, int64_t num_layers, i
 //         bnb_4bit_use_double_quant} (PEFT's and bitsandbytes' names): LoRA over a quantized base
 // Every field is optional; one of the wrong type or value is an InputError naming the file and field.
 struct HeteroShardRun {
-  bool visualize = false;
+  bool visualize = true;  // HeteroShard draws architecture.png when training starts unless told not to
   std::string visualization_format = "png";
   std::string checkpoint_dir;
   int64_t resume_step = -1;                 // -1: start fresh
   std::vector<std::string> stage_devices;   // per shard_plan entry (= rank); "" = not given
+  // Per shard_plan entry (= rank): the hostname and ip its machine is known by (the coordinator's
+  // for rank 0), for finding this process's role when every machine runs the same command.
+  std::vector<std::vector<std::string>> stage_addresses;
+  std::string coordinator_address;          // its ip, else its hostname; "" = not given
   std::vector<std::string> config_overrides;  // "lora.rank=8", ... (applied before the user's --set)
 };
 HeteroShardRun hetero_run_settings(const nlohmann::json& j, const std::string& where);

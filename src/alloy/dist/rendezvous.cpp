@@ -1,6 +1,15 @@
 #include "alloy/dist/rendezvous.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 
 #include "alloy/core/error.h"
 
@@ -92,6 +101,56 @@ Rendezvous resolve_rendezvous(const RendezvousFlags& f, const EnvGetter& env) {
   if (r.master_port <= 0 || r.master_port > 65535)
     throw InputError(r.source, "master port " + std::to_string(r.master_port) + " is not a TCP port");
   return r;
+}
+
+std::vector<std::string> local_addresses() {
+  std::vector<std::string> out = {"localhost"};
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) == 0 && host[0]) out.push_back(host);
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) == 0) {
+    for (ifaddrs* a = list; a; a = a->ifa_next) {
+      if (!a->ifa_addr) continue;
+      char buf[INET6_ADDRSTRLEN] = {};
+      if (a->ifa_addr->sa_family == AF_INET)
+        ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, buf, sizeof buf);
+      else if (a->ifa_addr->sa_family == AF_INET6)
+        ::inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ifa_addr)->sin6_addr, buf, sizeof buf);
+      if (buf[0] && std::find(out.begin(), out.end(), buf) == out.end()) out.push_back(buf);
+    }
+    ::freeifaddrs(list);
+  }
+  return out;
+}
+
+int claim_rank_by_address(const std::vector<std::vector<std::string>>& addresses, const std::vector<std::string>& local,
+                          const std::string& key, const std::string& where, const std::string& lock_dir) {
+  std::vector<int> mine;
+  for (size_t r = 0; r < addresses.size(); ++r)
+    for (const auto& a : addresses[r])
+      if (std::find(local.begin(), local.end(), a) != local.end()) {
+        mine.push_back(static_cast<int>(r));
+        break;
+      }
+  std::string names;
+  for (const auto& l : local) names += (names.empty() ? "" : ", ") + l;
+  if (mine.empty())
+    throw InputError(where, "names no stage on this machine (" + names +
+                                "): the coordinator's and the workers' ip or hostname must name the machines the command runs "
+                                "on, or give --rank, --world-size and --master-addr");
+  for (int r : mine) {
+    const std::string path = lock_dir + "/alloy-rank-" + key + "-" + std::to_string(r) + ".lock";
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0) throw InputError(path, std::string("cannot open the rank's lock file: ") + std::strerror(errno));
+    // Held (the descriptor left open) for the life of the process: a second process on this
+    // machine takes the next rank.
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return r;
+    ::close(fd);
+  }
+  std::string ranks;
+  for (int r : mine) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  throw InputError(where, "every stage it places on this machine (ranks " + ranks +
+                              ") is already taken by another process here: one process per shard_plan entry");
 }
 
 }  // namespace alloy::dist

@@ -7,6 +7,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace alloy::dist {
 
@@ -32,6 +33,17 @@ EnvGetter process_env();
 
 // Throws InputError naming the flag or variable that is missing or malformed.
 Rendezvous resolve_rendezvous(const RendezvousFlags& flags, const EnvGetter& env = process_env());
+
+// Every name this machine answers to: its hostname, "localhost", and each interface's address.
+std::vector<std::string> local_addresses();
+
+// HeteroShard's "same command on every machine" (hetero_config.json names each stage's machine):
+// the rank whose ADDRESSES (hostname / ip per rank) include one of LOCAL. Where several do (a
+// multi-GPU worker host, or a whole job on one machine), identical processes take them in rank
+// order, each holding LOCK_DIR/alloy-rank-KEY-R.lock (flock) for its life. Throws InputError naming
+// WHERE when no rank names this machine, or when every rank it names is taken.
+int claim_rank_by_address(const std::vector<std::vector<std::string>>& addresses, const std::vector<std::string>& local,
+                          const std::string& key, const std::string& where, const std::string& lock_dir = "/tmp");
 
 // First host of a SLURM node list: "node[01-04,07],gpu5" -> "node01".
 std::string first_slurm_host(const std::string& nodelist);
