@@ -388,3 +388,55 @@ TEST(Model, ParamNamesMatchWhatSlicesHold) {
     }
   }
 }
+
+#include <filesystem>
+#include <fstream>
+
+#include "alloy/core/error.h"
+#include "alloy/model/weights.h"
+#include "alloy/train/finetune.h"
+
+// A HuggingFace model too large for one file comes as shards and model.safetensors.index.json:
+// --init-from takes the directory (or the index) and loads every weight from the shard that has it.
+TEST(HfWeights, AModelSplitIntoShardsLoadsAsFromOneFile) {
+  for (const std::string arch : {"gpt2", "llama"}) {
+    const ModelConfig m = tiny(arch);
+    auto src = Transformer::full(m, 11);
+    const std::string dir = ::testing::TempDir() + "/alloy-hf-shards-" + arch;
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    std::vector<std::pair<std::string, alloy::model::TensorBlob>> shard[2];
+    nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
+    const auto params = src->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int k = i < params.size() / 2 ? 0 : 1;
+      // HuggingFace's GPT-2 files may prefix the names with "transformer."; the second shard does.
+      const std::string name = (arch == "gpt2" && k == 1 ? "transformer." : "") + params[i]->name;
+      shard[k].emplace_back(name, alloy::model::to_blob(params[i]->tensor));
+      index["weight_map"][name] = "model-0000" + std::to_string(k + 1) + "-of-00002.safetensors";
+    }
+    for (int k = 0; k < 2; ++k)
+      alloy::model::write_safetensors(dir + "/model-0000" + std::to_string(k + 1) + "-of-00002.safetensors", shard[k]);
+    std::ofstream(dir + "/model.safetensors.index.json") << index.dump(1);
+
+    for (const std::string& from : {dir, dir + "/model.safetensors.index.json"}) {
+      auto dst = Transformer::full(m, 12);
+      alloy::train::load_base_weights(*dst, from);
+      const auto got = dst->parameters();
+      ASSERT_EQ(got.size(), params.size());
+      for (size_t i = 0; i < params.size(); ++i)
+        EXPECT_TRUE(at::equal(got[i]->tensor, params[i]->tensor)) << arch << " " << from << ": " << params[i]->name;
+    }
+    // A shard the index names but that is not there is named with a tensor it should hold.
+    std::filesystem::remove(dir + "/model-00002-of-00002.safetensors");
+    auto dst = Transformer::full(m, 12);
+    try {
+      alloy::train::load_base_weights(*dst, dir);
+      ADD_FAILURE() << arch << ": a missing shard went unnoticed";
+    } catch (const alloy::InputError& e) {
+      const std::string w = e.what();
+      EXPECT_NE(w.find("model.safetensors.index.json: weight_map."), std::string::npos) << w;
+      EXPECT_NE(w.find("model-00002-of-00002.safetensors does not exist"), std::string::npos) << w;
+    }
+  }
+}

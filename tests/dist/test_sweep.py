@@ -87,6 +87,12 @@ output: {{dir: {work}/unused}}
           f"imbalance {tp_rows['tp:3,1']['mem_imbalance']} vs {tp_rows['tp']['mem_imbalance']}")
     check("a split of the wrong length is skipped with why",
           tp_rows["tp:1,1,2"]["status"] == "skipped" and "3 head counts for 2 ranks" in tp_rows["tp:1,1,2"]["note"])
+    # A misspelled layout fails before anything is profiled; the study's names (ddp, fsdp2) are known.
+    bad = sh([alloy, "sweep", "-c", plain, "-n", "2", "--layouts", "ddp", "fsdp2", "fsdp3", "--micro-batch", "2",
+              "-o", os.path.join(work, "sweep-bad")], env=env, expect_fail=True)
+    check("an unknown layout is named before profiling",
+          "unknown layout 'fsdp3'" in bad.stderr and "ddp" in bad.stderr
+          and not os.path.exists(os.path.join(work, "sweep-bad")), bad.stderr.strip()[-300:])
     failed = checks.count(False)
     print(f"{len(checks) - failed} passed, {failed} failed")
     return 1 if failed else 0

@@ -208,8 +208,9 @@ void add_train_commands(CLI::App& app, Action& action) {
                 "Resume from output.dir's last complete checkpoint if there is one, else start afresh (what a restarted "
                 "job does by itself: ALLOY_RESTART, TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT above 0)");
   cmd->add_option("--init-from,--init-weights", a->init_weights,
-                  "Start from pretrained weights (an Alloy checkpoint or run directory, or safetensors with HuggingFace "
-                  "names), fresh optimizer; with LoRA the frozen base");
+                  "Start from pretrained weights (an Alloy checkpoint or run directory; safetensors with HuggingFace "
+                  "names, or a HuggingFace model directory or model.safetensors.index.json with its shards), fresh "
+                  "optimizer; with LoRA the frozen base");
 
   auto* g_plan = "Parallel plan (default: one device; with several ranks and no plan, equal data parallelism)";
   cmd->add_option("--plan", a->src.plan_file, "Plan JSON (see `alloy plan`), or `auto`: profile (or reuse --profile), plan, train")

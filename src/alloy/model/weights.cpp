@@ -2,10 +2,13 @@
 
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <set>
 
 #include "alloy/core/error.h"
+#include "alloy/core/fs.h"
 
 namespace alloy::model {
 namespace {
@@ -93,25 +96,66 @@ bool ignorable_extra(const std::string& arch, const std::string& n) {
 }
 }  // namespace
 
-void load_weights(Transformer& m, const SafetensorsFile& f, bool allow_extra) {
+void load_weights(Transformer& m, const std::vector<const SafetensorsFile*>& files, bool allow_extra) {
   at::NoGradGuard ng;
-  std::set<std::string> used;
+  if (files.empty()) throw Error("load_weights: no file");
+  const std::string where = files.size() == 1 ? files.front()->path()
+                                              : files.front()->path() + " and " + std::to_string(files.size() - 1) + " more shard(s)";
+  std::vector<std::set<std::string>> used(files.size());
   for (auto* p : m.parameters()) {
-    std::string fname = file_name_for(f, p->name);
+    size_t k = 0;
+    std::string fname;
+    for (; k < files.size() && fname.empty(); ++k) fname = file_name_for(*files[k], p->name);
     if (fname.empty())
-      throw InputError(f.path(), "tensor '" + p->name + "' is missing (is this a checkpoint of another model?)");
+      throw InputError(where, "tensor '" + p->name + "' is missing (is this a checkpoint of another model?)");
+    const SafetensorsFile& f = *files[k - 1];
     const TensorInfo& info = f.info(fname);
     if (at::IntArrayRef(info.shape) != p->tensor.sizes())
       throw InputError(f.path(), "tensor '" + fname + "' has shape " + shape_str(info.shape) + ", the model needs " +
                                      shape_str(p->tensor.sizes()) + " (is this a checkpoint of another model?)");
     p->tensor.copy_(read_tensor(f, fname));
-    used.insert(fname);
+    used[k - 1].insert(fname);
   }
   if (!allow_extra) {
-    for (const auto& n : f.names())
-      if (!used.count(n) && !ignorable_extra(m.config().arch, n))
-        throw InputError(f.path(), "tensor '" + n + "' does not belong to a " + m.config().arch + " model of this shape");
+    for (size_t k = 0; k < files.size(); ++k)
+      for (const auto& n : files[k]->names())
+        if (!used[k].count(n) && !ignorable_extra(m.config().arch, n))
+          throw InputError(files[k]->path(), "tensor '" + n + "' does not belong to a " + m.config().arch + " model of this shape");
   }
+}
+
+void load_weights(Transformer& m, const SafetensorsFile& f, bool allow_extra) { load_weights(m, {&f}, allow_extra); }
+
+std::vector<std::string> hf_weight_files(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::string index = path;
+  if (fs::is_directory(path)) {
+    index = path + "/model.safetensors.index.json";
+    if (!fs::exists(index)) {
+      if (fs::exists(path + "/model.safetensors")) return {path + "/model.safetensors"};
+      throw InputError(path, "holds neither model.safetensors nor model.safetensors.index.json (nor an Alloy checkpoint)");
+    }
+  }
+  const std::string name = fs::path(index).filename().string();
+  if (name.size() < 5 || name.compare(name.size() - 5, 5, ".json") != 0) return {path};
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(index));
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(index, std::string("is not JSON: ") + e.what());
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object() || j["weight_map"].empty())
+    throw InputError(index, "weight_map: must be an object naming each tensor's shard file");
+  const fs::path dir = fs::path(index).parent_path();
+  std::vector<std::string> files;
+  for (const auto& [tensor, shard] : j["weight_map"].items()) {
+    if (!shard.is_string()) throw InputError(index, "weight_map." + tensor + ": must be a file name, got " + shard.dump());
+    const std::string f = (dir / shard.get<std::string>()).string();
+    if (std::find(files.begin(), files.end(), f) != files.end()) continue;
+    if (!fs::exists(f)) throw InputError(index, "weight_map." + tensor + ": its shard " + f + " does not exist");
+    files.push_back(f);
+  }
+  return files;
 }
 
 nlohmann::json hf_config(const ModelConfig& m) {

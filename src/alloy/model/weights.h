@@ -25,6 +25,13 @@ void save_weights(const Transformer& m, const std::string& path, const std::map<
 // a mismatch names the file, the tensor and both shapes. Extra tensors are ignored only if
 // ALLOW_EXTRA (a pipeline stage loads its slice from a full file).
 void load_weights(Transformer& m, const SafetensorsFile& f, bool allow_extra = true);
+// The same over a HuggingFace model split into shards: each parameter from the file that has it.
+void load_weights(Transformer& m, const std::vector<const SafetensorsFile*>& files, bool allow_extra = true);
+// The safetensors files PATH stands for: itself; a model.safetensors.index.json's shards (its
+// weight_map, each file once, in the order the map first names them); or a HuggingFace model
+// directory's model.safetensors.index.json or model.safetensors. Throws InputError naming the
+// index and the tensor whose shard is missing, or the directory that holds neither.
+std::vector<std::string> hf_weight_files(const std::string& path);
 
 // HuggingFace config.json for the variant, and back.
 nlohmann::json hf_config(const ModelConfig& m);

@@ -14,6 +14,19 @@
 namespace alloy::train {
 
 void load_base_weights(model::Transformer& m, const std::string& src) {
+  namespace fs = std::filesystem;
+  // A HuggingFace model directory (or its index file): its shards, as one set of weights.
+  const bool hf_dir = fs::is_directory(src) && !fs::exists(src + "/state.json") && !fs::exists(src + "/checkpoints") &&
+                      !fs::exists(src + "/latest") &&
+                      (fs::exists(src + "/model.safetensors.index.json") || fs::exists(src + "/model.safetensors"));
+  if (hf_dir || (!fs::is_directory(src) && src.size() > 5 && src.compare(src.size() - 5, 5, ".json") == 0)) {
+    std::vector<model::SafetensorsFile> files;
+    for (const auto& f : model::hf_weight_files(src)) files.push_back(model::SafetensorsFile::open(f));
+    std::vector<const model::SafetensorsFile*> ptrs;
+    for (const auto& f : files) ptrs.push_back(&f);
+    model::load_weights(m, ptrs);
+    return;
+  }
   if (std::filesystem::is_directory(src)) {
     const std::string dir = resolve_checkpoint(src);
     const CheckpointState st = read_checkpoint_state(dir);

@@ -172,7 +172,24 @@ bool bar_chart(const std::string& png, const std::string& title, const std::stri
 
 }  // namespace
 
-std::string sweep_layouts() { return "dp, pp, pp:C1,C2,..., zero1, zero2, zero3 (fsdp), auto, tp, tp:H1,H2,..."; }
+std::string sweep_layouts() {
+  return "dp (ddp), pp, pp:C1,C2,..., zero1, zero2, zero3 (fsdp, fsdp2), auto, tp, tp:H1,H2,...";
+}
+
+namespace {
+// The hybrid_lora_parallel study's names for the same layouts.
+std::string canonical_layout(const std::string& layout) {
+  if (layout == "ddp") return "dp";
+  if (layout == "fsdp" || layout == "fsdp2") return "zero3";
+  return layout;
+}
+
+bool known_layout(const std::string& layout) {
+  const std::string l = canonical_layout(layout);
+  return l == "dp" || l == "pp" || l == "auto" || l == "tp" || l == "zero1" || l == "zero2" || l == "zero3" ||
+         l.rfind("pp:", 0) == 0 || l.rfind("tp:", 0) == 0;
+}
+}  // namespace
 
 Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global_batch, int64_t m) {
   const std::string where = "layout '" + layout + "'";
@@ -180,7 +197,7 @@ Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global
   if (m < 1) throw InputError(where, "micro-batch size must be >= 1");
   Plan p;
   p.global_batch = global_batch;
-  std::string name = layout == "fsdp" ? "zero3" : layout;
+  std::string name = canonical_layout(layout);
   int zero = 0;
   if (name == "zero1" || name == "zero2" || name == "zero3") {
     zero = name[4] - '0';
@@ -245,6 +262,9 @@ Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global
 }
 
 std::vector<SweepRow> run_sweep(const SweepOptions& o) {
+  // Before anything is profiled: a misspelled layout would otherwise fail after minutes of it.
+  for (const auto& l : o.layouts)
+    if (!known_layout(l)) throw InputError("--layouts", "unknown layout '" + l + "'; known: " + sweep_layouts());
   const Config base = Config::load(o.config, o.sets);
   const std::string alloy = o.alloy.empty() ? self_exe() : o.alloy;
   ensure_writable_dir(o.out_dir);
