@@ -45,7 +45,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import plot  # noqa: E402
 
-SPARSE = ["topk", "randomk", "dgc", "gaussiank", "redsync", "sidco"]
+SPARSE = ["topk", "randomk", "dgc", "gaussiank", "redsync", "sidco", "oktopk"]
 FUSIONS = ["tensor", "bucket", "omgs", "cupcake", "saf", "saf-inter", "saf-adaptive"]
 
 

@@ -390,10 +390,11 @@ SyncRun run_sync(int n, const GradSyncConfig& g, int steps, const std::function<
 // lossy method gives every member the same gradients (replicas stay identical).
 TEST(CompressedSync, FlatEveryFusionExactAtDensityOneAndMembersAgree) {
   for (const auto& fusion : GradSyncConfig::fusion_strategies()) {
-    for (const char* method : {"topk", "dgc"}) {
+    for (const char* method : {"topk", "oktopk", "dgc"}) {
       GradSyncConfig g = steady();
       g.compression = method;
-      g.density = std::string(method) == "topk" ? 1.0 : 0.05;
+      const bool exact = std::string(method) != "dgc";
+      g.density = exact ? 1.0 : 0.05;
       g.fusion = fusion;
       g.dense_steps = 0;
       g.bucket_mb = 0.1;  // several buffers
@@ -404,8 +405,7 @@ TEST(CompressedSync, FlatEveryFusionExactAtDensityOneAndMembersAgree) {
         return t;
       });
       for (size_t i = 0; i < kShapes.size(); ++i) {
-        if (std::string(method) == "topk")
-          EXPECT_TRUE(at::allclose(r.got[0][i], r.exact[i], 1e-6, 1e-6)) << fusion << " param " << i;
+        if (exact) EXPECT_TRUE(at::allclose(r.got[0][i], r.exact[i], 1e-6, 1e-6)) << fusion << " " << method << " param " << i;
         for (int m = 1; m < 3; ++m) EXPECT_TRUE(at::equal(r.got[static_cast<size_t>(m)][i], r.got[0][i])) << fusion << " " << method;
       }
     }
@@ -513,7 +513,7 @@ TEST(SyncLayout, RegionsFromSlowLinksDecideWhatIsCompressed) {
 RC_GTEST_PROP(ErrorFeedbackProperty, ExactForEveryLossyMethodAndSize, ()) {
   const int64_t n = *rc::gen::inRange<int64_t>(1, 5000);
   GradSyncConfig g = steady();
-  g.compression = *rc::gen::element<std::string>("fp16", "bf16", "topk", "randomk", "dgc", "gaussiank", "redsync", "sidco");
+  g.compression = *rc::gen::element<std::string>("fp16", "bf16", "topk", "randomk", "dgc", "gaussiank", "redsync", "sidco", "oktopk");
   g.density = *rc::gen::element(1.0, 0.5, 0.1, 0.01, 0.001);
   g.momentum_correction = *rc::gen::element<std::string>("auto", "on", "off");
   const bool aligned = *rc::gen::arbitrary<bool>();
@@ -562,5 +562,74 @@ RC_GTEST_PROP(SparseExchangeProperty, DecodedSumsEqualTheDenseReference, ()) {
   for (int r = 0; r < members; ++r) {
     RC_ASSERT(at::allclose(got[static_cast<size_t>(r)], ref, 0, 1e-12));
     RC_ASSERT(at::equal(got[static_cast<size_t>(r)], got[0]));
+  }
+}
+
+// Ok-Topk: each owner sums its region of the members' local top-k and keeps the largest
+// ceil(k / n); every member decodes the same sum; what a member sent that no owner kept returns
+// to its residual. At density 1 it is the exact sum.
+TEST(OkTopk, OwnersKeepTheLargestSumsOfTheirRegionAndLostValuesReturnToTheResidual) {
+  const int n = 3;
+  const int64_t numel = 30001;  // regions of unequal size
+  for (double density : {0.02, 1.0}) {
+    GradSyncConfig g = steady();
+    g.compression = "oktopk";
+    g.density = density;
+    std::vector<at::Tensor> grads, sent(static_cast<size_t>(n)), decoded(static_cast<size_t>(n)), residual(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) grads.push_back(laplace(numel, 300 + static_cast<uint64_t>(r)));
+    std::vector<int64_t> wire_bytes(static_cast<size_t>(n));
+    on_members(n, [&](int r, Comm& comm) {
+      auto codec = make_codec(Options::from(g, false));
+      CodecState st;
+      StepContext ctx;
+      ctx.seed = 9;
+      ctx.contributors = n;
+      BufferLayout L;
+      L.begin = 0;
+      L.numel = numel;
+      L.pieces = {{0, 10000}, {10000, numel - 10000}};
+      std::vector<Encoded> parts;
+      for (auto [b, len] : L.pieces) parts.push_back(codec->encode(grads[static_cast<size_t>(r)], b, len, {}, st, ctx));
+      at::Tensor mine = at::zeros({numel});
+      for (auto& e : parts) mine.add_(scatter(e, numel));
+      sent[static_cast<size_t>(r)] = mine;
+      at::Tensor wire = codec->exchange(parts, L, comm, ctx);
+      at::Tensor out = at::zeros({numel});
+      codec->decode(wire, L, out, ctx);
+      codec->after_decode(parts, out, st, ctx);
+      decoded[static_cast<size_t>(r)] = out;
+      residual[static_cast<size_t>(r)] = st.residual.clone();
+      wire_bytes[static_cast<size_t>(r)] = comm.bytes_sent();
+    });
+    at::Tensor reduced = at::zeros({numel});
+    for (auto& c : sent) reduced.add_(c);
+    const at::Tensor kept = decoded[0].ne(0);
+    for (int r = 0; r < n; ++r)
+      EXPECT_TRUE(at::equal(decoded[static_cast<size_t>(r)], decoded[0])) << density << ": members decoded different sums";
+    // Every kept value is the members' summed contribution there (summed in member order).
+    EXPECT_TRUE(at::allclose(decoded[0], reduced * kept, 0, 1e-6)) << density;
+    const int64_t k = alloy::dist::compress::target_count(10000, density) + alloy::dist::compress::target_count(numel - 10000, density);
+    const int64_t keep = (k + n - 1) / n;
+    for (int j = 0; j < n; ++j) {
+      const int64_t lo = numel * j / n, hi = numel * (j + 1) / n;
+      at::Tensor region = reduced.narrow(0, lo, hi - lo).abs(), region_kept = kept.narrow(0, lo, hi - lo);
+      const int64_t nz = region.ne(0).sum().item<int64_t>(), got = region_kept.sum().item<int64_t>();
+      EXPECT_EQ(got, std::min(keep, nz)) << density << " region " << j;
+      // Nothing left out of a region is larger than what its owner kept.
+      if (got > 0 && got < nz)
+        EXPECT_LE(region.masked_select(region_kept.logical_not()).max().item<float>(),
+                  region.masked_select(region_kept).min().item<float>()) << density << " region " << j;
+    }
+    // Error feedback: per member, kept contribution + new residual == gradient (old residual 0).
+    for (int r = 0; r < n; ++r)
+      EXPECT_TRUE(at::allclose(sent[static_cast<size_t>(r)] * kept + residual[static_cast<size_t>(r)], grads[static_cast<size_t>(r)], 0, 1e-6))
+          << density << " member " << r;
+    if (density == 1.0) {
+      at::Tensor exact = grads[0] + grads[1] + grads[2];
+      EXPECT_TRUE(at::allclose(decoded[0], exact, 1e-6, 1e-6));
+    } else {
+      // About 2k pairs per member, where an all-gather of top-k sends k (n - 1) pairs to each.
+      EXPECT_LT(wire_bytes[0], 8 * 3 * k) << "bytes " << wire_bytes[0] << " for k " << k;
+    }
   }
 }

@@ -257,7 +257,7 @@ void add_train_commands(CLI::App& app, Action& action) {
 
   auto* g_gs = "Gradient compression, SAFusion's flags (or --set grad_sync.KEY=VALUE; see the keys below)";
   cmd->add_option("--compressor", a->compressor,
-                  "none | fp16 | bf16 | topk | randomk | dgc | gaussiank | redsync | sidco | powersgd (SAFusion's "
+                  "none | fp16 | bf16 | topk | randomk | dgc | gaussiank | redsync | sidco | oktopk | powersgd (SAFusion's "
                   "gaussian and eftopk too): grad_sync.compression")
       ->group(g_gs);
   cmd->add_option("--density", a->density, "Fraction of each gradient sent, in (0, 1]: grad_sync.density")->group(g_gs);

@@ -128,7 +128,7 @@ const std::vector<Field>& schema() {
       ALLOY_STR(train, shard_ratio, "shares of each group's shards, in rank order (\"3,1\"; one per group member or one per "
                                     "rank); empty = even"),
       ALLOY_FLOAT(grad_sync, bucket_mb, "gradient buckets (and fixed fusion buffers), MiB of fp32 gradient"),
-      ALLOY_STR(grad_sync, compression, "none (exact) | fp16 | bf16 | topk | randomk | dgc | gaussiank | redsync | sidco | powersgd"),
+      ALLOY_STR(grad_sync, compression, "none (exact) | fp16 | bf16 | topk | randomk | dgc | gaussiank | redsync | sidco | oktopk | powersgd"),
       ALLOY_FLOAT(grad_sync, density, "sparsifiers: fraction of each tensor's elements sent, in (0, 1]"),
       ALLOY_STR(grad_sync, fusion, "tensor | bucket (SAFusion: wfbp) | omgs | cupcake | saf | saf-inter | saf-adaptive"),
       ALLOY_BOOL(grad_sync, error_feedback, "add what was not sent to the next step's gradient (SAFusion: --memory residual)"),
@@ -415,7 +415,7 @@ std::vector<double> TrainConfig::shard_shares() const {
 
 const std::vector<std::string>& GradSyncConfig::compression_methods() {
   static const std::vector<std::string> m = {"none", "fp16", "bf16", "topk", "randomk", "dgc",
-                                             "gaussiank", "redsync", "sidco", "powersgd"};
+                                             "gaussiank", "redsync", "sidco", "oktopk", "powersgd"};
   return m;
 }
 

@@ -98,7 +98,7 @@ struct GradSyncConfig {
 
   bool lossy() const { return compression != "none"; }
   static bool sparse_method(const std::string& m) {
-    return m == "topk" || m == "randomk" || m == "dgc" || m == "gaussiank" || m == "redsync" || m == "sidco";
+    return m == "topk" || m == "randomk" || m == "dgc" || m == "gaussiank" || m == "redsync" || m == "sidco" || m == "oktopk";
   }
   bool sparse() const { return sparse_method(compression); }
   // A sparsifier below density 1 sends each element's accumulated gradient now and then; Adam

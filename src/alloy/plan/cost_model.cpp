@@ -222,12 +222,13 @@ double CostContext::wire_ratio() const {
 
 namespace {
 // How a method's exchange moves its payload: all-gather (every member's own), or all-reduce.
-bool gathers(const std::string& m) { return m != "fp16" && m != "randomk" && m != "powersgd"; }
+// Ok-Topk's split-and-reduce moves about 2k pairs per member whatever the group size: an all-reduce's pattern.
+bool gathers(const std::string& m) { return m != "fp16" && m != "randomk" && m != "powersgd" && m != "oktopk"; }
 // Codec costs when the profile predates them (per element, on a ~3 GHz core).
 CodecCost default_codec(const std::string& m) {
   if (m == "fp16" || m == "bf16") return {2e-9, 1e-9};
   if (m == "powersgd") return {1.5e-8, 5e-9};
-  if (m == "topk") return {1e-8, 1e-9};
+  if (m == "topk" || m == "oktopk") return {1e-8, 1e-9};
   return {4e-9, 1e-9};
 }
 }  // namespace

@@ -46,7 +46,7 @@ class SparseCodec : public Codec {
     const int64_t k = target_count(numel, opt_.density_at(ctx.step));
     const uint64_t seed = mix(ctx.seed, static_cast<uint64_t>(begin));
     Selection s;
-    if (opt_.method == "topk") s = select_topk(acc, k);
+    if (opt_.method == "topk" || opt_.method == "oktopk") s = select_topk(acc, k);
     else if (opt_.method == "randomk") s = select_randomk(acc, k, seed);
     else s = select_threshold(method_, acc, k, opt_.aligned, seed, opt_.sidco_fit, opt_.sidco_stages);
     Encoded e;
@@ -386,9 +386,116 @@ void forget_sent(const at::Tensor& indices, int64_t selected, CodecState& st, co
   if (st.velocity.defined()) st.velocity.index_fill_(0, idx, 0.0);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Ok-Topk (Li and Hoefler, PPoPP 2022), SAFusion's sparse all-reduce baseline: each member sends
+// its local top-k, region by region, to the region's owner (split and reduce: one all-to-all
+// instead of every member's pairs to everyone), the owner sums them and keeps the largest
+// ceil(k / n) of its region, and the owners' picks are all-gathered (balanced: the same count
+// each, so no sizes). Every member sends about 2k pairs whatever the group size, where an
+// all-gather of top-k moves k (n - 1). Here the regions are equal slices of the buffer and the
+// local selection is exact top-k (the paper re-balances the regions and re-estimates its
+// thresholds every few steps). With error feedback, what a member sent that the owners did not
+// keep goes back into its residual, so sent + residual stays its gradient + old residual.
+class OkTopkCodec : public SparseCodec {
+ public:
+  explicit OkTopkCodec(const Options& o) : SparseCodec(o) {}
+
+  at::Tensor exchange(std::vector<Encoded>& parts, const BufferLayout& L, Comm& comm, const StepContext& ctx) override {
+    const int n = comm.size();
+    std::vector<at::Tensor> idx, val;
+    int64_t k_total = 0;
+    for (auto& p : parts) {
+      idx.push_back(p.indices.narrow(0, 0, p.selected));
+      val.push_back(p.values.narrow(0, 0, p.selected));
+    }
+    for (const auto& [pb, pn] : L.pieces) k_total += target_count(pn, opt_.density_at(ctx.step));
+    at::Tensor my_idx = idx.empty() ? at::empty({0}, at::kLong) : at::cat(idx);
+    at::Tensor my_val = val.empty() ? at::empty({0}, at::kFloat) : at::cat(val);
+    at::Tensor order = std::get<1>(my_idx.sort());
+    my_idx = my_idx.index_select(0, order).to(at::kInt).contiguous();
+    my_val = my_val.index_select(0, order).contiguous();
+    auto bound = [&](int j) { return L.begin + L.numel * j / n; };
+    // Split: this member's pairs by region, as rows (index, value bits).
+    std::vector<int64_t> send(static_cast<size_t>(n), 0);
+    const auto* ip = my_idx.data_ptr<int32_t>();
+    for (int64_t i = 0, j = 0; i < my_idx.numel(); ++i) {
+      while (ip[i] >= bound(static_cast<int>(j) + 1)) ++j;
+      ++send[static_cast<size_t>(j)];
+    }
+    at::Tensor rows = at::stack({my_idx, my_val.view(at::kInt)}, 1).contiguous();
+    auto counts = comm.allgather(at::tensor(send, at::TensorOptions().dtype(at::kLong)));
+    std::vector<int64_t> recv(static_cast<size_t>(n));
+    for (int m = 0; m < n; ++m) recv[static_cast<size_t>(m)] = counts[static_cast<size_t>(m)][comm.rank()].item<int64_t>();
+    at::Tensor got = comm.alltoall_rows(rows, send, recv);
+    // Reduce: this member owns region [lo, hi); members' pairs are added in member order.
+    const int64_t lo = bound(comm.rank()), hi = bound(comm.rank() + 1);
+    at::Tensor sum = at::zeros({hi - lo}, at::kFloat);
+    at::Tensor any = at::zeros({hi - lo}, at::kBool);
+    for (int64_t m = 0, pos = 0; m < n; pos += recv[static_cast<size_t>(m)], ++m) {
+      if (recv[static_cast<size_t>(m)] == 0) continue;
+      at::Tensor block = got.narrow(0, pos, recv[static_cast<size_t>(m)]);
+      at::Tensor where = block.select(1, 0).to(at::kLong) - lo;
+      sum.index_add_(0, where, block.select(1, 1).contiguous().view(at::kFloat));
+      any.index_fill_(0, where, true);
+    }
+    // Select: the owner's largest ceil(k / n) of what arrived, padded with index -1.
+    const int64_t keep = (k_total + n - 1) / n;
+    at::Tensor cand = any.nonzero().view({-1});
+    if (cand.numel() > keep) cand = cand.index_select(0, std::get<1>(sum.index_select(0, cand).abs().topk(keep)));
+    cand = std::get<0>(cand.sort());
+    at::Tensor payload = at::full({2 * keep}, -1, at::TensorOptions().dtype(at::kInt));
+    const int64_t c = cand.numel();
+    payload.narrow(0, 0, c).copy_(cand + lo);
+    payload.narrow(0, keep, c).copy_(sum.index_select(0, cand).view(at::kInt));
+    auto gathered = comm.allgather(payload);
+    // The wire SparseCodec decodes: [n, count_i..., per owner idx(count_i) bits(count_i)].
+    std::vector<int64_t> have(static_cast<size_t>(n), 0);
+    int64_t total = 0;
+    for (int m = 0; m < n; ++m) {
+      const auto* g = gathered[static_cast<size_t>(m)].data_ptr<int32_t>();
+      while (have[static_cast<size_t>(m)] < keep && g[have[static_cast<size_t>(m)]] >= 0) ++have[static_cast<size_t>(m)];
+      total += have[static_cast<size_t>(m)];
+    }
+    at::Tensor wire = at::empty({1 + n + 2 * total}, at::TensorOptions().dtype(at::kInt));
+    auto* w = wire.data_ptr<int32_t>();
+    w[0] = n;
+    int64_t pos = 1 + n;
+    for (int m = 0; m < n; ++m) {
+      const int64_t h = have[static_cast<size_t>(m)];
+      const auto* g = gathered[static_cast<size_t>(m)].data_ptr<int32_t>();
+      w[1 + m] = static_cast<int32_t>(h);
+      std::copy(g, g + h, w + pos);
+      std::copy(g + keep, g + keep + h, w + pos + h);
+      pos += 2 * h;
+    }
+    // The buffer's kept indices, for after_decode (the worker runs exchange, decode and
+    // after_decode of one buffer in turn).
+    kept_ = at::zeros({L.numel}, at::kBool);
+    for (int m = 0, q = 1 + n; m < n; q += 2 * w[1 + m], ++m)
+      if (w[1 + m] > 0) kept_.index_fill_(0, wire.narrow(0, q, w[1 + m]).to(at::kLong) - L.begin, true);
+    kept_begin_ = L.begin;
+    return wire;
+  }
+
+  void after_decode(std::vector<Encoded>& parts, const at::Tensor&, CodecState& st, const StepContext&) override {
+    if (!opt_.error_feedback || !st.residual.defined() || !kept_.defined()) return;
+    for (auto& p : parts) {
+      if (p.selected == 0) continue;
+      at::Tensor idx = p.indices.narrow(0, 0, p.selected);
+      at::Tensor lost = kept_.index_select(0, idx - kept_begin_).logical_not();
+      st.residual.index_add_(0, idx.masked_select(lost), p.values.narrow(0, 0, p.selected).masked_select(lost));
+    }
+  }
+
+ private:
+  at::Tensor kept_;
+  int64_t kept_begin_ = 0;
+};
+
 std::unique_ptr<Codec> make_codec(const Options& o) {
   if (o.method == "fp16" || o.method == "bf16") return std::make_unique<CastCodec>(o);
   if (o.method == "powersgd") return std::make_unique<PowerSgdCodec>(o);
+  if (o.method == "oktopk") return std::make_unique<OkTopkCodec>(o);
   if (GradSyncConfig::sparse_method(o.method)) return std::make_unique<SparseCodec>(o);
   throw InputError("grad_sync.compression", "no codec for '" + o.method + "'");
 }

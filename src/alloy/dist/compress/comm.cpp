@@ -38,6 +38,20 @@ class GroupComm : public Comm {
     if (rank() == root) bytes_sent_ += nbytes(t);
   }
 
+  at::Tensor alltoall_rows(const at::Tensor& in, const std::vector<int64_t>& in_rows, const std::vector<int64_t>& out_rows) override {
+    int64_t total = 0;
+    for (int64_t r : out_rows) total += r;
+    std::vector<int64_t> shape(in.sizes().begin(), in.sizes().end());
+    shape[0] = total;
+    at::Tensor out = at::empty(shape, in.options());
+    at::Tensor src = in.contiguous();
+    wait_work(g_.alltoall_rows(out, src, out_rows, in_rows), "compressed gradient all-to-all in group " + g_.name());
+    const int64_t row_bytes = in.size(0) > 0 ? nbytes(in) / in.size(0) : 0;
+    for (int i = 0; i < size(); ++i)
+      if (i != rank()) bytes_sent_ += in_rows[static_cast<size_t>(i)] * row_bytes;
+    return out;
+  }
+
  private:
   Group& g_;
 };
@@ -74,6 +88,24 @@ class LocalComm : public Comm {
     auto all = hub_.meet(rank_, t);
     t.copy_(all[static_cast<size_t>(root)]);
     if (rank_ == root) bytes_sent_ += nbytes(t);
+  }
+  at::Tensor alltoall_rows(const at::Tensor& in, const std::vector<int64_t>& in_rows, const std::vector<int64_t>& out_rows) override {
+    auto all = hub_.meet(rank_, in);
+    auto counts = hub_.meet(rank_, at::tensor(in_rows, at::TensorOptions().dtype(at::kLong)));
+    std::vector<at::Tensor> parts;
+    for (int m = 0; m < size(); ++m) {
+      const auto* c = counts[static_cast<size_t>(m)].data_ptr<int64_t>();
+      int64_t first = 0;
+      for (int j = 0; j < rank_; ++j) first += c[j];
+      if (c[rank_] != out_rows[static_cast<size_t>(m)])
+        throw Error("all-to-all: member " + std::to_string(m) + " sent " + std::to_string(c[rank_]) + " rows, " +
+                    std::to_string(out_rows[static_cast<size_t>(m)]) + " expected");
+      parts.push_back(all[static_cast<size_t>(m)].narrow(0, first, c[rank_]));
+    }
+    const int64_t row_bytes = in.size(0) > 0 ? nbytes(in) / in.size(0) : 0;
+    for (int i = 0; i < size(); ++i)
+      if (i != rank_) bytes_sent_ += in_rows[static_cast<size_t>(i)] * row_bytes;
+    return at::cat(parts);
   }
 
  private:

@@ -30,6 +30,11 @@ class Comm {
   virtual void allreduce_sum(at::Tensor& t) = 0;                          // in place
   virtual std::vector<at::Tensor> allgather(const at::Tensor& t) = 0;     // equal sizes on every member
   virtual void broadcast(at::Tensor& t, int root) = 0;                    // in place; ROOT's value everywhere
+  // All-to-all along dimension 0: IN's first IN_ROWS[0] rows go to member 0, the next IN_ROWS[1]
+  // to member 1, ...; returns what the members sent here, in member order (OUT_ROWS[i] rows from
+  // member i: the callers exchange the counts first).
+  virtual at::Tensor alltoall_rows(const at::Tensor& in, const std::vector<int64_t>& in_rows,
+                                   const std::vector<int64_t>& out_rows) = 0;
   // Bytes this member put on the wire in calls so far (its share of each ring or gather).
   int64_t bytes_sent() const { return bytes_sent_; }
 
