@@ -197,3 +197,22 @@ TEST(AdamW, ReadsSparseArrivalsLinearlyAfterTheExactSteps) {
   EXPECT_TRUE(at::allclose(lin2.tensor - w0, 2 * (lin.tensor - w0), 1e-12, 0)) << "linear in the arrival";
   EXPECT_FALSE(at::allclose(plain.tensor, lin.tensor)) << "plain AdamW normalises the arrival away";
 }
+
+#include "alloy/train/sweep.h"
+
+// The hybrid_lora_parallel study's "uniform parameter split": a pipeline cut so each stage holds
+// about the same parameters. With GPT-2's large embedding the first stage gets fewer blocks.
+TEST(Sweep, UniformParameterSplitCutsByParameters) {
+  const alloy::train::PartParams gpt2_small{38.6, 7.1, 0.0};  // millions: wte + wpe, a block, the tied head
+  EXPECT_EQ(alloy::train::cuts_by_params(2, 12, gpt2_small), (std::vector<int64_t>{3}));    // 59.9 of 123.8
+  EXPECT_EQ(alloy::train::cuts_by_params(3, 12, gpt2_small), (std::vector<int64_t>{1, 6}));  // every stage a block
+  EXPECT_EQ(alloy::train::cuts_by_params(4, 8, {0, 1, 0}), (std::vector<int64_t>{2, 4, 6}));  // even without ends
+  const alloy::Plan p = alloy::train::sweep_plan("pp-params", 2, 12, 8, 2, gpt2_small);
+  ASSERT_EQ(p.pipelines.size(), 1u);
+  ASSERT_EQ(p.pipelines[0].stages.size(), 2u);
+  EXPECT_EQ(p.pipelines[0].stages[0].layer_end, 3);
+  EXPECT_EQ(p.pipelines[0].stages[1].layer_begin, 3);
+  EXPECT_THROW(alloy::train::sweep_plan("pp-params", 2, 12, 8, 2), alloy::InputError);  // no parameter counts
+  EXPECT_EQ(alloy::train::sweep_plan("ddp", 2, 12, 8, 2).pipelines.size(), 2u);          // the study's name for dp
+  EXPECT_EQ(alloy::train::sweep_plan("fsdp2", 2, 12, 8, 2).sharding.at(0).stage, 3);
+}

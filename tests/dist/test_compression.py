@@ -115,20 +115,22 @@ def main():
             "none with every other grad_sync key set: same losses bit for bit, no compressed set")
 
     # Top-k at density 1.0 with error feedback = exact, across layouts, fusions and topologies.
-    for layout, fusion in [("dp2", "saf-adaptive"), ("dp3", "tensor"), ("pp2", "bucket"), ("mixed", "omgs"),
-                           ("mixed", "saf"), ("regions", "saf-adaptive")]:
+    # Ok-Topk's split-and-reduce (an all-to-all over Gloo) over three ranks, exact at density 1 too.
+    for method, layout, fusion in [("topk", "dp2", "saf-adaptive"), ("topk", "dp3", "tensor"), ("topk", "pp2", "bucket"),
+                                   ("topk", "mixed", "omgs"), ("topk", "mixed", "saf"), ("topk", "regions", "saf-adaptive"),
+                                   ("oktopk", "dp3", "saf-adaptive")]:
         scope = "slow-links" if layout == "regions" else "all"
-        out, _ = R.train(f"topk1-{layout}-{fusion}", layout, sets=["grad_sync.compression=topk", "grad_sync.density=1.0",
+        out, _ = R.train(f"{method}1-{layout}-{fusion}", layout, sets=[f"grad_sync.compression={method}", "grad_sync.density=1.0",
                                                                     "grad_sync.dense_steps=0", f"grad_sync.fusion={fusion}",
                                                                     f"grad_sync.scope={scope}"])
         got = metrics(out)
         w = worst_rel(got, base)
         R.check(len(got) == STEPS and w <= 1e-6 and got[-1].get("grad_density") == 1.0,
-                f"topk density 1.0, {layout}, fusion {fusion}, scope {scope}: worst relative loss difference {w:.2e} vs one device")
+                f"{method} density 1.0, {layout}, fusion {fusion}, scope {scope}: worst relative loss difference {w:.2e} vs one device")
 
     # Every compressor trains at density 0.05; sparse ones send about that share.
     dense_bytes = metrics(plain)[-1]["grad_bytes"]
-    for method in ["fp16", "bf16", "topk", "randomk", "dgc", "gaussiank", "redsync", "sidco", "powersgd"]:
+    for method in ["fp16", "bf16", "topk", "randomk", "dgc", "gaussiank", "redsync", "sidco", "oktopk", "powersgd"]:
         out, _ = R.train(f"m-{method}", "dp2", sets=[f"grad_sync.compression={method}", "grad_sync.density=0.05", "grad_sync.warmup_steps=0",
                                                      "grad_sync.dense_steps=2"])
         m = metrics(out)
@@ -171,6 +173,13 @@ def main():
         gs = json.load(f)["grad_sync"]
     R.check(gs["compression"] == "gaussiank" and gs["density"] == 0.02 and gs["error_feedback"] is False,
             f"--compressor gaussian --density 0.02 --memory none -> {gs}")
+    # GRACE's DgcMemory: error feedback with DGC's momentum correction, for any sparsifier.
+    out, _ = R.train("safusion-memory-dgc", "dp2", flags=["--compressor", "topk", "--density", "0.05", "--memory", "dgc"],
+                     sets=["train.steps=3", "grad_sync.dense_steps=1"])
+    with open(os.path.join(out, "config.yaml")) as f:
+        text = f.read()
+    R.check('momentum_correction: "on"' in text and "error_feedback: true" in text,
+            "--memory dgc -> error feedback with momentum correction on")
     _, r = R.train("bad-method", "dp2", flags=["--compressor", "dcg"], expect_fail=True)
     said = [l for l in r.stderr.splitlines() if "did you mean" in l]
     R.check(bool(said), "--compressor dcg is refused: " + (said[0].strip()[:200] if said else r.stderr[-300:]))

@@ -114,9 +114,12 @@ std::vector<std::string> safusion_overrides(const TrainArgs& a) {
   if (!a.compressor.empty()) out.push_back("grad_sync.compression=" + a.compressor);
   if (a.density > 0) out.push_back("grad_sync.density=" + std::to_string(a.density));
   if (!a.memory.empty()) {
-    if (a.memory != "residual" && a.memory != "none")
-      throw InputError("--memory", "must be residual or none (error feedback on or off), got '" + a.memory + "'");
-    out.push_back(std::string("grad_sync.error_feedback=") + (a.memory == "residual" ? "true" : "false"));
+    if (a.memory != "residual" && a.memory != "none" && a.memory != "dgc")
+      throw InputError("--memory", "must be residual, dgc or none (error feedback, with DGC's momentum correction, or off), got '" +
+                                       a.memory + "'");
+    out.push_back(std::string("grad_sync.error_feedback=") + (a.memory == "none" ? "false" : "true"));
+    // GRACE's DgcMemory: a local velocity accumulates into the residual, both cleared where sent.
+    if (a.memory == "dgc") out.push_back("grad_sync.momentum_correction=on");
   }
   if (a.threshold > 0) out.push_back("grad_sync.bucket_mb=" + std::to_string(static_cast<double>(a.threshold) * 4 / (1 << 20)));
   if (a.mgwfbp) out.push_back("grad_sync.fusion=omgs");
@@ -261,7 +264,10 @@ void add_train_commands(CLI::App& app, Action& action) {
                   "gaussian and eftopk too): grad_sync.compression")
       ->group(g_gs);
   cmd->add_option("--density", a->density, "Fraction of each gradient sent, in (0, 1]: grad_sync.density")->group(g_gs);
-  cmd->add_option("--memory", a->memory, "residual | none: error feedback on or off (grad_sync.error_feedback)")->group(g_gs);
+  cmd->add_option("--memory", a->memory,
+                  "residual | dgc | none: error feedback, with DGC's momentum correction (grad_sync.momentum_correction=on), "
+                  "or off (grad_sync.error_feedback)")
+      ->group(g_gs);
   cmd->add_option("--threshold", a->threshold, "Fusion buffer size in gradient elements (grad_sync.bucket_mb = 4 x N bytes)")
       ->group(g_gs);
   cmd->add_flag("--mgwfbp", a->mgwfbp, "Merge gradients by the link model (MG-WFBP): grad_sync.fusion=omgs")->group(g_gs);
@@ -336,6 +342,11 @@ void add_train_commands(CLI::App& app, Action& action) {
         rv = hetero_rendezvous(hs, a->src.hetero_config, a->rv.master_port);
       if (rv.rank == 0)
         for (const auto& n : mt.notes) log_info(n);
+      const std::string& fusion = cfg.grad_sync.fusion;
+      if (a->threshold > 0 && rv.rank == 0 && cfg.grad_sync.lossy() && (fusion == "saf-adaptive" || fusion == "omgs" || fusion == "cupcake"))
+        log_info("--threshold " + std::to_string(a->threshold) + ": fusion " + fusion +
+                 " cuts its buffers from the measured backward and exchange times, so the size shapes the first steps "
+                 "only (grad_sync.fusion bucket keeps it)");
       if (sf.global_batch_size > 0) cfg.train.global_batch = sf.global_batch_size;
       if (static_cast<size_t>(rv.rank) < hs.stage_devices.size() && !hs.stage_devices[static_cast<size_t>(rv.rank)].empty() &&
           !std::getenv("ALLOY_DEVICE"))

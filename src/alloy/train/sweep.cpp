@@ -173,7 +173,7 @@ bool bar_chart(const std::string& png, const std::string& title, const std::stri
 }  // namespace
 
 std::string sweep_layouts() {
-  return "dp (ddp), pp, pp:C1,C2,..., zero1, zero2, zero3 (fsdp, fsdp2), auto, tp, tp:H1,H2,...";
+  return "dp (ddp), pp, pp-params, pp:C1,C2,..., zero1, zero2, zero3 (fsdp, fsdp2), auto, tp, tp:H1,H2,...";
 }
 
 namespace {
@@ -186,12 +186,30 @@ std::string canonical_layout(const std::string& layout) {
 
 bool known_layout(const std::string& layout) {
   const std::string l = canonical_layout(layout);
-  return l == "dp" || l == "pp" || l == "auto" || l == "tp" || l == "zero1" || l == "zero2" || l == "zero3" ||
+  return l == "dp" || l == "pp" || l == "pp-params" || l == "auto" || l == "tp" || l == "zero1" || l == "zero2" || l == "zero3" ||
          l.rfind("pp:", 0) == 0 || l.rfind("tp:", 0) == 0;
 }
 }  // namespace
 
-Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global_batch, int64_t m) {
+std::vector<int64_t> cuts_by_params(int n, int64_t layers, const PartParams& p) {
+  if (n < 1 || n > layers) throw InputError("layout 'pp-params'", std::to_string(n) + " stages for " + std::to_string(layers) + " blocks");
+  const double total = p.embed + static_cast<double>(layers) * p.block + p.head;
+  std::vector<int64_t> cuts;
+  int64_t prev = 0;
+  for (int s = 1; s < n; ++s) {
+    const double target = total * s / n;
+    // The cut whose prefix (embedding + blocks) comes closest to the target, leaving each stage a block.
+    int64_t best = prev + 1;
+    for (int64_t c = prev + 1; c <= layers - (n - s); ++c)
+      if (std::abs(p.embed + static_cast<double>(c) * p.block - target) < std::abs(p.embed + static_cast<double>(best) * p.block - target))
+        best = c;
+    cuts.push_back(best);
+    prev = best;
+  }
+  return cuts;
+}
+
+Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global_batch, int64_t m, const PartParams& params) {
   const std::string where = "layout '" + layout + "'";
   if (n < 1) throw InputError(where, "needs at least one rank");
   if (m < 1) throw InputError(where, "micro-batch size must be >= 1");
@@ -231,7 +249,7 @@ Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global
     if (zero > 0 && n > 1) p.sharding.push_back({range_to(n), zero, {}});
     return p;
   }
-  if (name == "pp" || name.rfind("pp:", 0) == 0) {
+  if (name == "pp" || name == "pp-params" || name.rfind("pp:", 0) == 0) {
     if (global_batch % m != 0)
       throw InputError(where, "global batch " + std::to_string(global_batch) + " is not a whole number of micro-batches of " +
                                   std::to_string(m));
@@ -239,6 +257,9 @@ Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global
     if (name == "pp") {
       if (n > layers) throw InputError(where, std::to_string(n) + " stages for " + std::to_string(layers) + " blocks");
       for (int s = 1; s < n; ++s) cuts.push_back(layers * s / n);
+    } else if (name == "pp-params") {
+      if (!(params.block > 0)) throw InputError(where, "needs the model's parameters per part (the profile's memory figures)");
+      cuts = cuts_by_params(n, layers, params);
     } else {
       cuts = layout_numbers(name.substr(3), where, "cut ", "a block number");
       if (static_cast<int>(cuts.size()) != n - 1)
@@ -334,7 +355,10 @@ std::vector<SweepRow> run_sweep(const SweepOptions& o) {
           train.insert(train.end(), {"--plan", "auto", "--cluster", cluster, "--profile", prof_path});
         } else {
           try {
-            p = sweep_plan(layout, n, c.model.layers, c.train.global_batch, m);
+            const auto& mem = prof.memory;
+            const PartParams parts{mem.param_bytes_embed + mem.frozen_bytes_embed, mem.param_bytes_per_block + mem.frozen_bytes_per_block,
+                                   mem.param_bytes_head + mem.frozen_bytes_head};
+            p = sweep_plan(layout, n, c.model.layers, c.train.global_batch, m, parts);
             for (auto& pl : p.pipelines)  // rank r is device r of the pool
               for (auto& st : pl.stages) {
                 st.device = spec.devices[static_cast<size_t>(st.ranks[0])].name;

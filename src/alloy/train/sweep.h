@@ -55,7 +55,15 @@ struct SweepRow {
 // `zeroK` adds a sharding entry over all ranks. Throws InputError naming the layout when it cannot
 // be built (sizes that do not divide, more stages than blocks, an unknown name, a TP split of the
 // wrong length). Heads that do not split as asked are the plan's validation's to name.
-Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global_batch, int64_t m);
+// PARAMS: the parameters (trained and frozen, any unit) of the embedding, of one block and of the
+// head, for `pp-params` (a pipeline cut so that every stage holds about the same parameters, the
+// hybrid_lora_parallel study's uniform parameter split); other layouts ignore it.
+struct PartParams {
+  double embed = 0, block = 0, head = 0;
+};
+Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global_batch, int64_t m, const PartParams& params = {});
+// Block cuts (stage ends but the last) giving each of N stages about the same parameters.
+std::vector<int64_t> cuts_by_params(int n, int64_t layers, const PartParams& p);
 // The known layout names, for help texts.
 std::string sweep_layouts();
 
