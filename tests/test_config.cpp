@@ -83,7 +83,7 @@ TEST(Config, GradSyncSectionIsCheckedWithAllowedValues) {
   EXPECT_TRUE(c.grad_sync.error_feedback);  // default on for every lossy method
   std::string e = error_of("grad_sync:\n  compression: dcg\n");
   EXPECT_NE(e.find("key 'grad_sync.compression': unknown value 'dcg' (did you mean 'dgc'?)"), std::string::npos) << e;
-  EXPECT_NE(e.find("allowed: none, fp16, bf16, topk, randomk, dgc, gaussiank, redsync, sidco, powersgd"), std::string::npos) << e;
+  EXPECT_NE(e.find("allowed: none, fp16, bf16, topk, randomk, dgc, gaussiank, redsync, sidco, oktopk, powersgd"), std::string::npos) << e;
   EXPECT_NE(error_of("", {"grad_sync.density=0"}).find("key 'grad_sync.density': must be in (0, 1]"), std::string::npos);
   EXPECT_NE(error_of("", {"grad_sync.density=1.5"}).find("must be in (0, 1]"), std::string::npos);
   EXPECT_NE(error_of("", {"grad_sync.powersgd_rank=0"}).find("key 'grad_sync.powersgd_rank': must be >= 1"), std::string::npos);

@@ -33,7 +33,7 @@ std::string error_of(const std::vector<std::string>& argv) {
 TEST(MegatronArgs, RunShsFlagsBecomeTheConfigTheyDescribe) {
   const std::vector<std::string> run_sh = {
       "--num-layers", "8", "--hidden-size", "256", "--ffn-hidden-size", "688", "--num-attention-heads", "8",
-      "--seq-length", "64", "--max-position-embeddings", "64", "--num-query-groups", "2",
+      "--seq-length", "64", "--max-position-embeddings", "64", "--group-query-attention", "--num-query-groups", "2",
       "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "/data/tokenizer.model", "--swiglu", "--use-flash-attn",
       "--use-rotary-position-embeddings", "--no-position-embedding", "--disable-bias-linear",
       "--train-iters", "5", "--weight-decay", "1e-2", "--clip-grad", "1.0", "--attention-softmax-in-fp32",
@@ -81,6 +81,17 @@ TEST(MegatronArgs, RunShsFlagsBecomeTheConfigTheyDescribe) {
   EXPECT_EQ(arch_sets, 1);
 }
 
+// As Megatron: --num-query-groups counts only under --group-query-attention, which alone means one.
+TEST(MegatronArgs, QueryGroupsNeedGroupQueryAttention) {
+  auto kv = [](const std::vector<std::string>& argv) {
+    return Config::from_yaml_string("model: {arch: llama, heads: 4, hidden: 64}\n", "test", translate_megatron_args(argv).sets).model.kv_heads;
+  };
+  EXPECT_EQ(kv({"--num-query-groups", "2"}), 0);  // every head its own keys and values
+  EXPECT_EQ(kv({"--num-query-groups", "2", "--group-query-attention"}), 2);
+  EXPECT_EQ(kv({"--group-query-attention"}), 1);
+  EXPECT_FALSE(translate_megatron_args({"--num-query-groups", "2"}).notes.empty());
+}
+
 TEST(MegatronArgs, CheckpointsLogsAndTheGpt2Tokenizer) {
   const MegatronTranslation t = translate_megatron_args({"--save", "runs/x", "--load=runs/y", "--save-interval", "50",
                                                           "--eval-interval", "25", "--eval-iters", "3",
@@ -110,6 +121,15 @@ TEST(MegatronArgs, WhatAlloyCannotHonourIsAnErrorNamingTheFlag) {
   EXPECT_HAS(error_of({"--lr", "fast"}), "--lr: needs a number, got 'fast'");
   EXPECT_HAS(error_of({"--swiglu=1"}), "--swiglu: takes no value");
   EXPECT_HAS(error_of({"256"}), "unexpected value '256'");
+  EXPECT_HAS(error_of({"--seq-length", "1024", "--max-position-embeddings", "512"}), "512 is less than --seq-length 1024");
+  EXPECT_HAS(error_of({"--lr-warmup-iters", "10", "--lr-warmup-fraction", ".1"}), "both given");
+  // The caller's own flags are suggested too.
+  try {
+    translate_megatron_args({"--pland", "auto"}, {"--plan", "--profile"});
+    ADD_FAILURE() << "--pland accepted";
+  } catch (const InputError& e) {
+    EXPECT_HAS(e.what(), "did you mean --plan?");
+  }
   // A value the flag accepts but the config refuses is named by the config's key.
   const MegatronTranslation t = translate_megatron_args({"--num-attention-heads", "0"});
   try {

@@ -93,16 +93,17 @@ TEST(Rendezvous, MissingRankWithFlagsIsAnError) {
 }
 
 TEST(Rendezvous, IdenticalProcessesClaimTheStagesTheirMachineHoldsInTurn) {
-  // hetero_config.json's stages: the coordinator and the second worker on host "a", one on "b".
-  const std::vector<std::vector<std::string>> addresses = {{"10.0.0.1", "a"}, {"10.0.0.2", "b"}, {"10.0.0.1", "a"}};
+  // hetero_config.json's stages: the coordinator and the second worker on 10.0.0.1, one on host "b"
+  // (no ip: its hostname is its address).
+  const std::vector<std::vector<std::string>> addresses = {{"10.0.0.1", "a"}, {"b"}, {"10.0.0.1", "a"}};
   const std::string dir = ::testing::TempDir();
   const std::string key = "test" + std::to_string(::getpid());
   // Each claim holds its lock for the life of the process (here: of this test), so the same
   // machine's next process gets the next of its stages, then none is left.
-  EXPECT_EQ(alloy::dist::claim_rank_by_address(addresses, {"localhost", "a"}, key, "hc.json", dir), 0);
+  EXPECT_EQ(alloy::dist::claim_rank_by_address(addresses, {"localhost", "a", "10.0.0.1"}, key, "hc.json", dir), 0);
   EXPECT_EQ(alloy::dist::claim_rank_by_address(addresses, {"localhost", "10.0.0.1"}, key, "hc.json", dir), 2);
   try {
-    alloy::dist::claim_rank_by_address(addresses, {"a"}, key, "hc.json", dir);
+    alloy::dist::claim_rank_by_address(addresses, {"10.0.0.1"}, key, "hc.json", dir);
     ADD_FAILURE() << "a third process got a stage";
   } catch (const alloy::InputError& e) {
     EXPECT_NE(std::string(e.what()).find("hc.json: every stage it places on this machine (ranks 0, 2) is already taken"), std::string::npos)
@@ -115,6 +116,15 @@ TEST(Rendezvous, IdenticalProcessesClaimTheStagesTheirMachineHoldsInTurn) {
   } catch (const alloy::InputError& e) {
     EXPECT_NE(std::string(e.what()).find("names no stage on this machine (localhost, c, 10.9.9.9)"), std::string::npos) << e.what();
   }
+  // A stage is known by its ip when it has one: a coordinator at 10.0.0.1 called "localhost" is
+  // not every machine; and a loopback address means this machine only in an all-loopback file.
+  const std::vector<std::vector<std::string>> mixed = {{"10.0.0.1", "localhost"}, {"10.0.0.2", "b"}};
+  EXPECT_EQ(alloy::dist::claim_rank_by_address(mixed, {"localhost", "127.0.0.1", "10.0.0.2"}, key + "m", "hc.json", dir), 1);
+  EXPECT_THROW(alloy::dist::claim_rank_by_address(mixed, {"localhost", "127.0.0.1", "10.0.0.9"}, key + "m", "hc.json", dir),
+               alloy::InputError);
+  const std::vector<std::vector<std::string>> half_loop = {{"127.0.0.1", "mac"}, {"10.0.0.2", "b"}};
+  EXPECT_THROW(alloy::dist::claim_rank_by_address(half_loop, {"localhost", "127.0.0.1", "mac"}, key + "h", "hc.json", dir),
+               alloy::InputError);
   const auto local = alloy::dist::local_addresses();
   EXPECT_NE(std::find(local.begin(), local.end(), "127.0.0.1"), local.end());
 }

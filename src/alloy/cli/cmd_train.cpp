@@ -38,6 +38,8 @@ struct TrainArgs {
   double timeout_s = 300;
   double stall_s = -1;
   std::vector<std::string> megatron;  // the arguments CLI11 did not know: Megatron's (megatron_args.h)
+  std::vector<std::string> own_flags;  // this command's own flag names, for "did you mean"
+  bool micro_batch_given = false;
   // HeteroShard's own command-line overrides of its hetero_config.json.
   int64_t hs_resume_step = -1;
   std::string hs_checkpoint_dir;
@@ -154,6 +156,11 @@ dist::Rendezvous hetero_rendezvous(const HeteroShardRun& hs, const std::string& 
   if (hs.coordinator_address.empty())
     throw InputError(file, "coordinator.ip: needed to find the coordinator when every machine runs the same command "
                            "(or give --rank, --world-size and --master-addr)");
+  for (size_t r = 0; r < hs.stage_addresses.size(); ++r)
+    if (hs.stage_addresses[r].empty())
+      throw InputError(file, "shard_plan[" + std::to_string(r) + "]: its " + (r == 0 ? "coordinator" : "worker") +
+                                 " names no ip or hostname, so no machine can take that stage (or give --rank, --world-size "
+                                 "and --master-addr)");
   dist::Rendezvous rv;
   rv.world_size = static_cast<int>(hs.stage_addresses.size());
   rv.master_addr = hs.coordinator_address;
@@ -232,7 +239,7 @@ void add_train_commands(CLI::App& app, Action& action) {
       ->group(g_plan);
 
   auto* g_sf = "SynerFuse / Megatron flags (instead of a plan)";
-  cmd->add_option("--num-layers", a->src.synerfuse.num_layers, "Transformer blocks (must match model.layers)")->group(g_sf);
+  cmd->add_option("--num-layers", a->src.synerfuse.num_layers, "Transformer blocks (model.layers)")->group(g_sf);
   cmd->add_option("--pipeline-model-parallel-size", a->src.synerfuse.pipeline_model_parallel_size, "Pipeline stages")->group(g_sf);
   cmd->add_option("--tensor-model-parallel-size", a->src.synerfuse.tensor_model_parallel_size,
                   "Ranks per stage, splitting each block's heads and MLP columns (Megatron's tensor parallelism)")
@@ -311,11 +318,14 @@ void add_train_commands(CLI::App& app, Action& action) {
                   "of --timeout; 0 = off)")
       ->group(g_rv);
   cmd->footer("Config keys (section.key, help, type and default):\n" + config_reference() +
-              "\nMegatron flags (SynerFuse's run.sh) and what they become; they override the config as --set does:\n" +
+              "\nMegatron flags (SynerFuse's run.sh) and what they become; like Alloy's other flags they override the config and --set:\n" +
               megatron_flags_reference());
 
   cmd->callback([a, cmd, &action]() {
     a->megatron = cmd->remaining();
+    for (const CLI::Option* o : cmd->get_options())
+      for (const auto& l : o->get_lnames()) a->own_flags.push_back("--" + l);
+    a->micro_batch_given = cmd->count("--micro-batch-size") > 0;
     action = [a]() {
       // A HeteroShard file says more than the layout: its settings come first, so --set still wins.
       HeteroShardRun hs;
@@ -323,12 +333,17 @@ void add_train_commands(CLI::App& app, Action& action) {
       if (a->hs_resume_step >= 0) hs.resume_step = a->hs_resume_step;
       if (!a->hs_checkpoint_dir.empty()) hs.config_overrides.push_back("output.dir=" + a->hs_checkpoint_dir);
       std::vector<std::string> sets = hs.config_overrides;
-      const MegatronTranslation mt = translate_megatron_args(a->megatron);
-      sets.insert(sets.end(), mt.sets.begin(), mt.sets.end());
       sets.insert(sets.end(), a->sets.begin(), a->sets.end());
+      // Megatron's flags, like Alloy's other flags, come after --set: given later, they win.
+      const MegatronTranslation mt = translate_megatron_args(a->megatron, a->own_flags);
+      sets.insert(sets.end(), mt.sets.begin(), mt.sets.end());
       const SynerFuseArgs& sf = a->src.synerfuse;
       if (sf.num_layers > 0) sets.push_back("model.layers=" + std::to_string(sf.num_layers));
+      // The global batch before the micro-batch: the config checks that one divides the other.
+      if (sf.global_batch_size > 0) sets.push_back("train.global_batch=" + std::to_string(sf.global_batch_size));
       // Megatron's --micro-batch-size is every rank's micro-batch, with or without a SynerFuse layout.
+      if (sf.micro_batch_size < 0 || (sf.micro_batch_size == 0 && a->micro_batch_given))
+        throw InputError("--micro-batch-size", "must be >= 1, got " + std::to_string(sf.micro_batch_size));
       if (sf.micro_batch_size > 0) sets.push_back("train.micro_batch=" + std::to_string(sf.micro_batch_size));
       for (auto& o : safusion_overrides(*a)) sets.push_back(o);
       for (auto& o : sharding_overrides(*a)) sets.push_back(o);
@@ -372,7 +387,14 @@ void add_train_commands(CLI::App& app, Action& action) {
         }
         else if (a->auto_resume || train::restart_count() > 0) o.resume = train::last_checkpoint_agreed(cfg, world.get());
         if (hs.visualize && rv.rank == 0 && rp.plan) {
-          const std::string path = cfg.output.dir + "/architecture." + hs.visualization_format;
+          std::string format = hs.visualization_format;
+          // A build without Graphviz still draws: as Mermaid text, instead of failing the run.
+          if (format != "mmd" && !viz::diagram_renders()) {
+            log_warn(a->src.hetero_config + ": training.visualization_format " + format +
+                     " needs Graphviz, which this build lacks: writing architecture.mmd (Mermaid) instead");
+            format = "mmd";
+          }
+          const std::string path = cfg.output.dir + "/architecture." + format;
           ensure_writable_dir(cfg.output.dir);
           viz::write_diagram({rp.plan.get(), nullptr, cfg.model.layers, {}}, path);
           log_info("wrote the plan's diagram to " + path + " (" + a->src.hetero_config + ": training.visualize)");

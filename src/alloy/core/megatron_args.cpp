@@ -93,8 +93,16 @@ const std::map<std::string, Flag>& flags() {
     f["--hidden-size"] = to_key("model.hidden", true);
     f["--ffn-hidden-size"] = to_key("model.ffn", true);
     f["--num-attention-heads"] = to_key("model.heads", true);
-    f["--num-query-groups"] = to_key("model.kv_heads", true);
-    f["--seq-length"] = to_key("model.seq_len", true);
+    // As Megatron: the groups count only under --group-query-attention (alone: one group).
+    f["--num-query-groups"] = {Arity::Value, "model.kv_heads, with --group-query-attention (as Megatron)",
+                               [](const std::string& name, const std::string& v, MegatronTranslation& t) {
+                                 t.num_query_groups = as_int(name, v);
+                                 if (t.num_query_groups < 1) fail(name, "must be >= 1, got " + v);
+                               }};
+    f["--seq-length"] = {Arity::Value, "model.seq_len", [](const std::string& name, const std::string& v, MegatronTranslation& t) {
+                           t.seq_length = as_int(name, v);
+                           t.sets.push_back("model.seq_len=" + v);
+                         }};
     f["--init-method-std"] = to_key("model.init_std", false);
     f["--norm-epsilon"] = to_key("model.norm_eps", false);
     f["--layernorm-epsilon"] = to_key("model.norm_eps", false);
@@ -102,7 +110,8 @@ const std::map<std::string, Flag>& flags() {
     f["--max-position-embeddings"] = {
         Arity::Value, "checked: at least --seq-length (GPT-2's position table has model.seq_len rows)",
         [](const std::string& name, const std::string& v, MegatronTranslation& t) {
-          if (as_int(name, v) < 1) fail(name, "must be >= 1, got " + v);
+          t.max_position_embeddings = as_int(name, v);
+          if (t.max_position_embeddings < 1) fail(name, "must be >= 1, got " + v);
           t.notes.push_back(name + " " + v + ": GPT-2's learned position table has model.seq_len rows (LLaMA has none)");
         }};
     f["--swiglu"] = llama_part("SwiGLU");
@@ -122,7 +131,8 @@ const std::map<std::string, Flag>& flags() {
           if (v == "RMSNorm") flags().at("--swiglu").apply(name + " RMSNorm", "", t);
           else if (v != "LayerNorm") fail(name, "Alloy has RMSNorm (model.arch=llama) and LayerNorm (gpt2), got '" + v + "'");
         }};
-    f["--group-query-attention"] = note_switch("grouped-query attention follows from --num-query-groups (model.kv_heads)");
+    f["--group-query-attention"] = {Arity::Switch, "grouped-query attention: model.kv_heads = --num-query-groups (default 1)",
+                                    [](const std::string&, const std::string&, MegatronTranslation& t) { t.group_query_attention = true; }};
     f["--attention-dropout"] = f["--hidden-dropout"] = {
         Arity::Value, "checked: 0 (Alloy's pretraining has no dropout)",
         [](const std::string& name, const std::string& v, MegatronTranslation& t) {
@@ -134,7 +144,11 @@ const std::map<std::string, Flag>& flags() {
     f["--train-iters"] = to_key("train.steps", true);
     f["--lr"] = to_key("train.lr", false);
     f["--min-lr"] = to_key("train.min_lr", false);
-    f["--lr-warmup-iters"] = to_key("train.warmup", true);
+    f["--lr-warmup-iters"] = {Arity::Value, "train.warmup", [](const std::string& name, const std::string& v, MegatronTranslation& t) {
+                                as_int(name, v);
+                                t.warmup_iters = true;
+                                t.sets.push_back("train.warmup=" + v);
+                              }};
     f["--lr-warmup-fraction"] = {Arity::Value, "train.warmup = round(fraction x train.steps)",
                                  [](const std::string& name, const std::string& v, MegatronTranslation& t) {
                                    const double x = as_number(name, v);
@@ -223,7 +237,7 @@ bool is_flag(const std::string& s) { return s.size() > 2 && s[0] == '-' && s[1] 
 
 }  // namespace
 
-MegatronTranslation translate_megatron_args(const std::vector<std::string>& argv) {
+MegatronTranslation translate_megatron_args(const std::vector<std::string>& argv, const std::vector<std::string>& also_known) {
   MegatronTranslation t;
   size_t i = 0;
   while (i < argv.size()) {
@@ -244,6 +258,10 @@ MegatronTranslation translate_megatron_args(const std::vector<std::string>& argv
         const size_t d = edit_distance(name, k);
         if (d < best_d) best_d = d, best = k;
       }
+      for (const auto& k : also_known) {
+        const size_t d = edit_distance(name, k);
+        if (d < best_d) best_d = d, best = k;
+      }
       fail(name, "unknown flag" + (best.empty() ? std::string() : " (did you mean " + best + "?)") +
                      "; `alloy train --help` lists the Megatron flags Alloy reads");
     }
@@ -255,6 +273,17 @@ MegatronTranslation translate_megatron_args(const std::vector<std::string>& argv
     }
     it->second.apply(name, value, t);
   }
+  if (t.group_query_attention) {
+    t.sets.push_back("model.kv_heads=" + std::to_string(t.num_query_groups > 0 ? t.num_query_groups : 1));
+  } else if (t.num_query_groups > 0) {
+    t.notes.push_back("--num-query-groups " + std::to_string(t.num_query_groups) +
+                      ": without --group-query-attention every head keeps its own keys and values, as in Megatron");
+  }
+  if (t.max_position_embeddings > 0 && t.seq_length > 0 && t.max_position_embeddings < t.seq_length)
+    fail("--max-position-embeddings", std::to_string(t.max_position_embeddings) + " is less than --seq-length " +
+                                          std::to_string(t.seq_length));
+  if (t.warmup_iters && t.warmup_fraction)
+    fail("--lr-warmup-fraction", "and --lr-warmup-iters both given: say the warm-up one way (Megatron refuses both too)");
   return t;
 }
 

@@ -1,7 +1,8 @@
 #pragma once
 // Megatron-LM's model, training, data and logging flags (what SynerFuse's run.sh passes to
 // pretrain_gpt.py besides the parallelism flags) in Alloy's config keys, so a run.sh argument list
-// can be pasted after `alloy train -c CONFIG`. The flags override the config file as --set does.
+// can be pasted after `alloy train -c CONFIG`. Like Alloy's other flags they override the config
+// file and --set.
 //
 // Every flag is one of:
 //  - mapped: it becomes a config key (--hidden-size -> model.hidden, --lr -> train.lr, ...);
@@ -11,6 +12,7 @@
 //    picks the attention kernel itself). Nothing is accepted silently.
 // The parallelism flags (--pipeline-model-parallel-size, --hetero-pipeline-stages, ...) are not
 // handled here: `alloy train` declares them itself (plan_convert.h converts them).
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -22,12 +24,16 @@ struct MegatronTranslation {
   std::vector<std::string> notes;  // flags accepted without effect, each with the reason
   std::optional<double> warmup_fraction;  // --lr-warmup-fraction: train.warmup = round(f x train.steps)
   std::string load;                // --load DIR: resume from DIR's latest checkpoint if it has one
+  // Read and checked once every flag is in (the flags come in any order).
+  int64_t num_query_groups = 0, seq_length = 0, max_position_embeddings = 0;
+  bool group_query_attention = false, warmup_iters = false;
 };
 
 // Translates ARGV (flags and their values, e.g. {"--hidden-size", "256", "--swiglu"}; "--flag=value"
 // too). Throws InputError naming the flag for an unknown flag (with the closest known one), a
 // missing or ill-typed value, or a value Alloy cannot honour.
-MegatronTranslation translate_megatron_args(const std::vector<std::string>& argv);
+// ALSO_KNOWN: the caller's own flag names, offered too when a name is misspelled.
+MegatronTranslation translate_megatron_args(const std::vector<std::string>& argv, const std::vector<std::string>& also_known = {});
 
 // 0 for a switch, 1 for a flag with a value, -1 for a name translate_megatron_args does not know.
 int megatron_flag_arity(const std::string& name);

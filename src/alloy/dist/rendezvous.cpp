@@ -125,13 +125,19 @@ std::vector<std::string> local_addresses() {
 
 int claim_rank_by_address(const std::vector<std::vector<std::string>>& addresses, const std::vector<std::string>& local,
                           const std::string& key, const std::string& where, const std::string& lock_dir) {
+  // A stage's machine is its first address (hetero_config.json's ip, else its hostname). Every
+  // machine answers to the loopback names, so they identify this one only in a file whose stages
+  // are all loopback (a whole job on one machine): otherwise a coordinator at "localhost" would
+  // match on every worker too.
+  auto loopback = [](const std::string& a) { return a == "localhost" || a == "::1" || a.rfind("127.", 0) == 0; };
+  bool only_loopback = true;
+  for (const auto& rank : addresses) only_loopback = only_loopback && !rank.empty() && loopback(rank.front());
   std::vector<int> mine;
-  for (size_t r = 0; r < addresses.size(); ++r)
-    for (const auto& a : addresses[r])
-      if (std::find(local.begin(), local.end(), a) != local.end()) {
-        mine.push_back(static_cast<int>(r));
-        break;
-      }
+  for (size_t r = 0; r < addresses.size(); ++r) {
+    if (addresses[r].empty()) continue;
+    const std::string& a = addresses[r].front();
+    if ((only_loopback || !loopback(a)) && std::find(local.begin(), local.end(), a) != local.end()) mine.push_back(static_cast<int>(r));
+  }
   std::string names;
   for (const auto& l : local) names += (names.empty() ? "" : ", ") + l;
   if (mine.empty())

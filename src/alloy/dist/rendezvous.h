@@ -38,9 +38,10 @@ Rendezvous resolve_rendezvous(const RendezvousFlags& flags, const EnvGetter& env
 std::vector<std::string> local_addresses();
 
 // HeteroShard's "same command on every machine" (hetero_config.json names each stage's machine):
-// the rank whose ADDRESSES (hostname / ip per rank) include one of LOCAL. Where several do (a
+// the rank whose machine (ADDRESSES per rank: its ip, else its hostname, first) is one of LOCAL. Where several are (a
 // multi-GPU worker host, or a whole job on one machine), identical processes take them in rank
-// order, each holding LOCK_DIR/alloy-rank-KEY-R.lock (flock) for its life. Throws InputError naming
+// order, each holding LOCK_DIR/alloy-rank-KEY-R.lock (flock) for its life. Loopback names
+// (localhost, 127.x, ::1) count only in a file that names nothing else. Throws InputError naming
 // WHERE when no rank names this machine, or when every rank it names is taken.
 int claim_rank_by_address(const std::vector<std::vector<std::string>>& addresses, const std::vector<std::string>& local,
                           const std::string& key, const std::string& where, const std::string& lock_dir = "/tmp");
