@@ -117,6 +117,16 @@ at::Tensor scatter(const Encoded& e, int64_t n) {
   return d;
 }
 
+// One member's encodings of every piece of L from its gradient G, and what it sent, densely.
+std::vector<Encoded> encode_all(Codec& codec, const at::Tensor& g, const BufferLayout& L, CodecState& st, const StepContext& ctx,
+                                at::Tensor* sent) {
+  std::vector<Encoded> parts;
+  for (auto [b, len] : L.pieces) parts.push_back(codec.encode(g, b, len, {}, st, ctx));
+  *sent = at::zeros({g.numel()});
+  for (auto& e : parts) sent->add_(scatter(e, g.numel()));
+  return parts;
+}
+
 }  // namespace
 
 TEST(Sparsify, SpecialFunctions) {
@@ -271,11 +281,7 @@ TEST(SparseExchange, GatheredSumsEqualTheDenseReference) {
         L.begin = 0;
         L.numel = numel;
         L.pieces = {{0, numel / 2}, {numel / 2, numel - numel / 2}};  // two pieces: compress ahead
-        std::vector<Encoded> parts;
-        for (auto [b, len] : L.pieces) parts.push_back(codec->encode(grads[static_cast<size_t>(r)], b, len, {}, st, ctx));
-        at::Tensor mine = at::zeros({numel});
-        for (auto& e : parts) mine.add_(scatter(e, numel));
-        contribution[static_cast<size_t>(r)] = mine;
+        std::vector<Encoded> parts = encode_all(*codec, grads[static_cast<size_t>(r)], L, st, ctx, &contribution[static_cast<size_t>(r)]);
         at::Tensor wire = codec->exchange(parts, L, comm, ctx);
         at::Tensor out = at::zeros({numel});
         codec->decode(wire, L, out, ctx);
@@ -588,11 +594,7 @@ TEST(OkTopk, OwnersKeepTheLargestSumsOfTheirRegionAndLostValuesReturnToTheResidu
       L.begin = 0;
       L.numel = numel;
       L.pieces = {{0, 10000}, {10000, numel - 10000}};
-      std::vector<Encoded> parts;
-      for (auto [b, len] : L.pieces) parts.push_back(codec->encode(grads[static_cast<size_t>(r)], b, len, {}, st, ctx));
-      at::Tensor mine = at::zeros({numel});
-      for (auto& e : parts) mine.add_(scatter(e, numel));
-      sent[static_cast<size_t>(r)] = mine;
+      std::vector<Encoded> parts = encode_all(*codec, grads[static_cast<size_t>(r)], L, st, ctx, &sent[static_cast<size_t>(r)]);
       at::Tensor wire = codec->exchange(parts, L, comm, ctx);
       at::Tensor out = at::zeros({numel});
       codec->decode(wire, L, out, ctx);
