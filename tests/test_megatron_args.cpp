@@ -73,7 +73,8 @@ TEST(MegatronArgs, RunShsFlagsBecomeTheConfigTheyDescribe) {
       if (n.rfind(flag, 0) == 0) return true;
     return false;
   };
-  for (const char* f : {"--use-flash-attn", "--tokenizer-type", "--tokenizer-model", "--split", "--distributed-backend",
+  EXPECT_EQ(c.data.split, "1");
+  for (const char* f : {"--use-flash-attn", "--tokenizer-type", "--tokenizer-model", "--distributed-backend",
                         "--transformer-impl", "--min-loss-scale", "--attention-dropout", "--max-position-embeddings", "--swiglu"})
     EXPECT_TRUE(noted(f)) << f;
   int arch_sets = 0;

@@ -505,3 +505,44 @@ RC_GTEST_PROP(MmidxProperty, RoundTripI32, ()) {
   check_round_trip(DType::I32, std::numeric_limits<int32_t>::min(),
                    std::numeric_limits<int32_t>::max());
 }
+
+#include <memory>
+
+#include "alloy/core/config.h"
+#include "alloy/data/windows.h"
+
+// Megatron's --split (data.split) carves one dataset into consecutive token ranges: the training
+// windows read only their range, the validation windows the next.
+TEST(TokenWindows, ASplitReadsOnlyItsShareOfTheTokens) {
+  TempDir t;
+  std::string prefix = t.file("s");
+  IndexedDatasetWriter w(prefix, DType::U16);
+  std::vector<int32_t> tokens(1000);
+  for (int i = 0; i < 1000; ++i) tokens[static_cast<size_t>(i)] = i % 500;
+  w.add_item(tokens);
+  w.end_document();
+  w.finalize();
+  auto ds = std::make_shared<IndexedDataset>(IndexedDataset::open(prefix));
+  alloy::DataConfig d;
+  d.split = "90,10,0";
+  const auto [train, valid] = d.split_fractions();
+  EXPECT_DOUBLE_EQ(train, 0.9);
+  EXPECT_DOUBLE_EQ(valid, 0.1);
+  alloy::data::TokenWindows tr(ds, 10, "train", 0, 900), va(ds, 10, "valid", 900, 1000);
+  EXPECT_EQ(tr.num_samples(), 89u);  // (900 - 1) / 10
+  EXPECT_EQ(va.num_samples(), 9u);
+  std::vector<int64_t> out(11);
+  va.gather({0}, out.data());
+  EXPECT_EQ(out.front(), 900 % 500);  // the validation share starts at token 900
+  tr.gather({88}, out.data());
+  EXPECT_EQ(out.back(), 890 % 500);   // the last training window ends inside the share
+  EXPECT_EQ(va.max_token(), 499);
+  alloy::data::TokenWindows whole(ds, 10, "whole");
+  EXPECT_EQ(whole.num_samples(), 99u);
+  for (const char* bad : {"0,1", "a,1", "1,2,3,4", "-1,2"}) {
+    d.split = bad;
+    EXPECT_THROW(d.split_fractions(), InputError) << bad;
+  }
+  d.split = "1";
+  EXPECT_EQ(d.split_fractions(), (std::pair<double, double>{1.0, 0.0}));
+}

@@ -108,6 +108,10 @@ grep -q "hidden: 32" mgrun/config.yaml && grep -q "steps: 3" mgrun/config.yaml &
 grep -q '"micro_batch_size": 2' mgrun/plan.json && ok "--micro-batch-size alone sets the micro-batch" || bad "--micro-batch-size ignored"
 ls mgtb/events.out.tfevents.* >/dev/null 2>&1 && ok "--tensorboard-dir" || bad "no events in --tensorboard-dir"
 grep -q -- "--use-flash-attn: Alloy uses" <<<"$out" && ok "a flag without effect says so" || bad "--use-flash-attn accepted silently"
+# Megatron's --split carves one dataset (a plain PREFIX.bin/.idx) into training and validation shares
+out=$("$alloy" train --config tiny.yaml --set output.dir=splitrun --data-path data/corpus_train --split 90,10 --train-iters 2 \
+  --eval-interval 2 2>&1) && grep -q '"val_loss"' splitrun/metrics.jsonl && grep -q "split: \"90,10\"" splitrun/config.yaml \
+  && ok "--split validates on its share of one dataset" || { bad "--split"; echo "$out" | tail -5; }
 expect_fail "Megatron flag misspelled" "--lr-decay-styel" "did you mean --lr-decay-style" -- \
   "$alloy" train --config tiny.yaml --set output.dir=mgbad --lr-decay-styel cosine
 expect_fail "HeteroShard file as the config" "--hetero-config" -- "$alloy" train --config hetero-as-config.json

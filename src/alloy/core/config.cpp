@@ -85,6 +85,8 @@ const std::vector<Field>& schema() {
       ALLOY_STR(data, prefix, "indexed dataset prefix (PREFIX.bin/.idx or PREFIX_train/_valid)"),
       ALLOY_STR(data, valid_prefix, "validation dataset prefix; empty = PREFIX_valid if present"),
       ALLOY_STR(data, tokenizer, "byte | gpt2 (for eval and generate)"),
+      ALLOY_STR(data, split, "Megatron's --split: train,validation[,test] weights (\"969,30,1\") cutting one dataset (PREFIX.bin/.idx) into "
+                             "consecutive token ranges; empty = all of it trains (PREFIX_valid, when there, validates)"),
       ALLOY_STR(data, vocab_dir, "directory with encoder.json + vocab.bpe; empty = default"),
       ALLOY_INT(train, steps, "optimizer steps"),
       ALLOY_INT(train, global_batch, "samples per optimizer step"),
@@ -309,6 +311,7 @@ void Config::validate() const {
   const std::string& w = source;
   auto fail = [&](const std::string& key, const std::string& msg) { throw InputError(w, "key '" + key + "': " + msg); };
   const auto& m = model;
+  data.split_fractions();  // throws naming data.split
   if (m.arch != "gpt2" && m.arch != "llama") fail("model.arch", "must be gpt2 or llama, got '" + m.arch + "'");
   if (m.layers < 1) fail("model.layers", "must be >= 1");
   if (m.hidden < 1) fail("model.hidden", "must be >= 1");
@@ -552,6 +555,33 @@ size_t edit_distance(const std::string& a, const std::string& b) {
     std::swap(prev, cur);
   }
   return prev[b.size()];
+}
+
+std::pair<double, double> DataConfig::split_fractions() const {
+  if (split.empty()) return {1.0, 0.0};
+  std::vector<double> w;
+  size_t pos = 0;
+  while (pos <= split.size()) {
+    size_t end = split.find_first_of(",/", pos);
+    if (end == std::string::npos) end = split.size();
+    const std::string tok = split.substr(pos, end - pos);
+    size_t used = 0;
+    double v = -1;
+    try {
+      v = std::stod(tok, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (tok.empty() || used != tok.size() || !(v >= 0) || !std::isfinite(v))
+      throw InputError("data.split", "'" + split + "': weights must be non-negative numbers like 969,30,1");
+    w.push_back(v);
+    pos = end + 1;
+  }
+  if (w.size() > 3) throw InputError("data.split", "'" + split + "': at most three weights (train, validation, test)");
+  double total = 0;
+  for (double v : w) total += v;
+  if (!(total > 0) || !(w[0] > 0)) throw InputError("data.split", "'" + split + "': the training weight must be above 0");
+  return {w[0] / total, w.size() > 1 ? w[1] / total : 0.0};
 }
 
 std::string config_reference() {

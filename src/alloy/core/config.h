@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -36,6 +37,11 @@ struct DataConfig {
   std::string valid_prefix;  // optional explicit validation set
   std::string tokenizer = "byte";
   std::string vocab_dir;     // gpt2 vocabulary (encoder.json + vocab.bpe); empty = default
+  // Megatron's --split "969,30,1": train / validation (/ test) weights carving one dataset (a plain
+  // PREFIX.bin/.idx) into consecutive token ranges; empty = the whole of it trains.
+  std::string split;
+  // The train and validation fractions SPLIT gives (the test share is left unused); {1, 0} when empty.
+  std::pair<double, double> split_fractions() const;
 };
 
 struct TrainConfig {

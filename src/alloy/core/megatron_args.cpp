@@ -180,7 +180,8 @@ const std::map<std::string, Flag>& flags() {
     // Data.
     f["--data-path"] = {Arity::Value, "data.prefix (one dataset prefix)",
                         [](const std::string&, const std::string& v, MegatronTranslation& t) { t.sets.push_back("data.prefix=" + v); }};
-    f["--split"] = note_value("Alloy validates on PREFIX_valid (what `alloy data prepare` writes beside PREFIX_train), not on a share of one dataset");
+    f["--split"] = {Arity::Value, "data.split (train, validation and test weights of one dataset)",
+                    [](const std::string&, const std::string& v, MegatronTranslation& t) { t.sets.push_back("data.split=" + v); }};
     f["--tokenizer-type"] = {
         Arity::Value, "GPT2BPETokenizer: data.tokenizer=gpt2; others: the token ids are read as they are",
         [](const std::string& name, const std::string& v, MegatronTranslation& t) {

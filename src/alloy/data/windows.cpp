@@ -7,9 +7,11 @@
 
 namespace alloy::data {
 
-TokenWindows::TokenWindows(std::shared_ptr<const IndexedDataset> ds, int64_t seq_len, std::string name)
-    : ds_(std::move(ds)), seq_len_(seq_len), name_(std::move(name)) {
-  uint64_t total = ds_->total_tokens();
+TokenWindows::TokenWindows(std::shared_ptr<const IndexedDataset> ds, int64_t seq_len, std::string name, uint64_t begin, uint64_t end)
+    : ds_(std::move(ds)), seq_len_(seq_len), begin_(begin), name_(std::move(name)) {
+  end_ = end == 0 ? ds_->total_tokens() : std::min<uint64_t>(end, ds_->total_tokens());
+  if (begin_ > end_) begin_ = end_;
+  const uint64_t total = end_ - begin_;
   num_samples_ = total > 0 ? (total - 1) / static_cast<uint64_t>(seq_len_) : 0;
   if (num_samples_ == 0)
     throw InputError(name_, "has " + std::to_string(total) + " tokens, fewer than one sample of model.seq_len + 1 = " +
@@ -19,18 +21,17 @@ TokenWindows::TokenWindows(std::shared_ptr<const IndexedDataset> ds, int64_t seq
 void TokenWindows::gather(const std::vector<uint64_t>& samples, int64_t* out) const {
   std::vector<int32_t> buf(static_cast<size_t>(seq_len_ + 1));
   for (uint64_t s : samples) {
-    ds_->read_tokens(s * static_cast<uint64_t>(seq_len_), buf.size(), buf.data());
+    ds_->read_tokens(begin_ + s * static_cast<uint64_t>(seq_len_), buf.size(), buf.data());
     out = std::copy(buf.begin(), buf.end(), out);
   }
 }
 
 int32_t TokenWindows::max_token() const {
   if (max_token_ >= 0) return max_token_;
-  const uint64_t total = ds_->total_tokens();
   std::vector<int32_t> buf(1 << 16);
   int32_t mx = 0;
-  for (uint64_t off = 0; off < total; off += buf.size()) {
-    size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), total - off));
+  for (uint64_t off = begin_; off < end_; off += buf.size()) {
+    size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), end_ - off));
     ds_->read_tokens(off, n, buf.data());
     mx = std::max(mx, *std::max_element(buf.begin(), buf.begin() + static_cast<long>(n)));
   }

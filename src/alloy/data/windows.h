@@ -14,7 +14,8 @@ namespace alloy::data {
 
 class TokenWindows {
  public:
-  TokenWindows(std::shared_ptr<const IndexedDataset> ds, int64_t seq_len, std::string name);
+  // Over the dataset's tokens [BEGIN, END) (END 0: to the end): a share of one dataset (data.split).
+  TokenWindows(std::shared_ptr<const IndexedDataset> ds, int64_t seq_len, std::string name, uint64_t begin = 0, uint64_t end = 0);
   uint64_t num_samples() const { return num_samples_; }
   int64_t seq_len() const { return seq_len_; }
   // Fills OUT (count * (seq_len + 1) tokens) with the given samples, row by row.
@@ -25,6 +26,7 @@ class TokenWindows {
  private:
   std::shared_ptr<const IndexedDataset> ds_;
   int64_t seq_len_;
+  uint64_t begin_ = 0, end_ = 0;
   uint64_t num_samples_;
   std::string name_;
   mutable int32_t max_token_ = -1;

@@ -111,13 +111,32 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
 
   auto paths = data::resolve_dataset_paths(cfg_.data.prefix, cfg_.data.valid_prefix);
   auto train_ds = std::make_shared<data::IndexedDataset>(data::IndexedDataset::open(paths.train));
-  train_ = std::make_unique<data::TokenWindows>(train_ds, cfg_.model.seq_len, paths.train);
+  // data.split (Megatron's --split) carves one dataset into consecutive token ranges; a dataset with
+  // its own validation file keeps it.
+  const auto [train_share, valid_share] = cfg_.data.split_fractions();
+  const bool carve = paths.valid.empty() && !cfg_.data.split.empty();
+  const uint64_t tokens = train_ds->total_tokens();
+  const auto cut = [&](double f) { return static_cast<uint64_t>(std::llround(f * static_cast<double>(tokens))); };
+  train_ = std::make_unique<data::TokenWindows>(train_ds, cfg_.model.seq_len, paths.train + (carve ? " (data.split's training share)" : ""),
+                                                0, carve ? cut(train_share) : 0);
+  if (!carve && !cfg_.data.split.empty() && rank_ == 0 && !opts_.quiet)
+    log_info("data.split " + cfg_.data.split + ": not applied, " + paths.valid + " is the validation set");
   if (train_->max_token() >= cfg_.model.vocab_size)
     throw InputError(paths.train, "holds token id " + std::to_string(train_->max_token()) +
                                       ", which does not fit model.vocab_size " + std::to_string(cfg_.model.vocab_size));
   if (!paths.valid.empty()) {
     auto valid_ds = std::make_shared<data::IndexedDataset>(data::IndexedDataset::open(paths.valid));
-    valid_ = std::make_unique<data::TokenWindows>(valid_ds, cfg_.model.seq_len, paths.valid);
+    // `alloy data prepare --valid-fraction 0` leaves an empty validation file: no validation, not a failure.
+    if (valid_ds->total_tokens() <= static_cast<uint64_t>(cfg_.model.seq_len)) {
+      if (rank_ == 0 && !opts_.quiet)
+        log_warn(paths.valid + " holds " + std::to_string(valid_ds->total_tokens()) + " tokens, fewer than one sample of " +
+                 std::to_string(cfg_.model.seq_len + 1) + ": training without validation");
+    } else {
+      valid_ = std::make_unique<data::TokenWindows>(valid_ds, cfg_.model.seq_len, paths.valid);
+    }
+  } else if (carve && valid_share > 0) {
+    valid_ = std::make_unique<data::TokenWindows>(train_ds, cfg_.model.seq_len, paths.train + " (data.split's validation share)",
+                                                  cut(train_share), cut(train_share + valid_share));
   }
   sampler_ = std::make_unique<data::GlobalBatchSampler>(train_->num_samples(), static_cast<uint64_t>(cfg_.train.seed));
 
