@@ -1345,6 +1345,31 @@ TEST(Calibrate, ScalesEachTypeByMeasuredOverPredicted) {
   EXPECT_EQ(calibrate(r.plan, c, p, measured).factor.at("slow"), 4.0);
 }
 
+// A tensor-parallel stage's members calibrate their own types: each measured its own compute (the
+// sums left out), against its heads' share on its type. Before, only the first member's type learned,
+// so a profile wrong about the second stayed wrong for as long as the plan ran.
+TEST(Calibrate, EveryTensorParallelMemberCalibratesItsType) {
+  Profile p = two_type_profile(8.0);  // the profile says "slow" is 8x slower; it is 2x
+  ClusterSpec c = two_types();
+  Plan plan;
+  plan.global_batch = 8;
+  StagePlan st{{0, 1}, 0, 4, "a", false};
+  st.devices = {"a", "b"};
+  st.tp_split = {3, 1};
+  plan.pipelines.push_back({4, 2, {st}});
+  const PlanCost before = simulate_plan(plan, c, p);
+  ASSERT_EQ(before.stages.size(), 1u);
+  ASSERT_EQ(before.stages[0].tp_members.size(), 2u);
+  std::map<int, double> measured;
+  for (const auto& m : before.stages[0].tp_members) measured[m.rank] = m.compute_s * (m.type == "slow" ? 0.25 : 1.0);
+  Calibration cal = calibrate(plan, c, p, measured);
+  EXPECT_NEAR(cal.factor.at("fast"), 1.0, 1e-12);
+  EXPECT_NEAR(cal.factor.at("slow"), 0.25, 1e-12);
+  // The members' shares: the slow member computes a quarter of the heads on its own speed.
+  const auto& mem = before.stages[0].tp_members;
+  EXPECT_NEAR(mem[1].compute_s / mem[0].compute_s, 8.0 / 3.0, 0.05);
+}
+
 TEST(Calibrate, ReplanSwitchesOnlyWhenTheSpeedsWereWrong) {
   Profile p = two_type_profile(4.0);  // the profile says 4x slower
   ClusterSpec c = two_types();

@@ -37,13 +37,18 @@ Calibration calibrate(const Plan& plan, const ClusterSpec& cluster, const Profil
   const PlanCost predicted = simulate_plan(plan, cluster, profile);
   std::map<std::string, double> meas, pred;
   std::map<std::string, int> ranks;
+  auto add = [&](int rank, const std::string& type, double p) {
+    auto it = measured_compute.find(rank);
+    if (it == measured_compute.end() || !(it->second > 0) || !(p > 0)) return;
+    meas[type] += it->second;
+    pred[type] += p;
+    ++ranks[type];
+  };
   for (const auto& s : predicted.stages) {
-    auto it = measured_compute.find(s.rank);
-    const double p = s.forward_s + s.backward_s;
-    if (it == measured_compute.end() || !(it->second > 0) || !(p > 0)) continue;
-    meas[s.type] += it->second;
-    pred[s.type] += p;
-    ++ranks[s.type];
+    // A tensor-parallel stage's members each measure their own compute (the trainer leaves the
+    // sums out), so each calibrates its own type; before, only the first member's type learned.
+    if (s.tp_members.empty()) add(s.rank, s.type, s.forward_s + s.backward_s);
+    for (const auto& mc : s.tp_members) add(mc.rank, mc.type, mc.compute_s);
   }
   Calibration c;
   c.profile = profile;

@@ -127,6 +127,14 @@ struct StageCost {
   double p2p_s = 0;        // transfer time of the messages this stage sends (overlaps compute)
   int tp = 1;              // ranks of a tensor-parallel stage (the figures here are its first rank's)
   double tp_comm_s = 0;    // all micro-batches: the group's sums, forward and backward (on the critical path)
+  // A tensor-parallel stage: each member's own compute for the step (its heads' share on its own
+  // device type, all micro-batches, without the sums), for calibrating every member's type.
+  struct MemberCompute {
+    int rank = 0;
+    std::string type;
+    double compute_s = 0;
+  };
+  std::vector<MemberCompute> tp_members;
   double bubble_s = 0;     // idle time inside the pipeline phase: pipeline makespan - compute
   double phase_end_s = 0;  // end of this stage's last backward
   double sync_s = 0;       // longest all-reduce among the holder sets this rank is in

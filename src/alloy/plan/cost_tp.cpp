@@ -18,20 +18,29 @@ double tp_share(const StagePlan& st, const ModelConfig& model, size_t k) {
 // sum as CostContext::tp_sum_s prices it (the profile's measured pairs, else a floor). Sequence
 // parallelism keeps the sums' price (a reduce-scatter and an all-gather in place of each) and adds a
 // re-gather per half block in the backward and a gather of the stage's output.
+std::vector<TpMemberTime> tp_member_times(const CostContext& ctx, const ModelConfig& model, const StagePlan& st,
+                                          const std::vector<int>& dev_of, bool first, bool last, int64_t m) {
+  const int64_t ub = st.unit_begin(), ue = st.unit_end();
+  std::vector<TpMemberTime> out;
+  for (size_t k = 0; k < st.ranks.size(); ++k) {
+    const int type = ctx.type_of(dev_of[static_cast<size_t>(st.ranks[k])]);
+    const double f = tp_share(st, model, k);
+    const double fb = ctx.forward_units_s(type, ub, ue, false, false, m), bb = ctx.backward_units_s(type, ub, ue, false, false, m);
+    const double fe = ctx.forward_units_s(type, ub, ue, first, last, m) - fb, be = ctx.backward_units_s(type, ub, ue, first, last, m) - bb;
+    out.push_back({f * (fb + fe), f * (bb + be) + (st.recompute ? f * fb : 0.0)});
+  }
+  return out;
+}
+
 TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, const StagePlan& st, const std::vector<int>& dev_of,
                           bool first, bool last, int64_t m) {
   const int64_t ub = st.unit_begin(), ue = st.unit_end();
   TpStageTime t;
   std::vector<int> devs;
-  for (size_t k = 0; k < st.ranks.size(); ++k) {
-    const int d = dev_of[static_cast<size_t>(st.ranks[k])];
-    devs.push_back(d);
-    const int type = ctx.type_of(d);
-    const double f = tp_share(st, model, k);
-    const double fb = ctx.forward_units_s(type, ub, ue, false, false, m), bb = ctx.backward_units_s(type, ub, ue, false, false, m);
-    const double fe = ctx.forward_units_s(type, ub, ue, first, last, m) - fb, be = ctx.backward_units_s(type, ub, ue, first, last, m) - bb;
-    t.forward_s = std::max(t.forward_s, f * (fb + fe));
-    t.backward_s = std::max(t.backward_s, f * (bb + be) + (st.recompute ? f * fb : 0.0));
+  for (int r : st.ranks) devs.push_back(dev_of[static_cast<size_t>(r)]);
+  for (const auto& mt : tp_member_times(ctx, model, st, dev_of, first, last, m)) {
+    t.forward_s = std::max(t.forward_s, mt.forward_s);
+    t.backward_s = std::max(t.backward_s, mt.backward_s);
   }
   const double bytes = static_cast<double>(m * model.seq_len * model.hidden) * ctx.dtype_bytes();
   const double one = ctx.tp_sum_s(devs, bytes);

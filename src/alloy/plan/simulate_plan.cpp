@@ -200,6 +200,12 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       if (st.tp() > 1) {
         sc.tp = st.tp();
         sc.tp_comm_s = tp_comm[{p, s}];
+        const auto members = detail::tp_member_times(ctx, profile.model, st, dev_of, first, last, m);
+        for (size_t k = 0; k < members.size(); ++k) {
+          const int dk = dev_of[static_cast<size_t>(st.ranks[k])];
+          sc.tp_members.push_back({st.ranks[k], ctx.type_name(ctx.type_of(dk)),
+                                   static_cast<double>(M) * (members[k].forward_s + members[k].backward_s)});
+        }
       }
       const detail::RankShard& rs = shard[static_cast<size_t>(r)];
       sc.param_bytes = ctx.param_bytes(param_blocks, first, last);

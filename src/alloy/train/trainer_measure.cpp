@@ -118,7 +118,12 @@ std::shared_ptr<Plan> Trainer::replan_now(const TrainResult& r) {
     std::sort(v.begin(), v.end());
     return v.empty() ? 0.0 : v[(v.size() - 1) / 2];
   };
-  const double mine = lower_median(&StepRecord::compute_s), my_phase = lower_median(&StepRecord::phase_s);
+  // The calibration compares compute with compute: a tensor-parallel member's sums (inside its
+  // compute_s) are left out, the cost model prices them apart.
+  std::vector<double> own;
+  for (size_t i = r.steps.size() > 1 ? 1 : 0; i < r.steps.size(); ++i) own.push_back(r.steps[i].compute_s - r.steps[i].tp_comm_s);
+  std::sort(own.begin(), own.end());
+  const double mine = own.empty() ? 0.0 : own[(own.size() - 1) / 2], my_phase = lower_median(&StepRecord::phase_s);
   const std::string prefix = "alloy/" + opts_.generation + "replan/";
   auto& store = world_->store();
   auto put = [&](const std::string& k, const std::string& s) { store.set(prefix + k, std::vector<uint8_t>(s.begin(), s.end())); };
