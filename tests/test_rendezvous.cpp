@@ -128,3 +128,24 @@ TEST(Rendezvous, IdenticalProcessesClaimTheStagesTheirMachineHoldsInTurn) {
   const auto local = alloy::dist::local_addresses();
   EXPECT_NE(std::find(local.begin(), local.end(), "127.0.0.1"), local.end());
 }
+
+TEST(Rendezvous, ByAddressNamesTheFileWhenAStageHasNoMachine) {
+  const std::string dir = ::testing::TempDir();
+  auto error_of = [](const std::vector<std::vector<std::string>>& a, const std::string& coordinator) -> std::string {
+    try {
+      alloy::dist::rendezvous_by_address(a, coordinator, "hc.json", 0);
+    } catch (const alloy::InputError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(error_of({{"127.0.0.1"}, {"127.0.0.1"}}, "").find("hc.json: coordinator.ip"), std::string::npos);
+  EXPECT_NE(error_of({{"127.0.0.1"}, {}}, "127.0.0.1").find("hc.json: shard_plan[1]: its worker names no ip or hostname"),
+            std::string::npos);
+  // All on this machine: the first free stage, the coordinator's address and the default port.
+  const auto rv = alloy::dist::rendezvous_by_address({{"127.0.0.1"}, {"127.0.0.1"}}, "127.0.0.1", dir + "/hc-" + std::to_string(::getpid()) + ".json", 0);
+  EXPECT_EQ(rv.rank, 0);
+  EXPECT_EQ(rv.world_size, 2);
+  EXPECT_EQ(rv.master_addr, "127.0.0.1");
+  EXPECT_EQ(rv.master_port, 29500);
+}

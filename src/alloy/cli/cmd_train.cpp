@@ -149,31 +149,6 @@ std::string hetero_resume_dir(const Config& cfg, const HeteroShardRun& hs, const
                              (have.empty() ? "none written yet" : "there are " + have) + ")");
 }
 
-// HeteroShard's "same command on every machine": with no rank given, hetero_config.json's
-// coordinator and workers say which stage this machine runs (dist::claim_rank_by_address), and the
-// coordinator hosts the rendezvous store.
-dist::Rendezvous hetero_rendezvous(const HeteroShardRun& hs, const std::string& file, int port_flag) {
-  if (hs.coordinator_address.empty())
-    throw InputError(file, "coordinator.ip: needed to find the coordinator when every machine runs the same command "
-                           "(or give --rank, --world-size and --master-addr)");
-  for (size_t r = 0; r < hs.stage_addresses.size(); ++r)
-    if (hs.stage_addresses[r].empty())
-      throw InputError(file, "shard_plan[" + std::to_string(r) + "]: its " + (r == 0 ? "coordinator" : "worker") +
-                                 " names no ip or hostname, so no machine can take that stage (or give --rank, --world-size "
-                                 "and --master-addr)");
-  dist::Rendezvous rv;
-  rv.world_size = static_cast<int>(hs.stage_addresses.size());
-  rv.master_addr = hs.coordinator_address;
-  if (port_flag > 0) rv.master_port = port_flag;
-  std::ostringstream key;
-  key << std::hex << std::hash<std::string>{}(std::filesystem::absolute(file).string() + ":" + std::to_string(rv.master_port));
-  rv.rank = dist::claim_rank_by_address(hs.stage_addresses, dist::local_addresses(), key.str(), file);
-  rv.source = "hetero_config";
-  log_info(file + ": this process runs shard_plan[" + std::to_string(rv.rank) + "] (rank " + std::to_string(rv.rank) + " of " +
-           std::to_string(rv.world_size) + "), the coordinator at " + rv.master_addr + ":" + std::to_string(rv.master_port));
-  return rv;
-}
-
 void print_summary(const train::TrainResult& r) {
   if (r.steps.empty()) return;
   std::printf("\nloss curve (step: train loss%s)\n", r.val_loss.empty() ? "" : " | validation loss");
@@ -354,7 +329,7 @@ void add_train_commands(CLI::App& app, Action& action) {
       if (mt.warmup_fraction) cfg.train.warmup = std::llround(*mt.warmup_fraction * static_cast<double>(cfg.train.steps));
       dist::Rendezvous rv = dist::resolve_rendezvous(a->rv);
       if (!a->src.hetero_config.empty() && rv.source == "single process" && hs.stage_addresses.size() > 1)
-        rv = hetero_rendezvous(hs, a->src.hetero_config, a->rv.master_port);
+        rv = dist::rendezvous_by_address(hs.stage_addresses, hs.coordinator_address, a->src.hetero_config, a->rv.master_port);
       if (rv.rank == 0)
         for (const auto& n : mt.notes) log_info(n);
       const std::string& fusion = cfg.grad_sync.fusion;

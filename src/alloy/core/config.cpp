@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "alloy/core/error.h"
+#include "alloy/core/parse.h"
 #include "alloy/core/fs.h"
 #include "alloy/core/json_file.h"
 
@@ -186,26 +187,16 @@ std::string check_scalar(const Field& f, const std::string& text, const std::str
   };
   switch (f.kind) {
     case Kind::Int: {
-      size_t pos = 0;
-      try {
-        long long v = std::stoll(text, &pos);
-        if (pos != text.size()) throw bad();
-        return std::to_string(v);
-      } catch (const std::logic_error&) {
-        throw bad();
-      }
+      const auto v = parse_int64(text);
+      if (!v) throw bad();
+      return std::to_string(*v);
     }
     case Kind::Float: {
-      size_t pos = 0;
-      try {
-        double v = std::stod(text, &pos);
-        if (pos != text.size()) throw bad();
-        // JSON has no nan or inf: a checkpoint's state.json would hold null, and resuming fail.
-        if (!std::isfinite(v)) throw InputError(where, "key '" + f.key + "' must be a finite number, got '" + text + "'");
-        return fmt_double(v);
-      } catch (const std::logic_error&) {
-        throw bad();
-      }
+      const auto v = parse_double(text);
+      if (!v) throw bad();
+      // JSON has no nan or inf: a checkpoint's state.json would hold null, and resuming fail.
+      if (!std::isfinite(*v)) throw InputError(where, "key '" + f.key + "' must be a finite number, got '" + text + "'");
+      return fmt_double(*v);
     }
     case Kind::Bool: {
       std::string t = text;
@@ -402,16 +393,10 @@ std::vector<double> TrainConfig::shard_shares() const {
   std::vector<double> out;
   std::string tok;
   while (in >> tok) {
-    size_t used = 0;
-    double v = 0;
-    try {
-      v = std::stod(tok, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != tok.size() || !(v > 0) || !std::isfinite(v))
+    const auto v = parse_double(tok);
+    if (!v || !(*v > 0) || !std::isfinite(*v))
       throw InputError("train.shard_ratio", "'" + tok + "' is not a positive number (shares like 3,1 or 3:1)");
-    out.push_back(v);
+    out.push_back(*v);
   }
   return out;
 }
@@ -564,17 +549,10 @@ std::pair<double, double> DataConfig::split_fractions() const {
   while (pos <= split.size()) {
     size_t end = split.find_first_of(",/", pos);
     if (end == std::string::npos) end = split.size();
-    const std::string tok = split.substr(pos, end - pos);
-    size_t used = 0;
-    double v = -1;
-    try {
-      v = std::stod(tok, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (tok.empty() || used != tok.size() || !(v >= 0) || !std::isfinite(v))
+    const auto v = parse_double(split.substr(pos, end - pos));
+    if (!v || !(*v >= 0) || !std::isfinite(*v))
       throw InputError("data.split", "'" + split + "': weights must be non-negative numbers like 969,30,1");
-    w.push_back(v);
+    w.push_back(*v);
     pos = end + 1;
   }
   if (w.size() > 3) throw InputError("data.split", "'" + split + "': at most three weights (train, validation, test)");

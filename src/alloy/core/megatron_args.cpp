@@ -7,6 +7,7 @@
 
 #include "alloy/core/config.h"
 #include "alloy/core/error.h"
+#include "alloy/core/parse.h"
 
 namespace alloy {
 
@@ -24,27 +25,15 @@ struct Flag {
 [[noreturn]] void fail(const std::string& flag, const std::string& msg) { throw InputError(flag, msg); }
 
 int64_t as_int(const std::string& flag, const std::string& v) {
-  size_t used = 0;
-  long long x = 0;
-  try {
-    x = std::stoll(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != v.size() || v.empty()) fail(flag, "needs a whole number, got '" + v + "'");
-  return x;
+  const auto x = parse_int64(v);
+  if (!x) fail(flag, "needs a whole number, got '" + v + "'");
+  return *x;
 }
 
 double as_number(const std::string& flag, const std::string& v) {
-  size_t used = 0;
-  double x = 0;
-  try {
-    x = std::stod(v, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != v.size() || v.empty() || !std::isfinite(x)) fail(flag, "needs a number, got '" + v + "'");
-  return x;
+  const auto x = parse_double(v);
+  if (!x || !std::isfinite(*x)) fail(flag, "needs a number, got '" + v + "'");
+  return *x;
 }
 
 // A flag that becomes config KEY; the config's own validation judges the value (with the key's name).

@@ -9,9 +9,13 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <functional>
 
 #include "alloy/core/error.h"
+#include "alloy/core/log.h"
 
 namespace alloy::dist {
 namespace {
@@ -157,6 +161,30 @@ int claim_rank_by_address(const std::vector<std::vector<std::string>>& addresses
   for (int r : mine) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
   throw InputError(where, "every stage it places on this machine (ranks " + ranks +
                               ") is already taken by another process here: one process per shard_plan entry");
+}
+
+Rendezvous rendezvous_by_address(const std::vector<std::vector<std::string>>& addresses, const std::string& coordinator,
+                                 const std::string& file, int port_flag) {
+  if (coordinator.empty())
+    throw InputError(file, "coordinator.ip: needed to find the coordinator when every machine runs the same command "
+                           "(or give --rank, --world-size and --master-addr)");
+  for (size_t r = 0; r < addresses.size(); ++r)
+    if (addresses[r].empty())
+      throw InputError(file, "shard_plan[" + std::to_string(r) + "]: its " + (r == 0 ? "coordinator" : "worker") +
+                                 " names no ip or hostname, so no machine can take that stage (or give --rank, --world-size "
+                                 "and --master-addr)");
+  Rendezvous rv;
+  rv.world_size = static_cast<int>(addresses.size());
+  rv.master_addr = coordinator;
+  if (port_flag > 0) rv.master_port = port_flag;
+  char key[32];
+  std::snprintf(key, sizeof key, "%zx",
+                std::hash<std::string>{}(std::filesystem::absolute(file).string() + ":" + std::to_string(rv.master_port)));
+  rv.rank = claim_rank_by_address(addresses, local_addresses(), key, file);
+  rv.source = "hetero_config";
+  log_info(file + ": this process runs shard_plan[" + std::to_string(rv.rank) + "] (rank " + std::to_string(rv.rank) + " of " +
+           std::to_string(rv.world_size) + "), the coordinator at " + rv.master_addr + ":" + std::to_string(rv.master_port));
+  return rv;
 }
 
 }  // namespace alloy::dist

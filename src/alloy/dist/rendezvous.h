@@ -46,6 +46,14 @@ std::vector<std::string> local_addresses();
 int claim_rank_by_address(const std::vector<std::vector<std::string>>& addresses, const std::vector<std::string>& local,
                           const std::string& key, const std::string& where, const std::string& lock_dir = "/tmp");
 
+// HeteroShard's "same command on every machine" as a whole: with no rank given, FILE's stages
+// (ADDRESSES per shard_plan entry) and its coordinator's address (COORDINATOR, which hosts the
+// store; PORT_FLAG > 0 overrides the default port) say which rank this process is
+// (claim_rank_by_address, keyed by FILE and the port). Throws InputError naming FILE when the
+// coordinator or a stage has no address.
+Rendezvous rendezvous_by_address(const std::vector<std::vector<std::string>>& addresses, const std::string& coordinator,
+                                 const std::string& file, int port_flag);
+
 // First host of a SLURM node list: "node[01-04,07],gpu5" -> "node01".
 std::string first_slurm_host(const std::string& nodelist);
 

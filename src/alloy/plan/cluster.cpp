@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "alloy/core/error.h"
+#include "alloy/core/parse.h"
 #include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
 
@@ -96,15 +97,9 @@ class YamlReader {
   double number_of(const YAML::Node& n, const std::string& field) const {
     if (!n.IsScalar()) fail(line_of(n), field, "must be a number");
     const std::string& text = n.Scalar();
-    size_t pos = 0;
-    double v = 0;
-    try {
-      v = std::stod(text, &pos);
-    } catch (const std::logic_error&) {
-      pos = 0;
-    }
-    if (pos == 0 || pos != text.size()) fail(line_of(n), field, "must be a number, got '" + text + "'");
-    return v;
+    const auto v = parse_double(text);
+    if (!v) fail(line_of(n), field, "must be a number, got '" + text + "'");
+    return *v;
   }
 
   void remember(const std::string& field, const YAML::Node& n) { spec_.source_lines[field] = line_of(n); }

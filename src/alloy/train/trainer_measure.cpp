@@ -112,18 +112,16 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
 std::shared_ptr<Plan> Trainer::replan_now(const TrainResult& r) {
   // Medians of the steps after the first (it warms up allocators and caches); the lower middle:
   // a stall only raises times.
-  auto lower_median = [&](double StepRecord::*field) {
+  auto lower_median = [&](auto of) {
     std::vector<double> v;
-    for (size_t i = r.steps.size() > 1 ? 1 : 0; i < r.steps.size(); ++i) v.push_back(r.steps[i].*field);
+    for (size_t i = r.steps.size() > 1 ? 1 : 0; i < r.steps.size(); ++i) v.push_back(of(r.steps[i]));
     std::sort(v.begin(), v.end());
     return v.empty() ? 0.0 : v[(v.size() - 1) / 2];
   };
   // The calibration compares compute with compute: a tensor-parallel member's sums (inside its
   // compute_s) are left out, the cost model prices them apart.
-  std::vector<double> own;
-  for (size_t i = r.steps.size() > 1 ? 1 : 0; i < r.steps.size(); ++i) own.push_back(r.steps[i].compute_s - r.steps[i].tp_comm_s);
-  std::sort(own.begin(), own.end());
-  const double mine = own.empty() ? 0.0 : own[(own.size() - 1) / 2], my_phase = lower_median(&StepRecord::phase_s);
+  const double mine = lower_median([](const StepRecord& s) { return s.compute_s - s.tp_comm_s; });
+  const double my_phase = lower_median([](const StepRecord& s) { return s.phase_s; });
   const std::string prefix = "alloy/" + opts_.generation + "replan/";
   auto& store = world_->store();
   auto put = [&](const std::string& k, const std::string& s) { store.set(prefix + k, std::vector<uint8_t>(s.begin(), s.end())); };
@@ -142,7 +140,7 @@ std::shared_ptr<Plan> Trainer::replan_now(const TrainResult& r) {
       phase[q] = std::stod(get("phase/" + std::to_string(q)));
     }
     try {
-      auto next = opts_.replan ? opts_.replan(measured, phase, lower_median(&StepRecord::step_s)) : nullptr;
+      auto next = opts_.replan ? opts_.replan(measured, phase, lower_median([](const StepRecord& s) { return s.step_s; })) : nullptr;
       if (next) decision = next->to_json().dump();
     } catch (const std::exception& e) {
       log_warn(std::string("re-planning failed, the running plan stays: ") + e.what());

@@ -31,6 +31,27 @@ void ensure_state(CodecState& st, const at::Tensor& g, const Options& o) {
 // Sparse: (index, value) pairs, all-gathered; wire = int32 [n, count_0..count_{n-1}, then per
 // member idx(count_i) bits(values(count_i))].
 
+// The wire from N gathered payloads of WIDTH pairs each (int32 [idx(width), bits(width)]), of
+// which member i's first COUNTS[i] are real.
+at::Tensor sparse_wire(const std::vector<at::Tensor>& gathered, const std::vector<int64_t>& counts, int64_t width) {
+  const int n = static_cast<int>(gathered.size());
+  int64_t total = 0;
+  for (auto c : counts) total += c;
+  at::Tensor wire = at::empty({1 + n + 2 * total}, at::TensorOptions().dtype(at::kInt));
+  auto* w = wire.data_ptr<int32_t>();
+  w[0] = n;
+  int64_t pos = 1 + n;
+  for (int i = 0; i < n; ++i) {
+    const int64_t c = counts[static_cast<size_t>(i)];
+    w[1 + i] = static_cast<int32_t>(c);
+    const auto* src = gathered[static_cast<size_t>(i)].data_ptr<int32_t>();
+    std::copy(src, src + c, w + pos);
+    std::copy(src + width, src + width + c, w + pos + c);
+    pos += 2 * c;
+  }
+  return wire;
+}
+
 class SparseCodec : public Codec {
  public:
   explicit SparseCodec(const Options& o) : method_(method_of(o.method)) {
@@ -83,22 +104,7 @@ class SparseCodec : public Codec {
     at::Tensor payload = at::zeros({2 * width}, at::TensorOptions().dtype(at::kInt));
     payload.narrow(0, 0, count).copy_(my_idx);
     payload.narrow(0, width, count).copy_(my_val.view(at::kInt));
-    auto gathered = comm.allgather(payload);
-    int64_t total = 0;
-    for (auto c : counts) total += c;
-    at::Tensor wire = at::empty({1 + n + 2 * total}, at::TensorOptions().dtype(at::kInt));
-    auto* w = wire.data_ptr<int32_t>();
-    w[0] = n;
-    int64_t pos = 1 + n;
-    for (int i = 0; i < n; ++i) {
-      const int64_t c = counts[static_cast<size_t>(i)];
-      w[1 + i] = static_cast<int32_t>(c);
-      const auto* src = gathered[static_cast<size_t>(i)].data_ptr<int32_t>();
-      std::copy(src, src + c, w + pos);
-      std::copy(src + width, src + width + c, w + pos + c);
-      pos += 2 * c;
-    }
-    return wire;
+    return sparse_wire(comm.allgather(payload), counts, width);
   }
 
   void decode(const at::Tensor& wire, const BufferLayout& b, at::Tensor& out, const StepContext& ctx) override {
@@ -448,26 +454,14 @@ class OkTopkCodec : public SparseCodec {
     payload.narrow(0, 0, c).copy_(cand + lo);
     payload.narrow(0, keep, c).copy_(sum.index_select(0, cand).view(at::kInt));
     auto gathered = comm.allgather(payload);
-    // The wire SparseCodec decodes: [n, count_i..., per owner idx(count_i) bits(count_i)].
+    // The wire SparseCodec decodes; each owner's picks end at its first padding index.
     std::vector<int64_t> have(static_cast<size_t>(n), 0);
-    int64_t total = 0;
     for (int m = 0; m < n; ++m) {
       const auto* g = gathered[static_cast<size_t>(m)].data_ptr<int32_t>();
       while (have[static_cast<size_t>(m)] < keep && g[have[static_cast<size_t>(m)]] >= 0) ++have[static_cast<size_t>(m)];
-      total += have[static_cast<size_t>(m)];
     }
-    at::Tensor wire = at::empty({1 + n + 2 * total}, at::TensorOptions().dtype(at::kInt));
-    auto* w = wire.data_ptr<int32_t>();
-    w[0] = n;
-    int64_t pos = 1 + n;
-    for (int m = 0; m < n; ++m) {
-      const int64_t h = have[static_cast<size_t>(m)];
-      const auto* g = gathered[static_cast<size_t>(m)].data_ptr<int32_t>();
-      w[1 + m] = static_cast<int32_t>(h);
-      std::copy(g, g + h, w + pos);
-      std::copy(g + keep, g + keep + h, w + pos + h);
-      pos += 2 * h;
-    }
+    at::Tensor wire = sparse_wire(gathered, have, keep);
+    const auto* w = wire.data_ptr<int32_t>();
     // The buffer's kept indices, for after_decode (the worker runs exchange, decode and
     // after_decode of one buffer in turn).
     kept_ = at::zeros({L.numel}, at::kBool);
