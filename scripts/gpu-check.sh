@@ -8,6 +8,12 @@
 #   ALLOY_DEPS     extra CMake prefix for what the machine lacks (e.g. rapidcheck, ICU headers)
 #   The tests read Debian's fortunes corpus from /usr/share/games/fortunes (package `fortunes`).
 #   ALLOY_CHECK_OUT  folder for logs and results (default: BUILD_DIR/gpu-check)
+#   ALLOY_STEPS    which checks, in this order (default: suite parity pool bench):
+#                  suite (every test), device (the CUDA unit tests only: allocator memory, fused
+#                  AdamW, NCCL at world size 1), bench (bench/gpu_bench.py: Alloy vs PyTorch eager
+#                  and torch.compile), parity (CUDA against the CPU), pool (GPU + CPU, --plan auto)
+#   ALLOY_PARITY   the parity layouts (default: all of tests/dist/test_parity.py's --devices)
+#   ALLOY_BENCH_ARGS  extra arguments for bench/gpu_bench.py
 # Graphviz is left out (-DALLOY_GRAPHVIZ=OFF): GPU images rarely carry libgvc.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,25 +22,45 @@ py=${ALLOY_PYTHON:-$(command -v python3)}
 out=${ALLOY_CHECK_OUT:-$build/gpu-check}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+# Libraries carried under ALLOY_DEPS (yaml-cpp, ICU) must be found at link and run time.
+[ -n "${ALLOY_DEPS:-}" ] && export LD_LIBRARY_PATH="$ALLOY_DEPS/lib/x86_64-linux-gnu:$ALLOY_DEPS/lib:${LD_LIBRARY_PATH:-}"
 torch_dir=$("$py" -c 'import torch, os; print(os.path.dirname(torch.__file__))') || { echo "no torch in $py"; exit 1; }
 "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
 
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$torch_dir/share/cmake;${ALLOY_DEPS:-}" ${ALLOY_DEPS:+-DICU_ROOT=$ALLOY_DEPS} \
+  -DCMAKE_PREFIX_PATH="$torch_dir/share/cmake${ALLOY_DEPS:+;$ALLOY_DEPS;$ALLOY_DEPS/share/cmake;$ALLOY_DEPS/lib/x86_64-linux-gnu/cmake}" \
+  ${ALLOY_DEPS:+-DICU_ROOT=$ALLOY_DEPS} \
   -DCMAKE_POLICY_VERSION_MINIMUM=3.5 -DALLOY_GRAPHVIZ=OFF -DALLOY_BUILD_BENCH=OFF \
   -DALLOY_PYTHON="$py" >"$out/configure.log" 2>&1 || { tail -40 "$out/configure.log"; exit 1; }
-ninja -C "$build" >"$out/build.log" 2>&1 || { grep -B2 -A12 "error" "$out/build.log" | head -150; exit 1; }
+steps=" ${ALLOY_STEPS:-suite parity pool bench} "
+has() { [[ "$steps" == *" $1 "* ]]; }
+targets=""
+has suite || targets="alloy_cli test_torch"
+grep "Alloy: CUDA" "$out/configure.log"
+ninja -C "$build" $targets >"$out/build.log" 2>&1 || { grep -B2 -A12 "error" "$out/build.log" | head -150; exit 1; }
 echo "built: $(grep -c 'Building CXX' "$out/build.log") files"
 
 status=0
-# The emulator needs cgroup v1 and network namespaces, and the GPT-2 tokenizer check needs node:
-# both belong to the CPU machines' suite.
-(cd "$build" && OMP_NUM_THREADS=1 ctest -j8 --output-on-failure -E '^emu\.|tokenizer.gpt2_matches_js' \
-   >"$out/ctest.log" 2>&1) || status=1
-tail -5 "$out/ctest.log"
-grep -E "\*\*\*Failed|Not Run|Timeout" "$out/ctest.log" | head -20
+if has suite; then
+  # The emulator needs cgroup v1 and network namespaces, and the GPT-2 tokenizer check needs node:
+  # both belong to the CPU machines' suite.
+  (cd "$build" && OMP_NUM_THREADS=1 ctest -j8 --output-on-failure -E '^emu\.|tokenizer.gpt2_matches_js' \
+     >"$out/ctest.log" 2>&1) || status=1
+  tail -5 "$out/ctest.log"
+  grep -E "\*\*\*Failed|Not Run|Timeout" "$out/ctest.log" | head -20
+elif has device; then
+  OMP_NUM_THREADS=4 "$build/tests/test_torch" --gtest_filter='DeviceMemory.*:FusedAdamW.*:Nccl.*' 2>&1 | tail -25 | tee "$out/device-tests.log"
+  grep -q "FAILED" "$out/device-tests.log" && status=1
+fi
 
-"$py" tests/dist/test_parity.py "$build/alloy" "$out/cuda-parity" --devices 2>&1 | tee "$out/cuda-parity.log" || status=1
+if has parity; then
+  "$py" tests/dist/test_parity.py "$build/alloy" "$out/cuda-parity" --devices ${ALLOY_PARITY:-} 2>&1 | tee "$out/cuda-parity.log" || status=1
+fi
+
+if has bench; then
+  "$py" bench/gpu_bench.py "$build/alloy" --out "$out/bench" ${ALLOY_BENCH_ARGS:-} 2>&1 | tee "$out/gpu-bench.log" || status=1
+fi
+has pool || exit $status
 
 # A pool of the GPU and the CPU: each rank profiles its own device, the planner splits the work,
 # and the run reports predicted against measured.

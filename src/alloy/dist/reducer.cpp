@@ -55,9 +55,12 @@ Reducer::Reducer(std::vector<ParamGroup> groups, double bucket_mb) {
       cur->grad_shard = pg.grad_shard;
       group_offset += n;
       // Gloo reduces host memory: the bucket lives on the CPU whatever the parameters' device,
-      // and CUDA gradients are copied in and out of it.
+      // and CUDA gradients are copied in and out of it. A group of CUDA ranks all-reduces through
+      // NCCL (dist/nccl.h): its buckets stay on the device.
       cur->numel = n;
-      cur->options = cur->params[0]->tensor.options().device(at::kCPU).requires_grad(false);
+      const at::Device& dev = cur->params[0]->tensor.device();
+      const bool on_device = dev.is_cuda() && pg.group->device_collectives() && pg.reduce_to.empty();
+      cur->options = cur->params[0]->tensor.options().device(on_device ? dev : at::Device(at::kCPU)).requires_grad(false);
       if (!cur->grad_shard.defined()) cur->flat = at::zeros({n}, cur->options);
       cur->ready.assign(cur->params.size(), false);
       buckets_.push_back(std::move(cur));

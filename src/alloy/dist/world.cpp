@@ -4,13 +4,17 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
+#include <set>
 #include <sstream>
 
 #include "alloy/core/error.h"
 #include "alloy/core/log.h"
+#include "alloy/dist/nccl.h"
 
 namespace alloy::dist {
 namespace {
@@ -61,6 +65,7 @@ int Group::group_rank_of(int global_rank) const {
 }
 
 c10::intrusive_ptr<c10d::Work> Group::allreduce_sum(at::Tensor& t) {
+  if (device_ && t.is_cuda()) return device_->allreduce_sum(t);
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::SUM;
@@ -68,6 +73,7 @@ c10::intrusive_ptr<c10d::Work> Group::allreduce_sum(at::Tensor& t) {
 }
 
 c10::intrusive_ptr<c10d::Work> Group::allgather(std::vector<at::Tensor>& out, at::Tensor& in) {
+  if (device_ && in.is_cuda()) return device_->allgather(out, in);
   std::vector<std::vector<at::Tensor>> outs{out};
   std::vector<at::Tensor> ins{in};
   auto w = gloo_->allgather(outs, ins);
@@ -88,6 +94,7 @@ c10::intrusive_ptr<c10d::Work> Group::reduce_sum(at::Tensor& t, int root) {
 }
 
 c10::intrusive_ptr<c10d::Work> Group::broadcast(at::Tensor& t, int root) {
+  if (device_ && t.is_cuda()) return device_->broadcast(t, root);
   std::vector<at::Tensor> v{t};
   c10d::BroadcastOptions o;
   o.rootRank = root;
@@ -361,7 +368,45 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
     throw Error("rank " + std::to_string(rv_.rank) + ": connecting group '" + name + "' failed: " +
                 std::string(e.what()).substr(0, 300) + (report.empty() ? "" : "\n  " + report));
   }
+  if (device_type_ == "cuda" && nccl_built()) {
+    // NCCL needs one GPU per member: ranks sharing a GPU (tests, oversubscribed pools) stay on Gloo.
+    const char* env = std::getenv("ALLOY_NCCL");
+    bool all_cuda = !(env && std::string(env) == "0");
+    std::set<std::string> gpus;
+    for (int r : g->ranks()) {
+      if (!all_cuda) break;
+      const std::string key = "alloy/device/" + std::to_string(r);
+      try {
+        store_->wait({key}, timeout_);
+      } catch (const std::exception&) {
+        throw Error("rank " + std::to_string(rv_.rank) + ": rank " + std::to_string(r) + " never said which device it trains on (group '" +
+                    name + "')");
+      }
+      const std::string dev = str_of(store_->get(key));
+      all_cuda = dev.rfind("cuda", 0) == 0 && gpus.insert(dev).second;
+    }
+    if (all_cuda) {
+      try {
+        g->device_ = make_nccl(c10::make_intrusive<c10d::PrefixStore>("alloy/nccl/" + name, store_), g->rank(), g->size(), timeout_);
+      } catch (const std::exception& e) {
+        throw Error("rank " + std::to_string(rv_.rank) + ": NCCL for group '" + name + "' failed: " + std::string(e.what()).substr(0, 300) +
+                    " (ALLOY_NCCL=0 on every rank keeps such groups on Gloo)");
+      }
+    }
+  }
   return g;
+}
+
+void World::set_device(const at::Device& device) {
+  device_type_ = device.is_cuda() ? "cuda" : device.is_cpu() ? "cpu" : device.str();
+  // Which GPU of which machine ("cuda:0@host"), so members sharing one are told apart.
+  std::string where = device_type_;
+  if (device.is_cuda()) {
+    char host[256] = {0};
+    ::gethostname(host, sizeof(host) - 1);
+    where += ":" + std::to_string(device.has_index() ? device.index() : 0) + "@" + host;
+  }
+  store_->set("alloy/device/" + std::to_string(rv_.rank), bytes_of(where));
 }
 
 Group& World::all() { return *all_; }

@@ -23,9 +23,12 @@ class Work;
 
 namespace alloy::dist {
 
+class DeviceCollectives;
+
 // A process group over a subset of the world's ranks, on Gloo, which moves host memory: callers
-// stage CUDA tensors through the CPU (reducer buckets, pipeline sends). NCCL for all-CUDA groups is
-// not built (docs/DESIGN.md, "Not built yet").
+// stage CUDA tensors through the CPU (pipeline sends, mixed groups' reducer buckets). A group whose
+// members all train on CUDA devices also has NCCL (dist/nccl.h): all-reduce, broadcast and
+// all-gather of CUDA tensors go there, host tensors still through Gloo.
 class Group {
  public:
   Group(std::string name, std::vector<int> ranks, int my_global_rank);
@@ -36,6 +39,8 @@ class Group {
   int rank() const { return my_rank_; }  // rank within the group
   int group_rank_of(int global_rank) const;
 
+  // Whether CUDA tensors' all-reduce, broadcast and all-gather stay on the device (NCCL).
+  bool device_collectives() const { return device_ != nullptr; }
   // Asynchronous SUM all-reduce in place; wait() on the handle.
   c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor& t);
   // Asynchronous all-gather of equal-sized tensors: OUT[i] receives group rank i's IN.
@@ -57,6 +62,7 @@ class Group {
   std::vector<int> ranks_;
   int my_rank_ = -1;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo_;
+  std::unique_ptr<DeviceCollectives> device_;
 };
 
 // Waits for WORK, turning a timeout or failure into an alloy::Error whose text comes from
@@ -82,6 +88,10 @@ class World {
   // Every rank calls this with the same WHAT; fails on every rank when the values differ, naming
   // the ranks that disagree with rank 0.
   void check_same(const std::string& what, const std::string& value);
+  // The device this rank trains on, published for the others before any group is made: a group
+  // whose members all train on CUDA gets NCCL beside Gloo (ALLOY_NCCL=0 turns that off, on every
+  // rank alike).
+  void set_device(const at::Device& device);
   // All members of RANKS call this, in the same order across ranks, with a NAME unique in the job.
   std::shared_ptr<Group> new_group(const std::string& name, std::vector<int> ranks);
   Group& all();  // every rank
@@ -108,6 +118,7 @@ class World {
   std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Store> store_, hb_store_;
   std::shared_ptr<Group> all_;
+  std::string device_type_;  // set_device's: "cuda", "cpu"; empty: never said
   std::thread hb_thread_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> progress_{-1};

@@ -2,7 +2,10 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <torch/version.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <stdexcept>
 
@@ -156,11 +159,30 @@ struct Shared {
   }
 };
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
-  // q, k, v [B, nh, T, hd] -> [B, nh, T, hd]. One baddbmm applies the scale and the additive
-  // causal mask inside the product: the separate scale and masked_fill passes over the [T, T]
-  // scores (and their two backward passes) go away.
+// LibTorch 2.x's fused attention (flash / memory-efficient kernels on CUDA, a flash kernel on the
+// CPU): the [T, T] scores never exist in memory. ALLOY_ATTENTION=math keeps the written-out path
+// (for comparisons: bench/gpu_bench.py measures both).
+bool use_fused_attention() {
+#if TORCH_VERSION_MAJOR >= 2
+  static const bool fused = [] {
+    const char* e = std::getenv("ALLOY_ATTENTION");
+    return !(e && std::string(e) == "math");
+  }();
+  return fused;
+#else
+  return false;
+#endif
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Shared& sh) {
+  // q, k, v [B, nh, T, hd] -> [B, nh, T, hd], causal, scaled by 1/sqrt(hd).
   const int64_t B = q.size(0), nh = q.size(1), T = q.size(2), hd = q.size(3);
+#if TORCH_VERSION_MAJOR >= 2
+  if (use_fused_attention()) return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
+#endif
+  // One baddbmm applies the scale and the additive causal mask inside the product: the separate
+  // scale and masked_fill passes over the [T, T] scores (and their two backward passes) go away.
+  const at::Tensor& mask = sh.causal_mask(T, q.device());
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   auto q3 = q.reshape({B * nh, T, hd}), k3 = k.reshape({B * nh, T, hd}), v3 = v.reshape({B * nh, T, hd});
   auto att = at::softmax(at::baddbmm(mask, q3, k3.transpose(1, 2), 1.0, scale), -1);
@@ -410,7 +432,7 @@ class Gpt2Block : public BlockLayer {
     // and adds the three; unbind's backward is one stack.
     const at::Tensor b_qkv = w(3), b_out = w(5);
     auto qkv = proj(2, h.reshape({B * T, H}), &b_qkv).view({B, T, 3, nh, hd}).permute({2, 0, 3, 1, 4}).unbind(0);
-    auto y = attention(qkv[0], qkv[1], qkv[2], sh_->causal_mask(T, x.device()));
+    auto y = attention(qkv[0], qkv[1], qkv[2], *sh_);
     y = y.transpose(1, 2).reshape({B * T, nh * hd});
     return x + proj_summed(4, y, &b_out, B, T);
   }
@@ -458,6 +480,11 @@ class Gpt2Head : public Layer {
 };
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  // LibTorch's own (one fused kernel on CUDA) where it has one: written out, the norm is five
+  // elementwise passes over the residual stream each way, 14% of a 12-layer LLaMA's H100 step.
+  if (use_fused_attention()) return at::rms_norm(x, {x.size(-1)}, w, eps);
+#endif
   return x * at::rsqrt(x.pow(2).mean(-1, true) + eps) * w;
 }
 
@@ -512,7 +539,7 @@ class LlamaBlock : public BlockLayer {
       k = k.unsqueeze(2).expand({B, nkv, rep, T, hd}).reshape({B, nh, T, hd});
       v = v.unsqueeze(2).expand({B, nkv, rep, T, hd}).reshape({B, nh, T, hd});
     }
-    auto y = attention(q, k, v, sh_->causal_mask(T, x.device())).transpose(1, 2).reshape({B, T, nh * hd});
+    auto y = attention(q, k, v, *sh_).transpose(1, 2).reshape({B, T, nh * hd});
     return x + proj_summed(4, y, nullptr, B, T);
   }
   at::Tensor mlp_half(const at::Tensor& x) override {

@@ -5,11 +5,6 @@
 #include "alloy/model/precision.h"
 
 #include <ATen/core/grad_mode.h>
-#include <malloc.h>
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-// libasan/libtsan export it; GCC ships no header for it.
-extern "C" size_t __sanitizer_get_current_allocated_bytes();
-#endif
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
@@ -28,16 +23,6 @@ int tag_of(int64_t mb, int kind) { return static_cast<int>(mb * 4 + kind); }
 const char* kind_text(int kind) { return kind <= kActData ? "activation" : "gradient"; }
 }  // namespace
 
-int64_t heap_bytes_in_use() {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  // A sanitizer replaces glibc's allocator, whose statistics then read 0; its own count includes
-  // redzones, a few KB per block, small beside the tensors the memory checks compare.
-  return static_cast<int64_t>(__sanitizer_get_current_allocated_bytes());
-#endif
-  struct mallinfo2 mi = ::mallinfo2();
-  return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
-}
-
 StageExecutor::StageExecutor(model::Transformer& slice, StageLinks links) : slice_(slice), links_(links) {}
 
 void StageExecutor::record(const std::string& name, const char* stream, Clock::time_point t0) {
@@ -48,7 +33,7 @@ void StageExecutor::record(const std::string& name, const char* stream, Clock::t
 }
 
 void StageExecutor::sample_memory() {
-  peak_bytes_ = std::max(peak_bytes_, heap_bytes_in_use() - base_bytes_);
+  peak_bytes_ = std::max(peak_bytes_, memory_in_use(slice_.device()) - base_bytes_);
   peak_in_flight_ = std::max(peak_in_flight_, in_flight_);
 }
 
@@ -120,7 +105,7 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
   deferred_.clear();
   state_.assign(mbs.size(), InFlight{});
   trace_.clear();
-  base_bytes_ = heap_bytes_in_use();
+  base_bytes_ = memory_in_use(slice_.device());
   peak_bytes_ = peak_in_flight_ = in_flight_ = 0;
   compute_s_ = 0;
   double loss_sum = 0;

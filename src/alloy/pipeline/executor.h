@@ -10,6 +10,7 @@
 
 #include "alloy/model/deferred_weights.h"
 #include "alloy/model/transformer.h"
+#include "alloy/pipeline/device_memory.h"
 #include "alloy/pipeline/schedule.h"
 
 namespace c10d {
@@ -78,10 +79,10 @@ class StageExecutor {
   std::vector<TraceEvent>& trace() { return trace_; }
   void set_trace_origin(std::chrono::steady_clock::time_point t) { origin_ = t; }
   bool tracing = false;
-  // Heap bytes in use above the level at the start of the last run(): activations kept for
-  // backward (measured with mallinfo2, not estimated).
+  // Bytes in use on the slice's device above the level at the start of the last run(): activations
+  // kept for backward (measured: device_memory.h, not estimated).
   int64_t peak_activation_bytes() const { return peak_bytes_; }
-  // The heap in use at its peak during the last run() (what it held before, plus its growth).
+  // The device's memory in use at its peak during the last run() (what it held before, plus its growth).
   int64_t peak_heap_bytes() const { return base_bytes_ + peak_bytes_; }
   int64_t peak_in_flight() const { return peak_in_flight_; }
   double compute_s() const { return compute_s_; }
@@ -126,7 +127,5 @@ class StageExecutor {
   int64_t base_bytes_ = 0, peak_bytes_ = 0, peak_in_flight_ = 0, in_flight_ = 0;
   double compute_s_ = 0;
 };
-
-int64_t heap_bytes_in_use();
 
 }  // namespace alloy::pipeline

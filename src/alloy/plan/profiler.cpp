@@ -103,7 +103,7 @@ FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool id
   auto start = Clock::now();
   for (int64_t it = 0;; ++it) {
     at::Tensor x = ids_in ? x0 : x0.detach().requires_grad_(true);
-    int64_t before = pipeline::heap_bytes_in_use();
+    int64_t before = pipeline::memory_in_use(dev);
     wait_for(dev);
     std::optional<model::DeferredWeightGrads::Scope> recording;
     if (split) recording.emplace(&held, 0);
@@ -112,7 +112,7 @@ FwdBwd time_slice(model::Transformer& slice, int64_t m, double window_s, bool id
     if (loss_out) out = model::Transformer::loss_sum(out, tgt) / static_cast<double>(m * c.seq_len);
     wait_for(dev);
     auto t1 = Clock::now();
-    int64_t held_bytes = pipeline::heap_bytes_in_use() - before;
+    int64_t held_bytes = pipeline::memory_in_use(dev) - before;
     // A LoRA embedding is frozen and has nothing to back-propagate into.
     if (loss_out) out.backward();
     else if (out.requires_grad()) out.backward(at::ones_like(out));

@@ -94,6 +94,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     scaler_ = model::LossScaler(scaling, t.loss_scale_init, t.loss_scale_window);
   }
   world_ = opts_.world;
+  if (world_) world_->set_device(device_);  // before any group: all-CUDA groups get NCCL
   rank_ = world_ ? world_->rank() : 0;
   plan_ = opts_.plan ? opts_.plan : std::make_shared<Plan>(Plan::single_device(cfg_));
   if (plan_->global_batch != cfg_.train.global_batch)
@@ -144,7 +145,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   // changes the model applies here, in this order: base weights (--init-from; a resumed LoRA run
   // re-reads the base its checkpoint names), LoRA (adapters, frozen and maybe quantized base),
   // the device, recomputation; then sharding (plan_shards, build_groups) over what trains.
-  heap_before_model_ = pipeline::heap_bytes_in_use();
+  heap_before_model_ = pipeline::memory_in_use(device_);
   if (const std::string why = plan_->training_problem(cfg_); !why.empty()) throw InputError("plan", why);
   if (cfg_.train.sequence_parallel && !plan_->has_tensor_parallel() && rank_ == 0)
     log_warn("train.sequence_parallel has no effect: the plan has no tensor-parallel stage");
@@ -670,6 +671,7 @@ TrainResult Trainer::run() {
     // This pipeline's consecutive slice of the global batch, cut into its micro-batches.
     std::vector<uint64_t> samples = sampler_->take(static_cast<uint64_t>(step * gb + offset), static_cast<uint64_t>(mine));
     if (reducer_) reducer_->begin_step(step, t0);
+    pipeline::reset_memory_peak(device_);  // a CUDA allocator's exact peak over the step
     exec_->dropout_seed = static_cast<uint64_t>(cfg_.train.seed);
     exec_->step = step;
     double loss_local =
@@ -677,7 +679,7 @@ TrainResult Trainer::run() {
     auto sync_t0 = std::chrono::steady_clock::now();
     const double phase_s = std::chrono::duration<double>(sync_t0 - t0).count();
     const dist::ReducerStats sync = reducer_ ? reducer_->finish() : dist::ReducerStats{};
-    int64_t heap_peak = std::max(exec_->peak_heap_bytes(), pipeline::heap_bytes_in_use());  // the sync's buffers are still held
+    int64_t heap_peak = std::max(exec_->peak_heap_bytes(), pipeline::memory_in_use(device_));  // the sync's buffers are still held
     if (zero3_) zero3_->end_step();
     int64_t grad_bytes_held = zero3_ ? zero3_->grad_shard_bytes() : 0;
     for (auto* p : params)
@@ -744,7 +746,8 @@ TrainResult Trainer::run() {
                  std::to_string(static_cast<int>(std::log2(scale))) + ": step skipped, the scale is now 2^" +
                  std::to_string(static_cast<int>(std::log2(scaler_.scale()))));
     }
-    heap_peak = std::max(heap_peak, pipeline::heap_bytes_in_use());  // AdamW's state exists from its first step
+    // AdamW's state exists from its first step; on CUDA the allocator saw every transient peak.
+    heap_peak = std::max({heap_peak, pipeline::memory_in_use(device_), pipeline::memory_peak(device_)});
     // Every parameter's, not only those AdamW updates here (under ZeRO a rank may own none of one);
     // before the gather, whose staging takes their place.
     for (auto* p : params)

@@ -1,0 +1,35 @@
+#pragma once
+// Collectives on CUDA tensors through NCCL, for a group whose members all train on CUDA devices
+// (World::new_group decides; every member reads the same published devices, so all agree). Gloo
+// stays beside it for host tensors and barriers. Only this file's .cpp names NCCL: it is compiled
+// with USE_C10D_NCCL when the LibTorch has CUDA (CMakeLists.txt), so a CPU LibTorch needs nothing
+// of it and nccl_built() is false there.
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
+namespace c10d {
+class Store;
+class Work;
+}  // namespace c10d
+
+namespace alloy::dist {
+
+class DeviceCollectives {
+ public:
+  virtual ~DeviceCollectives() = default;
+  virtual c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor& t) = 0;
+  virtual c10::intrusive_ptr<c10d::Work> broadcast(at::Tensor& t, int root) = 0;
+  virtual c10::intrusive_ptr<c10d::Work> allgather(std::vector<at::Tensor>& out, at::Tensor& in) = 0;
+};
+
+// Whether this build can make NCCL groups (a CUDA LibTorch with c10d's NCCL backend).
+bool nccl_built();
+// An NCCL communicator over STORE's namespace for group rank RANK of SIZE; its collectives time out
+// after TIMEOUT. Throws when the build has no NCCL.
+std::unique_ptr<DeviceCollectives> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                             std::chrono::milliseconds timeout);
+
+}  // namespace alloy::dist

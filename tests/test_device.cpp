@@ -1,0 +1,138 @@
+// What a CUDA LibTorch adds: the CUDA allocator's memory figures, the fused AdamW kernel and NCCL
+// groups (at world size 1: one GPU cannot host two NCCL ranks). The CUDA cases skip, saying so, on
+// a machine or LibTorch without CUDA; scripts/gpu-check.sh runs them on a GPU. The CPU halves run
+// everywhere.
+#include <gtest/gtest.h>
+
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "alloy/dist/nccl.h"
+#include "alloy/dist/world.h"
+#include "alloy/model/transformer.h"
+#include "alloy/pipeline/device_memory.h"
+#include "alloy/train/optimizer.h"
+
+using alloy::model::Param;
+using alloy::train::AdamW;
+namespace pipeline = alloy::pipeline;
+namespace dist = alloy::dist;
+
+namespace {
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof(a);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    ::close(fd);
+    return 29600;
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::shared_ptr<dist::World> world_of_one() {
+  dist::Rendezvous rv;
+  rv.master_port = free_port();
+  rv.source = "test";
+  return dist::World::create(rv, std::chrono::milliseconds(30000));
+}
+
+bool cuda() { return at::hasCUDA() && at::getNumGPUs() > 0; }
+}  // namespace
+
+TEST(DeviceMemory, ACpuDeviceReadsTheHeap) {
+  const at::Device cpu(at::kCPU);
+  EXPECT_TRUE(pipeline::measures_device_memory(cpu));
+  EXPECT_EQ(pipeline::memory_peak(cpu), -1);  // sampled by the callers instead
+  const int64_t before = pipeline::memory_in_use(cpu);
+  at::Tensor t = at::ones({16 << 20}, at::kFloat);  // 64 MiB
+  const int64_t during = pipeline::memory_in_use(cpu);
+  t.reset();
+  EXPECT_GE(during - before, int64_t{64} << 20);
+  EXPECT_LT(pipeline::memory_in_use(cpu) - before, int64_t{8} << 20);
+}
+
+TEST(DeviceMemory, ACudaDeviceReadsTheAllocatorNotTheHeap) {
+  if (!cuda()) GTEST_SKIP() << "no CUDA device";
+  const at::Device gpu(at::kCUDA, 0);
+  ASSERT_TRUE(pipeline::measures_device_memory(gpu)) << "a CUDA LibTorch built without ALLOY_CUDA_MEMORY (CMakeLists.txt)";
+  (void)at::empty({1}, at::TensorOptions().device(gpu));  // CUDA's initialisation takes ~30 MB of host heap once
+  const int64_t heap_before = pipeline::heap_bytes_in_use(), before = pipeline::memory_in_use(gpu);
+  pipeline::reset_memory_peak(gpu);
+  at::Tensor t = at::ones({16 << 20}, at::TensorOptions().dtype(at::kFloat).device(gpu));
+  at::Tensor u = at::ones({8 << 20}, at::TensorOptions().dtype(at::kFloat).device(gpu));
+  u.reset();
+  EXPECT_GE(pipeline::memory_in_use(gpu) - before, int64_t{64} << 20);
+  EXPECT_LT(pipeline::memory_in_use(gpu) - before, int64_t{66} << 20);
+  EXPECT_GE(pipeline::memory_peak(gpu) - before, int64_t{96} << 20);  // the freed 32 MiB counted at its peak
+  EXPECT_LT(pipeline::heap_bytes_in_use() - heap_before, int64_t{16} << 20);  // not on the host
+}
+
+TEST(FusedAdamW, MatchesTheCpuUpdateOnCuda) {
+  if (!cuda()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(3);
+  std::vector<Param> cpu{Param{"w", at::randn({64, 33}), true}, Param{"b", at::randn({33}), false}, Param{"n", at::randn({7}), false}};
+  std::vector<Param> gpu;
+  for (const auto& p : cpu) gpu.push_back(Param{p.name, p.tensor.to(at::kCUDA), p.decay});
+  std::vector<Param*> pc, pg;
+  for (auto& p : cpu) pc.push_back(&p);
+  for (auto& p : gpu) pg.push_back(&p);
+  AdamW::Options o{0.9, 0.95, 1e-8, 0.1};
+  AdamW a(pc, o), b(pg, o);
+  for (int step = 0; step < 5; ++step) {
+    for (size_t i = 0; i < cpu.size(); ++i) {
+      at::Tensor g = at::randn(cpu[i].tensor.sizes());
+      cpu[i].tensor.mutable_grad() = g;
+      gpu[i].tensor.mutable_grad() = g.to(at::kCUDA);
+    }
+    a.step(1e-2), b.step(1e-2);
+    a.zero_grad(), b.zero_grad();
+  }
+  for (size_t i = 0; i < cpu.size(); ++i)
+    EXPECT_TRUE(at::allclose(gpu[i].tensor.cpu(), cpu[i].tensor, 1e-5, 1e-6)) << cpu[i].name;
+  const auto sa = a.state(), sb = b.state();
+  ASSERT_EQ(sa.size(), sb.size());
+  for (size_t i = 0; i < sa.size(); ++i) EXPECT_TRUE(at::allclose(sb[i].second.cpu(), sa[i].second, 1e-5, 1e-7)) << sa[i].first;
+}
+
+TEST(Nccl, AGroupOfCpuRanksStaysOnGloo) {
+  auto w = world_of_one();
+  w->set_device(at::Device(at::kCPU));
+  auto g = w->new_group("cpu-only", {0});
+  EXPECT_FALSE(g->device_collectives());
+  at::Tensor t = at::full({4}, 2.0);
+  dist::wait_work(g->allreduce_sum(t), "all-reduce");
+  EXPECT_TRUE(at::equal(t, at::full({4}, 2.0)));
+}
+
+TEST(Nccl, AGroupOfCudaRanksReducesOnTheDevice) {
+  if (!cuda()) GTEST_SKIP() << "no CUDA device";
+  if (!dist::nccl_built()) GTEST_SKIP() << "this LibTorch has no NCCL";
+  auto w = world_of_one();
+  w->set_device(at::Device(at::kCUDA, 0));
+  auto g = w->new_group("cuda-only", {0});
+  ASSERT_TRUE(g->device_collectives());
+  const auto on_gpu = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
+  at::Tensor t = at::arange(8, on_gpu);
+  dist::wait_work(g->allreduce_sum(t), "NCCL all-reduce");
+  EXPECT_TRUE(at::equal(t.cpu(), at::arange(8, at::kFloat)));
+  EXPECT_TRUE(t.is_cuda());
+  at::Tensor b = at::full({3}, 5.0, on_gpu);
+  dist::wait_work(g->broadcast(b, 0), "NCCL broadcast");
+  EXPECT_TRUE(at::equal(b.cpu(), at::full({3}, 5.0)));
+  at::Tensor in = at::full({2}, 7.0, on_gpu);
+  std::vector<at::Tensor> out{at::zeros({2}, on_gpu)};
+  dist::wait_work(g->allgather(out, in), "NCCL all-gather");
+  EXPECT_TRUE(at::equal(out[0].cpu(), at::full({2}, 7.0)));
+  // Host tensors of the same group still go through Gloo.
+  at::Tensor h = at::full({2}, 3.0);
+  dist::wait_work(g->allreduce_sum(h), "Gloo all-reduce");
+  EXPECT_TRUE(at::equal(h, at::full({2}, 3.0)));
+}
