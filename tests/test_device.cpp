@@ -8,13 +8,18 @@
 #include <netinet/in.h>
 #include <unistd.h>
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/version.h>
 
 #include "alloy/dist/nccl.h"
 #include "alloy/dist/world.h"
 #include "alloy/model/transformer.h"
 #include "alloy/pipeline/device_memory.h"
 #include "alloy/train/optimizer.h"
+
+#include <cstdlib>
+#include <map>
 
 using alloy::model::Param;
 using alloy::train::AdamW;
@@ -100,6 +105,59 @@ TEST(FusedAdamW, MatchesTheCpuUpdateOnCuda) {
   const auto sa = a.state(), sb = b.state();
   ASSERT_EQ(sa.size(), sb.size());
   for (size_t i = 0; i < sa.size(); ++i) EXPECT_TRUE(at::allclose(sb[i].second.cpu(), sa[i].second, 1e-5, 1e-7)) << sa[i].first;
+  EXPECT_EQ(a.fused_tensors(), 0);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
+  EXPECT_EQ(b.fused_tensors(), 3);  // the kernel ran, not the per-tensor path
+#endif
+}
+
+TEST(FusedAdamW, AResumedRunUpdatesAsTheUninterruptedOne) {
+  if (!cuda()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(4);
+  auto make = [] { return std::vector<Param>{Param{"w", at::randn({32, 16}).to(at::kCUDA), true}, Param{"b", at::randn({16}).to(at::kCUDA), false}}; };
+  std::vector<Param> whole = make(), first = whole, second;
+  for (auto& p : first) p.tensor = p.tensor.clone();
+  std::vector<at::Tensor> grads;
+  for (int i = 0; i < 6; ++i) grads.push_back(at::randn({32 * 16 + 16}).to(at::kCUDA));
+  auto set = [&](std::vector<Param>& ps, int step) {
+    ps[0].tensor.mutable_grad() = grads[static_cast<size_t>(step)].narrow(0, 0, 32 * 16).view({32, 16}).clone();
+    ps[1].tensor.mutable_grad() = grads[static_cast<size_t>(step)].narrow(0, 32 * 16, 16).clone();
+  };
+  AdamW::Options o{0.9, 0.95, 1e-8, 0.1};
+  const std::vector<Param*> pw{&whole[0], &whole[1]}, pf{&first[0], &first[1]};
+  AdamW straight(pw, o), before(pf, o);
+  for (int step = 0; step < 6; ++step) set(whole, step), straight.step(1e-2), straight.zero_grad();
+  for (int step = 0; step < 3; ++step) set(first, step), before.step(1e-2), before.zero_grad();
+  // Resume: fresh parameters and optimizer from what a checkpoint keeps (values, moments, steps).
+  for (auto& p : first) second.push_back(Param{p.name, p.tensor.cpu().to(at::kCUDA), p.decay});
+  std::map<std::string, at::Tensor> saved;
+  for (const auto& [k, t] : before.state()) saved[k] = t.cpu();
+  const std::vector<Param*> ps{&second[0], &second[1]};
+  AdamW after(ps, o);
+  after.load_state(saved, before.steps_taken(), "test");
+  for (int step = 3; step < 6; ++step) set(second, step), after.step(1e-2), after.zero_grad();
+  for (size_t i = 0; i < whole.size(); ++i) EXPECT_TRUE(at::equal(second[i].tensor.cpu(), whole[i].tensor.cpu())) << whole[i].name;
+}
+
+TEST(NcclEligible, EveryMemberOnAGpuOfItsOwnAndAbleToUseNccl) {
+  EXPECT_TRUE(dist::nccl_eligible({"cuda:0@a", "cuda:1@a", "cuda:0@b"}));
+  EXPECT_TRUE(dist::nccl_eligible({"cuda:0@a"}));
+  EXPECT_FALSE(dist::nccl_eligible({"cuda:0@a", "cuda:0@a"}));           // two ranks on one GPU
+  EXPECT_FALSE(dist::nccl_eligible({"cuda:0@a", "cpu"}));                // a CPU member
+  EXPECT_FALSE(dist::nccl_eligible({"cuda:0@a", "cuda-gloo:1@a"}));      // a member without NCCL or with ALLOY_NCCL=0
+  EXPECT_FALSE(dist::nccl_eligible({}));
+}
+
+TEST(Nccl, ACudaRankWithoutNcclSaysSoAndItsGroupsStayOnGloo) {
+  // What a rank publishes decides its groups (nccl_eligible above); with ALLOY_NCCL=0 a CUDA rank
+  // publishes "cuda-gloo:", whatever the build.
+  auto w = world_of_one();
+  ::setenv("ALLOY_NCCL", "0", 1);
+  w->set_device(at::Device(at::kCUDA, 0));
+  ::unsetenv("ALLOY_NCCL");
+  const auto b = w->store().get("alloy/device/0");
+  EXPECT_EQ(std::string(b.begin(), b.end()).rfind("cuda-gloo:0@", 0), 0u);
+  EXPECT_FALSE(w->new_group("opted-out", {0})->device_collectives());
 }
 
 TEST(Nccl, AGroupOfCpuRanksStaysOnGloo) {

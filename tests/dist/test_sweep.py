@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """`alloy sweep` on a CI-sized grid: 3 layouts (dp, pp, tp) x 3 micro-batch sizes x 2 sequence
-lengths of a LoRA fine-tuning run on 2 local ranks. Every cell that can run is run and measured,
+lengths of a LoRA fine-tuning run on 2 local ranks; then rank counts 1 and 2 as an axis. Every cell that can run is run and measured,
 has the planner's prediction beside it, and lands in the CSV, the JSON and the plots; a micro-batch
 size that does not divide the batch is listed as skipped with why. Then tensor parallelism without
 LoRA: an even and a 3:1 split of the heads, both run.
@@ -87,6 +87,26 @@ output: {{dir: {work}/unused}}
           f"imbalance {tp_rows['tp:3,1']['mem_imbalance']} vs {tp_rows['tp']['mem_imbalance']}")
     check("a split of the wrong length is skipped with why",
           tp_rows["tp:1,1,2"]["status"] == "skipped" and "3 head counts for 2 ranks" in tp_rows["tp:1,1,2"]["note"])
+    # The study's "# of GPUs" axis: several rank counts, one grid each, the count in every row.
+    out_n = os.path.join(work, "sweep-ranks")
+    sh([alloy, "sweep", "-c", plain, "-n", "1", "2", "--layouts", "dp", "zero2", "--micro-batch", "2", "--steps", "3", "--warmup", "1",
+        "-o", out_n], env=env)
+    with open(os.path.join(out_n, "sweep.csv")) as f:
+        n_rows = {(x["layout"], x["ranks"]): x for x in csv.DictReader(f)}
+    check("a grid per rank count, each cell run on its own count",
+          sorted(n_rows) == [("dp", "1"), ("dp", "2"), ("zero2", "1"), ("zero2", "2")]
+          and all(x["status"] == "ok" and float(x["predicted_step_s"]) > 0 for x in n_rows.values())
+          and all(os.path.exists(os.path.join(out_n, f"profile-n{k}-T32.json")) for k in (1, 2)),
+          ", ".join(f"{k}: {v['status']} {v['note']}" for k, v in n_rows.items()))
+    check("ZeRO-2 over two ranks holds less per rank than one rank's whole state",
+          float(n_rows[("zero2", "2")]["mem_max_bytes"]) < float(n_rows[("zero2", "1")]["mem_max_bytes"]),
+          f"{n_rows[('zero2', '2')]['mem_max_bytes']} vs {n_rows[('zero2', '1')]['mem_max_bytes']} bytes")
+    with open(os.path.join(out_n, "sweep.json")) as f:
+        check("the JSON lists the counts", json.load(f)["ranks"] == [1, 2])
+    bad_n = sh([alloy, "sweep", "-c", plain, "-n", "1", "2", "--cluster", os.path.join(out_n, "local-cluster-n2.yaml"),
+                "--layouts", "dp", "-o", os.path.join(work, "sweep-bad-n")], env=env, expect_fail=True)
+    check("several counts with a fixed pool are refused", "several rank counts" in bad_n.stderr, bad_n.stderr.strip()[-200:])
+
     # A misspelled layout fails before anything is profiled; the study's names (ddp, fsdp2) are known.
     bad = sh([alloy, "sweep", "-c", plain, "-n", "2", "--layouts", "ddp", "fsdp2", "fsdp3", "--micro-batch", "2",
               "-o", os.path.join(work, "sweep-bad")], env=env, expect_fail=True)

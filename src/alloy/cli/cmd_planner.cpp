@@ -93,7 +93,7 @@ void add_planner_commands(CLI::App& app, Action& action) {
   sweep->add_option("--seq-len", sw->seq_lens, "Sequence lengths (default: the config's model.seq_len)");
   sweep->add_option("--steps", sw->steps, "Steps per cell")->capture_default_str();
   sweep->add_option("--warmup", sw->warmup, "Steps per cell not timed")->capture_default_str();
-  sweep->add_option("-n,--nproc", sw->nproc, "Local ranks (without --emulate)");
+  sweep->add_option("-n,--nproc", sw->nprocs, "Local ranks (without --emulate); several counts (-n 1 2 4) sweep the rank count too");
   sweep->add_option("--emulate", sw->emulate, "Run every cell on this emulated ClusterSpec (root)")->check(CLI::ExistingFile);
   sweep->add_option("--cluster", sw->cluster, "ClusterSpec for the predictions (default: --emulate's, or N CPUs here)")
       ->check(CLI::ExistingFile);

@@ -199,6 +199,9 @@ ReducerStats Reducer::finish() {
     for (auto& w : b->works)
       wait_work(w, std::string(b->reduce_to.empty() ? "gradient all-reduce" : "gradient reduce-scatter") + " in group " +
                        b->group->name());
+    // NCCL's wait only orders the stream; reading one element makes the host wait for the sum, so
+    // the sync's wait is measured here (ranks.json, the trace) and not in the next host read.
+    if (b->flat.defined() && b->flat.is_cuda()) (void)b->flat[0].item<double>();
     const int64_t bytes = b->flat.numel() * static_cast<int64_t>(b->flat.element_size());
     if (b->grad_shard.defined()) {
       // ZeRO-3: keep this rank's range of the sum; the full gradients and the buffer go.

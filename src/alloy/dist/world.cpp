@@ -368,13 +368,9 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
     throw Error("rank " + std::to_string(rv_.rank) + ": connecting group '" + name + "' failed: " +
                 std::string(e.what()).substr(0, 300) + (report.empty() ? "" : "\n  " + report));
   }
-  if (device_type_ == "cuda" && nccl_built()) {
-    // NCCL needs one GPU per member: ranks sharing a GPU (tests, oversubscribed pools) stay on Gloo.
-    const char* env = std::getenv("ALLOY_NCCL");
-    bool all_cuda = !(env && std::string(env) == "0");
-    std::set<std::string> gpus;
+  if (device_type_ == "cuda") {
+    std::vector<std::string> published;
     for (int r : g->ranks()) {
-      if (!all_cuda) break;
       const std::string key = "alloy/device/" + std::to_string(r);
       try {
         store_->wait({key}, timeout_);
@@ -382,29 +378,41 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
         throw Error("rank " + std::to_string(rv_.rank) + ": rank " + std::to_string(r) + " never said which device it trains on (group '" +
                     name + "')");
       }
-      const std::string dev = str_of(store_->get(key));
-      all_cuda = dev.rfind("cuda", 0) == 0 && gpus.insert(dev).second;
+      published.push_back(str_of(store_->get(key)));
     }
-    if (all_cuda) {
+    if (nccl_eligible(published)) {
       try {
         g->device_ = make_nccl(c10::make_intrusive<c10d::PrefixStore>("alloy/nccl/" + name, store_), g->rank(), g->size(), timeout_);
       } catch (const std::exception& e) {
         throw Error("rank " + std::to_string(rv_.rank) + ": NCCL for group '" + name + "' failed: " + std::string(e.what()).substr(0, 300) +
-                    " (ALLOY_NCCL=0 on every rank keeps such groups on Gloo)");
+                    " (ALLOY_NCCL=0 on any rank keeps such groups on Gloo)");
       }
     }
   }
   return g;
 }
 
+bool nccl_eligible(const std::vector<std::string>& published) {
+  // Every member on a GPU of its own, every member able and willing to use NCCL ("cuda:" means
+  // both; "cuda-gloo:" a rank built without NCCL or run with ALLOY_NCCL=0). Every member reads the
+  // same published strings, so all decide alike.
+  std::set<std::string> gpus;
+  for (const auto& dev : published)
+    if (dev.rfind("cuda:", 0) != 0 || !gpus.insert(dev).second) return false;
+  return !published.empty();
+}
+
 void World::set_device(const at::Device& device) {
   device_type_ = device.is_cuda() ? "cuda" : device.is_cpu() ? "cpu" : device.str();
-  // Which GPU of which machine ("cuda:0@host"), so members sharing one are told apart.
+  // Which GPU of which machine ("cuda:0@host"), so members sharing one are told apart; a rank that
+  // cannot or will not use NCCL says so ("cuda-gloo:0@host") and its groups stay on Gloo for all.
   std::string where = device_type_;
   if (device.is_cuda()) {
+    const char* env = std::getenv("ALLOY_NCCL");
+    const bool nccl = nccl_built() && !(env && std::string(env) == "0");
     char host[256] = {0};
     ::gethostname(host, sizeof(host) - 1);
-    where += ":" + std::to_string(device.has_index() ? device.index() : 0) + "@" + host;
+    where = std::string(nccl ? "cuda:" : "cuda-gloo:") + std::to_string(device.has_index() ? device.index() : 0) + "@" + host;
   }
   store_->set("alloy/device/" + std::to_string(rv_.rank), bytes_of(where));
 }

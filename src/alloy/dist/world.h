@@ -65,8 +65,14 @@ class Group {
   std::unique_ptr<DeviceCollectives> device_;
 };
 
+// Whether a group whose members published these devices (World::set_device) gets NCCL: every
+// member on a GPU of its own and able to use NCCL.
+bool nccl_eligible(const std::vector<std::string>& published);
+
 // Waits for WORK, turning a timeout or failure into an alloy::Error whose text comes from
-// WHAT plus the world's failure report.
+// WHAT plus the world's failure report. For NCCL work this orders the current CUDA stream after
+// the collective (the host does not wait), and NCCL's own watchdog enforces the timeout, ending
+// the process; the other ranks' reports then name it.
 void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
 
 class World {
@@ -88,9 +94,9 @@ class World {
   // Every rank calls this with the same WHAT; fails on every rank when the values differ, naming
   // the ranks that disagree with rank 0.
   void check_same(const std::string& what, const std::string& value);
-  // The device this rank trains on, published for the others before any group is made: a group
-  // whose members all train on CUDA gets NCCL beside Gloo (ALLOY_NCCL=0 turns that off, on every
-  // rank alike).
+  // The device this rank trains on, published for the others before the trainer makes its groups
+  // (all(), made with the world, stays on Gloo): a group whose members all train on GPUs of their
+  // own gets NCCL beside Gloo (nccl_eligible; ALLOY_NCCL=0 on any member keeps it on Gloo).
   void set_device(const at::Device& device);
   // All members of RANKS call this, in the same order across ranks, with a NAME unique in the job.
   std::shared_ptr<Group> new_group(const std::string& name, std::vector<int> ranks);

@@ -83,7 +83,7 @@ class StageExecutor {
   // kept for backward (measured: device_memory.h, not estimated).
   int64_t peak_activation_bytes() const { return peak_bytes_; }
   // The device's memory in use at its peak during the last run() (what it held before, plus its growth).
-  int64_t peak_heap_bytes() const { return base_bytes_ + peak_bytes_; }
+  int64_t peak_memory_bytes() const { return base_bytes_ + peak_bytes_; }
   int64_t peak_in_flight() const { return peak_in_flight_; }
   double compute_s() const { return compute_s_; }
 

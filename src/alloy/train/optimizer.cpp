@@ -62,6 +62,7 @@ void AdamW::step(double lr) {
     at::Tensor w, g;
   };
   std::vector<Fused> fused[2];  // without, with weight decay
+  fused_last_ = 0;
   for (auto& s : slots_) {
     const at::Tensor g = s.slice.grads();
     if (!g.defined()) continue;
@@ -104,6 +105,7 @@ void AdamW::step(double lr) {
         ws.push_back(f->w), gs.push_back(f->g), ms.push_back(f->s->m), vs.push_back(f->s->v);
         steps.push_back(step);
       }
+      fused_last_ += static_cast<int64_t>(ws.size());
       at::_fused_adamw_(ws, gs, ms, vs, /*max_exp_avg_sqs=*/{}, steps, lr, o_.beta1, o_.beta2, decay ? o_.weight_decay : 0.0, o_.eps,
                         /*amsgrad=*/false, /*maximize=*/false);
     }

@@ -43,6 +43,8 @@ class AdamW {
   void read_linearly(const std::vector<std::string>& names, int64_t after, double momentum);
 
   void zero_grad();      // drops gradients (undefined), so the next backward assigns, not adds
+  // Tensors the last step() updated with the fused kernel (CUDA, LibTorch >= 2.2; 0 elsewhere).
+  int64_t fused_tensors() const { return fused_last_; }
   int64_t steps_taken() const { return t_; }
 
   // Named state for checkpoints: "exp_avg.NAME", "exp_avg_sq.NAME" (unsharded), or for a shard's
@@ -65,6 +67,7 @@ class AdamW {
   bool fusable(const Slot& s, const at::Tensor& g) const;
   std::vector<Slot> slots_;
   std::map<std::string, at::Tensor> fused_steps_;  // the fused kernel's step count, per device
+  int64_t fused_last_ = 0;
   Options o_;
   int64_t t_ = 0;
 };

@@ -119,6 +119,9 @@ std::string series_of(const SweepRow& r) {
   return (r.layout == "auto" ? "planner" : "m=" + std::to_string(r.micro_batch)) + ", T=" + std::to_string(r.seq_len);
 }
 
+// A cluster of bars: the layout, and the rank count when the sweep has several.
+std::string cluster_of(const SweepRow& r, bool ranks_axis) { return ranks_axis ? r.layout + " n=" + std::to_string(r.ranks) : r.layout; }
+
 // Clustered bars with gnuplot: one cluster per layout, one bar per (micro-batch, length). Missing
 // cells are drawn as 0. Returns false (and says why) when gnuplot is not installed.
 bool bar_chart(const std::string& png, const std::string& title, const std::string& ylabel, const std::vector<SweepRow>& rows,
@@ -128,8 +131,10 @@ bool bar_chart(const std::string& png, const std::string& title, const std::stri
     return false;
   }
   std::vector<std::string> layouts, series;
+  const bool ranks_axis = std::any_of(rows.begin(), rows.end(), [&](const SweepRow& r) { return r.ranks != rows.front().ranks; });
   for (const auto& r : rows) {
-    if (std::find(layouts.begin(), layouts.end(), r.layout) == layouts.end()) layouts.push_back(r.layout);
+    const std::string l = cluster_of(r, ranks_axis);
+    if (std::find(layouts.begin(), layouts.end(), l) == layouts.end()) layouts.push_back(l);
     const std::string s = series_of(r);
     if (std::find(series.begin(), series.end(), s) == series.end()) series.push_back(s);
   }
@@ -143,7 +148,7 @@ bool bar_chart(const std::string& png, const std::string& title, const std::stri
     for (const auto& s : series) {
       double v = 0;
       for (const auto& r : rows)
-        if (r.layout == l && series_of(r) == s && r.status == "ok") v = value(r);
+        if (cluster_of(r, ranks_axis) == l && series_of(r) == s && r.status == "ok") v = value(r);
       d << " " << v;
     }
     d << "\n";
@@ -282,24 +287,18 @@ Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global
   throw InputError(where, "unknown layout; known: " + sweep_layouts());
 }
 
-std::vector<SweepRow> run_sweep(const SweepOptions& o) {
-  // Before anything is profiled: a misspelled layout would otherwise fail after minutes of it.
-  for (const auto& l : o.layouts)
-    if (!known_layout(l)) throw InputError("--layouts", "unknown layout '" + l + "'; known: " + sweep_layouts());
-  const Config base = Config::load(o.config, o.sets);
-  const std::string alloy = o.alloy.empty() ? self_exe() : o.alloy;
-  ensure_writable_dir(o.out_dir);
-
-  // The pool: the emulated cluster, or N CPUs of this machine (for the predictions).
-  std::string cluster = !o.cluster.empty() ? o.cluster : o.emulate;
-  int n = o.nproc;
+namespace {
+// One pool's grid: N local ranks (0: the given cluster's devices), every length x layout x size.
+// Returns the ClusterSpec it ran (and predicted) on.
+std::string sweep_pool(const SweepOptions& o, const Config& base, const std::string& alloy, int n, const std::string& given_cluster,
+                bool ranks_axis, const std::vector<int64_t>& lengths, size_t cells, size_t& done, std::vector<SweepRow>& rows) {
+  std::string cluster = given_cluster;
   if (cluster.empty()) {
-    if (n < 1) throw InputError("--nproc", "say how many local ranks (or --emulate CLUSTER)");
     std::ostringstream y;
     y << "name: local-" << n << "\ndevices:\n";
     for (int r = 0; r < n; ++r) y << "  - {name: cpu" << r << ", host: localhost, kind: cpu, type: cpu, speed: 1.0}\n";
     y << "default_link: {bandwidth_gbps: 10, latency_ms: 0.05}\n";
-    cluster = o.out_dir + "/local-cluster.yaml";
+    cluster = o.out_dir + (ranks_axis ? "/local-cluster-n" + std::to_string(n) + ".yaml" : "/local-cluster.yaml");
     write_file_atomic(cluster, y.str());
   }
   const plan::ClusterSpec spec = plan::load_cluster(cluster);
@@ -310,11 +309,8 @@ std::vector<SweepRow> run_sweep(const SweepOptions& o) {
   if (!o.emulate.empty()) launch.insert(launch.end(), {"--emulate", o.emulate});
   else launch.insert(launch.end(), {"--nproc", std::to_string(n)});
   launch.push_back("--");
-
-  std::vector<int64_t> lengths = o.seq_lens.empty() ? std::vector<int64_t>{base.model.seq_len} : o.seq_lens;
-  std::vector<SweepRow> rows;
-  size_t cells = 0, done = 0;
-  for (const auto& l : o.layouts) cells += l == "auto" ? lengths.size() : lengths.size() * o.micro_batches.size();
+  // File and run names carry the rank count only when the sweep has several.
+  const std::string tag_n = ranks_axis ? "-n" + std::to_string(n) : "";
 
   for (int64_t T : lengths) {
     // Every cell of this length starts from the same config file, with the length set.
@@ -326,12 +322,12 @@ std::vector<SweepRow> run_sweep(const SweepOptions& o) {
     // A profile of this model on this pool, for the predictions (measured once per length).
     std::string prof_path = o.profile;
     if (prof_path.empty() || !plan::Profile::load(prof_path).mismatch(c).empty()) {
-      prof_path = o.out_dir + "/profile-T" + std::to_string(T) + ".json";
+      prof_path = o.out_dir + "/profile" + tag_n + "-T" + std::to_string(T) + ".json";
       if (!file_exists(prof_path) || !plan::Profile::load(prof_path).mismatch(c).empty()) {
-        std::printf("profiling the pool for seq_len %lld (%s)\n", static_cast<long long>(T), prof_path.c_str());
+        std::printf("profiling the pool (%d ranks) for seq_len %lld (%s)\n", n, static_cast<long long>(T), prof_path.c_str());
         auto argv = launch;
         argv.insert(argv.end(), {alloy, "profile", "--cluster", cluster, "--config", cfg_path, "-o", prof_path});
-        const std::string log = o.out_dir + "/profile-T" + std::to_string(T) + ".log";
+        const std::string log = o.out_dir + "/profile" + tag_n + "-T" + std::to_string(T) + ".log";
         if (run_command(argv, log) != 0) throw Error("profiling failed (" + log + "): " + last_error(log));
       }
     }
@@ -342,9 +338,10 @@ std::vector<SweepRow> run_sweep(const SweepOptions& o) {
       for (int64_t m : sizes) {
         SweepRow row;
         row.layout = layout;
+        row.ranks = n;
         row.micro_batch = m;
         row.seq_len = T;
-        const std::string name = layout + (m > 0 ? "-m" + std::to_string(m) : "") + "-T" + std::to_string(T);
+        const std::string name = layout + tag_n + (m > 0 ? "-m" + std::to_string(m) : "") + "-T" + std::to_string(T);
         row.run_dir = o.out_dir + "/runs/" + name;
         std::vector<std::string> train = {alloy, "train", "--config", cfg_path, "--set", "output.dir=" + row.run_dir,
                                           "--set", "train.steps=" + std::to_string(o.steps), "--set", "train.eval_batches=0",
@@ -437,12 +434,45 @@ std::vector<SweepRow> run_sweep(const SweepOptions& o) {
       }
     }
   }
+  return cluster;
+}
+}  // namespace
+
+std::vector<SweepRow> run_sweep(const SweepOptions& o) {
+  // Before anything is profiled: a misspelled layout would otherwise fail after minutes of it.
+  for (const auto& l : o.layouts)
+    if (!known_layout(l)) throw InputError("--layouts", "unknown layout '" + l + "'; known: " + sweep_layouts());
+  const Config base = Config::load(o.config, o.sets);
+  const std::string alloy = o.alloy.empty() ? self_exe() : o.alloy;
+  ensure_writable_dir(o.out_dir);
+
+  // The pool: the emulated cluster, or N CPUs of this machine (for the predictions), for each
+  // count N of --nproc (the study's "# of GPUs" axis: local ranks only, since a ClusterSpec fixes
+  // its pool's size).
+  const std::string given_cluster = !o.cluster.empty() ? o.cluster : o.emulate;
+  std::vector<int> counts = o.nprocs;
+  if (counts.size() > 1 && !given_cluster.empty())
+    throw InputError("--nproc", "several rank counts run local ranks on this machine; --emulate and --cluster fix the pool's size");
+  for (int n : counts)
+    if (n < 1) throw InputError("--nproc", "rank counts must be >= 1, got " + std::to_string(n));
+  if (counts.empty()) {
+    if (given_cluster.empty()) throw InputError("--nproc", "say how many local ranks (or --emulate CLUSTER)");
+    counts = {0};
+  }
+  const bool ranks_axis = counts.size() > 1;
+  std::vector<int64_t> lengths = o.seq_lens.empty() ? std::vector<int64_t>{base.model.seq_len} : o.seq_lens;
+  std::vector<SweepRow> rows;
+  size_t cells = 0, done = 0;
+  for (const auto& l : o.layouts) cells += (l == "auto" ? lengths.size() : lengths.size() * o.micro_batches.size()) * counts.size();
+
+  std::vector<std::string> clusters;
+  for (int n : counts) clusters.push_back(sweep_pool(o, base, alloy, n, given_cluster, ranks_axis, lengths, cells, done, rows));
 
   write_file_atomic(o.out_dir + "/sweep.csv", sweep_csv(rows));
   nlohmann::json j;
   j["config"] = o.config;
-  j["ranks"] = n;
-  j["cluster"] = cluster;
+  j["ranks"] = counts.size() == 1 ? nlohmann::json(rows.empty() ? counts[0] : rows.front().ranks) : nlohmann::json(counts);
+  j["cluster"] = clusters.size() == 1 ? nlohmann::json(clusters[0]) : nlohmann::json(clusters);
   j["emulated"] = !o.emulate.empty();
   j["global_batch"] = base.train.global_batch;
   j["steps"] = o.steps;
@@ -450,6 +480,7 @@ std::vector<SweepRow> run_sweep(const SweepOptions& o) {
   j["rows"] = nlohmann::json::array();
   for (const auto& r : rows)
     j["rows"].push_back({{"layout", r.layout},
+                         {"ranks", r.ranks},
                          {"micro_batch", r.micro_batch},
                          {"seq_len", r.seq_len},
                          {"status", r.status},
@@ -474,7 +505,7 @@ std::vector<SweepRow> run_sweep(const SweepOptions& o) {
 
 std::string sweep_csv(const std::vector<SweepRow>& rows) {
   std::ostringstream s;
-  s << "layout,micro_batch,seq_len,status,tokens_per_s,step_s,predicted_step_s,step_error,mem_max_bytes,mem_sum_bytes,"
+  s << "layout,ranks,micro_batch,seq_len,status,tokens_per_s,step_s,predicted_step_s,step_error,mem_max_bytes,mem_sum_bytes,"
        "mem_imbalance,predicted_mem_max_bytes,mem_error,note\n";
   for (const auto& r : rows) {
     const bool ok = r.status == "ok";
@@ -482,7 +513,7 @@ std::string sweep_csv(const std::vector<SweepRow>& rows) {
     std::replace(note.begin(), note.end(), '"', '\'');
     std::string layout = r.layout;  // quoted: pp:C1,C2 and tp:H1,H2 hold commas
     std::replace(layout.begin(), layout.end(), '"', '\'');
-    s << "\"" << layout << "\"," << r.micro_batch << "," << r.seq_len << "," << r.status << "," << (ok ? fmt(r.tokens_per_s, 6) : "") << ","
+    s << "\"" << layout << "\"," << r.ranks << "," << r.micro_batch << "," << r.seq_len << "," << r.status << "," << (ok ? fmt(r.tokens_per_s, 6) : "") << ","
       << (ok ? fmt(r.step_s, 6) : "") << "," << (r.predicted_step_s > 0 ? fmt(r.predicted_step_s, 6) : "") << ","
       << (ok && r.predicted_step_s > 0 ? fmt(r.predicted_step_s / r.step_s - 1, 4) : "") << ","
       << (ok ? fmt(r.mem_max_bytes, 10) : "") << "," << (ok ? fmt(r.mem_sum_bytes, 10) : "") << ","

@@ -1,6 +1,7 @@
 #pragma once
 // `alloy sweep`: the strategy sweep of the hybrid LoRA parallelism study, on one pool. A grid of
-// layouts x micro-batch sizes x sequence lengths, each cell trained for a few steps as its own job
+// layouts x micro-batch sizes x sequence lengths (x local rank counts: the study's "# of GPUs"
+// axis), each cell trained for a few steps as its own job
 // (`alloy launch`, local ranks or an emulated cluster), measured (tokens/s, step latency, model
 // memory per rank: max, sum and imbalance) and predicted by the planner's cost model beside it.
 // A cell that runs out of memory, or that the cost model says will not fit a device's memory_gb,
@@ -32,7 +33,7 @@ struct SweepOptions {
   std::vector<int64_t> seq_lens;          // empty: the config's model.seq_len
   int64_t steps = 6;                      // per cell; the first `warmup` are not timed
   int64_t warmup = 2;
-  int nproc = 0;                          // local ranks (no emulation); 0 with --emulate: one per device
+  std::vector<int> nprocs;                // local rank counts (no emulation), a grid per count; empty with --emulate: one per device
   std::string emulate;                    // ClusterSpec to run the cells on (alloy launch --emulate)
   std::string cluster;                    // ClusterSpec for the predictions; default: emulate, or N local CPUs
   std::string profile;                    // profile to reuse (if it matches the model at that length)
@@ -42,6 +43,7 @@ struct SweepOptions {
 
 struct SweepRow {
   std::string layout;
+  int ranks = 0;
   int64_t micro_batch = 0, seq_len = 0;
   std::string status;  // ok | oom | oom-predicted | failed | skipped
   std::string note;    // why, for every status but ok

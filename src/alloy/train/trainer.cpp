@@ -145,7 +145,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   // changes the model applies here, in this order: base weights (--init-from; a resumed LoRA run
   // re-reads the base its checkpoint names), LoRA (adapters, frozen and maybe quantized base),
   // the device, recomputation; then sharding (plan_shards, build_groups) over what trains.
-  heap_before_model_ = pipeline::memory_in_use(device_);
+  memory_before_model_ = pipeline::memory_in_use(device_);
   if (const std::string why = plan_->training_problem(cfg_); !why.empty()) throw InputError("plan", why);
   if (cfg_.train.sequence_parallel && !plan_->has_tensor_parallel() && rank_ == 0)
     log_warn("train.sequence_parallel has no effect: the plan has no tensor-parallel stage");
@@ -679,7 +679,7 @@ TrainResult Trainer::run() {
     auto sync_t0 = std::chrono::steady_clock::now();
     const double phase_s = std::chrono::duration<double>(sync_t0 - t0).count();
     const dist::ReducerStats sync = reducer_ ? reducer_->finish() : dist::ReducerStats{};
-    int64_t heap_peak = std::max(exec_->peak_heap_bytes(), pipeline::memory_in_use(device_));  // the sync's buffers are still held
+    int64_t step_peak_bytes = std::max(exec_->peak_memory_bytes(), pipeline::memory_in_use(device_));  // the sync's buffers are still held
     if (zero3_) zero3_->end_step();
     int64_t grad_bytes_held = zero3_ ? zero3_->grad_shard_bytes() : 0;
     for (auto* p : params)
@@ -747,7 +747,7 @@ TrainResult Trainer::run() {
                  std::to_string(static_cast<int>(std::log2(scaler_.scale()))));
     }
     // AdamW's state exists from its first step; on CUDA the allocator saw every transient peak.
-    heap_peak = std::max({heap_peak, pipeline::memory_in_use(device_), pipeline::memory_peak(device_)});
+    step_peak_bytes = std::max({step_peak_bytes, pipeline::memory_in_use(device_), pipeline::memory_peak(device_)});
     // Every parameter's, not only those AdamW updates here (under ZeRO a rank may own none of one);
     // before the gather, whose staging takes their place.
     for (auto* p : params)
@@ -768,7 +768,7 @@ TrainResult Trainer::run() {
     result.peak_activation_bytes = std::max(result.peak_activation_bytes, exec_->peak_activation_bytes());
     result.peak_in_flight = std::max(result.peak_in_flight, exec_->peak_in_flight());
     result.peak_grad_bytes = std::max(result.peak_grad_bytes, grad_bytes_held);
-    result.peak_model_memory_bytes = std::max(result.peak_model_memory_bytes, heap_peak - heap_before_model_);
+    result.peak_model_memory_bytes = std::max(result.peak_model_memory_bytes, step_peak_bytes - memory_before_model_);
     if (tracing) {
       std::string path = opts_.trace;
       nlohmann::json events = nlohmann::json::array();

@@ -164,7 +164,7 @@ class Trainer {
   std::unique_ptr<pipeline::StageExecutor> exec_;
   int64_t start_step_ = 0;
   std::string base_;  // where the frozen base came from (LoRA checkpoints name it)
-  int64_t heap_before_model_ = 0;  // heap in use before this rank built its slice (model memory is measured above it)
+  int64_t memory_before_model_ = 0;  // the device's memory in use before this rank built its slice (model memory is measured above it)
   model::LossScaler scaler_{false, 1.0, 1};  // train.loss_scaling (set in the constructor)
   double checkpoint_pause_s_ = 0;  // the training thread's time in save(), all saves
   int64_t checkpoints_saved_ = 0;

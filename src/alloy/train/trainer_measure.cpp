@@ -11,6 +11,7 @@
 #include "alloy/core/log.h"
 #include "alloy/dist/world.h"
 #include "alloy/dist/zero3.h"
+#include "alloy/pipeline/device_memory.h"
 #include "alloy/plan/planner.h"
 #include "alloy/train/optimizer.h"
 #include "alloy/train/trainer.h"
@@ -70,6 +71,10 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
                        {"peak_gathered_param_bytes", zero3_ ? zero3_->peak_gathered_bytes() : 0},
                        {"peak_rss_bytes", peak_rss_bytes()},
                        {"model_memory_bytes", r.peak_model_memory_bytes},
+                       // Where the memory figures were read (pipeline/device_memory.h).
+                       {"memory_measured_in", !pipeline::measures_device_memory(device_) ? "the host heap (this build reads no CUDA allocator)"
+                                              : device_.is_cuda()                        ? "the CUDA allocator"
+                                                                                         : "the host heap"},
                        {"peak_in_flight_micro_batches", r.peak_in_flight}};
   // Every step's figures too: the medians hide drift (a rank slow in the first steps only), and
   // re-planning decides from the first steps.
