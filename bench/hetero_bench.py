@@ -305,15 +305,18 @@ def idle_shares(run):
             for x in run.get("ranks", []) if x.get("step_s_median")}
 
 
-def round_figures(runs, sides, predicted_s):
+def round_figures(runs, sides, predicted):
     """Per round (the pool's run and the devices side by side right before it): the pool's share of
-    the side-by-side sum and its step against that run's PREDICTED_S (its own last calibration); the
-    median round and the worst."""
+    the side-by-side sum, the plan its measured steps ran, and its step against that run's own
+    prediction (PREDICTED: (seconds, where from) per run, latest_prediction's); the median round and
+    the worst."""
     rounds = []
-    for r, sd, p in zip(runs, sides, predicted_s):
+    for r, sd, (p, source) in zip(runs, sides, predicted):
         total = sum(sd.values())
+        ran = os.path.join(r["out"], "plan.json")
         rounds.append(dict(tokens_per_s=r["tokens_per_s"], side_by_side_sum=total, efficiency=r["tokens_per_s"] / total,
-                           step_s=r["step_s"], predicted_s=p, relative_error=(r["step_s"] - p) / p,
+                           plan=plan_layout(ran) if os.path.exists(ran) else None,
+                           step_s=r["step_s"], predicted_s=p, prediction_from=source, relative_error=(r["step_s"] - p) / p,
                            idle_share=idle_shares(r)))
     eff = [x["efficiency"] for x in rounds]
     err = [x["relative_error"] for x in rounds]
@@ -422,22 +425,24 @@ def main():
     runs = [main_run] + [r for r, _ in extra_rounds]
     sides = [side] + [sd for _, sd in extra_rounds]
     first_run = main_run
-    predicted_s = [latest_prediction(os.path.join(R.work, "plan-alloy.json"), r)[0] for r in runs]
-    by_round = round_figures(runs, sides, predicted_s)
+    predicted = [latest_prediction(os.path.join(R.work, "plan-alloy.json"), r)[:2] for r in runs]
+    by_round = round_figures(runs, sides, predicted)
     if extra_rounds:
         main_run = dict(main_run, tokens_per_s=statistics.median(r["tokens_per_s"] for r in runs),
                         step_s=statistics.median(r["step_s"] for r in runs))
         side = {n: statistics.median(sd[n] for sd in sides) for n in side}
+        if len({json.dumps(x["plan"]) for x in by_round["rounds"]}) > 1:
+            log("the rounds' re-plans ran different plans (each round's is in the JSON's by_round)")
         log("per round: " + "; ".join(f"pool {x['tokens_per_s']:.0f} tokens/s of {x['side_by_side_sum']:.0f} side by side "
                                       f"({x['efficiency']:.2f}), step {x['step_s'] * 1e3:.0f} ms ({100 * x['relative_error']:+.1f}%)"
                                       for x in by_round["rounds"]))
     results = [dict(name="alloy", tokens_per_s=main_run["tokens_per_s"], step_s=main_run["step_s"],
-                    plan=plan_layout(final_plan),
+                    plan=plan_layout(final_plan),  # round 1's; every round's in by_round
                     rounds_tokens_per_s=round_tps, by_round=by_round,
                     prediction=report_predictions("alloy plan", os.path.join(R.work, "plan-alloy.json"),
                                                   dict(first_run, step_s=by_round["rounds"][0]["step_s"])))]
     if not a.demo:
-        calibrated = os.path.join(main_run["out"], "profile-calibrated.json")
+        calibrated = os.path.join(runs[-1]["out"], "profile-calibrated.json")  # the round nearest in time
         for strategy in ("uniform", "proportional"):
             p = R.plan(strategy, prof)
             run = R.train(strategy, p, a.steps)
@@ -486,7 +491,8 @@ def main():
               + f"; median {br['efficiency_median']:.2f}, worst {br['efficiency_worst']:.2f}")
         print("  each device's idle share of its step (not computing), per round: "
               + "; ".join(", ".join(f"{d} {100 * v:.0f}%" for d, v in x["idle_share"].items()) for x in br["rounds"]))
-        print("  step against the prediction from each round's own last calibration: "
+        sources = sorted({x["prediction_from"] for x in br["rounds"]})
+        print(f"  step against each round's own prediction (from {' / '.join(sources)}): "
               + ", ".join(f"{100 * x['relative_error']:+.1f}%" for x in br["rounds"])
               + f"; median {100 * br['relative_error_median']:+.1f}%, worst {100 * br['relative_error_worst']:+.1f}%")
     for r in results:

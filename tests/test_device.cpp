@@ -148,13 +148,30 @@ TEST(NcclEligible, EveryMemberOnAGpuOfItsOwnAndAbleToUseNccl) {
   EXPECT_FALSE(dist::nccl_eligible({}));
 }
 
-TEST(Nccl, ACudaRankWithoutNcclSaysSoAndItsGroupsStayOnGloo) {
-  // What a rank publishes decides its groups (nccl_eligible above); with ALLOY_NCCL=0 a CUDA rank
-  // publishes "cuda-gloo:", whatever the build.
+TEST(NcclEligible, ARankPublishesWhetherItUsesNccl) {
+  EXPECT_EQ(dist::device_label(at::Device(at::kCPU), true), "cpu");
+  EXPECT_EQ(dist::device_label(at::Device(at::kCUDA, 1), true).rfind("cuda:1@", 0), 0u);
+  EXPECT_EQ(dist::device_label(at::Device(at::kCUDA, 1), false).rfind("cuda-gloo:1@", 0), 0u);
+  // ALLOY_NCCL=0 turns it off in any build; the variable as it was is put back.
+  const char* was = std::getenv("ALLOY_NCCL");
+  const std::string saved = was ? was : "";
+  ::setenv("ALLOY_NCCL", "0", 1);
+  const bool off = dist::nccl_wanted();
+  ::unsetenv("ALLOY_NCCL");
+  const bool default_on = dist::nccl_wanted();
+  if (was) ::setenv("ALLOY_NCCL", saved.c_str(), 1);
+  EXPECT_FALSE(off);
+  EXPECT_EQ(default_on, dist::nccl_built());
+}
+
+TEST(Nccl, ACudaRankWithoutNcclKeepsItsGroupsOnGloo) {
   auto w = world_of_one();
+  const char* was = std::getenv("ALLOY_NCCL");
+  const std::string saved = was ? was : "";
   ::setenv("ALLOY_NCCL", "0", 1);
   w->set_device(at::Device(at::kCUDA, 0));
-  ::unsetenv("ALLOY_NCCL");
+  if (was) ::setenv("ALLOY_NCCL", saved.c_str(), 1);
+  else ::unsetenv("ALLOY_NCCL");
   const auto b = w->store().get("alloy/device/0");
   EXPECT_EQ(std::string(b.begin(), b.end()).rfind("cuda-gloo:0@", 0), 0u);
   EXPECT_FALSE(w->new_group("opted-out", {0})->device_collectives());

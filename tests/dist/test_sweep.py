@@ -65,6 +65,9 @@ output: {{dir: {work}/unused}}
     pngs = [p for p in ("sweep-tokens.png", "sweep-latency.png", "sweep-memory.png") if os.path.getsize(os.path.join(out, p)) > 1000]
     check("plots", len(pngs) == 3, ", ".join(pngs))
     check("summary printed", "prediction error (step)" in r.stdout)
+    check("one rank count keeps the names without a count",
+          j["ranks"] == 2 and isinstance(j["cluster"], str) and all(x["ranks"] == 2 for x in j["rows"])
+          and all(os.path.exists(os.path.join(out, f)) for f in ("local-cluster.yaml", "profile-T16.json", "profile-T32.json")))
 
     # Tensor parallelism without LoRA: both splits run; the 3:1 split holds 3/4 of each block on rank 0.
     plain = os.path.join(work, "plain.yaml")
@@ -92,9 +95,10 @@ output: {{dir: {work}/unused}}
     sh([alloy, "sweep", "-c", plain, "-n", "1", "2", "--layouts", "dp", "zero2", "--micro-batch", "2", "--steps", "3", "--warmup", "1",
         "-o", out_n], env=env)
     with open(os.path.join(out_n, "sweep.csv")) as f:
-        n_rows = {(x["layout"], x["ranks"]): x for x in csv.DictReader(f)}
+        n_list = list(csv.DictReader(f))
+    n_rows = {(x["layout"], x["ranks"]): x for x in n_list}
     check("a grid per rank count, each cell run on its own count",
-          sorted(n_rows) == [("dp", "1"), ("dp", "2"), ("zero2", "1"), ("zero2", "2")]
+          len(n_list) == 4 and sorted(n_rows) == [("dp", "1"), ("dp", "2"), ("zero2", "1"), ("zero2", "2")]
           and all(x["status"] == "ok" and float(x["predicted_step_s"]) > 0 for x in n_rows.values())
           and all(os.path.exists(os.path.join(out_n, f"profile-n{k}-T32.json")) for k in (1, 2)),
           ", ".join(f"{k}: {v['status']} {v['note']}" for k, v in n_rows.items()))
@@ -103,6 +107,10 @@ output: {{dir: {work}/unused}}
           f"{n_rows[('zero2', '2')]['mem_max_bytes']} vs {n_rows[('zero2', '1')]['mem_max_bytes']} bytes")
     with open(os.path.join(out_n, "sweep.json")) as f:
         check("the JSON lists the counts", json.load(f)["ranks"] == [1, 2])
+    dup = sh([alloy, "sweep", "-c", plain, "-n", "2", "2", "--layouts", "dp", "-o", os.path.join(work, "sweep-dup")], env=env,
+             expect_fail=True)
+    check("a count listed twice is refused before anything is written",
+          "listed twice" in dup.stderr and not os.path.exists(os.path.join(work, "sweep-dup")), dup.stderr.strip()[-200:])
     bad_n = sh([alloy, "sweep", "-c", plain, "-n", "1", "2", "--cluster", os.path.join(out_n, "local-cluster-n2.yaml"),
                 "--layouts", "dp", "-o", os.path.join(work, "sweep-bad-n")], env=env, expect_fail=True)
     check("several counts with a fixed pool are refused", "several rank counts" in bad_n.stderr, bad_n.stderr.strip()[-200:])

@@ -402,19 +402,24 @@ bool nccl_eligible(const std::vector<std::string>& published) {
   return !published.empty();
 }
 
-void World::set_device(const at::Device& device) {
-  device_type_ = device.is_cuda() ? "cuda" : device.is_cpu() ? "cpu" : device.str();
+std::string device_label(const at::Device& device, bool nccl) {
+  if (device.is_cpu()) return "cpu";
+  if (!device.is_cuda()) return device.str();
   // Which GPU of which machine ("cuda:0@host"), so members sharing one are told apart; a rank that
   // cannot or will not use NCCL says so ("cuda-gloo:0@host") and its groups stay on Gloo for all.
-  std::string where = device_type_;
-  if (device.is_cuda()) {
-    const char* env = std::getenv("ALLOY_NCCL");
-    const bool nccl = nccl_built() && !(env && std::string(env) == "0");
-    char host[256] = {0};
-    ::gethostname(host, sizeof(host) - 1);
-    where = std::string(nccl ? "cuda:" : "cuda-gloo:") + std::to_string(device.has_index() ? device.index() : 0) + "@" + host;
-  }
-  store_->set("alloy/device/" + std::to_string(rv_.rank), bytes_of(where));
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  return std::string(nccl ? "cuda:" : "cuda-gloo:") + std::to_string(device.has_index() ? device.index() : 0) + "@" + host;
+}
+
+bool nccl_wanted() {
+  const char* env = std::getenv("ALLOY_NCCL");
+  return nccl_built() && !(env && std::string(env) == "0");
+}
+
+void World::set_device(const at::Device& device) {
+  device_type_ = device.is_cuda() ? "cuda" : device.is_cpu() ? "cpu" : device.str();
+  store_->set("alloy/device/" + std::to_string(rv_.rank), bytes_of(device_label(device, nccl_wanted())));
 }
 
 Group& World::all() { return *all_; }

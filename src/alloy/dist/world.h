@@ -65,6 +65,11 @@ class Group {
   std::unique_ptr<DeviceCollectives> device_;
 };
 
+// What a rank publishes of its device (World::set_device): "cpu", "cuda:I@host" when it will use
+// NCCL (NCCL), "cuda-gloo:I@host" when not.
+std::string device_label(const at::Device& device, bool nccl);
+// Whether this rank will use NCCL: the build has it and ALLOY_NCCL is not 0.
+bool nccl_wanted();
 // Whether a group whose members published these devices (World::set_device) gets NCCL: every
 // member on a GPU of its own and able to use NCCL.
 bool nccl_eligible(const std::vector<std::string>& published);

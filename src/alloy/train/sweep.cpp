@@ -439,62 +439,73 @@ std::string sweep_pool(const SweepOptions& o, const Config& base, const std::str
 }  // namespace
 
 std::vector<SweepRow> run_sweep(const SweepOptions& o) {
-  // Before anything is profiled: a misspelled layout would otherwise fail after minutes of it.
+  // Before anything is profiled or written: a misspelled layout or an impossible count would
+  // otherwise fail after minutes of it.
   for (const auto& l : o.layouts)
     if (!known_layout(l)) throw InputError("--layouts", "unknown layout '" + l + "'; known: " + sweep_layouts());
-  const Config base = Config::load(o.config, o.sets);
-  const std::string alloy = o.alloy.empty() ? self_exe() : o.alloy;
-  ensure_writable_dir(o.out_dir);
-
   // The pool: the emulated cluster, or N CPUs of this machine (for the predictions), for each
   // count N of --nproc (the study's "# of GPUs" axis: local ranks only, since a ClusterSpec fixes
-  // its pool's size).
+  // its pool's size; there 0 or no count means one rank per device).
   const std::string given_cluster = !o.cluster.empty() ? o.cluster : o.emulate;
   std::vector<int> counts = o.nprocs;
+  if (!given_cluster.empty() && counts.size() == 1 && counts[0] == 0) counts.clear();
   if (counts.size() > 1 && !given_cluster.empty())
     throw InputError("--nproc", "several rank counts run local ranks on this machine; --emulate and --cluster fix the pool's size");
-  for (int n : counts)
-    if (n < 1) throw InputError("--nproc", "rank counts must be >= 1, got " + std::to_string(n));
+  for (size_t i = 0; i < counts.size(); ++i) {
+    if (counts[i] < 1) throw InputError("--nproc", "rank counts must be >= 1, got " + std::to_string(counts[i]));
+    if (std::find(counts.begin(), counts.begin() + static_cast<std::ptrdiff_t>(i), counts[i]) != counts.begin() + static_cast<std::ptrdiff_t>(i))
+      throw InputError("--nproc", std::to_string(counts[i]) + " is listed twice");
+  }
   if (counts.empty()) {
     if (given_cluster.empty()) throw InputError("--nproc", "say how many local ranks (or --emulate CLUSTER)");
     counts = {0};
   }
+  const Config base = Config::load(o.config, o.sets);
+  const std::string alloy = o.alloy.empty() ? self_exe() : o.alloy;
+  ensure_writable_dir(o.out_dir);
+
   const bool ranks_axis = counts.size() > 1;
   std::vector<int64_t> lengths = o.seq_lens.empty() ? std::vector<int64_t>{base.model.seq_len} : o.seq_lens;
   std::vector<SweepRow> rows;
   size_t cells = 0, done = 0;
   for (const auto& l : o.layouts) cells += (l == "auto" ? lengths.size() : lengths.size() * o.micro_batches.size()) * counts.size();
 
+  // The CSV and JSON are rewritten after each pool, so a later count that fails (its profile, say)
+  // keeps the finished counts' results.
   std::vector<std::string> clusters;
-  for (int n : counts) clusters.push_back(sweep_pool(o, base, alloy, n, given_cluster, ranks_axis, lengths, cells, done, rows));
-
-  write_file_atomic(o.out_dir + "/sweep.csv", sweep_csv(rows));
-  nlohmann::json j;
-  j["config"] = o.config;
-  j["ranks"] = counts.size() == 1 ? nlohmann::json(rows.empty() ? counts[0] : rows.front().ranks) : nlohmann::json(counts);
-  j["cluster"] = clusters.size() == 1 ? nlohmann::json(clusters[0]) : nlohmann::json(clusters);
-  j["emulated"] = !o.emulate.empty();
-  j["global_batch"] = base.train.global_batch;
-  j["steps"] = o.steps;
-  j["machine"] = {{"cores", std::thread::hardware_concurrency()}};
-  j["rows"] = nlohmann::json::array();
-  for (const auto& r : rows)
-    j["rows"].push_back({{"layout", r.layout},
-                         {"ranks", r.ranks},
-                         {"micro_batch", r.micro_batch},
-                         {"seq_len", r.seq_len},
-                         {"status", r.status},
-                         {"note", r.note},
-                         {"tokens_per_s", r.tokens_per_s},
-                         {"step_s", r.step_s},
-                         {"predicted_step_s", r.predicted_step_s},
-                         {"mem_max_bytes", r.mem_max_bytes},
-                         {"mem_sum_bytes", r.mem_sum_bytes},
-                         {"mem_imbalance", r.mem_imbalance},
-                         {"predicted_mem_max_bytes", r.predicted_mem_max_bytes},
-                         {"run_dir", r.run_dir}});
-  j["prediction_errors"] = prediction_errors(rows);
-  write_file_atomic(o.out_dir + "/sweep.json", j.dump(2) + "\n");
+  auto write_tables = [&]() {
+    write_file_atomic(o.out_dir + "/sweep.csv", sweep_csv(rows));
+    nlohmann::json j;
+    j["config"] = o.config;
+    j["ranks"] = counts.size() == 1 ? nlohmann::json(rows.empty() ? counts[0] : rows.front().ranks) : nlohmann::json(counts);
+    j["cluster"] = clusters.size() == 1 ? nlohmann::json(clusters[0]) : nlohmann::json(clusters);
+    j["emulated"] = !o.emulate.empty();
+    j["global_batch"] = base.train.global_batch;
+    j["steps"] = o.steps;
+    j["machine"] = {{"cores", std::thread::hardware_concurrency()}};
+    j["rows"] = nlohmann::json::array();
+    for (const auto& r : rows)
+      j["rows"].push_back({{"layout", r.layout},
+                           {"ranks", r.ranks},
+                           {"micro_batch", r.micro_batch},
+                           {"seq_len", r.seq_len},
+                           {"status", r.status},
+                           {"note", r.note},
+                           {"tokens_per_s", r.tokens_per_s},
+                           {"step_s", r.step_s},
+                           {"predicted_step_s", r.predicted_step_s},
+                           {"mem_max_bytes", r.mem_max_bytes},
+                           {"mem_sum_bytes", r.mem_sum_bytes},
+                           {"mem_imbalance", r.mem_imbalance},
+                           {"predicted_mem_max_bytes", r.predicted_mem_max_bytes},
+                           {"run_dir", r.run_dir}});
+    j["prediction_errors"] = prediction_errors(rows);
+    write_file_atomic(o.out_dir + "/sweep.json", j.dump(2) + "\n");
+  };
+  for (int n : counts) {
+    clusters.push_back(sweep_pool(o, base, alloy, n, given_cluster, ranks_axis, lengths, cells, done, rows));
+    write_tables();
+  }
   bar_chart(o.out_dir + "/sweep-tokens.png", "tokens/s per layout", "tokens/s", rows, [](const SweepRow& r) { return r.tokens_per_s; });
   bar_chart(o.out_dir + "/sweep-latency.png", "step latency per layout", "ms", rows,
             [](const SweepRow& r) { return r.step_s * 1e3; });

@@ -33,7 +33,7 @@ struct SweepOptions {
   std::vector<int64_t> seq_lens;          // empty: the config's model.seq_len
   int64_t steps = 6;                      // per cell; the first `warmup` are not timed
   int64_t warmup = 2;
-  std::vector<int> nprocs;                // local rank counts (no emulation), a grid per count; empty with --emulate: one per device
+  std::vector<int> nprocs;                // local rank counts (no emulation), a grid per count; empty (or 0) with --emulate: one per device
   std::string emulate;                    // ClusterSpec to run the cells on (alloy launch --emulate)
   std::string cluster;                    // ClusterSpec for the predictions; default: emulate, or N local CPUs
   std::string profile;                    // profile to reuse (if it matches the model at that length)
