@@ -5,7 +5,8 @@
 #
 # usage: scripts/gpu-check.sh [BUILD_DIR]
 #   ALLOY_PYTHON   python3 whose torch has CUDA (default: python3 on PATH)
-#   ALLOY_DEPS     extra CMake prefix for what the machine lacks (e.g. rapidcheck, ICU headers)
+#   ALLOY_DEPS     extra CMake prefix for what the machine lacks (e.g. rapidcheck, ICU headers):
+#                  scripts/gpu-deps.sh gathers it from a Debian machine's packages
 #   The tests read Debian's fortunes corpus from /usr/share/games/fortunes (package `fortunes`).
 #   ALLOY_CHECK_OUT  folder for logs and results (default: BUILD_DIR/gpu-check)
 #   ALLOY_STEPS    which checks, in this order (default: suite parity pool bench):
