@@ -4,14 +4,11 @@
 // everywhere.
 #include <gtest/gtest.h>
 
-#include <sys/socket.h>
-#include <netinet/in.h>
-#include <unistd.h>
-
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/version.h>
 
+#include "alloy/dist/launch.h"
 #include "alloy/dist/nccl.h"
 #include "alloy/dist/world.h"
 #include "alloy/model/transformer.h"
@@ -27,24 +24,9 @@ namespace pipeline = alloy::pipeline;
 namespace dist = alloy::dist;
 
 namespace {
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof(a);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    ::close(fd);
-    return 29600;
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
 std::shared_ptr<dist::World> world_of_one() {
   dist::Rendezvous rv;
-  rv.master_port = free_port();
+  rv.master_port = dist::free_tcp_port();
   rv.source = "test";
   return dist::World::create(rv, std::chrono::milliseconds(30000));
 }

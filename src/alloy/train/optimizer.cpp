@@ -37,15 +37,14 @@ int64_t AdamW::state_bytes() const {
   return b;
 }
 
-bool AdamW::fusable(const Slot& s, const at::Tensor& g) const {
+bool AdamW::fusable(const Slot& s, const at::Tensor& w, const at::Tensor& g) const {
 #ifdef ALLOY_FUSED_ADAMW
   // One kernel for every whole fp32 tensor on a CUDA device (PyTorch's fused AdamW, the same math):
   // per tensor, the update below is eight kernels, ~1200 launches for a 12-layer GPT-2.
-  const at::Tensor w = s.slice.values();
   return g.is_cuda() && w.device() == g.device() && s.linear_after < 0 && w.scalar_type() == at::kFloat && g.scalar_type() == at::kFloat &&
          !g.is_sparse() && w.is_contiguous() && g.is_contiguous() && s.m.sizes() == w.sizes();
 #else
-  (void)s, (void)g;
+  (void)s, (void)w, (void)g;
   return false;
 #endif
 }
@@ -66,11 +65,11 @@ void AdamW::step(double lr) {
   for (auto& s : slots_) {
     const at::Tensor g = s.slice.grads();
     if (!g.defined()) continue;
-    if (fusable(s, g)) {
-      fused[s.p->decay && o_.weight_decay != 0.0 ? 1 : 0].push_back({&s, s.slice.values(), g});
+    at::Tensor w = s.slice.values();  // a view: updated in place
+    if (fusable(s, w, g)) {
+      fused[s.p->decay && o_.weight_decay != 0.0 ? 1 : 0].push_back({&s, w, g});
       continue;
     }
-    at::Tensor w = s.slice.values();  // a view: updated in place
     if (s.p->decay && o_.weight_decay != 0.0) w.mul_(1.0 - lr * o_.weight_decay);
     if (s.linear_after >= 0 && t_ > s.linear_after) {
       // Once, at the first linear step: a checkpoint after it holds the floored v.

@@ -64,7 +64,7 @@ class AdamW {
     int64_t linear_after = -1;  // -1: plain AdamW throughout
     double momentum = 0;
   };
-  bool fusable(const Slot& s, const at::Tensor& g) const;
+  bool fusable(const Slot& s, const at::Tensor& w, const at::Tensor& g) const;
   std::vector<Slot> slots_;
   std::map<std::string, at::Tensor> fused_steps_;  // the fused kernel's step count, per device
   int64_t fused_last_ = 0;
