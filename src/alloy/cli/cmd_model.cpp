@@ -7,6 +7,8 @@
 #include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
 #include "alloy/data/tokenizer.h"
+#include "alloy/core/log.h"
+#include "alloy/model/megatron_checkpoint.h"
 #include "alloy/model/weights.h"
 #include "alloy/train/checkpoint.h"
 #include "alloy/train/evaluate.h"
@@ -16,7 +18,7 @@ namespace alloy::cli {
 
 namespace {
 struct ModelArgs {
-  std::string config, weights, text, checkpoint, output, hf_config, prompt;
+  std::string config, weights, text, checkpoint, output, hf_config, prompt, megatron;
   std::vector<std::string> sets;
   train::SampleOptions sample;
   int64_t threads = 0;
@@ -107,13 +109,38 @@ void add_model_commands(CLI::App& app, Action& action) {
     };
   });
 
-  auto* im = app.add_subcommand("import", "Turn HuggingFace safetensors (+ config.json) into an Alloy checkpoint");
-  im->add_option("-w,--weights", a->weights, "HuggingFace .safetensors file")->required()->check(CLI::ExistingFile);
+  auto* im = app.add_subcommand("import", "Turn HuggingFace safetensors (+ config.json), or a Megatron-LM / SynerFuse checkpoint, "
+                                           "into an Alloy checkpoint");
+  auto* w = im->add_option("-w,--weights", a->weights, "HuggingFace .safetensors file")->check(CLI::ExistingFile);
+  auto* meg = im->add_option("--megatron", a->megatron,
+                             "Megatron-LM checkpoint (--save's DIR, one iter_NNNNNNN directory in it, or a model_optim_rng.pt): every "
+                             "tensor-parallel piece and pipeline stage joined; the model from its saved arguments")
+                  ->check(CLI::ExistingPath);
+  w->excludes(meg);
   im->add_option("--hf-config", a->hf_config, "HuggingFace config.json (default: beside the weights)");
-  im->add_option("-c,--config", a->config, "Alloy config for the other sections (optional)");
+  im->add_option("-c,--config", a->config, "Alloy config for the other sections (optional; its model section stands for a Megatron "
+                                           "checkpoint's arguments when the checkpoint carries none)");
   im->add_option("-o,--output", a->output, "Run directory to create the checkpoint in")->required();
   im->callback([a, &action]() {
     action = [a]() {
+      if (a->weights.empty() && a->megatron.empty()) throw InputError("alloy import", "give -w/--weights (HuggingFace) or --megatron DIR");
+      if (!a->megatron.empty()) {
+        Config cfg = a->config.empty() ? Config{} : Config::load(a->config);
+        const model::MegatronCheckpoint ck =
+            model::read_megatron_checkpoint(a->megatron, a->config.empty() ? nullptr : &cfg.model, /*only_without_args=*/true);
+        for (const auto& n : ck.notes) log_warn(a->megatron + ": " + n);
+        cfg.model = ck.model;
+        cfg.output.dir = a->output;
+        cfg.validate();
+        auto m = model::Transformer::full(cfg.model, 0);
+        model::load_megatron_weights(*m, ck);
+        std::string dir = train::save_checkpoint(a->output, {0, 0, 0, cfg}, *m, nullptr);
+        std::printf("wrote %s (%s, %lld parameters) from %s: %s Megatron code, %d tensor-parallel x %d pipeline piece(s)\n", dir.c_str(),
+                    cfg.model.arch.c_str(), static_cast<long long>(m->num_parameters()),
+                    ck.iteration < 0 ? "the release checkpoint" : ("iteration " + std::to_string(ck.iteration)).c_str(), ck.code.c_str(),
+                    ck.tp, ck.pp);
+        return 0;
+      }
       std::string hf = a->hf_config.empty() ? dir_of(a->weights) + "/config.json" : a->hf_config;
       nlohmann::json j = read_json_file(hf);
       Config cfg = a->config.empty() ? Config{} : Config::load(a->config);

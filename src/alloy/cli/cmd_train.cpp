@@ -19,6 +19,7 @@
 #include "alloy/dist/rendezvous.h"
 #include "alloy/dist/launch.h"
 #include "alloy/dist/world.h"
+#include "alloy/model/megatron_checkpoint.h"
 #include "alloy/core/fs.h"
 #include "alloy/train/checkpoint.h"
 #include "alloy/train/run_plan.h"
@@ -351,14 +352,28 @@ void add_train_commands(CLI::App& app, Action& action) {
       try {
         train::ResolvedPlan rp = train::resolve_plan(cfg, a->src, rv.world_size, world.get());
         train::TrainOptions o;
+        std::string load_weights_only;  // --load of a Megatron checkpoint, or --load with --finetune
         if (!a->resume_from.empty()) o.resume = a->resume_from;
         else if (a->resume) o.resume = cfg.output.dir;
         else if (hs.resume_step >= 0) o.resume = hetero_resume_dir(cfg, hs, a->src.hetero_config);
         else if (!mt.load.empty()) {
-          // Megatron's --load: the latest complete checkpoint there, or a fresh start when there is none.
+          // Megatron's --load: the latest complete checkpoint there, or a fresh start when there is
+          // none. A Megatron-LM checkpoint there, or --finetune, gives the weights only.
           Config from = cfg;
           from.output.dir = mt.load;
-          o.resume = train::last_checkpoint_agreed(from, world.get());
+          if (model::is_megatron_checkpoint(mt.load)) {
+            load_weights_only = mt.load;
+            if (rv.rank == 0)
+              log_info("--load " + mt.load + " is a Megatron-LM checkpoint: its weights start this run at step 0; its optimizer state, "
+                       "iteration and RNG states are not read (as with Megatron's --finetune)");
+          } else if (mt.finetune) {
+            load_weights_only = train::last_checkpoint_agreed(from, world.get());
+            if (load_weights_only.empty()) throw InputError("--load", mt.load + " holds no complete checkpoint to fine-tune from (--finetune)");
+          } else {
+            o.resume = train::last_checkpoint_agreed(from, world.get());
+          }
+        } else if (mt.finetune) {
+          throw InputError("--finetune", "needs --load DIR: the checkpoint whose weights start the run");
         }
         else if (a->auto_resume || train::restart_count() > 0) o.resume = train::last_checkpoint_agreed(cfg, world.get());
         if (hs.visualize && rv.rank == 0 && rp.plan) {
@@ -374,7 +389,7 @@ void add_train_commands(CLI::App& app, Action& action) {
           viz::write_diagram({rp.plan.get(), nullptr, cfg.model.layers, {}}, path);
           log_info("wrote the plan's diagram to " + path + " (" + a->src.hetero_config + ": training.visualize)");
         }
-        o.init_weights = a->init_weights;
+        o.init_weights = a->init_weights.empty() ? load_weights_only : a->init_weights;
         o.trace = a->trace;
         o.world = world;
         train::TrainResult all = train::train_with_replanning(cfg, o, rp);

@@ -188,8 +188,12 @@ const std::map<std::string, Flag>& flags() {
     // Checkpoints and logs.
     f["--save"] = {Arity::Value, "output.dir (checkpoints under DIR/checkpoints, metrics beside them)",
                    [](const std::string&, const std::string& v, MegatronTranslation& t) { t.sets.push_back("output.dir=" + v); }};
-    f["--load"] = {Arity::Value, "resume from DIR's latest complete checkpoint if it has one, else start afresh",
+    f["--load"] = {Arity::Value,
+                   "resume from DIR's latest complete checkpoint if it has one, else start afresh; a Megatron-LM checkpoint "
+                   "there (latest_checkpointed_iteration.txt, mp_rank_*) gives the initial weights, as with --finetune",
                    [](const std::string&, const std::string& v, MegatronTranslation& t) { t.load = v; }};
+    f["--finetune"] = {Arity::Switch, "with --load: its weights only, from step 0 (fresh AdamW moments and schedule)",
+                       [](const std::string&, const std::string&, MegatronTranslation& t) { t.finetune = true; }};
     f["--save-interval"] = to_key("train.checkpoint_interval", true);
     f["--eval-interval"] = to_key("train.eval_interval", true);
     f["--eval-iters"] = to_key("train.eval_batches", true);

@@ -24,6 +24,7 @@ struct MegatronTranslation {
   std::vector<std::string> notes;  // flags accepted without effect, each with the reason
   std::optional<double> warmup_fraction;  // --lr-warmup-fraction: train.warmup = round(f x train.steps)
   std::string load;                // --load DIR: resume from DIR's latest checkpoint if it has one
+  bool finetune = false;           // --finetune: --load's weights only, from step 0
   // Read and checked once every flag is in (the flags come in any order).
   int64_t num_query_groups = 0, seq_length = 0, max_position_embeddings = 0;
   bool group_query_attention = false, warmup_iters = false;

@@ -8,13 +8,21 @@
 #include "alloy/core/fs.h"
 #include "alloy/core/json_file.h"
 #include "alloy/model/lora.h"
+#include "alloy/model/megatron_checkpoint.h"
 #include "alloy/model/weights.h"
 #include "alloy/train/checkpoint.h"
 
 namespace alloy::train {
 
-void load_base_weights(model::Transformer& m, const std::string& src) {
+void load_base_weights(model::Transformer& m, const std::string& src, std::vector<std::string>* notes) {
   namespace fs = std::filesystem;
+  // A Megatron-LM (or SynerFuse) checkpoint: its pieces and stages joined into the whole model.
+  if (model::is_megatron_checkpoint(src)) {
+    const model::MegatronCheckpoint c = model::read_megatron_checkpoint(src, &m.config());
+    model::load_megatron_weights(m, c);
+    if (notes) *notes = c.notes;
+    return;
+  }
   // A HuggingFace model directory (or its index file): its shards, as one set of weights.
   const bool hf_dir = fs::is_directory(src) && !fs::exists(src + "/state.json") && !fs::exists(src + "/checkpoints") &&
                       !fs::exists(src + "/latest") &&

@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -15,7 +16,9 @@ namespace alloy::train {
 
 // Copies the base weights M holds (a slice: only its own) from SRC: a safetensors file (ours or
 // HuggingFace's) or a checkpoint / run directory of the same model. Call before LoRA is applied.
-void load_base_weights(model::Transformer& m, const std::string& src);
+// NOTES, when given, receives what the caller should tell the user about the source (a Megatron
+// checkpoint's differences from Alloy's model).
+void load_base_weights(model::Transformer& m, const std::string& src, std::vector<std::string>* notes = nullptr);
 
 // The full model a checkpoint holds: its weights, or for a LoRA run its base (re-read from where the
 // run took it, or drawn from its seed) with its adapters.

@@ -183,8 +183,12 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   base_ = !opts_.init_weights.empty() ? std::filesystem::absolute(opts_.init_weights).lexically_normal().string()
                                       : resume_dir.empty() ? std::string() : resumed.base;
   if (!base_.empty() && (resume_dir.empty() || cfg_.lora.enabled())) {
-    load_base_weights(*model_, base_);
-    if (rank_ == 0 && !opts_.quiet) log_info((resume_dir.empty() ? "initial weights from " : "base weights from ") + base_);
+    std::vector<std::string> notes;
+    load_base_weights(*model_, base_, &notes);
+    if (rank_ == 0 && !opts_.quiet) {
+      log_info((resume_dir.empty() ? "initial weights from " : "base weights from ") + base_);
+      for (const auto& n : notes) log_warn(base_ + ": " + n);
+    }
   }
   model_->apply_lora(cfg_.lora, static_cast<uint64_t>(cfg_.train.seed));
   if (tp_comm_) tp_comm_->take_busy();  // a quantized base's setup sums belong to no step
