@@ -1370,6 +1370,42 @@ TEST(Calibrate, EveryTensorParallelMemberCalibratesItsType) {
   EXPECT_NEAR(mem[1].compute_s / mem[0].compute_s, 8.0 / 3.0, 0.05);
 }
 
+// A tensor-parallel member of a double-quantized nf4 base holds its piece's scales in fp32 (the
+// pieces are cut from the whole's quantization, its scales' second quantization is not): the cost
+// model charges those bytes, and only there.
+TEST(CostModel, TensorParallelPiecesOfADoubleQuantizedBaseHoldFp32Scales) {
+  Profile p = two_type_profile(1.0);
+  p.lora.rank = 4;
+  p.lora.base_dtype = "nf4";
+  p.memory.frozen_bytes_per_block = 4e5;
+  p.memory.frozen_bytes_embed = 1e6;
+  p.memory.frozen_bytes_head = 2e6;
+  ClusterSpec c = two_types();
+  Plan tp;
+  tp.global_batch = 8;
+  StagePlan st{{0, 1}, 0, 4, "a", false};
+  st.devices = {"a", "b"};
+  st.tp_split = {2, 2};
+  tp.pipelines.push_back({4, 2, {st}});
+  Plan whole;
+  whole.global_batch = 8;
+  whole.pipelines.push_back({4, 2, {stage(0, 0, 4, "a")}});
+  auto frozen = [&](const Plan& plan, bool double_quant) {
+    p.lora.double_quant = double_quant;
+    const StageCost s = simulate_plan(plan, c, p).stages.at(0);
+    return s.weight_bytes - s.param_bytes;  // what the frozen base holds
+  };
+  // Without double quantization pieces and the whole hold the same bytes per element.
+  const double halves = 2 * 4e5 + 1e6 + 2e6;  // half of every block's heads, the embedding, the head
+  EXPECT_NEAR(frozen(tp, false), halves, 1e-6 * halves);
+  const double dq = (0.5 + 4.0 / 64) / (0.5 + 1.0 / 64 + 4.0 / (64 * 256));
+  EXPECT_NEAR(frozen(tp, true), dq * 2 * 4e5 + 1e6 + 2e6, 1e-6 * halves);
+  EXPECT_GT(dq, 1.09);
+  // A whole-model stage holds the whole's second quantization: as measured.
+  EXPECT_DOUBLE_EQ(frozen(whole, true), frozen(whole, false));
+  EXPECT_DOUBLE_EQ(frozen(whole, true), 4 * 4e5 + 1e6 + 2e6);
+}
+
 TEST(Calibrate, ReplanSwitchesOnlyWhenTheSpeedsWereWrong) {
   Profile p = two_type_profile(4.0);  // the profile says 4x slower
   ClusterSpec c = two_types();

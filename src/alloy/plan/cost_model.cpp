@@ -468,6 +468,12 @@ double CostContext::frozen_bytes(double blocks, bool first, bool last) const {
          (last ? mem.frozen_bytes_head : 0.0);
 }
 
+double CostContext::tp_frozen_bytes(double blocks, bool first, bool last) const {
+  const LoraConfig& l = profile_->lora;
+  const double piece = l.enabled() && l.base_dtype == "nf4" && l.double_quant ? (0.5 + 4.0 / 64) / (0.5 + 1.0 / 64 + 4.0 / (64 * 256)) : 1.0;
+  return piece * frozen_bytes(blocks, false, false) + frozen_bytes(0, first, last);
+}
+
 double CostContext::act_bytes_per_sample(double blocks, bool first, bool last) const {
   const MemoryProfile& mem = profile_->memory;
   double b = static_cast<double>(blocks) * mem.act_bytes_per_sample_block;

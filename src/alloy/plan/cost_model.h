@@ -287,6 +287,11 @@ class CostContext {
   double param_bytes(double blocks, bool first, bool last) const;
   // LoRA's frozen base held by a stage (weights only: no gradients, optimizer state or sync).
   double frozen_bytes(double blocks, bool first, bool last) const;
+  // The same for a tensor-parallel member: a piece of a double-quantized nf4 base keeps its share
+  // of the whole's block scales in fp32 (model::quantized_part cuts the whole's quantization; the
+  // second quantization of the scales is not cut with it): 0.5 + 4/64 bytes per element against the
+  // whole's 0.5 + 1/64 + 4/(64 x 256). The profile measured the whole.
+  double tp_frozen_bytes(double blocks, bool first, bool last) const;
   double act_bytes_per_sample(double blocks, bool first, bool last) const;
   // With whole-block recomputation: each block keeps its input only (embedding and head as before).
   double act_bytes_per_sample(double blocks, bool first, bool last, bool recompute) const;

@@ -225,7 +225,8 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       if (split && st.recompute && s > 0)
         sc.activation_bytes += static_cast<double>(std::min<int64_t>(s, M) * m) *
                                (ctx.act_bytes_per_sample(act_blocks, first, last, false) - ctx.act_bytes_per_sample(act_blocks, first, last, true));
-      sc.weight_bytes = sc.param_bytes - rs.weights_saved + ctx.frozen_bytes(param_blocks, first, last);
+      sc.weight_bytes = sc.param_bytes - rs.weights_saved +
+                        (st.tp() > 1 ? ctx.tp_frozen_bytes(param_blocks, first, last) : ctx.frozen_bytes(param_blocks, first, last));
       sc.grad_bytes = sc.param_bytes - rs.grads_saved;
       sc.optimizer_bytes = (ctx.state_bytes_per_param_byte() - 2) * (sc.param_bytes - rs.optimizer_saved);
       sc.gathered_bytes = rs.gathered;
