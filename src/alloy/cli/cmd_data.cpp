@@ -12,8 +12,13 @@ void add_data_commands(CLI::App& app, Action& action) {
   auto o = std::make_shared<data::PrepareOptions>();
   auto* prep = data->add_subcommand("prepare", "Tokenize text files into Megatron .bin/.idx datasets PREFIX_train and PREFIX_valid");
   prep->add_option("-i,--input", o->inputs, "Text files, or directories of text files")->required()->check(CLI::ExistingPath);
-  prep->add_option("-t,--tokenizer", o->tokenizer, "byte | gpt2")->capture_default_str()->check(CLI::IsMember({"byte", "gpt2"}));
+  prep->add_option("-t,--tokenizer", o->tokenizer, "byte | gpt2 | sentencepiece")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"byte", "gpt2", "sentencepiece"}));
   prep->add_option("--vocab-dir", o->vocab_dir, "Directory with encoder.json and vocab.bpe (gpt2)");
+  prep->add_option("--tokenizer-model", o->tokenizer_model,
+                   "SentencePiece model file (sentencepiece; LLaMA's tokenizer.model). Train with the same "
+                   "data.tokenizer=sentencepiece and data.tokenizer_model for eval and generate");
   prep->add_option("-o,--output", o->output, "Output prefix")->required();
   prep->add_option("--valid-fraction", o->valid_fraction, "Share of documents held out for validation")->capture_default_str();
   prep->add_option("--doc-sep", o->doc_sep, "Document separator: auto | fortune | blank | line | file")

@@ -85,7 +85,8 @@ const std::vector<Field>& schema() {
       ALLOY_STR(model, dtype, "float32 | float64"),
       ALLOY_STR(data, prefix, "indexed dataset prefix (PREFIX.bin/.idx or PREFIX_train/_valid)"),
       ALLOY_STR(data, valid_prefix, "validation dataset prefix; empty = PREFIX_valid if present"),
-      ALLOY_STR(data, tokenizer, "byte | gpt2 (for eval and generate)"),
+      ALLOY_STR(data, tokenizer, "byte | gpt2 | sentencepiece (for data prepare, eval and generate)"),
+      ALLOY_STR(data, tokenizer_model, "sentencepiece: the model file (Megatron's --tokenizer-model, LLaMA's tokenizer.model)"),
       ALLOY_STR(data, split, "Megatron's --split: train,validation[,test] weights (\"969,30,1\") cutting one dataset (PREFIX.bin/.idx) into "
                              "consecutive token ranges; empty = all of it trains (PREFIX_valid, when there, validates)"),
       ALLOY_STR(data, vocab_dir, "directory with encoder.json + vocab.bpe; empty = default"),
@@ -319,7 +320,10 @@ void Config::validate() const {
   if (m.vocab_size < 2) fail("model.vocab_size", "must be >= 2");
   if (!(m.norm_eps > 0)) fail("model.norm_eps", "must be > 0");
   if (m.dtype != "float32" && m.dtype != "float64") fail("model.dtype", "must be float32 or float64");
-  if (data.tokenizer != "byte" && data.tokenizer != "gpt2") fail("data.tokenizer", "must be byte or gpt2");
+  if (data.tokenizer != "byte" && data.tokenizer != "gpt2" && data.tokenizer != "sentencepiece")
+    fail("data.tokenizer", "must be byte, gpt2 or sentencepiece");
+  if (data.tokenizer == "sentencepiece" && data.tokenizer_model.empty())
+    fail("data.tokenizer_model", "the sentencepiece tokenizer needs its model file (LLaMA's tokenizer.model)");
   const auto& t = train;
   if (t.steps < 0) fail("train.steps", "must be >= 0");
   if (t.global_batch < 1) fail("train.global_batch", "must be >= 1");

@@ -172,16 +172,23 @@ const std::map<std::string, Flag>& flags() {
     f["--split"] = {Arity::Value, "data.split (train, validation and test weights of one dataset)",
                     [](const std::string&, const std::string& v, MegatronTranslation& t) { t.sets.push_back("data.split=" + v); }};
     f["--tokenizer-type"] = {
-        Arity::Value, "GPT2BPETokenizer: data.tokenizer=gpt2; others: the token ids are read as they are",
+        Arity::Value,
+        "GPT2BPETokenizer: data.tokenizer=gpt2; SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer: "
+        "data.tokenizer=sentencepiece (with --tokenizer-model); others: the token ids are read as they are",
         [](const std::string& name, const std::string& v, MegatronTranslation& t) {
           if (v == "GPT2BPETokenizer") {
             t.sets.push_back("data.tokenizer=gpt2");
+          } else if (v == "SentencePieceTokenizer" || v == "GPTSentencePieceTokenizer" || v == "Llama2Tokenizer") {
+            t.sets.push_back("data.tokenizer=sentencepiece");
           } else {
             t.notes.push_back(name + " " + v + ": training reads the tokenized .bin/.idx as they are; Alloy decodes (eval, generate) "
-                                              "only byte and gpt2 ids, and has no SentencePiece (it crashes beside LibTorch in one process)");
+                                              "byte, gpt2 and SentencePiece ids");
           }
         }};
-    f["--tokenizer-model"] = note_value("training reads the tokenized .bin/.idx as they are; a SentencePiece model is not loaded");
+    f["--tokenizer-model"] = {Arity::Value, "data.tokenizer_model (the SentencePiece model file)",
+                              [](const std::string&, const std::string& v, MegatronTranslation& t) {
+                                t.sets.push_back("data.tokenizer_model=" + v);
+                              }};
     f["--vocab-file"] = note_value("the GPT-2 vocabulary comes from data.vocab_dir (encoder.json and vocab.bpe)");
     f["--merge-file"] = note_value("the GPT-2 merges come from data.vocab_dir (encoder.json and vocab.bpe)");
 

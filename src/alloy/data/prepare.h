@@ -10,6 +10,7 @@ struct PrepareOptions {
   std::vector<std::string> inputs;
   std::string tokenizer = "byte";
   std::string vocab_dir;
+  std::string tokenizer_model;        // sentencepiece: the model file
   std::string output;                 // PREFIX
   double valid_fraction = 0.05;       // share of documents held out, chosen deterministically
   std::string doc_sep = "auto";       // auto | fortune | blank | line | file

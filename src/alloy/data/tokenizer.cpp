@@ -473,12 +473,13 @@ std::string default_gpt2_vocab_dir() {
 #endif
 }
 
-std::unique_ptr<Tokenizer> make_tokenizer(const std::string& kind, const std::string& vocab_dir) {
+std::unique_ptr<Tokenizer> make_tokenizer(const std::string& kind, const std::string& vocab_dir, const std::string& model) {
   if (kind == "byte") return std::make_unique<ByteTokenizer>();
+  if (kind == "sentencepiece") return make_sentencepiece_tokenizer(model);
   if (kind == "gpt2")
     return std::make_unique<Gpt2Tokenizer>(vocab_dir.empty() ? default_gpt2_vocab_dir()
                                                              : vocab_dir);
-  throw InputError("tokenizer", "unknown kind '" + kind + "' (expected 'byte' or 'gpt2')");
+  throw InputError("tokenizer", "unknown kind '" + kind + "' (expected byte, gpt2 or sentencepiece)");
 }
 
 }  // namespace alloy::data
