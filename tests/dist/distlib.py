@@ -15,6 +15,24 @@ def sh(cmd, expect_fail=False, **kw):
     return r
 
 
+class Checks:
+    """Named checks that all run: each prints ok/FAIL; finish() exits 1 if any failed."""
+
+    def __init__(self):
+        self.failed = []
+
+    def __call__(self, ok, what):
+        print(("ok   " if ok else "FAIL ") + what, flush=True)
+        if not ok:
+            self.failed.append(what)
+
+    def finish(self):
+        if self.failed:
+            print(f"{len(self.failed)} check(s) failed")
+            raise SystemExit(1)
+        print("all checks passed")
+
+
 def fresh_workdir_with_corpus(alloy, work):
     """Empties WORK and prepares the first 150 kB of the fortunes corpus as WORK/data/corpus."""
     shutil.rmtree(work, ignore_errors=True)

@@ -35,15 +35,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "parity"))
 sys.path.insert(0, os.path.join(HERE, "..", "dist"))
 import reference as ref  # noqa: E402
 import st  # noqa: E402
-from distlib import fresh_workdir_with_corpus, sh  # noqa: E402
+from distlib import Checks, fresh_workdir_with_corpus, sh  # noqa: E402
 
-FAILS = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        FAILS.append(what)
+check = Checks()
 
 
 # --- Megatron's layouts -------------------------------------------------------------------------
@@ -343,10 +337,7 @@ def main():
     r = sh([alloy, "import", "--megatron", os.path.dirname(legacy), "-o", os.path.join(work, "legacy-run")], expect_fail=True)
     check("legacy format" in r.stdout + r.stderr, "the pre-1.6 torch.save format is refused, saying so")
 
-    if FAILS:
-        print(f"{len(FAILS)} check(s) failed")
-        sys.exit(1)
-    print("all checks passed")
+    check.finish()
 
 
 if __name__ == "__main__":

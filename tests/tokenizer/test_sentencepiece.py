@@ -22,15 +22,9 @@ import sentencepiece as spm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "dist"))
-from distlib import sh  # noqa: E402
+from distlib import Checks, sh  # noqa: E402
 
-FAILS = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        FAILS.append(what)
+check = Checks()
 
 
 def read_indexed(prefix):
@@ -131,10 +125,7 @@ def main():
     r = sh([alloy, "train", "-c", cfg, "--set", "data.tokenizer_model="], expect_fail=True)
     check("data.tokenizer_model" in r.stderr, f"sentencepiece without a model file names the key: {r.stderr.strip()[-120:]}")
 
-    if FAILS:
-        print(f"{len(FAILS)} check(s) failed")
-        sys.exit(1)
-    print("all checks passed")
+    check.finish()
 
 
 if __name__ == "__main__":
