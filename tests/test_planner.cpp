@@ -718,12 +718,55 @@ TEST(CostModel, SetsCrossingOneLinkShareItsBandwidth) {
   plan.pipelines.push_back({1, 1, {stage(0, 0, 2, "a0"), stage(2, 2, 4, "b0")}});
   plan.pipelines.push_back({1, 1, {stage(3, 0, 2, "b1"), stage(1, 2, 4, "a1")}});
   PlanCost pc = simulate_plan(plan, c, p);
-  // Sets {0, 3} (blocks 0-1 + embedding) and {1, 2} (blocks 2-3 + head), 4 MB each, both across.
+  // Sets {0, 3} (blocks 0-1 + embedding) and {1, 2} (blocks 2-3 + head), 4 MB each, both across;
+  // each way of the link also carries one pipeline's last gradient message (1 sample: 16 x 32 x 4 bytes).
   ASSERT_EQ(pc.sync_groups.size(), 2u);
+  const double msg = 16 * 32 * 4;
   for (const auto& g : pc.sync_groups) {
     EXPECT_DOUBLE_EQ(g.bytes, 4e6);
-    EXPECT_NEAR(g.slowest_bytes_per_s, 0.5e6, 1e-6);
+    EXPECT_NEAR(g.slowest_bytes_per_s, 1e6 * 4e6 / (4e6 + 4e6 + msg), 1e-6);
   }
+}
+
+// A pipeline's last micro-batch sends its gradients back while the sets of its stages sync: that
+// message shares the hop with a set crossing it at the same time, the way sets share among
+// themselves. The search prices the plan it returns the same way.
+TEST(CostModel, APipelinesLastGradientMessageSharesTheLinkWithTheSyncingSets) {
+  Profile p = base_profile(4);
+  p.model.seq_len = 1024, p.model.hidden = 256;  // 1 MB of activations per sample and message
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "t"), device("c", "h0", "t"), device("b", "h1", "t")};
+  c.rules.push_back({"h0", "h1", Link{8e6 / 1e9, 0}});  // 1 MB/s each way
+  c.intra_host = Link{1000, 0};
+  Plan plan;
+  plan.global_batch = 8;
+  plan.pipelines.push_back({2, 2, {stage(0, 0, 2, "a"), stage(2, 2, 4, "b")}});
+  plan.pipelines.push_back({2, 2, {stage(1, 0, 4, "c")}});
+  const PlanCost pc = simulate_plan(plan, c, p);
+  // Blocks 2-3 + head (4 MB) are held by b (h1) and c (h0): their ring crosses the link both ways,
+  // and the way back (h1 -> h0) also carries b's last gradient message to a: 2 samples of 1 MiB.
+  const SyncGroupCost* across = nullptr;
+  for (const auto& g : pc.sync_groups)
+    if (g.ranks == std::vector<int>{1, 2}) across = &g;
+  ASSERT_NE(across, nullptr);
+  EXPECT_DOUBLE_EQ(across->bytes, 4e6);
+  const double msg = 2.0 * 1024 * 256 * 4;
+  EXPECT_NEAR(across->slowest_bytes_per_s, 1e6 * 4e6 / (4e6 + msg), 1e-6);
+  // A pipeline inside one host sends nothing across: the two sets that cross (blocks 0-1 and
+  // embedding {a, b}, blocks 2-3 and head {c, b}) share the link between themselves only.
+  Plan inside = plan;
+  inside.pipelines[0].stages = {stage(0, 0, 2, "a"), stage(1, 2, 4, "c")};
+  inside.pipelines[1].stages = {stage(2, 0, 4, "b")};
+  const PlanCost in = simulate_plan(inside, c, p);
+  ASSERT_EQ(in.sync_groups.size(), 2u);
+  for (const auto& g : in.sync_groups) EXPECT_NEAR(g.slowest_bytes_per_s, 0.5e6, 1e-6);
+  // The search's figure for its own plan is simulate_plan's.
+  SearchOptions o;
+  o.global_batch = 8;
+  o.fit_memory = false;
+  const SearchResult r = search(c, p, o);
+  EXPECT_NEAR(r.search_step_s, simulate_plan(r.plan, c, p).step_s, 1e-9 * r.search_step_s);
 }
 
 TEST(CostModel, OnlyTheLastBucketIsExposedOnAFastLink) {

@@ -205,6 +205,12 @@ double CostContext::LinkLoads::factor(size_t i, double own) const {
   return std::max(1.0, sum / own);
 }
 
+void CostContext::add_pipeline_tail_load(const std::vector<int>& hosts, int64_t m, LinkLoads* loads) const {
+  for (size_t s = 0; s + 1 < hosts.size(); ++s)
+    if (hosts[s] != hosts[s + 1])
+      loads->hop[hop_link_[idx(hosts[s + 1], hosts[s])]].push_back(static_cast<double>(m) * act_message_bytes_);
+}
+
 CostContext::LinkLoads CostContext::empty_loads() const {
   LinkLoads l;
   l.hop.resize(num_links_);

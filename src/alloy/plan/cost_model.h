@@ -55,8 +55,11 @@
 //     Shared links: every set's collectives put bytes on the directed host pairs of their rings
 //     (one way of a `shared` rule's link for all the pairs it covers); a hop carrying several sets is shared as a processor-sharing link whose sets start together
 //     (a set of B bytes among sets B_j finishes after sum_j min(B_j, B) / bandwidth), so the
-//     set's ring runs at bandwidth * B / sum_j min(B_j, B) on that hop. Pipeline messages are not
-//     counted in (they cross during the phase, before the gradients are ready).
+//     set's ring runs at bandwidth * B / sum_j min(B_j, B) on that hop. Of the pipeline messages,
+//     those of the last micro-batch's backward meet the buckets (the earlier ones cross before any
+//     gradient is final): each pipeline puts one gradient message of m samples on every hop its
+//     gradients cross, as one more B_j (add_pipeline_tail_load; the search ranks layouts with the
+//     smallest candidate micro-batch there, a lower bound, and prices its chosen plan with its own).
 //  3. The loss + gradient-norm all-reduce over all ranks: latency-bound, 2(W-1)/W * the ring's
 //     hop latencies (16 bytes). It is a barrier: it ends when the last rank is done.
 //  4. AdamW on each rank's own parameters: params * optimizer_s_per_param of its type.
@@ -365,6 +368,12 @@ class CostContext {
   std::vector<std::vector<int>> regions_of(const std::vector<int>& devices_in_order) const;
   // Adds what the set of DEVICES (ring order) syncing SET_BYTES puts on each hop to LOADS.
   void add_load(const std::vector<int>& devices_in_order, double set_bytes, LinkLoads* loads) const;
+  // Adds the pipeline messages that meet the sets' traffic to LOADS: a pipeline's last micro-batch
+  // sends its input gradient from each stage to the one before while the stages' buckets sync
+  // (they launch during that backward), so every hop a pipeline's gradients cross (HOSTS in stage
+  // order) carries one message of M samples as a load of its own. The messages before it cross
+  // before any gradient is final; those of other pipelines are taken to meet the sets as these do.
+  void add_pipeline_tail_load(const std::vector<int>& hosts, int64_t m, LinkLoads* loads) const;
   LinkLoads empty_loads() const;
   // Bytes one member puts in a compressed exchange per gradient byte.
   double wire_ratio() const;

@@ -272,7 +272,9 @@ class Evaluator {
     return v;
   }
 
-  void compute_sync(const Layout& L);
+  // FIXED_MBS: the replicas' micro-batch sizes are final (Batch::Fixed), so their pipelines'
+  // messages meet the sets at those sizes; otherwise at the smallest candidate (a lower bound).
+  void compute_sync(const Layout& L, bool fixed_mbs = false);
   // tabs_ for L's replicas, their links shared as L's pipelines share them (CostContext::pipeline_link_shares).
   void fetch_tables(const Layout& L);
   std::vector<std::vector<int>> link_hosts_, link_shares_;

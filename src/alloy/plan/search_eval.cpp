@@ -121,7 +121,7 @@ double Evaluator::evaluate(Layout& L, Batch mode, bool stragglers) {
   ++evaluated;
   const size_t R = L.reps.size();
   fetch_tables(L);
-  compute_sync(L);
+  compute_sync(L, mode == Batch::Fixed);
   double maxopt = 0;
   for (size_t r = 0; r < R; ++r)
     for (double o : tabs_[r]->opt) maxopt = std::max(maxopt, o);
@@ -234,7 +234,7 @@ std::string Evaluator::overflow(Layout& L, double* total_over) {
   return why;
 }
 
-void Evaluator::compute_sync(const Layout& L) {
+void Evaluator::compute_sync(const Layout& L, bool fixed_mbs) {
   const int N = ctx_.num_devices();
   for (const auto& rep : L.reps) {
     int64_t begin = 0;
@@ -258,6 +258,10 @@ void Evaluator::compute_sync(const Layout& L) {
   for (auto& st : sets_) std::sort(st.devs.begin(), st.devs.end(), [&](int a, int b) { return ctx_.ring_less(a, a, b, b); });
   loads_ = ctx_.empty_loads();
   for (const auto& st : sets_) ctx_.add_load(st.devs, st.bytes, &loads_);
+  for (size_t r = 0; r < L.reps.size(); ++r) {
+    const int64_t m = fixed_mbs && L.reps[r].mbs > 0 ? L.reps[r].mbs : tables_.cands().front();
+    ctx_.add_pipeline_tail_load(link_hosts_[r], m, &loads_);
+  }
   for (const auto& st : sets_) add_set(ctx_.sync_shape(st.devs, &loads_, st.bytes), st.devs.data(), st.devs.size(), st.units, st.bytes);
   // Flat compressed sets encode on the autograd thread: each member's backward ends that later;
   // and no member's sync ends before its backward plus the sync's CPU time (sync_cpu_s).

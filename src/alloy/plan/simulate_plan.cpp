@@ -265,6 +265,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     for (int r : ring_ranks[i]) ring_devs[i].push_back(dev_of[static_cast<size_t>(r)]);
     ctx.add_load(ring_devs[i], sets[i].bytes, &loads);
   }
+  for (size_t p = 0; p < plan.pipelines.size(); ++p) ctx.add_pipeline_tail_load(pipeline_hosts[p], plan.pipelines[p].micro_batch_size, &loads);
   std::vector<CostContext::Bucket> bks;
   for (size_t i = 0; i < sets.size(); ++i) {
     const auto& set = sets[i];
