@@ -77,6 +77,7 @@ TEST(MegatronArgs, RunShsFlagsBecomeTheConfigTheyDescribe) {
   // LLaMA's tokenizer is SentencePiece's, run in the alloy-spm helper.
   EXPECT_EQ(c.data.tokenizer, "sentencepiece");
   EXPECT_EQ(c.data.tokenizer_model, "/data/tokenizer.model");
+  EXPECT_TRUE(c.data.add_bos);  // Llama2Tokenizer starts every text with <s>
   for (const char* f : {"--use-flash-attn", "--distributed-backend",
                         "--transformer-impl", "--min-loss-scale", "--attention-dropout", "--max-position-embeddings", "--swiglu"})
     EXPECT_TRUE(noted(f)) << f;

@@ -110,6 +110,63 @@ TEST(TorchPickle, AnyDamageIsAnInputErrorOrAValueNeverACrash) {
   EXPECT_GT(read, 100);     // and a flipped value inside a string still reads
 }
 
+namespace {
+// A pickle of torch._utils.REBUILD(<persistent id>, OFFSET, SIZE, STRIDE, False, {}[, torch.DTYPE]).
+std::string rebuild_pickle(const std::string& rebuild, int64_t offset, const std::vector<int64_t>& size, const std::vector<int64_t>& stride,
+                           const std::string& dtype = "") {
+  auto integer = [](int64_t v) {
+    std::string b("\x8a\x08", 2);  // LONG1, 8 bytes little-endian
+    for (int k = 0; k < 8; ++k) b.push_back(static_cast<char>((static_cast<uint64_t>(v) >> (8 * k)) & 0xff));
+    return b;
+  };
+  std::string p = std::string("\x80\x02", 2) + "ctorch._utils\n" + rebuild + "\n(NQ" + integer(offset) + "(";
+  for (int64_t x : size) p += integer(x);
+  p += "t(";
+  for (int64_t x : stride) p += integer(x);
+  p += std::string("t\x89}", 3);
+  if (!dtype.empty()) p += "ctorch\n" + dtype + "\n";
+  return p + "tR.";
+}
+alloy::model::PyRef storage_of(const at::Tensor& t) {
+  auto v = std::make_shared<PyValue>();
+  v->kind = Kind::Tensor;
+  v->tensor = t;
+  return v;
+}
+}  // namespace
+
+TEST(TorchPickle, TensorViewsAreCheckedAgainstTheirStorage) {
+  const at::Tensor six = at::arange(6, at::kFloat);
+  auto load = [&](const std::string& p, const at::Tensor& storage) {
+    return alloy::model::unpickle(p, "t.pkl", [&](const alloy::model::PyRef&) { return storage_of(storage); })->tensor_value();
+  };
+  EXPECT_TRUE(at::equal(load(rebuild_pickle("_rebuild_tensor_v2", 0, {2, 3}, {3, 1}), six), six.reshape({2, 3})));
+  EXPECT_TRUE(at::equal(load(rebuild_pickle("_rebuild_tensor_v2", 1, {2, 2}, {1, 3}), six), six.as_strided({2, 2}, {1, 3}, 1)));
+  EXPECT_EQ(load(rebuild_pickle("_rebuild_tensor_v2", 0, {0, 5}, {5, 1}), six).numel(), 0);
+  // Past the storage's end, an extent that overflows int64, a view repeating one element into
+  // gigabytes, negative sizes: refused, never read.
+  const at::Tensor one = at::zeros({1}, at::kByte);
+  for (const auto& bad : {rebuild_pickle("_rebuild_tensor_v2", 0, {2, 3}, {4, 1}), rebuild_pickle("_rebuild_tensor_v2", 0, {3}, {int64_t{1} << 62}),
+                          rebuild_pickle("_rebuild_tensor_v2", int64_t{1} << 62, {3}, {int64_t{1} << 62}),
+                          rebuild_pickle("_rebuild_tensor_v2", 0, {int64_t{1} << 33}, {0}), rebuild_pickle("_rebuild_tensor_v2", 0, {-1}, {1}),
+                          rebuild_pickle("_rebuild_tensor_v2", -1, {1}, {1})})
+    EXPECT_THROW(load(bad, bad.find("\x08\x00\x00\x00\x00\x00\x00\x40") == std::string::npos ? six : one), alloy::InputError);
+  // _rebuild_tensor_v3 names the dtype of an untyped (byte) storage.
+  const at::Tensor values = at::tensor({1.5f, -2.5f});
+  const at::Tensor bytes = at::from_blob(values.data_ptr(), {8}, at::kByte).clone();
+  EXPECT_TRUE(at::equal(load(rebuild_pickle("_rebuild_tensor_v3", 0, {2}, {1}, "float32"), bytes), values));
+  EXPECT_THROW(load(rebuild_pickle("_rebuild_tensor_v3", 0, {2}, {1}, "float8_e4m3fn"), bytes), alloy::InputError);
+}
+
+TEST(TorchPickle, DeepNestingNeitherOverflowsTheStackNorHangs) {
+  // 200k tuples, each holding the one before: read and freed without recursion.
+  const std::string deep = std::string("\x80\x02]", 3) + std::string(200000, '\x85') + ".";
+  auto v = alloy::model::unpickle(deep, "deep.pkl");
+  EXPECT_EQ(v->kind, Kind::Tuple);
+  v.reset();
+  SUCCEED();
+}
+
 TEST(TorchPickle, TensorsComeBackFromTorchArchives) {
   // Two views of one storage, a non-contiguous view, and several dtypes, in nested containers.
   const at::Tensor base = at::arange(24, at::kFloat).reshape({4, 6});
@@ -130,14 +187,14 @@ TEST(TorchPickle, TensorsComeBackFromTorchArchives) {
   }
   const auto v = alloy::model::load_torch_file(path);
   ASSERT_EQ(v->kind, Kind::Dict) << v->type_name();
-  EXPECT_TRUE(at::equal(v->get("whole")->tensor, base));
-  EXPECT_TRUE(at::equal(v->get("rows")->tensor, base.narrow(0, 1, 2)));
-  EXPECT_TRUE(at::equal(v->get("cols")->tensor, base.t()));
-  EXPECT_EQ(v->get("half")->tensor.scalar_type(), at::kHalf);
-  EXPECT_TRUE(at::equal(v->get("half")->tensor, at::ones({3}, at::kHalf) * 0.5));
-  EXPECT_EQ(v->get("bf16")->tensor.scalar_type(), at::kBFloat16);
-  EXPECT_EQ(v->get("bf16")->tensor.to(at::kFloat).sum().item<float>(), 12.f);
-  EXPECT_TRUE(at::equal(v->get("long")->tensor, at::arange(5, at::kLong)));
+  EXPECT_TRUE(at::equal(v->get("whole")->tensor_value(), base));
+  EXPECT_TRUE(at::equal(v->get("rows")->tensor_value(), base.narrow(0, 1, 2)));
+  EXPECT_TRUE(at::equal(v->get("cols")->tensor_value(), base.t()));
+  EXPECT_EQ(v->get("half")->tensor_value().scalar_type(), at::kHalf);
+  EXPECT_TRUE(at::equal(v->get("half")->tensor_value(), at::ones({3}, at::kHalf) * 0.5));
+  EXPECT_EQ(v->get("bf16")->tensor_value().scalar_type(), at::kBFloat16);
+  EXPECT_EQ(v->get("bf16")->tensor_value().to(at::kFloat).sum().item<float>(), 12.f);
+  EXPECT_TRUE(at::equal(v->get("long")->tensor_value(), at::arange(5, at::kLong)));
   EXPECT_EQ(v->get("list")->items.size(), 2u);
   EXPECT_EQ(v->get("iteration")->i, 100);
   // Not a zip: torch.save's legacy format is refused, saying what to do.

@@ -49,10 +49,31 @@ def qkv_rows(q, k, v, groups, hd):
     return torch.cat([qg, k.reshape(groups, 1, hd, -1), v.reshape(groups, 1, hd, -1)], 1).reshape(groups * (per + 2) * hd, -1)
 
 
-def to_megatron(cfg, p, tp, stages, code, vocab_padded, max_pos):
-    """HF-named weights -> {(t, s): model state dict} the way Megatron saves them (fp32)."""
+# Megatron's name for each tensor of a block, per model code: the legacy one, Megatron-Core's with
+# its own norms (local), and Megatron-Core's with Transformer Engine's norms fused into the next
+# projection (te).
+_CORE = dict(qkv_w="self_attention.linear_qkv.weight", qkv_b="self_attention.linear_qkv.bias",
+             proj_w="self_attention.linear_proj.weight", proj_b="self_attention.linear_proj.bias",
+             fc1_w="mlp.linear_fc1.weight", fc1_b="mlp.linear_fc1.bias", fc2_w="mlp.linear_fc2.weight", fc2_b="mlp.linear_fc2.bias")
+NAMES = {
+    "legacy": dict(ln1_w="input_layernorm.weight", ln1_b="input_layernorm.bias", qkv_w="self_attention.query_key_value.weight",
+                   qkv_b="self_attention.query_key_value.bias", proj_w="self_attention.dense.weight", proj_b="self_attention.dense.bias",
+                   ln2_w="post_attention_layernorm.weight", ln2_b="post_attention_layernorm.bias", fc1_w="mlp.dense_h_to_4h.weight",
+                   fc1_b="mlp.dense_h_to_4h.bias", fc2_w="mlp.dense_4h_to_h.weight", fc2_b="mlp.dense_4h_to_h.bias"),
+    "core-local": dict(_CORE, ln1_w="input_layernorm.weight", ln1_b="input_layernorm.bias", ln2_w="pre_mlp_layernorm.weight",
+                       ln2_b="pre_mlp_layernorm.bias"),
+    "core-te": dict(_CORE, ln1_w="self_attention.linear_qkv.layer_norm_weight", ln1_b="self_attention.linear_qkv.layer_norm_bias",
+                    ln2_w="mlp.linear_fc1.layer_norm_weight", ln2_b="mlp.linear_fc1.layer_norm_bias"),
+}
+
+
+def to_megatron(cfg, p, tp, stages, code, vocab_padded, max_pos, global_numbers=False, version=3.0):
+    """HF-named weights -> {(t, s): model state dict} the way Megatron saves them (fp32).
+    GLOBAL_NUMBERS: later stages number their layers from the layers before them. VERSION below 2
+    keeps each piece's fused QKV rows as checkpoint_version 1 did ([heads, head_dim, 3])."""
     gpt2 = cfg.arch == "gpt2"
     H, hd, heads, groups = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads
+    names = NAMES[code]
     wte = p["wte.weight" if gpt2 else "model.embed_tokens.weight"]
     wte = torch.cat([wte, torch.zeros(vocab_padded - wte.shape[0], H)]) if vocab_padded > wte.shape[0] else wte
     out = {}
@@ -61,63 +82,59 @@ def to_megatron(cfg, p, tp, stages, code, vocab_padded, max_pos):
         for s, n in enumerate(stages):
             d = OrderedDict()
 
-            def rows(x, pieces=tp):
-                return x.chunk(pieces, 0)[t].clone()
+            def rows(x):
+                return x.chunk(tp, 0)[t].clone()
 
             def cols(x):
                 return x.chunk(tp, 1)[t].clone()
+
+            def qkv_piece(x):
+                x = rows(x)
+                if version < 2:
+                    x2 = x.reshape(x.shape[0] // (3 * hd), 3, hd, -1).permute(0, 2, 1, 3)
+                    x = x2.reshape(x.shape).contiguous()
+                return x
             layer_sd = OrderedDict()
             for local in range(n):
                 i = layer0 + local
-                # core numbers a later stage's layers globally in this test (both forms occur)
-                num = i if (code == "core" and s > 0) else local
+                num = i if global_numbers else local
                 if gpt2:
                     pre = f"h.{i}."
                     w = p[pre + "attn.c_attn.weight"].t()  # [3H, H]: q, k, v blocks
                     b = p[pre + "attn.c_attn.bias"].reshape(-1, 1)
-                    qkv_w = qkv_rows(*w.split(H, 0), heads, hd)
-                    qkv_b = qkv_rows(*b.split(H, 0), heads, hd).reshape(-1)
-                    # a piece holds whole heads: chunk the [heads, 3, hd] rows by heads
-                    e = OrderedDict()
-                    e["input_layernorm.weight"] = p[pre + "ln_1.weight"]
-                    e["input_layernorm.bias"] = p[pre + "ln_1.bias"]
-                    e["self_attention.query_key_value.weight"] = rows(qkv_w)
-                    e["self_attention.query_key_value.bias"] = rows(qkv_b)
-                    e["self_attention.dense.weight"] = cols(p[pre + "attn.c_proj.weight"].t())
-                    e["self_attention.dense.bias"] = p[pre + "attn.c_proj.bias"]
-                    e["post_attention_layernorm.weight"] = p[pre + "ln_2.weight"]
-                    e["post_attention_layernorm.bias"] = p[pre + "ln_2.bias"]
-                    e["mlp.dense_h_to_4h.weight"] = rows(p[pre + "mlp.c_fc.weight"].t())
-                    e["mlp.dense_h_to_4h.bias"] = rows(p[pre + "mlp.c_fc.bias"])
-                    e["mlp.dense_4h_to_h.weight"] = cols(p[pre + "mlp.c_proj.weight"].t())
-                    e["mlp.dense_4h_to_h.bias"] = p[pre + "mlp.c_proj.bias"]
+                    e = dict(ln1_w=p[pre + "ln_1.weight"], ln1_b=p[pre + "ln_1.bias"],
+                             # a piece holds whole heads: the [heads, 3, hd] rows chunk by heads
+                             qkv_w=qkv_piece(qkv_rows(*w.split(H, 0), heads, hd)),
+                             qkv_b=qkv_piece(qkv_rows(*b.split(H, 0), heads, hd)).reshape(-1),
+                             proj_w=cols(p[pre + "attn.c_proj.weight"].t()), proj_b=p[pre + "attn.c_proj.bias"],
+                             ln2_w=p[pre + "ln_2.weight"], ln2_b=p[pre + "ln_2.bias"],
+                             fc1_w=rows(p[pre + "mlp.c_fc.weight"].t()), fc1_b=rows(p[pre + "mlp.c_fc.bias"]),
+                             fc2_w=cols(p[pre + "mlp.c_proj.weight"].t()), fc2_b=p[pre + "mlp.c_proj.bias"])
                 else:
                     pre = f"model.layers.{i}."
                     qkv_w = qkv_rows(p[pre + "self_attn.q_proj.weight"], p[pre + "self_attn.k_proj.weight"],
                                      p[pre + "self_attn.v_proj.weight"], groups, hd)
                     gate, up = p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.up_proj.weight"]
-                    e = OrderedDict()
-                    e["self_attention.linear_qkv.layer_norm_weight"] = p[pre + "input_layernorm.weight"]
-                    e["self_attention.linear_qkv.weight"] = rows(qkv_w)
-                    e["self_attention.linear_qkv._extra_state"] = io.BytesIO(b"te-fp8-meta")
-                    e["self_attention.linear_proj.weight"] = cols(p[pre + "self_attn.o_proj.weight"])
-                    e["self_attention.linear_proj._extra_state"] = None
-                    e["mlp.linear_fc1.layer_norm_weight"] = p[pre + "post_attention_layernorm.weight"]
-                    e["mlp.linear_fc1.weight"] = torch.cat([rows(gate), rows(up)])
-                    e["mlp.linear_fc2.weight"] = cols(p[pre + "mlp.down_proj.weight"])
-                for k, x in e.items():
-                    layer_sd[f"layers.{num}.{k}"] = x
+                    e = dict(ln1_w=p[pre + "input_layernorm.weight"], qkv_w=rows(qkv_w), proj_w=cols(p[pre + "self_attn.o_proj.weight"]),
+                             ln2_w=p[pre + "post_attention_layernorm.weight"], fc1_w=torch.cat([rows(gate), rows(up)]),
+                             fc2_w=cols(p[pre + "mlp.down_proj.weight"]))
+                for role, x in e.items():
+                    layer_sd[f"layers.{num}.{names[role]}"] = x
+                if code == "core-te":  # Transformer Engine's fp8 metadata: not weights
+                    layer_sd[f"layers.{num}.{names['qkv_w'][:-len('weight')]}_extra_state"] = io.BytesIO(b"te-fp8-meta")
+                    layer_sd[f"layers.{num}.{names['proj_w'][:-len('weight')]}_extra_state"] = None
             last = s + 1 == len(stages)
+            pos = torch.cat([p["wpe.weight"], torch.randn(max_pos - p["wpe.weight"].shape[0], H)]) if gpt2 else None
+            final = p["ln_f.weight" if gpt2 else "model.norm.weight"]
             if code == "legacy":
                 lm = OrderedDict()
                 if s == 0:
                     lm["embedding"] = OrderedDict(word_embeddings=OrderedDict(weight=rows(wte)))
                     if gpt2:
-                        pos = torch.cat([p["wpe.weight"], torch.randn(max_pos - p["wpe.weight"].shape[0], H)])
                         lm["embedding"]["position_embeddings"] = OrderedDict(weight=pos)
                 enc = layer_sd
                 if last:
-                    enc["final_layernorm.weight"] = p["ln_f.weight" if gpt2 else "model.norm.weight"]
+                    enc["final_layernorm.weight"] = final
                     if gpt2:
                         enc["final_layernorm.bias"] = p["ln_f.bias"]
                 lm["encoder"] = enc
@@ -127,57 +144,66 @@ def to_megatron(cfg, p, tp, stages, code, vocab_padded, max_pos):
             else:
                 if s == 0:
                     d["embedding.word_embeddings.weight"] = rows(wte)
+                    if gpt2:
+                        d["embedding.position_embeddings.weight"] = pos
                 for k, x in layer_sd.items():
                     d["decoder." + k] = x
                 if last:
-                    d["decoder.final_layernorm.weight"] = p["model.norm.weight"]
-                    lm_head = p["lm_head.weight"]
-                    lm_head = torch.cat([lm_head, torch.zeros(vocab_padded - lm_head.shape[0], H)])
-                    d["output_layer.weight"] = rows(lm_head)
+                    d["decoder.final_layernorm.weight"] = final
+                    if gpt2:
+                        d["decoder.final_layernorm.bias"] = p["ln_f.bias"]
+                        if s > 0:  # Megatron-Core's last stage keeps a copy of the tied embedding
+                            d["output_layer.weight"] = rows(wte)
+                    else:
+                        lm_head = p["lm_head.weight"]
+                        lm_head = torch.cat([lm_head, torch.zeros(vocab_padded - lm_head.shape[0], H)])
+                        d["output_layer.weight"] = rows(lm_head)
                     d["output_layer._extra_state"] = None
             out[(t, s)] = d
             layer0 += n
     return out
 
 
-def megatron_forward(cfg, shards, tp, stages, code, idx):
+def megatron_forward(cfg, shards, tp, stages, code, idx, global_numbers=False):
     """Logits computed from the pieces as Megatron computes them."""
     gpt2 = cfg.arch == "gpt2"
     H, hd, heads, groups = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads
     per = heads // groups
     B, T = idx.shape
+    names = NAMES[code]
+    legacy = code == "legacy"
 
-    def get(t, s, key):
-        d = shards[(t, s)]
-        if code == "legacy":
-            for part in key.split("/"):
-                d = d[part]
-            return d
-        return d[key]
-    emb_key = "language_model/embedding/word_embeddings/weight" if code == "legacy" else "embedding.word_embeddings.weight"
-    wte = torch.cat([get(t, 0, emb_key) for t in range(tp)])
+    def top(t, s, key):  # a model-wide tensor; KEY as Megatron-Core names it
+        if not legacy:
+            return shards[(t, s)][key]
+        legacy_key = {"embedding.word_embeddings.weight": "embedding/word_embeddings/weight",
+                      "embedding.position_embeddings.weight": "embedding/position_embeddings/weight",
+                      "decoder.final_layernorm.weight": "encoder/final_layernorm.weight",
+                      "decoder.final_layernorm.bias": "encoder/final_layernorm.bias"}[key]
+        d = shards[(t, s)]["language_model"]
+        for part in legacy_key.split("/"):
+            d = d[part]
+        return d
+    wte = torch.cat([top(t, 0, "embedding.word_embeddings.weight") for t in range(tp)])
     x = wte[idx]
     if gpt2:
-        x = x + get(0, 0, "language_model/embedding/position_embeddings/weight")[:T]
+        x = x + top(0, 0, "embedding.position_embeddings.weight")[:T]
     cos, sin = (None, None) if gpt2 else ref.rope_cos_sin(T, hd, cfg.rope_theta, torch.float32)
     layer0 = 0
     for s, n in enumerate(stages):
         for local in range(n):
-            num = layer0 + local if (code == "core" and s > 0) else local
-            if code == "legacy":
-                L = lambda t, k: shards[(t, s)]["language_model"]["encoder"][f"layers.{num}.{k}"]  # noqa: E731
-            else:
-                L = lambda t, k: shards[(t, s)][f"decoder.layers.{num}.{k}"]  # noqa: E731
+            num = layer0 + local if global_numbers else local
+
+            def L(t, role):
+                key = f"layers.{num}.{names[role]}"
+                return shards[(t, s)]["language_model"]["encoder"][key] if legacy else shards[(t, s)]["decoder." + key]
             if gpt2:
-                h = F.layer_norm(x, (H,), L(0, "input_layernorm.weight"), L(0, "input_layernorm.bias"), cfg.eps)
+                h = F.layer_norm(x, (H,), L(0, "ln1_w"), L(0, "ln1_b"), cfg.eps)
             else:
-                h = ref._rms_norm(x, L(0, "self_attention.linear_qkv.layer_norm_weight"), cfg.eps)
+                h = ref._rms_norm(x, L(0, "ln1_w"), cfg.eps)
             attn = 0
             for t in range(tp):
-                if gpt2:
-                    mixed = h @ L(t, "self_attention.query_key_value.weight").t() + L(t, "self_attention.query_key_value.bias")
-                else:
-                    mixed = h @ L(t, "self_attention.linear_qkv.weight").t()
+                mixed = h @ L(t, "qkv_w").t() + (L(t, "qkv_b") if gpt2 else 0)
                 g = mixed.shape[-1] // ((per + 2) * hd)  # this piece's query groups
                 mixed = mixed.view(B, T, g, (per + 2) * hd)
                 q, k, v = torch.split(mixed, [per * hd, hd, hd], dim=-1)
@@ -188,43 +214,39 @@ def megatron_forward(cfg, shards, tp, stages, code, idx):
                     q = q * cos + ref._rotate_half(q) * sin
                     k = k * cos + ref._rotate_half(k) * sin
                 ctx = ref._causal_attention(q, k, v).transpose(1, 2).reshape(B, T, g * per * hd)
-                attn = attn + ctx @ L(t, "self_attention.dense.weight" if gpt2 else "self_attention.linear_proj.weight").t()
-            x = x + attn + (L(0, "self_attention.dense.bias") if gpt2 else 0)
+                attn = attn + ctx @ L(t, "proj_w").t()
+            x = x + attn + (L(0, "proj_b") if gpt2 else 0)
             if gpt2:
-                h = F.layer_norm(x, (H,), L(0, "post_attention_layernorm.weight"), L(0, "post_attention_layernorm.bias"), cfg.eps)
+                h = F.layer_norm(x, (H,), L(0, "ln2_w"), L(0, "ln2_b"), cfg.eps)
             else:
-                h = ref._rms_norm(x, L(0, "mlp.linear_fc1.layer_norm_weight"), cfg.eps)
+                h = ref._rms_norm(x, L(0, "ln2_w"), cfg.eps)
             mlp = 0
             for t in range(tp):
                 if gpt2:
-                    a = ref._gelu_new(h @ L(t, "mlp.dense_h_to_4h.weight").t() + L(t, "mlp.dense_h_to_4h.bias"))
-                    mlp = mlp + a @ L(t, "mlp.dense_4h_to_h.weight").t()
+                    a = ref._gelu_new(h @ L(t, "fc1_w").t() + L(t, "fc1_b"))
                 else:
-                    a = torch.chunk(h @ L(t, "mlp.linear_fc1.weight").t(), 2, dim=-1)
-                    mlp = mlp + (F.silu(a[0]) * a[1]) @ L(t, "mlp.linear_fc2.weight").t()
-            x = x + mlp + (L(0, "mlp.dense_4h_to_h.bias") if gpt2 else 0)
+                    a = torch.chunk(h @ L(t, "fc1_w").t(), 2, dim=-1)
+                    a = F.silu(a[0]) * a[1]
+                mlp = mlp + a @ L(t, "fc2_w").t()
+            x = x + mlp + (L(0, "fc2_b") if gpt2 else 0)
         layer0 += n
     last = len(stages) - 1
     if gpt2:
-        enc = shards[(0, last)]["language_model"]["encoder"]
-        x = F.layer_norm(x, (H,), enc["final_layernorm.weight"], enc["final_layernorm.bias"], cfg.eps)
+        x = F.layer_norm(x, (H,), top(0, last, "decoder.final_layernorm.weight"), top(0, last, "decoder.final_layernorm.bias"), cfg.eps)
         return (x @ wte.t())[..., :cfg.vocab]
-    if code == "legacy":
-        x = ref._rms_norm(x, shards[(0, last)]["language_model"]["encoder"]["final_layernorm.weight"], cfg.eps)
-    else:
-        x = ref._rms_norm(x, shards[(0, last)]["decoder.final_layernorm.weight"], cfg.eps)
+    x = ref._rms_norm(x, top(0, last, "decoder.final_layernorm.weight"), cfg.eps)
     out = torch.cat([shards[(t, last)]["output_layer.weight"] for t in range(tp)])
     return (x @ out.t())[..., :cfg.vocab]
 
 
-def write_checkpoint(root, shards, tp, stages, args, iteration, dtype, tracker=True):
+def write_checkpoint(root, shards, tp, stages, args, iteration, dtype, version=3.0, tracker=True):
     shutil.rmtree(root, ignore_errors=True)
     it_dir = os.path.join(root, "release" if iteration < 0 else f"iter_{iteration:07d}")
     for (t, s), model in shards.items():
         d = os.path.join(it_dir, f"mp_rank_{t:02d}" if len(stages) == 1 else f"mp_rank_{t:02d}_{s:03d}")
         os.makedirs(d, exist_ok=True)
         model = cast(model, dtype)
-        state = {"args": args, "checkpoint_version": 3.0, "iteration": max(iteration, 0), "model": model,
+        state = {"args": args, "checkpoint_version": version, "iteration": max(iteration, 0), "model": model,
                  "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-4, "params": [0, 1]}]}, "fp32_from_fp16_params": []},
                  "opt_param_scheduler": {"max_lr": 1e-4, "num_steps": 800},
                  "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
@@ -260,32 +282,39 @@ def main():
     fresh_workdir_with_corpus(alloy, work)
     torch.manual_seed(0)
     cases = [
-        # name, arch, layers, hidden, heads, kv, ffn, tp, stages, code, vocab_padded, seq, max_pos, dtype, iteration
-        ("gpt2-legacy-tp2-pp2", "gpt2", 4, 32, 4, None, 128, 2, [2, 2], "legacy", 512, 16, 24, torch.float32, 100),
-        ("llama-gqa-core-tp2-pp2-bf16", "llama", 3, 32, 4, 2, 48, 2, [2, 1], "core", 512, 16, 16, torch.bfloat16, 40),
-        ("gpt2-legacy-one-file-release", "gpt2", 2, 24, 3, None, 96, 1, [2], "legacy", 384, 16, 16, torch.float32, -1),
+        # name, arch, layers, hidden, heads, kv, ffn, tp, stages, code, vocab_padded, seq, max_pos, dtype, iteration,
+        # global layer numbers in later stages, checkpoint_version
+        ("gpt2-legacy-tp2-pp2", "gpt2", 4, 32, 4, None, 128, 2, [2, 2], "legacy", 512, 16, 24, torch.float32, 100, False, 3.0),
+        ("llama-gqa-core-te-tp2-pp2-bf16", "llama", 3, 32, 4, 2, 48, 2, [2, 1], "core-te", 512, 16, 16, torch.bfloat16, 40, True, 3.0),
+        ("gpt2-legacy-one-file-release", "gpt2", 2, 24, 3, None, 96, 1, [2], "legacy", 384, 16, 16, torch.float32, -1, False, 3.0),
+        # Megatron-Core's own norms, layers numbered per stage, the tied embedding's copy on the last stage
+        ("gpt2-core-local-tp2-pp3", "gpt2", 3, 32, 4, None, 64, 2, [1, 1, 1], "core-local", 512, 16, 16, torch.float32, 7, False, 3.0),
+        # checkpoint_version 1 kept each piece's QKV rows as [heads, head_dim, 3]
+        ("gpt2-legacy-version1-tp2", "gpt2", 2, 32, 4, None, 64, 2, [2], "legacy", 512, 16, 16, torch.float32, 5, False, 1.0),
     ]
-    for name, arch, layers, hidden, heads, kv, ffn, tp, stages, code, vpad, seq, max_pos, dtype, iteration in cases:
+    for name, arch, layers, hidden, heads, kv, ffn, tp, stages, code, vpad, seq, max_pos, dtype, iteration, glob, version in cases:
         hf = ref.make_hf_config(arch, layers, hidden, heads, 300, max_pos if arch == "gpt2" else seq, kv_heads=kv, ffn=ffn)
         cfg = ref.parse_config(hf)
         p = ref.init_params(cfg, seed=len(name), norm_jitter=0.1)
-        shards = to_megatron(cfg, p, tp, stages, code, vpad, max_pos)
-        idx = torch.randint(0, cfg.vocab, (2, seq))
-        with torch.no_grad():
-            want = ref.logits_fn(cfg, p, idx)
-            got = megatron_forward(cfg, shards, tp, stages, code, idx)
-        err = ((got - want).abs().max() / want.abs().max()).item()
-        check(err < 1e-5, f"{name}: Megatron's arithmetic on the written pieces gives the model's logits (rel {err:.1e})")
+        shards = to_megatron(cfg, p, tp, stages, code, vpad, max_pos, glob, version)
+        if version >= 2:  # version 1's rows are what Megatron reorders on load; the arithmetic below is version 2's
+            idx = torch.randint(0, cfg.vocab, (2, seq))
+            with torch.no_grad():
+                want = ref.logits_fn(cfg, p, idx)
+                got = megatron_forward(cfg, shards, tp, stages, code, idx, glob)
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            check(err < 1e-5, f"{name}: Megatron's arithmetic on the written pieces gives the model's logits (rel {err:.1e})")
 
         ckpt = os.path.join(work, name)
-        write_checkpoint(ckpt, shards, tp, stages, megatron_args(cfg, tp, len(stages), seq, max_pos, vpad, dtype), iteration, dtype)
+        write_checkpoint(ckpt, shards, tp, stages, megatron_args(cfg, tp, len(stages), seq, max_pos, vpad, dtype), iteration, dtype, version)
         src = ckpt if tp * len(stages) > 1 else os.path.join(ckpt, "release", "mp_rank_00", "model_optim_rng.pt")
         run = os.path.join(work, name + "-run")
         shutil.rmtree(run, ignore_errors=True)
         r = sh([alloy, "import", "--megatron", src, "-o", run])
         # One file says nothing of the directory it sits in: a release file reads as iteration 0.
         label = f"iteration {max(iteration, 0)}" if src.endswith(".pt") else "the release checkpoint" if iteration < 0 else f"iteration {iteration}"
-        check(label in r.stdout and f"{code} Megatron code, {tp} tensor-parallel x {len(stages)} pipeline" in r.stdout,
+        code_word = "legacy" if code == "legacy" else "core"
+        check(label in r.stdout and f"{code_word} Megatron code, {tp} tensor-parallel x {len(stages)} pipeline" in r.stdout,
               f"{name}: import reports {label}, the {code} code and the {tp} x {len(stages)} layout: {r.stdout.strip()[-160:]}")
         out = os.path.join(work, name + ".safetensors")
         sh([alloy, "export", "--checkpoint", run, "-o", out])

@@ -109,8 +109,14 @@ def main():
             "--set", "data.tokenizer=byte", "--set", f"output.dir={work}/run-megatron", "--set", "train.steps=1"])
     with open(os.path.join(work, "run-megatron", "config.yaml")) as f:
         written = f.read()
-    check('tokenizer: "sentencepiece"' in written and f'tokenizer_model: "{model}.model"' in written,
-          "--tokenizer-type Llama2Tokenizer --tokenizer-model select SentencePiece")
+    check('tokenizer: "sentencepiece"' in written and f'tokenizer_model: "{model}.model"' in written and "add_bos: true" in written,
+          "--tokenizer-type Llama2Tokenizer --tokenizer-model select SentencePiece, with <s> first as Llama2Tokenizer does")
+    # --add-bos: every document starts with <s> (Megatron's Llama2Tokenizer), then ends with </s>.
+    sh([alloy, "data", "prepare", "--input", corpus, "--output", os.path.join(work, "data/bos"), "--tokenizer", "sentencepiece",
+        "--tokenizer-model", model + ".model", "--valid-fraction", "0.1", "--add-bos"])
+    got = read_indexed(os.path.join(work, "data/bos_train"))
+    want = [[sp.bos_id()] + sp.encode(d) + [sp.eos_id()] for d in train]
+    check(got == want, f"--add-bos starts every document with <s> ({sum(g == w for g, w in zip(got, want))} of {len(want)})")
 
     # 4. Errors name what is wrong.
     prep = [alloy, "data", "prepare", "--input", corpus, "--output", os.path.join(work, "data/bad"), "--tokenizer", "sentencepiece"]

@@ -19,6 +19,9 @@ void add_data_commands(CLI::App& app, Action& action) {
   prep->add_option("--tokenizer-model", o->tokenizer_model,
                    "SentencePiece model file (sentencepiece; LLaMA's tokenizer.model). Train with the same "
                    "data.tokenizer=sentencepiece and data.tokenizer_model for eval and generate");
+  prep->add_flag("--add-bos", o->add_bos,
+                 "sentencepiece: start each document with the model's <s>, as Megatron's Llama2Tokenizer does (then train with "
+                 "data.add_bos=true)");
   prep->add_option("-o,--output", o->output, "Output prefix")->required();
   prep->add_option("--valid-fraction", o->valid_fraction, "Share of documents held out for validation")->capture_default_str();
   prep->add_option("--doc-sep", o->doc_sep, "Document separator: auto | fortune | blank | line | file")

@@ -44,7 +44,7 @@ void add_model_commands(CLI::App& app, Action& action) {
     action = [a]() {
       Config cfg = Config::load(a->config, a->sets);
       train::configure_threads(a->threads);
-      auto tok = data::make_tokenizer(cfg.data.tokenizer, cfg.data.vocab_dir, cfg.data.tokenizer_model);
+      auto tok = data::make_tokenizer(cfg.data.tokenizer, cfg.data.vocab_dir, cfg.data.tokenizer_model, cfg.data.add_bos);
       auto m = train::load_model(cfg.model, a->weights);
       auto r = train::evaluate_tokens(*m, tok->encode(read_file(a->text)));
       if (r.tokens == 0)
@@ -65,7 +65,7 @@ void add_model_commands(CLI::App& app, Action& action) {
     action = [a]() {
       std::string dir = train::resolve_checkpoint(a->checkpoint);
       Config cfg = train::read_checkpoint_state(dir).config;
-      auto tok = data::make_tokenizer(cfg.data.tokenizer, cfg.data.vocab_dir, cfg.data.tokenizer_model);
+      auto tok = data::make_tokenizer(cfg.data.tokenizer, cfg.data.vocab_dir, cfg.data.tokenizer_model, cfg.data.add_bos);
       auto m = train::load_model(cfg.model, dir);
       std::vector<int32_t> prompt = tok->encode(a->prompt);
       if (prompt.empty()) prompt.push_back(tok->eot_id());

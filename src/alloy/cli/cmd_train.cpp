@@ -353,29 +353,38 @@ void add_train_commands(CLI::App& app, Action& action) {
         train::ResolvedPlan rp = train::resolve_plan(cfg, a->src, rv.world_size, world.get());
         train::TrainOptions o;
         std::string load_weights_only;  // --load of a Megatron checkpoint, or --load with --finetune
+        if (mt.finetune && (!a->resume_from.empty() || a->resume || hs.resume_step >= 0))
+          throw InputError("--finetune", "starts from --load's weights at step 0: it cannot be combined with --resume, --resume-from or "
+                                         "resume_step");
+        if (mt.finetune && mt.load.empty()) throw InputError("--finetune", "needs --load DIR: the checkpoint whose weights start the run");
+        std::string own;  // a restarted job's own progress (output.dir, Megatron's --save) comes first
+        const bool restarting = a->auto_resume || train::restart_count() > 0;
         if (!a->resume_from.empty()) o.resume = a->resume_from;
         else if (a->resume) o.resume = cfg.output.dir;
         else if (hs.resume_step >= 0) o.resume = hetero_resume_dir(cfg, hs, a->src.hetero_config);
+        else if (restarting && !(own = train::last_checkpoint_agreed(cfg, world.get())).empty()) o.resume = own;
         else if (!mt.load.empty()) {
-          // Megatron's --load: the latest complete checkpoint there, or a fresh start when there is
-          // none. A Megatron-LM checkpoint there, or --finetune, gives the weights only.
+          // Megatron's --load: the latest complete checkpoint there (every rank agrees which), or
+          // a fresh start when there is none; with --finetune its weights only. Where that is a
+          // Megatron-LM checkpoint, its weights start the run (Alloy's own checkpoints there, from an
+          // earlier run saving into the same directory, come first).
           Config from = cfg;
           from.output.dir = mt.load;
-          if (model::is_megatron_checkpoint(mt.load)) {
+          const std::string latest = train::last_checkpoint_agreed(from, world.get());
+          if (!latest.empty()) {
+            (mt.finetune ? load_weights_only : o.resume) = latest;
+          } else if (model::is_megatron_checkpoint(mt.load)) {
             load_weights_only = mt.load;
             if (rv.rank == 0)
               log_info("--load " + mt.load + " is a Megatron-LM checkpoint: its weights start this run at step 0; its optimizer state, "
                        "iteration and RNG states are not read (as with Megatron's --finetune)");
           } else if (mt.finetune) {
-            load_weights_only = train::last_checkpoint_agreed(from, world.get());
-            if (load_weights_only.empty()) throw InputError("--load", mt.load + " holds no complete checkpoint to fine-tune from (--finetune)");
-          } else {
-            o.resume = train::last_checkpoint_agreed(from, world.get());
+            throw InputError("--load", mt.load + " holds no complete checkpoint to fine-tune from (--finetune)");
           }
-        } else if (mt.finetune) {
-          throw InputError("--finetune", "needs --load DIR: the checkpoint whose weights start the run");
         }
-        else if (a->auto_resume || train::restart_count() > 0) o.resume = train::last_checkpoint_agreed(cfg, world.get());
+        if (!load_weights_only.empty() && !a->init_weights.empty())
+          throw InputError("--init-from", "and --load " + mt.load + " (" + (mt.finetune ? "with --finetune" : "a Megatron-LM checkpoint") +
+                                              ") both give the starting weights: keep one");
         if (hs.visualize && rv.rank == 0 && rp.plan) {
           std::string format = hs.visualization_format;
           // A build without Graphviz still draws: as Mermaid text, instead of failing the run.

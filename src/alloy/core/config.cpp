@@ -87,6 +87,7 @@ const std::vector<Field>& schema() {
       ALLOY_STR(data, valid_prefix, "validation dataset prefix; empty = PREFIX_valid if present"),
       ALLOY_STR(data, tokenizer, "byte | gpt2 | sentencepiece (for data prepare, eval and generate)"),
       ALLOY_STR(data, tokenizer_model, "sentencepiece: the model file (Megatron's --tokenizer-model, LLaMA's tokenizer.model)"),
+      ALLOY_BOOL(data, add_bos, "sentencepiece: start every text with the model's <s> (Megatron's Llama2Tokenizer does)"),
       ALLOY_STR(data, split, "Megatron's --split: train,validation[,test] weights (\"969,30,1\") cutting one dataset (PREFIX.bin/.idx) into "
                              "consecutive token ranges; empty = all of it trains (PREFIX_valid, when there, validates)"),
       ALLOY_STR(data, vocab_dir, "directory with encoder.json + vocab.bpe; empty = default"),
@@ -322,6 +323,7 @@ void Config::validate() const {
   if (m.dtype != "float32" && m.dtype != "float64") fail("model.dtype", "must be float32 or float64");
   if (data.tokenizer != "byte" && data.tokenizer != "gpt2" && data.tokenizer != "sentencepiece")
     fail("data.tokenizer", "must be byte, gpt2 or sentencepiece");
+  if (data.add_bos && data.tokenizer != "sentencepiece") fail("data.add_bos", "applies to the sentencepiece tokenizer only");
   if (data.tokenizer == "sentencepiece" && data.tokenizer_model.empty())
     fail("data.tokenizer_model", "the sentencepiece tokenizer needs its model file (LLaMA's tokenizer.model)");
   const auto& t = train;

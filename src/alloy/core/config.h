@@ -38,6 +38,7 @@ struct DataConfig {
   std::string tokenizer = "byte";
   std::string vocab_dir;     // gpt2 vocabulary (encoder.json + vocab.bpe); empty = default
   std::string tokenizer_model;  // sentencepiece: the model file (LLaMA's tokenizer.model)
+  bool add_bos = false;         // sentencepiece: every text starts with <s> (Megatron's Llama2Tokenizer)
   // Megatron's --split "969,30,1": train / validation (/ test) weights carving one dataset (a plain
   // PREFIX.bin/.idx) into consecutive token ranges; empty = the whole of it trains.
   std::string split;

@@ -174,12 +174,13 @@ const std::map<std::string, Flag>& flags() {
     f["--tokenizer-type"] = {
         Arity::Value,
         "GPT2BPETokenizer: data.tokenizer=gpt2; SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer: "
-        "data.tokenizer=sentencepiece (with --tokenizer-model); others: the token ids are read as they are",
+        "data.tokenizer=sentencepiece (with --tokenizer-model; Llama2Tokenizer also data.add_bos=true); others: the token ids are read as they are",
         [](const std::string& name, const std::string& v, MegatronTranslation& t) {
           if (v == "GPT2BPETokenizer") {
             t.sets.push_back("data.tokenizer=gpt2");
           } else if (v == "SentencePieceTokenizer" || v == "GPTSentencePieceTokenizer" || v == "Llama2Tokenizer") {
             t.sets.push_back("data.tokenizer=sentencepiece");
+            if (v == "Llama2Tokenizer") t.sets.push_back("data.add_bos=true");  // it starts every text with <s>
           } else {
             t.notes.push_back(name + " " + v + ": training reads the tokenized .bin/.idx as they are; Alloy decodes (eval, generate) "
                                               "byte, gpt2 and SentencePiece ids");

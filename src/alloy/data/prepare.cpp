@@ -73,7 +73,7 @@ PrepareResult prepare_dataset(const PrepareOptions& o) {
   if (o.inputs.empty()) throw InputError("--input", "no input files given");
   if (o.output.empty()) throw InputError("--output", "no output prefix given");
   if (o.valid_fraction < 0 || o.valid_fraction >= 1) throw InputError("--valid-fraction", "must be in [0, 1)");
-  auto tok = make_tokenizer(o.tokenizer, o.vocab_dir, o.tokenizer_model);
+  auto tok = make_tokenizer(o.tokenizer, o.vocab_dir, o.tokenizer_model, o.add_bos);
 
   std::vector<std::string> files = expand_inputs(o.inputs);
   std::string out_dir = std::filesystem::path(o.output).parent_path().string();

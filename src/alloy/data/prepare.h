@@ -11,6 +11,7 @@ struct PrepareOptions {
   std::string tokenizer = "byte";
   std::string vocab_dir;
   std::string tokenizer_model;        // sentencepiece: the model file
+  bool add_bos = false;               // sentencepiece: each document starts with <s>
   std::string output;                 // PREFIX
   double valid_fraction = 0.05;       // share of documents held out, chosen deterministically
   std::string doc_sep = "auto";       // auto | fortune | blank | line | file

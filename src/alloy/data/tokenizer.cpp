@@ -473,9 +473,10 @@ std::string default_gpt2_vocab_dir() {
 #endif
 }
 
-std::unique_ptr<Tokenizer> make_tokenizer(const std::string& kind, const std::string& vocab_dir, const std::string& model) {
+std::unique_ptr<Tokenizer> make_tokenizer(const std::string& kind, const std::string& vocab_dir, const std::string& model, bool add_bos) {
+  if (kind == "sentencepiece") return make_sentencepiece_tokenizer(model, add_bos);
+  if (add_bos) throw InputError("data.add_bos", "applies to the sentencepiece tokenizer only");
   if (kind == "byte") return std::make_unique<ByteTokenizer>();
-  if (kind == "sentencepiece") return make_sentencepiece_tokenizer(model);
   if (kind == "gpt2")
     return std::make_unique<Gpt2Tokenizer>(vocab_dir.empty() ? default_gpt2_vocab_dir()
                                                              : vocab_dir);

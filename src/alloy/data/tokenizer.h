@@ -29,9 +29,11 @@ class Tokenizer {
 // alloy::InputError naming the file. "sentencepiece": the SentencePiece MODEL file (LLaMA's
 // tokenizer.model, Megatron's --tokenizer-model), run in the alloy-spm helper process (Debian's
 // SentencePiece crashes beside LibTorch in one process); its end-of-sentence piece ends each
-// document. The returned tokenizer is safe to share between threads.
-std::unique_ptr<Tokenizer> make_tokenizer(const std::string& kind, const std::string& vocab_dir = "", const std::string& model = "");
-std::unique_ptr<Tokenizer> make_sentencepiece_tokenizer(const std::string& model);
+// document; with ADD_BOS every encoded text starts with its beginning-of-sentence piece (Megatron's
+// Llama2Tokenizer). The returned tokenizer is safe to share between threads.
+std::unique_ptr<Tokenizer> make_tokenizer(const std::string& kind, const std::string& vocab_dir = "", const std::string& model = "",
+                                          bool add_bos = false);
+std::unique_ptr<Tokenizer> make_sentencepiece_tokenizer(const std::string& model, bool add_bos = false);
 // The alloy-spm helper: $ALLOY_SPM, else alloy-spm beside the running program; "" when neither.
 std::string spm_helper_path();
 

@@ -36,7 +36,7 @@ namespace {
 
 class SentencePieceTokenizer final : public Tokenizer {
  public:
-  explicit SentencePieceTokenizer(const std::string& model) : model_(model) {
+  SentencePieceTokenizer(const std::string& model, bool add_bos) : model_(model), add_bos_(add_bos) {
     if (model.empty())
       throw InputError("data.tokenizer_model", "the sentencepiece tokenizer needs its model file (Megatron's --tokenizer-model)");
     if (!std::filesystem::is_regular_file(model)) throw InputError(model, "no such SentencePiece model file");
@@ -46,8 +46,12 @@ class SentencePieceTokenizer final : public Tokenizer {
                                              (helper.empty() ? std::string() : " (" + helper + ")") +
                                              ": it is built when libsentencepiece-dev is installed (scripts/install-deps.sh), or set ALLOY_SPM");
     int sv[2], err[2];
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0 || ::pipe2(err, O_CLOEXEC) != 0)
-      throw Error(std::string("cannot start alloy-spm: ") + std::strerror(errno));
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) throw Error(std::string("cannot start alloy-spm: ") + std::strerror(errno));
+    if (::pipe2(err, O_CLOEXEC) != 0) {
+      const int e = errno;
+      ::close(sv[0]), ::close(sv[1]);
+      throw Error(std::string("cannot start alloy-spm: ") + std::strerror(e));
+    }
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, sv[1], 0);
@@ -63,32 +67,37 @@ class SentencePieceTokenizer final : public Tokenizer {
     err_ = err[0];
     if (rc != 0) {
       pid_ = -1;
+      stop();
       throw Error("cannot start " + helper + ": " + std::strerror(rc));
     }
-    char magic[4];
-    int32_t head[5];
-    if (!recv_all(magic, 4) || std::memcmp(magic, "ASPM", 4) != 0 || !recv_all(head, sizeof head) || head[0] != 1)
-      throw InputError(model, "cannot be loaded by SentencePiece (helper " + helper + "): " + helper_error());
-    vocab_ = head[1], eos_ = head[2];
-    if (vocab_ <= 0) throw InputError(model, "has no pieces");
-    if (eos_ < 0) throw InputError(model, "has no end-of-sentence piece (trained with --eos_id=-1): documents could not be told apart");
-  }
-  ~SentencePieceTokenizer() override {
-    if (fd_ >= 0) ::close(fd_);  // the helper ends at the end of its input
-    if (err_ >= 0) ::close(err_);
-    if (pid_ > 0) {
-      int st = 0;
-      ::waitpid(pid_, &st, 0);
+    // The constructor's failures stop the helper here: the destructor does not run for them.
+    try {
+      char magic[4];
+      int32_t head[5];
+      pollfd pfd{fd_, POLLIN, 0};
+      if (::poll(&pfd, 1, 60000) <= 0) throw InputError(model, "the SentencePiece helper " + helper + " did not answer within 60 s");
+      if (!recv_all(magic, 4) || std::memcmp(magic, "ASPM", 4) != 0 || !recv_all(head, sizeof head) || head[0] != 1)
+        throw InputError(model, "cannot be loaded by SentencePiece (helper " + helper + "): " + helper_error());
+      vocab_ = head[1], eos_ = head[2], bos_ = head[3];
+      if (vocab_ <= 0) throw InputError(model, "has no pieces");
+      if (eos_ < 0) throw InputError(model, "has no end-of-sentence piece (trained with --eos_id=-1): documents could not be told apart");
+      if (add_bos_ && bos_ < 0) throw InputError(model, "has no beginning-of-sentence piece, which data.add_bos asks for");
+    } catch (...) {
+      stop();
+      throw;
     }
   }
+  ~SentencePieceTokenizer() override { stop(); }
 
   std::vector<int32_t> encode(std::string_view text) const override {
     std::lock_guard<std::mutex> lock(mu_);
     request('E', text.size());
     send_all(text.data(), text.size());
     const uint64_t k = answer();
-    std::vector<int32_t> ids(k);
-    if (!recv_all(ids.data(), k * sizeof(int32_t))) throw Error(model_ + ": alloy-spm stopped: " + helper_error());
+    const size_t first = add_bos_ ? 1 : 0;  // Megatron's Llama2Tokenizer starts every text with <s>
+    std::vector<int32_t> ids(first + k);
+    if (add_bos_) ids[0] = bos_;
+    if (!recv_all(ids.data() + first, k * sizeof(int32_t))) throw Error(model_ + ": alloy-spm stopped: " + helper_error());
     return ids;
   }
 
@@ -155,10 +164,8 @@ class SentencePieceTokenizer final : public Tokenizer {
     if (n != ~uint64_t{0}) return n;
     uint64_t len = 0;
     std::string why;
-    if (recv_all(&len, 8) && len < (1u << 20)) {
-      why.resize(len);
-      recv_all(why.data(), len);
-    }
+    if (!recv_all(&len, 8) || len > (uint64_t{1} << 26) || (why.resize(len), !recv_all(why.data(), len)))
+      throw Error(model_ + ": alloy-spm sent a broken error message");
     throw InputError(model_, "SentencePiece: " + why);
   }
   std::string helper_error() const {
@@ -172,17 +179,33 @@ class SentencePieceTokenizer final : public Tokenizer {
     return s.empty() ? "no message" : s;
   }
 
+  // Ends the helper: the end of its input stops it; one that does not read its input is killed.
+  void stop() {
+    if (fd_ >= 0) ::close(fd_), fd_ = -1;
+    if (pid_ > 0) {
+      int st = 0;
+      for (int k = 0; k < 50 && ::waitpid(pid_, &st, WNOHANG) == 0; ++k) ::usleep(10000);
+      if (::waitpid(pid_, &st, WNOHANG) == 0) {
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, &st, 0);
+      }
+      pid_ = -1;
+    }
+    if (err_ >= 0) ::close(err_), err_ = -1;
+  }
+
   std::string model_;
+  bool add_bos_ = false;
   pid_t pid_ = -1;
   int fd_ = -1, err_ = -1;
-  int32_t vocab_ = 0, eos_ = -1;
+  int32_t vocab_ = 0, eos_ = -1, bos_ = -1;
   mutable std::mutex mu_;
 };
 
 }  // namespace
 
-std::unique_ptr<Tokenizer> make_sentencepiece_tokenizer(const std::string& model) {
-  return std::make_unique<SentencePieceTokenizer>(model);
+std::unique_ptr<Tokenizer> make_sentencepiece_tokenizer(const std::string& model, bool add_bos) {
+  return std::make_unique<SentencePieceTokenizer>(model, add_bos);
 }
 
 }  // namespace alloy::data

@@ -141,14 +141,19 @@ bool global_role(const std::string& name, Role* r) {
   return true;
 }
 
-void flatten(const PyValue& v, const std::string& prefix, std::vector<std::pair<std::string, at::Tensor>>* out) {
+// The model's tensors by dotted name, read from the archive (only these: the optimizer's state is
+// never read). A state dict nests a few levels; deeper (or a dict holding itself) is damage.
+void flatten(const PyValue& v, const std::string& prefix, std::vector<std::pair<std::string, at::Tensor>>* out, const std::string& file,
+             int depth = 0) {
+  if (depth > 32) throw InputError(file, "the model's state nests deeper than 32 levels at '" + prefix + "'");
   if (v.kind == PyValue::Kind::Tensor) {
-    out->emplace_back(prefix, v.tensor);
+    if (prefix.size() >= 12 && prefix.compare(prefix.size() - 12, 12, "_extra_state") == 0) return;
+    out->emplace_back(prefix, v.tensor_value());
     return;
   }
   if (v.kind != PyValue::Kind::Dict) return;  // _extra_state (BytesIO), None, ...
   for (const auto& [k, x] : v.dict)
-    if (k->kind == PyValue::Kind::Str) flatten(*x, prefix.empty() ? k->s : prefix + "." + k->s, out);
+    if (k->kind == PyValue::Kind::Str) flatten(*x, prefix.empty() ? k->s : prefix + "." + k->s, out, file, depth + 1);
 }
 
 struct Shard {
@@ -172,7 +177,7 @@ Shard read_shard(const std::string& file) {
                              "convert it to one stage per rank with Megatron's tools/checkpoint first");
     throw InputError(file, "has no 'model' entry: not a Megatron-LM checkpoint");
   }
-  flatten(*model, "", &s.tensors);
+  flatten(*model, "", &s.tensors, file);
   if (const PyValue* a = root->get("args"); a && a->kind == PyValue::Kind::Object && a->state && a->state->kind == PyValue::Kind::Dict) {
     s.has_args = true;
     for (const auto& [k, v] : a->state->dict)
@@ -247,6 +252,16 @@ ModelConfig model_config_from_megatron_args(const std::map<std::string, std::str
     throw InputError(where, "args ask grouped-query attention in a GPT model: Alloy's gpt2 has none (its llama does)");
   if (m.arch == "gpt2" && flag("untie_embeddings_and_output_weights"))
     throw InputError(where, "args.untie_embeddings_and_output_weights is true: Alloy's gpt2 ties its head to the embedding");
+  if (m.arch == "llama") {
+    if (flag("rotary_interleaved"))
+      throw InputError(where, "args.rotary_interleaved is true: Alloy's llama rotates halves (rotate_half), not interleaved pairs");
+    if (real("rotary_percent", 1.0) != 1.0)
+      throw InputError(where, "args.rotary_percent is " + arg(a, "rotary_percent") + ": Alloy's llama rotates every channel of a head");
+    if (flag("use_rope_scaling")) throw InputError(where, "args.use_rope_scaling is true: Alloy's llama has no RoPE scaling");
+  }
+  if (num("kv_channels", m.hidden / m.heads) != m.hidden / m.heads)
+    throw InputError(where, "args.kv_channels is " + arg(a, "kv_channels") + ", not hidden_size / num_attention_heads = " +
+                                std::to_string(m.hidden / m.heads) + ": Alloy's heads are hidden / heads wide");
   if (flag("apply_residual_connection_post_layernorm"))
     throw InputError(where, "args.apply_residual_connection_post_layernorm is true: Alloy's blocks add the residual before the norm");
   if (notes) {
@@ -259,7 +274,21 @@ ModelConfig model_config_from_megatron_args(const std::map<std::string, std::str
   return m;
 }
 
+namespace {
+MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* want, bool only_without_args);
+}  // namespace
+
 MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const ModelConfig* want, bool only_without_args) {
+  try {
+    return read_checkpoint(path, want, only_without_args);
+  } catch (const c10::Error& e) {
+    // A shape no Megatron model has (pieces that do not join, a fused QKV of the wrong height).
+    throw InputError(path, std::string("its tensors do not form the model: ") + e.what_without_backtrace());
+  }
+}
+
+namespace {
+MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* want, bool only_without_args) {
   MegatronCheckpoint c;
   std::map<std::pair<int, int>, std::string> files;  // (tp, pp) -> file
   std::error_code ec;
@@ -329,6 +358,7 @@ MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const Model
     for (int t = 0; t < c.tp; ++t) {
       Shard s = read_shard(files[{t, p}]);
       if (p == 0 && t == 0) {
+        c.version = s.version;
         c.has_args = s.has_args;
         if (c.iteration == 0 && s.iteration > 0) c.iteration = s.iteration;
         if (s.has_args) c.model = model_config_from_megatron_args(s.args, files[{0, 0}] + " (args)", &c.max_positions, &c.notes);
@@ -345,7 +375,9 @@ MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const Model
           if (!layer_role(mt[2].str(), &r))
             throw InputError(s.file, "tensor '" + name + "' is not part of a GPT block Alloy knows (mixture-of-experts, QK norms and "
                                      "other extensions are not read)");
-          const int64_t local = std::stoll(mt[1].str());
+          const auto parsed = parse_int64(mt[1].str());
+          if (!parsed || *parsed > (int64_t{1} << 20)) throw InputError(s.file, "tensor '" + name + "' has layer number " + mt[1].str());
+          const int64_t local = *parsed;
           if (stage_first < 0 || local < stage_first) stage_first = local;
           stage[local][r.key].emplace_back(name, tensor);
         } else if (global_role(name, &r)) {
@@ -410,7 +442,24 @@ MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const Model
   const ModelConfig& m = c.model;
   const int64_t H = m.hidden, hd = m.head_dim(), heads = m.heads, groups = m.kv_heads_resolved(), F = m.ffn_resolved();
   if (heads % groups) throw InputError(c.dir, "heads " + std::to_string(heads) + " do not divide into " + std::to_string(groups) + " groups");
-  auto join = [&](const Pieces& p, Role::Split split, bool swiglu_fc1) -> at::Tensor {
+  // checkpoint_version 0 and 1 kept each piece's QKV rows as [3, np, hn] and [np, hn, 3]; Megatron
+  // reorders them to [np, 3, hn] on load (fix_query_key_value_ordering), and so does this.
+  if (c.version < 2.0 && groups != heads)
+    throw InputError(c.dir, "checkpoint_version " + std::to_string(c.version) + " predates grouped-query attention, yet the model has it");
+  auto qkv_order = [&](at::Tensor t) {
+    if (c.version >= 2.0) return t;
+    const int64_t rows = t.size(0), cols = t.dim() == 2 ? t.size(1) : 1;
+    if (rows % (3 * hd)) throw InputError(c.dir, "a fused QKV piece of " + std::to_string(rows) + " rows is no whole number of heads");
+    const int64_t np = rows / (3 * hd);
+    const at::Tensor v = c.version < 1.0 ? t.reshape({3, np, hd, cols}).permute({1, 0, 2, 3}) : t.reshape({np, hd, 3, cols}).permute({0, 2, 1, 3});
+    return v.reshape(t.sizes()).contiguous();
+  };
+  auto join = [&](const Pieces& p, Role::Split split, bool swiglu_fc1, bool qkv = false) -> at::Tensor {
+    if (qkv) {
+      std::vector<at::Tensor> pieces;
+      for (const auto& t : p.by_tp) pieces.push_back(qkv_order(t));
+      return pieces.size() == 1 ? pieces.front() : at::cat(pieces, 0);
+    }
     if (p.by_tp.size() == 1 || split == Role::Whole) return p.by_tp.front();
     if (swiglu_fc1) {
       std::vector<at::Tensor> gates, ups;
@@ -447,7 +496,11 @@ MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const Model
     if (it != globals.end()) put("lm_head.weight", join(it->second, Role::Rows, false), it->second.name);
     else put("lm_head.weight", c.weights.at("model.embed_tokens.weight").clone(), need_global("wte").name + " (tied)");
   } else if (globals.count("out.w")) {
-    throw InputError(globals["out.w"].file, "has a separate output layer ('" + globals["out.w"].name + "'): Alloy's gpt2 ties its head to the embedding");
+    // Megatron-Core keeps a copy of the tied embedding as the last stage's output layer.
+    const at::Tensor out = join(globals["out.w"], Role::Rows, false);
+    if (!out.sizes().equals(c.weights.at("wte.weight").sizes()) || !at::equal(out, c.weights.at("wte.weight")))
+      throw InputError(globals["out.w"].file, "has an output layer ('" + globals["out.w"].name +
+                                                  "') that differs from the embedding: Alloy's gpt2 ties its head to the embedding");
   }
   const int64_t per_group = heads / groups;
   for (auto& [l, roles] : layers) {
@@ -456,7 +509,9 @@ MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const Model
       if (it == roles.end()) throw InputError(c.dir, "layer " + std::to_string(l) + " has no " + key + " tensor");
       return it->second;
     };
-    auto whole = [&](const std::string& key) { return join(need(key), split_of(key), llama && key.rfind("fc1.", 0) == 0); };
+    auto whole = [&](const std::string& key) {
+      return join(need(key), split_of(key), llama && key.rfind("fc1.", 0) == 0, key.rfind("qkv.", 0) == 0);
+    };
     auto expect = [&](const std::string& key, const at::Tensor& t, std::vector<int64_t> shape) {
       if (t.sizes() != at::IntArrayRef(shape))
         throw InputError(c.dir, "'" + need(key).name + "' joins to " + shape_text(t.sizes()) + ", a " + m.arch + " block of hidden " +
@@ -494,6 +549,7 @@ MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const Model
       // GPT-2 keeps [in, out] weights (Conv1D) with q, k and v side by side in c_attn's columns.
       const std::string p = "h." + std::to_string(l) + ".";
       const at::Tensor qkv_b = whole("qkv.b");
+      expect("qkv.b", qkv_b, {(heads + 2 * groups) * hd});
       const auto qkv_b_parts = split_qkv(qkv_b.reshape({-1, 1}));
       put(p + "ln_1.weight", need("ln1.w").by_tp.front(), need("ln1.w").name);
       put(p + "ln_1.bias", need("ln1.b").by_tp.front(), need("ln1.b").name);
@@ -511,6 +567,8 @@ MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const Model
   }
   return c;
 }
+
+}  // namespace
 
 void load_megatron_weights(Transformer& m, const MegatronCheckpoint& c) {
   at::NoGradGuard ng;

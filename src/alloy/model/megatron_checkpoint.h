@@ -27,6 +27,7 @@ struct MegatronCheckpoint {
   int64_t iteration = 0;       // -1 for a "release" checkpoint
   int tp = 1, pp = 1;          // tensor- and pipeline-parallel sizes it was saved with
   std::string code;            // "legacy" or "core"
+  double version = 0;          // checkpoint_version (0 and 1 order the fused QKV rows differently)
   bool has_args = false;       // the files carried Megatron's arguments
   ModelConfig model;           // the model they describe (from args, else the one given)
   int64_t max_positions = 0;   // gpt2: rows of the position embedding

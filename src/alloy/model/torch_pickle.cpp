@@ -15,6 +15,49 @@
 
 namespace alloy::model {
 
+namespace {
+
+// Multiply-add without overflow: false when A * B + C leaves int64.
+bool mul_add(int64_t a, int64_t b, int64_t c, int64_t* out) {
+  int64_t m = 0;
+  return !__builtin_mul_overflow(a, b, &m) && !__builtin_add_overflow(m, c, out);
+}
+
+// Checks that the view OFFSET/SIZE/STRIDE lies within STORAGE_NUMEL elements and does not repeat
+// them beyond reason (a stride-0 view of one element cloned into gigabytes); WHERE names it.
+void check_view(int64_t storage_numel, int64_t offset, const std::vector<int64_t>& size, const std::vector<int64_t>& stride,
+                const std::string& where) {
+  if (size.size() != stride.size()) throw InputError(where, "a tensor's size and stride differ in length");
+  int64_t last = offset, numel = 1;
+  bool empty = false;
+  for (size_t k = 0; k < size.size(); ++k) {
+    if (size[k] < 0 || stride[k] < 0) throw InputError(where, "a tensor has a negative size or stride");
+    if (size[k] == 0) empty = true;
+    if (!mul_add(numel, size[k], 0, &numel)) throw InputError(where, "a tensor's element count overflows");
+  }
+  if (offset < 0) throw InputError(where, "a tensor starts at a negative offset");
+  if (empty) return;
+  for (size_t k = 0; k < size.size(); ++k)
+    if (!mul_add(size[k] - 1, stride[k], last, &last)) throw InputError(where, "a tensor's extent overflows");
+  if (last >= storage_numel)
+    throw InputError(where, "a tensor reaches element " + std::to_string(last) + " of a storage of " + std::to_string(storage_numel));
+  if (numel > 16 * storage_numel + (int64_t{1} << 20))
+    throw InputError(where, "a tensor of " + std::to_string(numel) + " elements repeats a storage of " + std::to_string(storage_numel));
+}
+
+at::ScalarType torch_dtype_named(const std::string& name, const std::string& where) {
+  static const std::map<std::string, at::ScalarType> kinds = {
+      {"torch.float32", at::kFloat}, {"torch.float", at::kFloat},     {"torch.float64", at::kDouble}, {"torch.double", at::kDouble},
+      {"torch.float16", at::kHalf},  {"torch.half", at::kHalf},       {"torch.bfloat16", at::kBFloat16}, {"torch.int64", at::kLong},
+      {"torch.long", at::kLong},     {"torch.int32", at::kInt},       {"torch.int", at::kInt},        {"torch.int16", at::kShort},
+      {"torch.short", at::kShort},   {"torch.int8", at::kChar},       {"torch.uint8", at::kByte},     {"torch.bool", at::kBool}};
+  auto it = kinds.find(name);
+  if (it == kinds.end()) throw InputError(where, "a tensor of dtype " + name + ", which Alloy does not read");
+  return it->second;
+}
+
+}  // namespace
+
 const PyValue* PyValue::get(const std::string& key) const {
   const std::vector<std::pair<PyRef, PyRef>>* d = &dict;
   if (kind == Kind::Object && state && state->kind == Kind::Dict) d = &state->dict;
@@ -24,6 +67,23 @@ const PyValue* PyValue::get(const std::string& key) const {
     for (const auto& [k, v] : dict)
       if (k && k->kind == Kind::Str && k->s == key) return v.get();
   return nullptr;
+}
+
+at::Tensor PyValue::tensor_value() const {
+  if (kind != Kind::Tensor) throw InputError("", "a " + type_name() + " is not a tensor");
+  if (!lazy) return tensor;
+  const LazyTensor& l = *lazy;
+  at::Tensor st = l.storage();
+  if (st.scalar_type() != l.dtype) {  // an untyped storage (bytes) seen as _rebuild_tensor_v3's dtype
+    const int64_t item = static_cast<int64_t>(at::elementSize(l.dtype));
+    if (st.numel() % item) throw InputError(l.where, "a storage of " + std::to_string(st.numel()) + " bytes holds no whole " +
+                                                         std::string(c10::toString(l.dtype)) + " elements");
+    st = st.view(l.dtype);
+  }
+  check_view(st.numel(), l.offset, l.size, l.stride, l.where);
+  for (int64_t x : l.size)
+    if (x == 0) return at::empty(l.size, st.options());
+  return st.as_strided(l.size, l.stride, l.offset).clone();
 }
 
 std::string PyValue::type_name() const {
@@ -43,6 +103,25 @@ std::string PyValue::type_name() const {
     case Kind::Object: return cls ? cls->s : "object";
   }
   return "?";
+}
+
+PyValue::~PyValue() {
+  // Children whose last owner this is are emptied one at a time, not destroyed recursively.
+  std::vector<PyRef> pending;
+  auto take = [&pending](PyValue& v) {
+    for (auto& x : v.items) pending.push_back(std::move(x));
+    v.items.clear();
+    for (auto& [k, x] : v.dict) pending.push_back(std::move(k)), pending.push_back(std::move(x));
+    v.dict.clear();
+    if (v.cls) pending.push_back(std::move(v.cls));
+    if (v.state) pending.push_back(std::move(v.state));
+  };
+  take(*this);
+  while (!pending.empty()) {
+    PyRef p = std::move(pending.back());
+    pending.pop_back();
+    if (p && p.use_count() == 1) take(*p);
+  }
 }
 
 namespace {
@@ -420,20 +499,26 @@ class Machine {
       if (storage.kind != PyValue::Kind::Tensor) fail(name + ": its first argument is not a storage");
       const PyValue& off = arg(args, 1, name);
       if (off.kind != PyValue::Kind::Int) fail(name + ": its storage offset is not an integer");
-      const std::vector<int64_t> size = ints(arg(args, 2, name), name + "'s size");
-      const std::vector<int64_t> stride = ints(arg(args, 3, name), name + "'s stride");
-      if (size.size() != stride.size()) fail(name + ": the size and stride differ in length");
-      int64_t last = off.i;  // the furthest element the view reads must lie in the storage
-      bool empty = false;
-      for (size_t k = 0; k < size.size(); ++k) {
-        if (size[k] < 0 || stride[k] < 0) fail(name + ": a negative size or stride");
-        if (size[k] == 0) empty = true;
-        else last += (size[k] - 1) * stride[k];
+      auto l = std::make_shared<LazyTensor>();
+      l->offset = off.i;
+      l->size = ints(arg(args, 2, name), name + "'s size");
+      l->stride = ints(arg(args, 3, name), name + "'s stride");
+      l->where = where_;
+      l->dtype = storage.lazy ? storage.lazy->dtype : storage.tensor.scalar_type();
+      if (name == "torch._utils._rebuild_tensor_v3") {
+        const PyValue& dt = arg(args, 6, name);
+        if (dt.kind != PyValue::Kind::Global) fail(name + ": its dtype is not a torch dtype");
+        l->dtype = torch_dtype_named(dt.s, where_);
       }
-      if (off.i < 0 || (!empty && last >= storage.tensor.numel()))
-        fail(name + ": the tensor reaches element " + std::to_string(last) + " of a storage of " + std::to_string(storage.tensor.numel()));
       auto t = make(PyValue::Kind::Tensor);
-      t->tensor = empty ? at::empty(size, storage.tensor.options()) : storage.tensor.as_strided(size, stride, off.i).clone();
+      if (storage.lazy) {
+        l->storage = storage.lazy->storage;
+      } else {  // a storage given whole (unpickle's own callers): checked here
+        const at::Tensor st = storage.tensor;
+        l->storage = [st]() { return st; };
+        if (st.scalar_type() == l->dtype) check_view(st.numel(), l->offset, l->size, l->stride, where_);
+      }
+      t->lazy = std::move(l);
       return t;
     }
     if (name == "torch._utils._rebuild_parameter" || name == "torch._utils._rebuild_parameter_with_state") {
@@ -493,13 +578,13 @@ PyRef load_torch_file(const std::string& path) {
   if (head.size() < 4 || head.compare(0, 4, "PK\x03\x04") != 0)
     throw InputError(path, "is not a zip archive: torch.save's legacy format (PyTorch before 1.6, or "
                            "_use_new_zipfile_serialization=False) is not read; load and save it again with a newer PyTorch");
-  std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
+  std::shared_ptr<caffe2::serialize::PyTorchStreamReader> reader;
   try {
-    reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+    reader = std::make_shared<caffe2::serialize::PyTorchStreamReader>(path);
   } catch (const std::exception& e) {
     throw InputError(path, std::string("cannot be read as a torch.save archive: ") + e.what());
   }
-  auto record = [&](const std::string& name) {
+  auto record = [reader, path](const std::string& name) {
     if (!reader->hasRecord(name)) throw InputError(path, "the archive has no " + name + " record");
     try {
       auto [ptr, n] = reader->getRecord(name);
@@ -526,14 +611,25 @@ PyRef load_torch_file(const std::string& path) {
     if (it != storages.end()) return it->second;
     const at::ScalarType dt = storage_dtype(pid->items[1]->s, where);
     const int64_t numel = pid->items[4]->i;
-    auto [ptr, n] = record("data/" + key);
-    const size_t want = static_cast<size_t>(numel) * at::elementSize(dt);
-    if (numel < 0 || n < want)
-      throw InputError(path, "storage data/" + key + " holds " + std::to_string(n) + " bytes where " + std::to_string(numel) + " " +
-                                 std::string(c10::toString(dt)) + " elements need " + std::to_string(want));
+    if (numel < 0) throw InputError(where, "storage data/" + key + " has a negative size");
+    if (!reader->hasRecord("data/" + key)) throw InputError(path, "the archive has no data/" + key + " record");
     auto v = make(PyValue::Kind::Tensor);
-    // The record's memory lives as long as the tensor (the deleter holds it).
-    v->tensor = at::from_blob(ptr->get(), {numel}, [keep = ptr](void*) {}, at::TensorOptions().dtype(dt));
+    auto l = std::make_shared<LazyTensor>();
+    l->dtype = dt;
+    l->where = path;
+    l->size = {numel};
+    l->stride = {1};
+    // Read when a tensor over it is asked for; the record's memory lives as long as the tensor
+    // viewing it (the deleter holds it), and the reader as long as any tensor could ask.
+    l->storage = [reader, record, key, dt, numel, path]() {
+      auto [ptr, n] = record("data/" + key);
+      const auto item = static_cast<int64_t>(at::elementSize(dt));
+      if (numel > static_cast<int64_t>(n) / item)
+        throw InputError(path, "storage data/" + key + " holds " + std::to_string(n) + " bytes where " + std::to_string(numel) + " " +
+                                   std::string(c10::toString(dt)) + " elements need more");
+      return at::from_blob(ptr->get(), {numel}, [keep = ptr](void*) {}, at::TensorOptions().dtype(dt));
+    };
+    v->lazy = std::move(l);
     storages.emplace(key, v);
     return v;
   };

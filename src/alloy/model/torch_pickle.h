@@ -18,6 +18,16 @@ namespace alloy::model {
 struct PyValue;
 using PyRef = std::shared_ptr<PyValue>;
 
+// A tensor of a torch.save archive, read when asked for: a checkpoint's optimizer state (several
+// times its weights), never asked for, is never read.
+struct LazyTensor {
+  std::function<at::Tensor()> storage;  // the storage's elements (1-D), read from the archive
+  at::ScalarType dtype = at::kFloat;    // the tensor's (a typed storage's, or _rebuild_tensor_v3's)
+  int64_t offset = 0;
+  std::vector<int64_t> size, stride;
+  std::string where;
+};
+
 // One unpickled value. Dicts keep their insertion order (Python's, and OrderedDict's).
 struct PyValue {
   enum class Kind { None, Bool, Int, Float, Str, Bytes, List, Tuple, Dict, Set, Tensor, Global, Object };
@@ -29,8 +39,16 @@ struct PyValue {
   std::vector<PyRef> items;                   // List, Tuple, Set; Object: its constructor's arguments
   std::vector<std::pair<PyRef, PyRef>> dict;  // Dict
   PyRef cls, state;                           // Object: the class (a Global) and what BUILD gave it
-  at::Tensor tensor;                          // Tensor (on the CPU, in the file's dtype)
+  at::Tensor tensor;                          // Tensor read at once (a storage, or unpickle without an archive)
+  std::shared_ptr<const LazyTensor> lazy;     // Tensor read on demand
 
+  PyValue() = default;
+  PyValue(const PyValue&) = delete;
+  PyValue& operator=(const PyValue&) = delete;
+  ~PyValue();  // iterative: a pickle nested 100k deep must not overflow the stack
+
+  // A Tensor's values (on the CPU, in the file's dtype, contiguous); read from the archive on each call.
+  at::Tensor tensor_value() const;
   // Dict entry KEY (a string key), or an Object's attribute KEY (its BUILD state's entry); null if none.
   const PyValue* get(const std::string& key) const;
   bool is_str() const { return kind == Kind::Str; }
