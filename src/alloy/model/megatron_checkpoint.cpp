@@ -487,6 +487,9 @@ MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* w
     return it->second;
   };
   const bool llama = m.arch == "llama";
+  if (!llama && c.max_positions > m.seq_len)
+    c.notes.push_back("its position embedding has " + std::to_string(c.max_positions) + " rows; the model keeps the first " +
+                      std::to_string(m.seq_len) + " (model.seq_len, from seq_length)");
   put(llama ? "model.embed_tokens.weight" : "wte.weight", join(need_global("wte"), Role::Rows, false), need_global("wte").name);
   if (!llama) put("wpe.weight", need_global("wpe").by_tp.front(), need_global("wpe").name);
   put(llama ? "model.norm.weight" : "ln_f.weight", need_global("lnf.w").by_tp.front(), need_global("lnf.w").name);
