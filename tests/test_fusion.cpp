@@ -137,4 +137,10 @@ TEST(Fusion, MeasuredChoiceTriesEveryCandidateThenKeepsTheFastest) {
   // A new proposal of the model is tried before anything measured wins.
   const Cut again{0, 4};
   EXPECT_EQ(choose_measured({again, one}, measured, model, 0.03), again);
+  // Once tried and slower, the fastest cut ever timed comes back, even if no longer proposed: the
+  // starting cut, left for an untried one, is not forgotten.
+  measured[again] = 1.40;
+  const Cut start{0, 2};
+  measured[start] = 1.00;
+  EXPECT_EQ(choose_measured({again, one}, measured, again, 0.03), start);
 }

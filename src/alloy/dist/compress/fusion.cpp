@@ -76,10 +76,10 @@ std::vector<size_t> choose_measured(const std::vector<std::vector<size_t>>& cand
   auto it = measured.find(running);
   std::vector<size_t> best = running;
   double best_s = it == measured.end() ? std::numeric_limits<double>::infinity() : it->second * (1 - margin);
-  for (const auto& c : candidates) {
-    const double t = measured.at(c);
+  // Every cut timed so far competes, not only today's candidates: the starting cut, once left for
+  // an untried one, must be able to come back when it was the fastest.
+  for (const auto& [c, t] : measured)
     if (t < best_s) best_s = t, best = c;
-  }
   return best;
 }
 

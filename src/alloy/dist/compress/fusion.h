@@ -71,8 +71,8 @@ double simulate_fusion(const FusionPlan& plan, const FusionInputs& in);
 // backward, and one buffer after the backward can be faster than any overlapping cut. So the cuts
 // it may run (the model's best and one buffer) are also timed: each STARTS in CANDIDATES not yet
 // in MEASURED (seconds from backward start to the last decode, agreed among members) is tried
-// first, in order; then the fastest measured one, if it beats RUNNING's time by MARGIN (a
-// fraction). Returns the cut to run next.
+// first, in order; then the fastest of every cut measured so far (the starting one included), if
+// it beats RUNNING's time by MARGIN (a fraction). Returns the cut to run next.
 std::vector<size_t> choose_measured(const std::vector<std::vector<size_t>>& candidates,
                                     const std::map<std::vector<size_t>, double>& measured, const std::vector<size_t>& running,
                                     double margin);
