@@ -127,7 +127,8 @@ void add_model_commands(CLI::App& app, Action& action) {
       if (!a->megatron.empty()) {
         Config cfg = a->config.empty() ? Config{} : Config::load(a->config);
         const model::MegatronCheckpoint ck =
-            model::read_megatron_checkpoint(a->megatron, a->config.empty() ? nullptr : &cfg.model, /*only_without_args=*/true);
+            model::read_megatron_checkpoint(a->megatron, a->config.empty() ? nullptr : &cfg.model, /*only_without_args=*/true,
+                                            /*progress=*/true);
         for (const auto& n : ck.notes) log_warn(a->megatron + ": " + n);
         cfg.model = ck.model;
         cfg.output.dir = a->output;

@@ -15,12 +15,14 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 #include <regex>
 #include <set>
 #include <sstream>
 
 #include "alloy/core/error.h"
 #include "alloy/core/fs.h"
+#include "alloy/core/log.h"
 #include "alloy/core/parse.h"
 #include "alloy/model/tensor_parallel.h"
 #include "alloy/model/torch_pickle.h"
@@ -275,12 +277,12 @@ ModelConfig model_config_from_megatron_args(const std::map<std::string, std::str
 }
 
 namespace {
-MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* want, bool only_without_args);
+MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* want, bool only_without_args, bool progress);
 }  // namespace
 
-MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const ModelConfig* want, bool only_without_args) {
+MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const ModelConfig* want, bool only_without_args, bool progress) {
   try {
-    return read_checkpoint(path, want, only_without_args);
+    return read_checkpoint(path, want, only_without_args, progress);
   } catch (const c10::Error& e) {
     // A shape no Megatron model has (pieces that do not join, a fused QKV of the wrong height).
     throw InputError(path, std::string("its tensors do not form the model: ") + e.what_without_backtrace());
@@ -288,7 +290,7 @@ MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const Model
 }
 
 namespace {
-MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* want, bool only_without_args) {
+MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* want, bool only_without_args, bool progress) {
   MegatronCheckpoint c;
   std::map<std::pair<int, int>, std::string> files;  // (tp, pp) -> file
   std::error_code ec;
@@ -351,12 +353,22 @@ MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* w
   std::map<int64_t, std::map<std::string, Pieces>> layers;
   std::map<std::string, Pieces> globals;
   const std::regex layer_re(R"((?:language_model\.(?:encoder|transformer)\.|decoder\.)layers\.(\d+)\.(.+))");
+  std::optional<Progress> shown;
+  uint64_t total_bytes = 0, read_bytes = 0;
+  if (progress) {
+    for (const auto& [k, f] : files) total_bytes += static_cast<uint64_t>(fs::file_size(f, ec));
+    shown.emplace("megatron", std::max<uint64_t>(1, total_bytes));
+  }
   int64_t offset = 0;
   for (int p = 0; p < c.pp; ++p) {
     std::map<int64_t, std::map<std::string, std::vector<std::pair<std::string, at::Tensor>>>> stage;  // local -> role -> per tp
     int64_t stage_first = -1;
     for (int t = 0; t < c.tp; ++t) {
       Shard s = read_shard(files[{t, p}]);
+      if (shown) {
+        read_bytes += static_cast<uint64_t>(fs::file_size(s.file, ec));
+        shown->update(read_bytes, fs::path(s.file).parent_path().filename().string());
+      }
       if (p == 0 && t == 0) {
         c.version = s.version;
         c.has_args = s.has_args;
@@ -408,6 +420,7 @@ MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* w
     }
     offset += static_cast<int64_t>(stage.size());
   }
+  if (shown) shown->finish(std::to_string(files.size()) + " file(s)");
   c.code = globals.count("wte") && globals["wte"].name.rfind("language_model.", 0) == 0 ? "legacy" : "core";
 
   // The model: the files' arguments, checked against the one asked for (or standing for them).

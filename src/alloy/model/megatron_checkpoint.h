@@ -43,7 +43,9 @@ bool is_megatron_checkpoint(const std::string& path);
 // Reads PATH (any of the above). MODEL, when given, is the model the weights are for: it must agree
 // with the checkpoint's arguments (unless ONLY_WITHOUT_ARGS: then the arguments win), and stands
 // for them when the files carry none. Throws InputError naming the file and tensor at fault.
-MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const ModelConfig* model = nullptr, bool only_without_args = false);
+// PROGRESS shows the pieces read (a 7B model's checkpoint is tens of GB).
+MegatronCheckpoint read_megatron_checkpoint(const std::string& path, const ModelConfig* model = nullptr, bool only_without_args = false,
+                                            bool progress = false);
 
 // The ModelConfig Megatron's arguments (the args Namespace's fields) describe; WHERE names them in errors.
 ModelConfig model_config_from_megatron_args(const std::map<std::string, std::string>& args, const std::string& where,
