@@ -8,6 +8,7 @@
 #include "alloy/cli/commands.h"
 #include "alloy/core/config.h"
 #include "alloy/core/error.h"
+#include "alloy/core/fs.h"
 #include "alloy/core/plan.h"
 #include "alloy/core/plan_convert.h"
 #include "alloy/dist/launch.h"
@@ -84,11 +85,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
     bool nproc_given = launch->count("--nproc") > 0;
     action = [lo, emu_path, emu_opts, no_cpu, no_net, no_pin, nproc_given]() {
       // `alloy` as the command means this very binary, wherever it is installed.
-      if (!lo->command.empty() && lo->command[0] == "alloy") {
-        char buf[4096];
-        ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-        if (n > 0) lo->command[0] = std::string(buf, static_cast<size_t>(n));
-      }
+      if (!lo->command.empty() && lo->command[0] == "alloy" && !executable_path().empty()) lo->command[0] = executable_path();
       dist::LaunchResult r;
       if (!emu_path->empty()) {
         auto spec = plan::load_cluster(*emu_path);

@@ -33,6 +33,9 @@ class AtomicFile {
 void write_file_atomic(const std::string& path, std::string_view contents);
 std::string read_file(const std::string& path);  // throws InputError naming the path
 bool file_exists(const std::string& path);
+// The running program's own file (/proc/self/exe), or "" when it cannot be read: how `alloy`
+// finds itself to start ranks and sweep cells, and its helpers beside it.
+std::string executable_path();
 // Creates DIR (and parents) and checks that it is writable; throws InputError naming it otherwise.
 void ensure_writable_dir(const std::string& dir);
 // fsync a directory so a rename inside it is durable.

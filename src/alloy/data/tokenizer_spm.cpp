@@ -14,6 +14,7 @@
 #include <mutex>
 
 #include "alloy/core/error.h"
+#include "alloy/core/fs.h"
 #include "alloy/data/tokenizer.h"
 
 extern char** environ;
@@ -22,14 +23,10 @@ namespace alloy::data {
 
 std::string spm_helper_path() {
   if (const char* e = std::getenv("ALLOY_SPM"); e && *e) return e;
-  char buf[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n > 0) {
-    buf[n] = '\0';
-    const auto p = std::filesystem::path(buf).parent_path() / "alloy-spm";
-    if (std::filesystem::exists(p)) return p.string();
-  }
-  return "";
+  const std::string self = executable_path();
+  if (self.empty()) return "";
+  const auto p = std::filesystem::path(self).parent_path() / "alloy-spm";
+  return std::filesystem::exists(p) ? p.string() : "";
 }
 
 namespace {

@@ -68,78 +68,77 @@ std::string scalar_text(const PyValue& v) {
   }
 }
 
-// Megatron's role for a layer tensor, from its name after "layers.N.".
-struct Role {
-  std::string key;  // ln1.w, qkv.w, ...
-  enum Split { Whole, Rows, Cols } split;
-};
-bool layer_role(const std::string& suffix, Role* r) {
-  static const std::map<std::string, Role> roles = {
+// How a role's tensor-parallel pieces join: whole on every piece, along rows, along columns.
+enum class Split { Whole, Rows, Cols };
+
+// Megatron's role for a layer tensor (ln1.w, qkv.w, ...), from its name after "layers.N.".
+bool layer_role(const std::string& suffix, std::string* key) {
+  static const std::map<std::string, std::string> roles = {
       // legacy
-      {"input_layernorm.weight", {"ln1.w", Role::Whole}},
-      {"input_layernorm.bias", {"ln1.b", Role::Whole}},
-      {"self_attention.query_key_value.weight", {"qkv.w", Role::Rows}},
-      {"self_attention.query_key_value.bias", {"qkv.b", Role::Rows}},
-      {"attention.query_key_value.weight", {"qkv.w", Role::Rows}},
-      {"attention.query_key_value.bias", {"qkv.b", Role::Rows}},
-      {"self_attention.dense.weight", {"proj.w", Role::Cols}},
-      {"self_attention.dense.bias", {"proj.b", Role::Whole}},
-      {"attention.dense.weight", {"proj.w", Role::Cols}},
-      {"attention.dense.bias", {"proj.b", Role::Whole}},
-      {"post_attention_layernorm.weight", {"ln2.w", Role::Whole}},
-      {"post_attention_layernorm.bias", {"ln2.b", Role::Whole}},
-      {"mlp.dense_h_to_4h.weight", {"fc1.w", Role::Rows}},
-      {"mlp.dense_h_to_4h.bias", {"fc1.b", Role::Rows}},
-      {"mlp.dense_4h_to_h.weight", {"fc2.w", Role::Cols}},
-      {"mlp.dense_4h_to_h.bias", {"fc2.b", Role::Whole}},
+      {"input_layernorm.weight", "ln1.w"},
+      {"input_layernorm.bias", "ln1.b"},
+      {"self_attention.query_key_value.weight", "qkv.w"},
+      {"self_attention.query_key_value.bias", "qkv.b"},
+      {"attention.query_key_value.weight", "qkv.w"},
+      {"attention.query_key_value.bias", "qkv.b"},
+      {"self_attention.dense.weight", "proj.w"},
+      {"self_attention.dense.bias", "proj.b"},
+      {"attention.dense.weight", "proj.w"},
+      {"attention.dense.bias", "proj.b"},
+      {"post_attention_layernorm.weight", "ln2.w"},
+      {"post_attention_layernorm.bias", "ln2.b"},
+      {"mlp.dense_h_to_4h.weight", "fc1.w"},
+      {"mlp.dense_h_to_4h.bias", "fc1.b"},
+      {"mlp.dense_4h_to_h.weight", "fc2.w"},
+      {"mlp.dense_4h_to_h.bias", "fc2.b"},
       // Megatron-Core (local norms, or Transformer Engine's norms fused into the next projection)
-      {"self_attention.linear_qkv.layer_norm_weight", {"ln1.w", Role::Whole}},
-      {"self_attention.linear_qkv.layer_norm_bias", {"ln1.b", Role::Whole}},
-      {"self_attention.linear_qkv.weight", {"qkv.w", Role::Rows}},
-      {"self_attention.linear_qkv.bias", {"qkv.b", Role::Rows}},
-      {"self_attention.linear_proj.weight", {"proj.w", Role::Cols}},
-      {"self_attention.linear_proj.bias", {"proj.b", Role::Whole}},
-      {"pre_mlp_layernorm.weight", {"ln2.w", Role::Whole}},
-      {"pre_mlp_layernorm.bias", {"ln2.b", Role::Whole}},
-      {"mlp.linear_fc1.layer_norm_weight", {"ln2.w", Role::Whole}},
-      {"mlp.linear_fc1.layer_norm_bias", {"ln2.b", Role::Whole}},
-      {"mlp.linear_fc1.weight", {"fc1.w", Role::Rows}},
-      {"mlp.linear_fc1.bias", {"fc1.b", Role::Rows}},
-      {"mlp.linear_fc2.weight", {"fc2.w", Role::Cols}},
-      {"mlp.linear_fc2.bias", {"fc2.b", Role::Whole}},
+      {"self_attention.linear_qkv.layer_norm_weight", "ln1.w"},
+      {"self_attention.linear_qkv.layer_norm_bias", "ln1.b"},
+      {"self_attention.linear_qkv.weight", "qkv.w"},
+      {"self_attention.linear_qkv.bias", "qkv.b"},
+      {"self_attention.linear_proj.weight", "proj.w"},
+      {"self_attention.linear_proj.bias", "proj.b"},
+      {"pre_mlp_layernorm.weight", "ln2.w"},
+      {"pre_mlp_layernorm.bias", "ln2.b"},
+      {"mlp.linear_fc1.layer_norm_weight", "ln2.w"},
+      {"mlp.linear_fc1.layer_norm_bias", "ln2.b"},
+      {"mlp.linear_fc1.weight", "fc1.w"},
+      {"mlp.linear_fc1.bias", "fc1.b"},
+      {"mlp.linear_fc2.weight", "fc2.w"},
+      {"mlp.linear_fc2.bias", "fc2.b"},
   };
   auto it = roles.find(suffix);
   if (it == roles.end()) return false;
-  *r = it->second;
+  *key = it->second;
   return true;
 }
 
 // How a layer role's tensor-parallel pieces join.
-Role::Split split_of(const std::string& key) {
-  if (key == "qkv.w" || key == "qkv.b" || key == "fc1.w" || key == "fc1.b") return Role::Rows;
-  if (key == "proj.w" || key == "fc2.w") return Role::Cols;
-  return Role::Whole;
+Split split_of(const std::string& key) {
+  if (key == "qkv.w" || key == "qkv.b" || key == "fc1.w" || key == "fc1.b") return Split::Rows;
+  if (key == "proj.w" || key == "fc2.w") return Split::Cols;
+  return Split::Whole;
 }
 
-// The model-wide tensors: Alloy-side role and how pieces join.
-bool global_role(const std::string& name, Role* r) {
-  static const std::map<std::string, Role> roles = {
-      {"language_model.embedding.word_embeddings.weight", {"wte", Role::Rows}},
-      {"language_model.embedding.position_embeddings.weight", {"wpe", Role::Whole}},
-      {"language_model.encoder.final_layernorm.weight", {"lnf.w", Role::Whole}},
-      {"language_model.encoder.final_layernorm.bias", {"lnf.b", Role::Whole}},
-      {"language_model.transformer.final_layernorm.weight", {"lnf.w", Role::Whole}},
-      {"language_model.transformer.final_layernorm.bias", {"lnf.b", Role::Whole}},
-      {"language_model.output_layer.weight", {"out.w", Role::Rows}},
-      {"embedding.word_embeddings.weight", {"wte", Role::Rows}},
-      {"embedding.position_embeddings.weight", {"wpe", Role::Whole}},
-      {"decoder.final_layernorm.weight", {"lnf.w", Role::Whole}},
-      {"decoder.final_layernorm.bias", {"lnf.b", Role::Whole}},
-      {"output_layer.weight", {"out.w", Role::Rows}},
+// The model-wide tensors' roles (each joins as join() is told where it is used).
+bool global_role(const std::string& name, std::string* key) {
+  static const std::map<std::string, std::string> roles = {
+      {"language_model.embedding.word_embeddings.weight", "wte"},
+      {"language_model.embedding.position_embeddings.weight", "wpe"},
+      {"language_model.encoder.final_layernorm.weight", "lnf.w"},
+      {"language_model.encoder.final_layernorm.bias", "lnf.b"},
+      {"language_model.transformer.final_layernorm.weight", "lnf.w"},
+      {"language_model.transformer.final_layernorm.bias", "lnf.b"},
+      {"language_model.output_layer.weight", "out.w"},
+      {"embedding.word_embeddings.weight", "wte"},
+      {"embedding.position_embeddings.weight", "wpe"},
+      {"decoder.final_layernorm.weight", "lnf.w"},
+      {"decoder.final_layernorm.bias", "lnf.b"},
+      {"output_layer.weight", "out.w"},
   };
   auto it = roles.find(name);
   if (it == roles.end()) return false;
-  *r = it->second;
+  *key = it->second;
   return true;
 }
 
@@ -347,7 +346,6 @@ MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* w
   // Every piece's tensors by role: layers by global number, then the model-wide ones.
   struct Pieces {
     std::vector<at::Tensor> by_tp;
-    Role::Split split = Role::Whole;
     std::string name, file;
   };
   std::map<int64_t, std::map<std::string, Pieces>> layers;
@@ -380,22 +378,21 @@ MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* w
       }
       for (auto& [name, tensor] : s.tensors) {
         std::smatch mt;
-        Role r;
+        std::string key;
         if (name.size() >= 12 && name.compare(name.size() - 12, 12, "_extra_state") == 0) continue;
         if (name == "word_embeddings_for_head.weight" || name == "language_model.word_embeddings_for_head.weight") continue;  // stage 0's copy
         if (std::regex_match(name, mt, layer_re)) {
-          if (!layer_role(mt[2].str(), &r))
+          if (!layer_role(mt[2].str(), &key))
             throw InputError(s.file, "tensor '" + name + "' is not part of a GPT block Alloy knows (mixture-of-experts, QK norms and "
                                      "other extensions are not read)");
           const auto parsed = parse_int64(mt[1].str());
           if (!parsed || *parsed > (int64_t{1} << 20)) throw InputError(s.file, "tensor '" + name + "' has layer number " + mt[1].str());
           const int64_t local = *parsed;
           if (stage_first < 0 || local < stage_first) stage_first = local;
-          stage[local][r.key].emplace_back(name, tensor);
-        } else if (global_role(name, &r)) {
-          Pieces& g = globals[r.key];
+          stage[local][key].emplace_back(name, tensor);
+        } else if (global_role(name, &key)) {
+          Pieces& g = globals[key];
           g.by_tp.push_back(tensor);
-          g.split = r.split;
           g.name = name;
           g.file = s.file;
         } else {
@@ -467,13 +464,13 @@ MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* w
     const at::Tensor v = c.version < 1.0 ? t.reshape({3, np, hd, cols}).permute({1, 0, 2, 3}) : t.reshape({np, hd, 3, cols}).permute({0, 2, 1, 3});
     return v.reshape(t.sizes()).contiguous();
   };
-  auto join = [&](const Pieces& p, Role::Split split, bool swiglu_fc1, bool qkv = false) -> at::Tensor {
+  auto join = [&](const Pieces& p, Split split, bool swiglu_fc1, bool qkv = false) -> at::Tensor {
     if (qkv) {
       std::vector<at::Tensor> pieces;
       for (const auto& t : p.by_tp) pieces.push_back(qkv_order(t));
       return pieces.size() == 1 ? pieces.front() : at::cat(pieces, 0);
     }
-    if (p.by_tp.size() == 1 || split == Role::Whole) return p.by_tp.front();
+    if (p.by_tp.size() == 1 || split == Split::Whole) return p.by_tp.front();
     if (swiglu_fc1) {
       std::vector<at::Tensor> gates, ups;
       for (const auto& t : p.by_tp) {
@@ -483,7 +480,7 @@ MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* w
       }
       return at::cat({at::cat(gates, 0), at::cat(ups, 0)}, 0);
     }
-    return at::cat(p.by_tp, split == Role::Rows ? 0 : 1);
+    return at::cat(p.by_tp, split == Split::Rows ? 0 : 1);
   };
   auto put = [&](const std::string& name, at::Tensor t, const std::string& from) {
     c.weights[name] = t.contiguous();
@@ -503,17 +500,17 @@ MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* w
   if (!llama && c.max_positions > m.seq_len)
     c.notes.push_back("its position embedding has " + std::to_string(c.max_positions) + " rows; the model keeps the first " +
                       std::to_string(m.seq_len) + " (model.seq_len, from seq_length)");
-  put(llama ? "model.embed_tokens.weight" : "wte.weight", join(need_global("wte"), Role::Rows, false), need_global("wte").name);
+  put(llama ? "model.embed_tokens.weight" : "wte.weight", join(need_global("wte"), Split::Rows, false), need_global("wte").name);
   if (!llama) put("wpe.weight", need_global("wpe").by_tp.front(), need_global("wpe").name);
   put(llama ? "model.norm.weight" : "ln_f.weight", need_global("lnf.w").by_tp.front(), need_global("lnf.w").name);
   if (!llama) put("ln_f.bias", need_global("lnf.b").by_tp.front(), need_global("lnf.b").name);
   if (llama) {
     const auto it = globals.find("out.w");
-    if (it != globals.end()) put("lm_head.weight", join(it->second, Role::Rows, false), it->second.name);
+    if (it != globals.end()) put("lm_head.weight", join(it->second, Split::Rows, false), it->second.name);
     else put("lm_head.weight", c.weights.at("model.embed_tokens.weight").clone(), need_global("wte").name + " (tied)");
   } else if (globals.count("out.w")) {
     // Megatron-Core keeps a copy of the tied embedding as the last stage's output layer.
-    const at::Tensor out = join(globals["out.w"], Role::Rows, false);
+    const at::Tensor out = join(globals["out.w"], Split::Rows, false);
     if (!out.sizes().equals(c.weights.at("wte.weight").sizes()) || !at::equal(out, c.weights.at("wte.weight")))
       throw InputError(globals["out.w"].file, "has an output layer ('" + globals["out.w"].name +
                                                   "') that differs from the embedding: Alloy's gpt2 ties its head to the embedding");

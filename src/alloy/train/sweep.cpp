@@ -79,11 +79,9 @@ int run_command(const std::vector<std::string>& argv, const std::string& log) {
 }
 
 std::string self_exe() {
-  char buf[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) throw Error("cannot find the alloy binary (/proc/self/exe); pass --alloy");
-  buf[n] = 0;
-  return buf;
+  std::string p = executable_path();
+  if (p.empty()) throw Error("cannot find the alloy binary (/proc/self/exe); pass --alloy");
+  return p;
 }
 
 // The last "error:" line of a cell's log, for the table's note.
