@@ -326,7 +326,8 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
 // the caller), at the smallest and the largest micro-batch size M: each round times K block
 // forwards alone on both devices at once, then K forwards each followed by a sum of its output
 // over the pair, as a TP stage runs them; what the sums added to the slower device's compute, per
-// sum, is the figure (median of the rounds). A block's forward stands for a member's share of a
+// sum, is the figure (median of the rounds), and never less than the sums' own time on the member
+// that waited least in them. A block's forward stands for a member's share of a
 // half block: sums come every few milliseconds as in training, so CPU quota periods and the
 // members' uneven arrival are met as often as they are there.
 std::vector<TpSumProfile> measure_tp_sums(const ModelConfig& model, const ClusterSpec& spec, dist::World& world, int a, int b,
@@ -371,13 +372,22 @@ std::vector<TpSumProfile> measure_tp_sums(const ModelConfig& model, const Cluste
       const double alone = seconds_since(t0);
       comm.allreduce_sum(start);
       t0 = Clock::now();
+      double in_sums = 0;
       for (int64_t i = 0; i < k; ++i) {
         at::Tensor y = forward();
+        const auto s0 = Clock::now();
         comm.allreduce_sum(y);
+        in_sums += seconds_since(s0);
       }
       const double with_sums = seconds_since(t0);
       const auto [alone_a, alone_b] = both(alone);
-      per_sum.push_back(std::max(0.0, (with_sums - std::max(alone_a, alone_b)) / static_cast<double>(k)));
+      const auto [sums_a, sums_b] = both(in_sums);
+      // Where a forward takes far longer than a sum (a wide model's largest micro-batch), the
+      // compute's own run-to-run noise can exceed what the sums added, and the difference reads
+      // 0 (measured: 0 ms for 4 MiB on a pair that took 6 ms for 512 KiB). The sums themselves,
+      // timed on the member that waited least in them (the later to arrive), are the floor.
+      const double added = (with_sums - std::max(alone_a, alone_b)) / static_cast<double>(k);
+      per_sum.push_back(std::max({0.0, added, std::min(sums_a, sums_b) / static_cast<double>(k)}));
     }
     out.push_back({spec.devices[static_cast<size_t>(a)].name, spec.devices[static_cast<size_t>(b)].name, bytes, median(per_sum)});
   }
