@@ -15,6 +15,10 @@ of it). Writes bench/results/tp.json (or tp-<cluster stem>.json).
 
 usage: /usr/bin/python3 bench/tp_bench.py [--build build] [--cluster examples/cluster-3dev.yaml]
            [--config examples/demo-gpt2.yaml] [--global-batch 48] [--steps 8] [--timed-after 2] [--rounds 3]
+
+Megatron's layout (a group inside each host, a pipeline across the thin link between hosts):
+  /usr/bin/python3 bench/tp_bench.py --cluster examples/cluster-tp-2x2.yaml --config examples/wide-llama.yaml \
+      --global-batch 2 --micro-batch 1 --steps 6 --rounds 2
 """
 import argparse
 import json
@@ -108,18 +112,19 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--timed-after", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every plan in turn; the median is reported")
+    ap.add_argument("--profile", help="an `alloy profile` of this pool and model to use instead of profiling again "
+                    "(for a second invocation at another global batch)")
     a = ap.parse_args()
     sets = [f"train.global_batch={a.global_batch}", f"train.micro_batch={a.micro_batch}", "train.replan_step=0"]
     R = hb.Runner(argparse.Namespace(build=a.build, cluster=a.cluster, config=a.config, work=a.work, steps=a.steps,
                                      round_steps=None, demo=False, timed_after=a.timed_after, set=sets))
-    if os.path.abspath(a.config) == os.path.join(REPO, "examples", "demo-gpt2.yaml") and not os.path.exists(
-            os.path.join(REPO, "data", "fortunes_train.idx")):
+    if "data/fortunes" in open(R.config).read() and not os.path.exists(os.path.join(REPO, "data", "fortunes_train.idx")):
         R.run([R.alloy, "data", "prepare", "--input", "/usr/share/games/fortunes", "--output", "data/fortunes"])
     devices = hb.cluster_devices(R.alloy, R.cluster)
     model = hb.model_of(R.config)
     heads = int(model["heads"])
     kv = int(model.get("kv_heads", 0) or heads)
-    prof = R.profile()
+    prof = os.path.abspath(a.profile) if a.profile else R.profile()
     plans = {}
     base = [R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", prof, "--no-compare"] + R.sets
     for name, extra in (("pipeline", ["--tensor-parallel", "off"]), ("best", [])):

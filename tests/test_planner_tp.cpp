@@ -178,6 +178,45 @@ TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
   EXPECT_GT(make_plan(c, prof, o, false).chosen.cost.step_s, r.chosen.cost.step_s);
 }
 
+// Megatron's layout, found rather than asked for: two hosts of two equal devices each, a thin
+// link between the hosts, a batch of two micro-batches and a model no device holds alone (LLaMA:
+// no tied weights to sum across the thin link). A pipeline over four stages idles in most of its
+// fill and drain; each host's pair as one tensor-parallel stage, the pipeline crossing the thin
+// link once, does not. The search finds the first pair alone, then adds the second.
+TEST(TensorParallelPlanner, PutsAGroupInsideEachHostAndThePipelineAcrossThem) {
+  ClusterSpec c;
+  c.devices = {device("a0", "box0", "fast", 0.009), device("a1", "box0", "fast", 0.009), device("b0", "box1", "fast", 0.009),
+               device("b1", "box1", "fast", 0.009)};
+  c.intra_host = {40.0, 0.02};
+  c.default_link = {0.1, 0.1};
+  Profile prof = base_profile(4, "llama");
+  // A wide model: a sum of one micro-batch's activations is 512 KiB, 42 ms on the thin link.
+  prof.model.hidden = 1024;
+  prof.model.seq_len = 128;
+  prof.memory.param_bytes_embed = prof.memory.param_bytes_head = 2e5;
+  prof.devices["fast"] = dev_profile(10.0);
+  SearchOptions o;
+  o.global_batch = 2;
+  o.micro_batch_sizes = {1};
+  o.schedules = {"1f1b", "gpipe"};
+  PlanReport r = make_plan(c, prof, o, false);
+  std::set<std::vector<std::string>> groups;
+  for (const auto& pl : r.chosen.plan.pipelines)
+    for (const auto& st : pl.stages) {
+      EXPECT_EQ(st.tp(), 2) << r.text();
+      groups.insert(st.devices);
+    }
+  EXPECT_EQ(groups, (std::set<std::vector<std::string>>{{"a0", "a1"}, {"b0", "b1"}})) << r.text();
+  EXPECT_NO_THROW(r.chosen.plan.validate(prof.model, "chosen"));
+  EXPECT_NEAR(r.chosen.cost.step_s, simulate_plan(r.chosen.plan, c, prof).step_s, 1e-12);
+  bool noted = false;
+  for (const auto& n : r.chosen.notes) noted = noted || n.find("a0+a1 and b0+b1 as one stage each") != std::string::npos;
+  EXPECT_TRUE(noted) << r.text();
+  // Without tensor parallelism the same search is predicted slower.
+  o.tensor_parallel = false;
+  EXPECT_GT(make_plan(c, prof, o, false).chosen.cost.step_s, r.chosen.cost.step_s);
+}
+
 TEST(TensorParallelPlanner, LoraKeepsItsGroupsOverAnyBase) {
   // The pool and batch of PutsTheGroupOnTheFastLinkOnly, fine-tuning: the group is chosen over an
   // fp32 base and over an nf4 one (whose pieces are cut from the whole weight's quantization).

@@ -171,7 +171,10 @@ void refine_schedules(SearchResult& result, const ClusterSpec& cluster, const Pr
 // in proportion to their speeds, plus the group's sums on its links per block; embedding and head
 // at its slowest member's speed, since every member computes them); the composite's stages then
 // become tensor-parallel stages with the valid head splits nearest the speeds, each priced by
-// simulate_plan on the real pool. RESULT's plan is replaced when the best is predicted more than
+// simulate_plan on the real pool. Then several groups at once, greedily: from the best group,
+// each disjoint group that gave a plan alone is added in turn and kept where the plan with it is
+// predicted faster (a group inside each host, a pipeline across the hosts' links, found rather
+// than asked for). RESULT's plan is replaced when the best is predicted more than
 // kTensorParallelMinGain faster; either way a note says what the best group predicted. A group
 // spanning a thin link pays for its sums there and loses to pipelines, which send one activation
 // per micro-batch instead of four sums per block. A candidate whose groups do not fit memory is

@@ -119,11 +119,134 @@ std::vector<std::vector<int64_t>> splits_near(const ModelConfig& model, int n, c
 }
 
 struct Tried {
-  std::vector<int> group;
+  std::vector<std::vector<int>> groups;  // disjoint, each one tensor-parallel stage's devices
   double step_s = std::numeric_limits<double>::infinity();
   Plan plan;
   PlanCost cost;
 };
+
+std::string group_names(const ClusterSpec& cluster, const std::vector<int>& g) {
+  std::vector<std::string> names;
+  for (int d : g) names.push_back(cluster.devices[static_cast<size_t>(d)].name);
+  return joined(names, "+");
+}
+
+std::string groups_names(const ClusterSpec& cluster, const std::vector<std::vector<int>>& gs) {
+  std::vector<std::string> out;
+  for (const auto& g : gs) out.push_back(group_names(cluster, g));
+  return joined(out, " and ");
+}
+
+// The whole search on the pool with each group of GS as one composite device (at its first
+// member's place and host), then back on the real pool with the composites' stages as
+// tensor-parallel stages, the valid head splits nearest the members' speeds tried in rank (the
+// K-th nearest on every group at once), each priced by simulate_plan. The best that fits.
+Tried evaluate_groups(const std::vector<std::vector<int>>& gs, const ClusterSpec& cluster, const Profile& profile,
+                      const CostContext& ctx, const SearchOptions& o, const SearchOptions& options,
+                      const std::vector<int64_t>& sizes) {
+  const int n = static_cast<int>(cluster.devices.size());
+  Tried best;
+  best.groups = gs;
+  std::vector<int> group_of(static_cast<size_t>(n), -1);
+  for (size_t k = 0; k < gs.size(); ++k)
+    for (int d : gs[k]) group_of[static_cast<size_t>(d)] = static_cast<int>(k);
+  ClusterSpec reduced = cluster;
+  reduced.devices.clear();
+  reduced.source_lines.clear();
+  std::vector<int> orig_group;  // reduced device -> its group in GS, or -1
+  std::vector<int> orig;        // reduced device -> the original device (a group's first member)
+  Profile aug = profile;
+  for (int d = 0; d < n; ++d) {
+    const int k = group_of[static_cast<size_t>(d)];
+    if (k < 0) {
+      reduced.devices.push_back(cluster.devices[static_cast<size_t>(d)]);
+      orig_group.push_back(-1);
+      orig.push_back(d);
+    } else if (d == gs[static_cast<size_t>(k)].front()) {
+      const auto& g = gs[static_cast<size_t>(k)];
+      Device c = cluster.devices[static_cast<size_t>(d)];
+      c.name = group_names(cluster, g);
+      c.type = "tp:" + c.name;
+      c.speed = 0;
+      bool known = true;
+      double mem = 0;
+      for (int x : g) {
+        c.speed += cluster.devices[static_cast<size_t>(x)].speed;
+        known = known && cluster.devices[static_cast<size_t>(x)].memory_gb > 0;
+        mem += cluster.devices[static_cast<size_t>(x)].memory_gb;
+      }
+      c.memory_gb = known ? mem : 0;
+      aug.devices[c.type] = composite_profile(profile, cluster, ctx, g, sizes);
+      reduced.devices.push_back(c);
+      orig_group.push_back(k);
+      orig.push_back(d);
+    }
+  }
+  SearchResult sub;
+  try {
+    sub = search(reduced, aug, o);
+  } catch (const std::exception&) {
+    return best;  // nothing fits with these groups: others may
+  }
+  if (!sub.plan.sharding.empty()) return best;
+  std::vector<std::vector<std::vector<int64_t>>> splits;  // per group, nearest its members' speeds first
+  size_t rounds = 0;
+  for (const auto& g : gs) {
+    std::vector<double> rate;
+    for (int d : g) {
+      const DeviceProfile& p = profile.devices.at(cluster.devices[static_cast<size_t>(d)].type);
+      const double m = static_cast<double>(sizes.back());
+      rate.push_back(1.0 / std::max(1e-12, p.block_fwd.at(m) + p.block_bwd.at(m)));
+    }
+    splits.push_back(splits_near(profile.model, static_cast<int>(g.size()), rate, 6));
+    if (splits.back().empty()) return best;
+    rounds = std::max(rounds, splits.back().size());
+  }
+  for (size_t r = 0; r < rounds; ++r) {
+    Plan p = sub.plan;
+    for (auto& pl : p.pipelines)
+      for (auto& st : pl.stages) {
+        const size_t i = static_cast<size_t>(st.ranks[0]);
+        const int k = orig_group[i];
+        if (k >= 0) {
+          const auto& g = gs[static_cast<size_t>(k)];
+          const auto& sp = splits[static_cast<size_t>(k)];
+          st.ranks.assign(g.begin(), g.end());
+          st.devices.clear();
+          for (int d : g) st.devices.push_back(cluster.devices[static_cast<size_t>(d)].name);
+          st.device = st.devices.front();
+          st.tp_split = sp[std::min(r, sp.size() - 1)];
+        } else {
+          st.ranks = {orig[i]};
+          st.device = cluster.devices[static_cast<size_t>(orig[i])].name;
+        }
+      }
+    p.slow_links.clear();
+    auto price = [&](const Plan& plan, PlanCost* out) {
+      try {
+        *out = simulate_plan(plan, cluster, profile);
+        return true;
+      } catch (const std::exception&) {
+        return false;
+      }
+    };
+    PlanCost c;
+    const bool priced = !options.sequence_parallel && price(p, &c);
+    if (options.sequence_parallel || (priced && !c.fits)) {
+      // Sequence parallelism where asked, or where the groups' activations do not fit whole.
+      Plan sp = p;
+      sp.set_sequence_parallel();
+      PlanCost csp;
+      if (!price(sp, &csp)) continue;  // simulate_plan validates: a member without positions is refused
+      p = sp, c = csp;
+    } else if (!priced) {
+      continue;
+    }
+    if (!c.fits) continue;
+    if (c.step_s < best.step_s) best.step_s = c.step_s, best.plan = p, best.cost = c;
+  }
+  return best;
+}
 
 }  // namespace
 
@@ -166,118 +289,65 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
     return;
   }
   const auto sizes = options.candidate_micro_batches();
+  auto out_of_time = [&](int tried) {
+    return tried >= kTensorParallelMaxGroups || std::chrono::duration<double>(Clock::now() - t0).count() > budget;
+  };
   Tried best;
   int tried = 0;
+  std::vector<Tried> singles;  // every group that gave a plan, for the groupings below
   for (const auto& [bw, g] : groups) {
-    if (tried >= kTensorParallelMaxGroups || std::chrono::duration<double>(Clock::now() - t0).count() > budget) break;
+    if (out_of_time(tried)) break;
     ++tried;
-    // The pool with G as one device, at its first member's place and host.
-    ClusterSpec reduced = cluster;
-    reduced.devices.clear();
-    reduced.source_lines.clear();
-    std::vector<std::vector<int>> orig;  // reduced device -> original devices
-    std::vector<std::string> names;
-    for (int d : g) names.push_back(cluster.devices[static_cast<size_t>(d)].name);
-    Profile aug = profile;
-    for (int d = 0; d < n; ++d) {
-      if (std::find(g.begin(), g.end(), d) == g.end()) {
-        reduced.devices.push_back(cluster.devices[static_cast<size_t>(d)]);
-        orig.push_back({d});
-      } else if (d == g.front()) {
-        Device c = cluster.devices[static_cast<size_t>(d)];
-        c.name = joined(names, "+");
-        c.type = "tp:" + c.name;
-        c.speed = 0;
-        bool known = true;
-        double mem = 0;
-        for (int x : g) {
-          c.speed += cluster.devices[static_cast<size_t>(x)].speed;
-          known = known && cluster.devices[static_cast<size_t>(x)].memory_gb > 0;
-          mem += cluster.devices[static_cast<size_t>(x)].memory_gb;
-        }
-        c.memory_gb = known ? mem : 0;
-        aug.devices[c.type] = composite_profile(profile, cluster, ctx, g, sizes);
-        reduced.devices.push_back(c);
-        orig.push_back(g);
-      }
+    Tried t = evaluate_groups({g}, cluster, profile, ctx, o, options, sizes);
+    if (!std::isfinite(t.step_s)) continue;
+    if (t.step_s < best.step_s) best = t;
+    singles.push_back(std::move(t));
+  }
+  // Several groups at once (Megatron's layout on a pool of hosts: a group inside each host, a
+  // pipeline across the links between them): from the best group, each disjoint group that
+  // gave a plan alone is added in turn, best first, and kept where the plan with it is faster.
+  std::stable_sort(singles.begin(), singles.end(), [](const Tried& a, const Tried& b) { return a.step_s < b.step_s; });
+  if (!singles.empty()) {
+    Tried cur = singles.front();
+    for (size_t i = 1; i < singles.size() && !out_of_time(tried); ++i) {
+      const auto& g = singles[i].groups.front();
+      bool disjoint = true;
+      for (const auto& h : cur.groups)
+        for (int d : g) disjoint = disjoint && std::find(h.begin(), h.end(), d) == h.end();
+      if (!disjoint) continue;
+      ++tried;
+      auto gs = cur.groups;
+      gs.push_back(g);
+      Tried t = evaluate_groups(gs, cluster, profile, ctx, o, options, sizes);
+      if (t.step_s < cur.step_s) cur = std::move(t);
     }
-    SearchResult sub;
-    try {
-      sub = search(reduced, aug, o);
-    } catch (const std::exception&) {
-      continue;  // nothing fits with this group: the others may
-    }
-    if (!sub.plan.sharding.empty()) continue;
-    // Back to the real pool: the composite's stages become tensor-parallel stages, each split
-    // tried near the members' speeds and priced by simulate_plan.
-    std::vector<double> rate;
-    for (int d : g) {
-      const DeviceProfile& p = profile.devices.at(cluster.devices[static_cast<size_t>(d)].type);
-      const double m = static_cast<double>(sizes.back());
-      rate.push_back(1.0 / std::max(1e-12, p.block_fwd.at(m) + p.block_bwd.at(m)));
-    }
-    for (const auto& split : splits_near(profile.model, static_cast<int>(g.size()), rate, 6)) {
-      Plan p = sub.plan;
-      for (auto& pl : p.pipelines)
-        for (auto& st : pl.stages) {
-          const auto& to = orig[static_cast<size_t>(st.ranks[0])];
-          st.ranks.assign(to.begin(), to.end());
-          if (to.size() > 1) {
-            st.devices = names;
-            st.device = names.front();
-            st.tp_split = split;
-          } else {
-            st.device = cluster.devices[static_cast<size_t>(to.front())].name;
-          }
-        }
-      p.slow_links.clear();
-      auto price = [&](const Plan& plan, PlanCost* out) {
-        try {
-          *out = simulate_plan(plan, cluster, profile);
-          return true;
-        } catch (const std::exception&) {
-          return false;
-        }
-      };
-      PlanCost c;
-      const bool priced = !options.sequence_parallel && price(p, &c);
-      if (options.sequence_parallel || (priced && !c.fits)) {
-        // Sequence parallelism where asked, or where the groups' activations do not fit whole.
-        Plan sp = p;
-        sp.set_sequence_parallel();
-        PlanCost csp;
-        if (!price(sp, &csp)) continue;  // simulate_plan validates: a member without positions is refused
-        p = sp, c = csp;
-      } else if (!priced) {
-        continue;
-      }
-      if (!c.fits) continue;
-      if (c.step_s < best.step_s) best = {g, c.step_s, p, c};
-    }
+    if (cur.step_s < best.step_s) best = std::move(cur);
   }
   result.candidates_evaluated += tried;
-  if (best.group.empty()) {
+  if (!std::isfinite(best.step_s)) {
     if (tried > 0)
       result.notes.push_back("tensor parallelism: not used; none of the " + std::to_string(tried) +
                              " device groups tried gives a plan that fits (memory without sharding, and positions for "
                              "every member where sequence parallel)");
     return;
   }
-  std::vector<std::string> names;
-  for (int d : best.group) names.push_back(cluster.devices[static_cast<size_t>(d)].name);
-  std::string split;
+  std::sort(best.groups.begin(), best.groups.end());  // named in the pool's order
+  std::vector<std::string> splits;
   bool sequence_parallel = false;
   for (const auto& pl : best.plan.pipelines)
     for (const auto& st : pl.stages)
       if (st.tp() > 1) {
         std::vector<std::string> h;
         for (int64_t x : st.tp_heads(profile.model.heads)) h.push_back(std::to_string(x));
-        split = joined(h, ":");
+        if (std::find(splits.begin(), splits.end(), joined(h, ":")) == splits.end()) splits.push_back(joined(h, ":"));
         sequence_parallel = sequence_parallel || st.sequence_parallel;
       }
+  std::string split = joined(splits, " / ");
   if (sequence_parallel)
     split += options.sequence_parallel ? ", sequence parallel (train.sequence_parallel)"
                                        : ", sequence parallel (the group fits memory only with its activations split by position)";
+  const std::string who = groups_names(cluster, best.groups);
+  const std::string as = best.groups.size() > 1 ? " as one stage each, heads " : " as one stage, heads ";
   const double before = result.cost.step_s;
   char buf[200];
   if (best.step_s < before * (1.0 - kTensorParallelMinGain)) {
@@ -286,20 +356,21 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
     else
       std::snprintf(buf, sizeof buf, "%.1f ms; no plan without it fits", best.step_s * 1e3);
     // The refinement phases' notes described the plan this one replaces.
-    for (auto& n : result.notes)
+    for (auto& note : result.notes)
       for (const char* phase : {"pipeline boundaries inside blocks", "schedules per pipeline", "gradient buckets", "memory:"})
-        if (n.rfind(phase, 0) == 0) n = "(the plan before tensor parallelism) " + n;
+        if (note.rfind(phase, 0) == 0) note = "(the plan before tensor parallelism) " + note;
     result.plan = best.plan;
     result.plan.predicted = nlohmann::json();
     result.cost = best.cost;
     result.search_step_s = best.cost.step_s;
     result.exact = false;
-    result.notes.push_back("tensor parallelism: " + joined(names, "+") + " as one stage, heads " + split + " (" + buf + ", " +
-                           std::to_string(tried) + " device groups tried)");
+    result.notes.push_back("tensor parallelism: " + who + as + split + " (" + buf + ", " + std::to_string(tried) +
+                           " device groups tried)");
   } else {
     std::snprintf(buf, sizeof buf, "%.1f ms against %.1f ms without", best.step_s * 1e3, before * 1e3);
-    result.notes.push_back("tensor parallelism: not used; the best group, " + joined(names, "+") + " (heads " + split + "), predicts " + buf +
-                           " (" + std::to_string(tried) + " device groups tried)");
+    result.notes.push_back("tensor parallelism: not used; the best " + std::string(best.groups.size() > 1 ? "groups, " : "group, ") + who +
+                           " (heads " + split + "), predict" + (best.groups.size() > 1 ? "" : "s") + " " + buf + " (" +
+                           std::to_string(tried) + " device groups tried)");
   }
 }
 
