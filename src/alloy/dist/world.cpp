@@ -149,6 +149,11 @@ std::shared_ptr<World> World::create(const Rendezvous& rv, std::chrono::millisec
   w->store_ = connect_store(rv, rv.rank == 0, timeout);
   // The heartbeat has its own connection so it never waits behind a blocking store call.
   w->hb_store_ = connect_store(rv, false, std::chrono::milliseconds(5000));
+  {
+    char host[256] = {0};
+    ::gethostname(host, sizeof(host) - 1);
+    w->store_->set("alloy/machine/" + std::to_string(rv.rank), bytes_of(std::string(host) + " " + make_gloo_device(rv)->str()));
+  }
   w->store_->set("alloy/joined/" + std::to_string(rv.rank), bytes_of("1"));
   w->store_->add("alloy/joined", 1);
   auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -352,6 +357,12 @@ void World::check_same(const std::string& what, const std::string& value) {
     if (str_of(store_->get(keys[static_cast<size_t>(r)])) != ref) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
   if (!differ.empty())
     throw Error("rank(s) " + differ + " hold a different " + what + " than rank 0: every rank must be started with the same config and plan");
+}
+
+std::vector<std::string> World::machines() {
+  std::vector<std::string> out;
+  for (int r = 0; r < rv_.world_size; ++r) out.push_back(str_of(store_->get("alloy/machine/" + std::to_string(r))));
+  return out;
 }
 
 std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int> ranks) {

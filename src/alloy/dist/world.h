@@ -103,6 +103,10 @@ class World {
   // (all(), made with the world, stays on Gloo): a group whose members all train on GPUs of their
   // own gets NCCL beside Gloo (nccl_eligible; ALLOY_NCCL=0 on any member keeps it on Gloo).
   void set_device(const at::Device& device);
+  // Which machine each rank runs on (index: rank), as each published it when the world was made:
+  // its hostname and the address its Gloo device binds (the emulator's hosts share a hostname but
+  // not an address). Ranks with equal strings share a machine; compare them, do not parse them.
+  std::vector<std::string> machines();
   // All members of RANKS call this, in the same order across ranks, with a NAME unique in the job.
   std::shared_ptr<Group> new_group(const std::string& name, std::vector<int> ranks);
   Group& all();  // every rank

@@ -76,6 +76,7 @@ at::Tensor StageExecutor::finish_recv(PostedRecv& r, at::IntArrayRef shape, at::
                 ", expected [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + ", " +
                 std::to_string(shape[2]) + "] " + c10::toString(dtype) + ": the two stages disagree on the plan");
   dist::wait_work(r.wd, what);
+  for (int dst : links_.relay) send_tensor(dst, r.mb, r.kind, r.data);
   return r.data.to(slice_.device());  // the first parameter may live quantized (LoRA base)
 }
 

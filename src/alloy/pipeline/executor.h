@@ -42,10 +42,14 @@ struct StageLinks {
   int prev_rank = -1;            // global ranks of the neighbouring stages; -1 at the ends
   int next_rank = -1;
   // Tensor parallelism: a stage's ranks all compute the same activations and input gradients, so
-  // its first rank alone sends, to every rank of the neighbouring stage, and each rank receives
-  // from the neighbour's first rank (PREV_RANK / NEXT_RANK). Empty: send to PREV_RANK / NEXT_RANK
-  // (one rank per stage); {-1}: this rank sends nothing.
+  // its first rank alone sends, to one rank of the neighbouring stage per machine (its first
+  // there), which passes each message on to RELAY, the stage's other ranks on its machine: a
+  // message crosses a link between machines once, not once per member. PREV_RANK / NEXT_RANK are
+  // whom this rank receives from (the neighbour's first rank, or its own machine's first member
+  // of the stage). Empty: send to PREV_RANK / NEXT_RANK (one rank per stage); {-1}: this rank
+  // sends nothing.
   std::vector<int> send_prev, send_next;
+  std::vector<int> relay;
 };
 
 class StageExecutor {
