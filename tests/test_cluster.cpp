@@ -810,7 +810,7 @@ TEST(Profile, JsonRoundTrip) {
   EXPECT_EQ(q.to_json(), p.to_json());
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-profile");
-  EXPECT_EQ(j["version"], 9);
+  EXPECT_EQ(j["version"], 10);
   // Tensor-parallel sums per device pair round-trip and are optional.
   {
     EXPECT_FALSE(j.contains("tp_sums"));
@@ -869,6 +869,23 @@ TEST(Profile, JsonRoundTrip) {
       } catch (const alloy::InputError& e) {
         EXPECT_NE(std::string(e.what()).find("devices.cpu-quarter.comm_cpu_s_per_byte: must be in [0, 1e-4)"), std::string::npos) << e.what();
       }
+    }
+  }
+  // What a tensor-parallel member computes whole round-trips, is optional, and is a share.
+  {
+    Profile c = p;
+    c.devices.at("cpu-full").tp_whole_share = 0.17;
+    Profile d = Profile::from_json(c.to_json(), "p.json");
+    EXPECT_EQ(d.devices.at("cpu-full").tp_whole_share, 0.17);
+    EXPECT_EQ(d.devices.at("cpu-quarter").tp_whole_share, 0.0);
+    EXPECT_FALSE(c.to_json()["devices"]["cpu-quarter"].contains("tp_whole_share"));
+    nlohmann::json bad = c.to_json();
+    bad["devices"]["cpu-full"]["tp_whole_share"] = 1.0;
+    try {
+      Profile::from_json(bad, "p.json");
+      ADD_FAILURE() << "a whole share of 1 was accepted";
+    } catch (const alloy::InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("devices.cpu-full.tp_whole_share"), std::string::npos) << e.what();
     }
   }
   // Version 1 (lines without points) still reads.
@@ -995,8 +1012,8 @@ TEST(Profile, ValidationErrorsNameFileAndField) {
   };
   EXPECT_HAS(with([](auto& j) { j["format"] = "alloy-plan"; }), "p.json: format: \"alloy-plan\", not \"alloy-profile\"");
   EXPECT_HAS(with([](auto& j) { j.erase("format"); }), "p.json: format: is missing");
-  EXPECT_HAS(with([](auto& j) { j["version"] = 10; }), "p.json: version: 10; this Alloy reads versions 1 to 9");
-  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 9");
+  EXPECT_HAS(with([](auto& j) { j["version"] = 11; }), "p.json: version: 11; this Alloy reads versions 1 to 10");
+  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 10");
   const nlohmann::json sum = {{"device_a", "a0"}, {"device_b", "a1"}, {"bytes", 4096}, {"seconds", 1e-3}};
   EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["seconds"] = -1; }), "p.json: tp_sums[0].seconds: must be in [0, 60)");
   EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["bytes"] = 0; }), "p.json: tp_sums[0].bytes: must be > 0");

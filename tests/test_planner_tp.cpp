@@ -79,6 +79,27 @@ TEST(TensorParallelCost, AStageSplitsItsBlocksComputeAndPaysForItsSums) {
   EXPECT_THROW(simulate_plan(missing, c, prof), InputError);
 }
 
+// Norms, the residual stream and rotary positions are computed whole on every member: with the
+// profile's whole share c, a member holding fraction f of the heads computes f + c (1 - f) of each
+// block; the embedding and head (vocabulary rows) stay split, and a stage of one rank is unchanged.
+TEST(TensorParallelCost, WhatEveryMemberComputesWholeIsNotSplit) {
+  ClusterSpec c = pair_and_far(0);
+  Profile prof = pair_profile(4);
+  const Plan pair = one_stage({0, 1}, {"a0", "a1"}, {3, 1}, 4, 2, 4), alone = one_stage({0}, {"a0"}, {}, 4, 2, 4);
+  const PlanCost split0 = simulate_plan(pair, c, prof), alone0 = simulate_plan(alone, c, prof);
+  prof.devices["fast"].tp_whole_share = 0.2;
+  const PlanCost split2 = simulate_plan(pair, c, prof);
+  // The slower member is a0 with 3 of 4 heads: 0.75 of the blocks before, 0.75 + 0.2 * 0.25 = 0.8 after.
+  const auto& d = prof.devices["fast"];
+  const double blocks = 4 * (d.block_fwd.at(2) + d.block_bwd.at(2));  // one micro-batch of 2
+  const double per_step = split2.stages[0].forward_s + split2.stages[0].backward_s - split0.stages[0].forward_s - split0.stages[0].backward_s;
+  EXPECT_NEAR(per_step, 4 * 0.05 * blocks, 1e-9);
+  EXPECT_GT(split2.step_s, split0.step_s);
+  EXPECT_EQ(simulate_plan(alone, c, prof).step_s, alone0.step_s);
+  const CostContext ctx(c, prof);
+  EXPECT_DOUBLE_EQ(ctx.tp_block_share(ctx.type_of(0), 0.25), 0.4);
+}
+
 TEST(TensorParallelCost, MeasuredSumsReplaceTheFloorPairByPair) {
   ClusterSpec c = pair_and_far(0);
   Profile prof = pair_profile(4);

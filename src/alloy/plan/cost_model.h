@@ -314,6 +314,12 @@ class CostContext {
   double dtype_bytes() const { return dtype_bytes_; }
   double optimizer_s(int type, double param_bytes) const;
   double step_noise(int type) const { return type_profile_[static_cast<size_t>(type)]->step_noise; }
+  // A tensor-parallel member of TYPE holding fraction F of the heads: its share of a block's
+  // compute (DeviceProfile::tp_whole_share: what every member computes whole).
+  double tp_block_share(int type, double f) const {
+    const double c = type_profile_[static_cast<size_t>(type)]->tp_whole_share;
+    return f + c * (1 - f);
+  }
   // Standard deviation of a replica done DONE_S after the step's start on devices of NOISE.
   static double done_sd(double noise, double done_s) { return noise * std::sqrt(std::max(0.0, done_s)); }
   double state_bytes_per_param_byte() const { return profile_->memory.state_bytes_per_param_byte; }

@@ -11,7 +11,8 @@ double tp_share(const StagePlan& st, const ModelConfig& model, size_t k) {
 }
 
 // One micro-batch through a tensor-parallel stage: every rank computes its heads' share of the
-// blocks and of the embedding and head (their vocabulary rows split in the heads' ratio), and the
+// blocks (and what it computes whole of them: CostContext::tp_block_share) and of the embedding
+// and head (their vocabulary rows split in the heads' ratio), and the
 // group waits for its slowest member at each sum: one per half block forward and one backward,
 // the embedding's (forward) and the head's (backward), and the vocabulary-parallel loss's three
 // (forward). The members' compute is a max, the sums are added, all on the critical path; each
@@ -27,7 +28,8 @@ std::vector<TpMemberTime> tp_member_times(const CostContext& ctx, const ModelCon
     const double f = tp_share(st, model, k);
     const double fb = ctx.forward_units_s(type, ub, ue, false, false, m), bb = ctx.backward_units_s(type, ub, ue, false, false, m);
     const double fe = ctx.forward_units_s(type, ub, ue, first, last, m) - fb, be = ctx.backward_units_s(type, ub, ue, first, last, m) - bb;
-    out.push_back({f * (fb + fe), f * (bb + be) + (st.recompute ? f * fb : 0.0)});
+    const double fk = ctx.tp_block_share(type, f);  // the blocks' norms and residual are whole on every member
+    out.push_back({fk * fb + f * fe, fk * bb + f * be + (st.recompute ? fk * fb : 0.0)});
   }
   return out;
 }

@@ -19,9 +19,9 @@ const char* const kFormat = "alloy-profile";
 // ("codecs" per device type); version 4 each type's step_noise; version 5 LoRA ("lora" and the
 // frozen base's bytes in "memory"); version 6 each type's attn_share_fwd/bwd (the halves of a
 // block); version 7 the tensor-parallel sums per device pair ("tp_sums"); version 8 each type's
-// weight_share (zb-h1's weight passes); version 9 each type's comm_cpu_s_per_byte. Versions 1 to 8
-// still read.
-constexpr int kVersion = 9;
+// weight_share (zb-h1's weight passes); version 9 each type's comm_cpu_s_per_byte; version 10 each
+// type's tp_whole_share. Versions 1 to 9 still read.
+constexpr int kVersion = 10;
 
 // The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
 struct CostField {
@@ -211,6 +211,7 @@ nlohmann::json Profile::to_json() const {
     if (d.attn_share_bwd > 0) dj["attn_share_bwd"] = d.attn_share_bwd;
     if (d.weight_share > 0) dj["weight_share"] = d.weight_share;
     if (d.comm_cpu_s_per_byte > 0) dj["comm_cpu_s_per_byte"] = d.comm_cpu_s_per_byte;
+    if (d.tp_whole_share > 0) dj["tp_whole_share"] = d.tp_whole_share;
     if (!d.codecs.empty()) {
       json cj = json::object();
       for (const auto& [m, c] : d.codecs) cj[m] = {{"encode_s_per_elem", c.encode_s_per_elem}, {"decode_s_per_elem", c.decode_s_per_elem}};
@@ -260,7 +261,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
   const json& devs = rd.object(j, "devices", "devices");
   if (devs.empty()) rd.fail("devices", "the profile has no device types");
   std::set<std::string> dev_keys{"optimizer_s_per_param", "step_noise", "codecs", "attn_share_fwd", "attn_share_bwd", "weight_share",
-                                 "comm_cpu_s_per_byte"};
+                                 "comm_cpu_s_per_byte", "tp_whole_share"};
   for (const auto& f : kCostFields) dev_keys.insert(f.key);
   for (const auto& kv : devs.items()) {
     const std::string f = "devices." + kv.key();
@@ -283,7 +284,9 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
     };
     for (const Share& sh : {Share{"attn_share_fwd", &DeviceProfile::attn_share_fwd, "the attention half's share of a block's time"},
                             Share{"attn_share_bwd", &DeviceProfile::attn_share_bwd, "the attention half's share of a block's time"},
-                            Share{"weight_share", &DeviceProfile::weight_share, "the weight products' share of a block's backward"}}) {
+                            Share{"weight_share", &DeviceProfile::weight_share, "the weight products' share of a block's backward"},
+                            Share{"tp_whole_share", &DeviceProfile::tp_whole_share,
+                                  "the share of a block a tensor-parallel member computes whole"}}) {
       if (!kv.value().contains(sh.key)) continue;
       d.*sh.member = rd.number(kv.value(), sh.key, f + "." + sh.key);
       if (!(d.*sh.member > 0 && d.*sh.member < 1)) rd.fail(f + "." + sh.key, std::string("must be in (0, 1) (") + sh.of + ")");
@@ -487,6 +490,7 @@ std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
     for (const auto& [m, c] : base.codecs) d.codecs[m] = {c.encode_s_per_elem * s, c.decode_s_per_elem * s};
     d.attn_share_fwd = base.attn_share_fwd, d.attn_share_bwd = base.attn_share_bwd;  // ratios: speed cancels
     d.weight_share = base.weight_share;
+    d.tp_whole_share = base.tp_whole_share;
     d.comm_cpu_s_per_byte = base.comm_cpu_s_per_byte * s;  // CPU seconds: a slower device loses more per byte
     p.devices[type] = d;
     notes.push_back("device type " + type + ": estimated from " + ref + " scaled by speed hints (" + std::to_string(hint(type)) +

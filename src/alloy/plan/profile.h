@@ -62,6 +62,12 @@ struct DeviceProfile {
   // the same cores or CPU quota the compute runs on. Measured as a block's forward and backward
   // slowed by a stream of round trips to another rank. 0: not measured (older profiles, one rank).
   double comm_cpu_s_per_byte = 0;
+  // The share of a block's time a tensor-parallel member computes whole whatever its share of the
+  // heads (norms, the residual stream, rotary positions, the copies around its products; profile
+  // version 10): a member holding fraction f of the heads computes f + tp_whole_share * (1 - f) of
+  // the block. Measured on the first member of an even pair with its sums left out. 0: not
+  // measured (older profiles), the share alone.
+  double tp_whole_share = 0;
 };
 
 struct LinkProfile {

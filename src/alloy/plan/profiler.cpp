@@ -288,6 +288,35 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
     if (!share.empty()) d.weight_share = std::clamp(median(share), 0.01, 0.99);
   }
 
+  // A tensor-parallel member's compute: the stack as the first member of an even pair holds it
+  // (half the heads and MLP columns; norms, residual and rotary positions whole), its sums left
+  // out, at the largest size. Its time over the whole stack's is 1/2 + c/2, c the share every
+  // member computes whole (DeviceProfile::tp_whole_share).
+  if (const auto split = even_tp_split(model, 2); split.size() == 2) {
+    struct NoSums : model::TpComm {
+      void allreduce_sum(at::Tensor&) override {}
+      int size() const override { return 2; }
+      int rank() const override { return 0; }
+    } none;
+    model::TpLayout tl;
+    for (int64_t b = 0; b < K; ++b) tl.pieces[b] = {0, split[0], model.heads};
+    tl.head_begin = 0, tl.head_end = split[0];
+    tl.comm = &none;
+    model::Transformer member(model, {1, 1 + K}, 1, &tl);
+    member.apply_lora(o.lora, 1);
+    member.to(dev);
+    const int64_t m = o.micro_batch_sizes.back();
+    std::vector<double> ratio;
+    for (int r = 0; r < rounds; ++r) {
+      const FwdBwd whole = time_slice(stack, m, window, false, false, dev), half = time_slice(member, m, window, false, false, dev);
+      if (whole.fwd + whole.bwd > 0) ratio.push_back((half.fwd + half.bwd) / (whole.fwd + whole.bwd));
+    }
+    if (!ratio.empty()) {
+      const double c = 2 * median(ratio) - 1;
+      if (c > 0.01) d.tp_whole_share = std::min(c, 0.95);
+    }
+  }
+
   // The optimizer step (AdamW + clipping's norm) per parameter, on one block's parameters.
   {
     train::AdamW opt(block.trainable(), {});

@@ -52,17 +52,24 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
   std::vector<double> ms;
   for (int64_t m : sizes)
     if (ms.size() < static_cast<size_t>(MicroBatchCost::kMaxPoints)) ms.push_back(static_cast<double>(m));
+  double max_whole = 0;
+  for (const auto* p : dp) max_whole = std::max(max_whole, p->tp_whole_share);
   auto combine = [&](MicroBatchCost DeviceProfile::*f, bool split, double sums) {
+    const bool blocks = f == &DeviceProfile::block_fwd || f == &DeviceProfile::block_bwd;
     std::vector<double> ts;
     for (double m : ms) {
       const double comm = sums * ctx.tp_sum_s(g, m * static_cast<double>(prof.model.seq_len * prof.model.hidden) * ctx.dtype_bytes());
-      double rate = 0, slowest = 0;
+      // Blocks: what every member computes whole (tp_whole_share) at the slowest member's pace,
+      // the rest split by speed.
+      double rate = 0, slowest = 0, whole = 0;
       for (const auto* p : dp) {
         const double t = (p->*f).at(m);
         rate += t > 0 ? 1.0 / t : 0.0;
         slowest = std::max(slowest, t);
+        if (blocks) whole = std::max(whole, p->tp_whole_share * t);
       }
-      ts.push_back((split ? (rate > 0 ? 1.0 / rate : 0.0) : slowest) + comm);
+      const double shared = rate > 0 ? 1.0 / rate : 0.0;
+      ts.push_back((split ? whole + shared * (1 - (blocks ? max_whole : 0.0)) : slowest) + comm);
     }
     return from_points(ms, ts);
   };
@@ -137,55 +144,20 @@ std::string groups_names(const ClusterSpec& cluster, const std::vector<std::vect
   return joined(out, " and ");
 }
 
-// The whole search on the pool with each group of GS as one composite device (at its first
-// member's place and host), then back on the real pool with the composites' stages as
-// tensor-parallel stages, the valid head splits nearest the members' speeds tried in rank (the
-// K-th nearest on every group at once), each priced by simulate_plan. The best that fits.
-Tried evaluate_groups(const std::vector<std::vector<int>>& gs, const ClusterSpec& cluster, const Profile& profile,
-                      const CostContext& ctx, const SearchOptions& o, const SearchOptions& options,
-                      const std::vector<int64_t>& sizes) {
-  const int n = static_cast<int>(cluster.devices.size());
+// The composite pool's plan (REDUCED: each group of GS one device), back on the real pool: the
+// composites' stages become tensor-parallel stages, the valid head splits nearest the members'
+// speeds tried in rank (the K-th nearest on every group at once), each priced by simulate_plan.
+// The best that fits; UNFIT says whether memory ruled any out.
+Tried evaluate_composite_plan(const ClusterSpec& reduced, const Profile& aug, const SearchOptions& o, const SearchOptions& options,
+                              const std::vector<std::vector<int>>& gs, const std::vector<int>& orig_group, const std::vector<int>& orig,
+                              const ClusterSpec& cluster, const Profile& profile, const std::vector<int64_t>& sizes, bool* unfit) {
   Tried best;
   best.groups = gs;
-  std::vector<int> group_of(static_cast<size_t>(n), -1);
-  for (size_t k = 0; k < gs.size(); ++k)
-    for (int d : gs[k]) group_of[static_cast<size_t>(d)] = static_cast<int>(k);
-  ClusterSpec reduced = cluster;
-  reduced.devices.clear();
-  reduced.source_lines.clear();
-  std::vector<int> orig_group;  // reduced device -> its group in GS, or -1
-  std::vector<int> orig;        // reduced device -> the original device (a group's first member)
-  Profile aug = profile;
-  for (int d = 0; d < n; ++d) {
-    const int k = group_of[static_cast<size_t>(d)];
-    if (k < 0) {
-      reduced.devices.push_back(cluster.devices[static_cast<size_t>(d)]);
-      orig_group.push_back(-1);
-      orig.push_back(d);
-    } else if (d == gs[static_cast<size_t>(k)].front()) {
-      const auto& g = gs[static_cast<size_t>(k)];
-      Device c = cluster.devices[static_cast<size_t>(d)];
-      c.name = group_names(cluster, g);
-      c.type = "tp:" + c.name;
-      c.speed = 0;
-      bool known = true;
-      double mem = 0;
-      for (int x : g) {
-        c.speed += cluster.devices[static_cast<size_t>(x)].speed;
-        known = known && cluster.devices[static_cast<size_t>(x)].memory_gb > 0;
-        mem += cluster.devices[static_cast<size_t>(x)].memory_gb;
-      }
-      c.memory_gb = known ? mem : 0;
-      aug.devices[c.type] = composite_profile(profile, cluster, ctx, g, sizes);
-      reduced.devices.push_back(c);
-      orig_group.push_back(k);
-      orig.push_back(d);
-    }
-  }
   SearchResult sub;
   try {
     sub = search(reduced, aug, o);
   } catch (const std::exception&) {
+    *unfit = true;
     return best;  // nothing fits with these groups: others may
   }
   if (!sub.plan.sharding.empty()) return best;
@@ -242,8 +214,69 @@ Tried evaluate_groups(const std::vector<std::vector<int>>& gs, const ClusterSpec
     } else if (!priced) {
       continue;
     }
-    if (!c.fits) continue;
+    if (!c.fits) {
+      *unfit = true;
+      continue;
+    }
     if (c.step_s < best.step_s) best.step_s = c.step_s, best.plan = p, best.cost = c;
+  }
+  return best;
+}
+
+// The whole search on the pool with each group of GS as one composite device (at its first
+// member's place and host), then back on the real pool (evaluate_composite_plan).
+Tried evaluate_groups(const std::vector<std::vector<int>>& gs, const ClusterSpec& cluster, const Profile& profile,
+                      const CostContext& ctx, const SearchOptions& o, const SearchOptions& options,
+                      const std::vector<int64_t>& sizes) {
+  const int n = static_cast<int>(cluster.devices.size());
+  Tried best;
+  best.groups = gs;
+  std::vector<int> group_of(static_cast<size_t>(n), -1);
+  for (size_t k = 0; k < gs.size(); ++k)
+    for (int d : gs[k]) group_of[static_cast<size_t>(d)] = static_cast<int>(k);
+  ClusterSpec reduced = cluster;
+  reduced.devices.clear();
+  reduced.source_lines.clear();
+  std::vector<int> orig_group;  // reduced device -> its group in GS, or -1
+  std::vector<int> orig;        // reduced device -> the original device (a group's first member)
+  Profile aug = profile;
+  for (int d = 0; d < n; ++d) {
+    const int k = group_of[static_cast<size_t>(d)];
+    if (k < 0) {
+      reduced.devices.push_back(cluster.devices[static_cast<size_t>(d)]);
+      orig_group.push_back(-1);
+      orig.push_back(d);
+    } else if (d == gs[static_cast<size_t>(k)].front()) {
+      const auto& g = gs[static_cast<size_t>(k)];
+      Device c = cluster.devices[static_cast<size_t>(d)];
+      c.name = group_names(cluster, g);
+      c.type = "tp:" + c.name;
+      c.speed = 0;
+      bool known = true;
+      double mem = 0;
+      for (int x : g) {
+        c.speed += cluster.devices[static_cast<size_t>(x)].speed;
+        known = known && cluster.devices[static_cast<size_t>(x)].memory_gb > 0;
+        mem += cluster.devices[static_cast<size_t>(x)].memory_gb;
+      }
+      c.memory_gb = known ? mem : 0;
+      aug.devices[c.type] = composite_profile(profile, cluster, ctx, g, sizes);
+      reduced.devices.push_back(c);
+      orig_group.push_back(k);
+      orig.push_back(d);
+    }
+  }
+  // The composite's memory is its members' sum, but a member keeps more than its share (norms
+  // whole, about 0.2 + 0.8 x its share of the activations): when no split of the composite
+  // plan fits on the real members, the composite pool is searched again with less memory.
+  for (double mem_scale : {1.0, 0.85, 0.7, 0.55}) {
+    ClusterSpec shrunk = reduced;
+    for (size_t i = 0; i < shrunk.devices.size(); ++i)
+      if (orig_group[i] >= 0) shrunk.devices[i].memory_gb *= mem_scale;
+    bool unfit = false;
+    Tried t = evaluate_composite_plan(shrunk, aug, o, options, gs, orig_group, orig, cluster, profile, sizes, &unfit);
+    if (t.step_s < best.step_s) best = std::move(t);
+    if (std::isfinite(best.step_s) || !unfit) break;
   }
   return best;
 }
