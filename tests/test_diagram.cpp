@@ -298,4 +298,6 @@ TEST_F(Fixture, TensorParallelGroupsShowTheirHeadsAndDevices) {
   const std::string d = alloy::viz::to_dot(in);
   EXPECT_TRUE(contains(d, "ranks 2, 3</b><br/>tensor parallel x2, heads 3:1: mid + spare")) << d;
   EXPECT_TRUE(contains(alloy::viz::to_mermaid(in), "tensor parallel x2, heads 3:1: mid + spare"));
+  // The spare is a member now, not an unused device of its host.
+  EXPECT_FALSE(contains(d, "unused")) << d;
 }

@@ -252,6 +252,8 @@ Picture build(const DiagramInput& in) {
         if (d >= 0) {
           const auto& dev = cl->devices[static_cast<size_t>(d)];
           used_devices.insert(d);
+          for (const auto& member : st.devices)  // a tensor-parallel group's other members are used too
+            if (const int m = cl->device_index(member); m >= 0) used_devices.insert(m);
           n.group = host_group.at(dev.host);
           std::string kind = dev.type.empty() || dev.type == dev.kind ? dev.kind : dev.type + ", " + dev.kind;
           n.lines.push_back(dev.name + " (" + kind + ")");
