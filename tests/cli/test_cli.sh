@@ -155,6 +155,8 @@ for t in ("cpu-big", "cpu-small"):
     assert 0 < d["weight_share"] < 1, (t, d)
     # Communication's CPU time per byte: measured (the log says so); zero when no slowdown showed.
     assert 0 <= d.get("comm_cpu_s_per_byte", 0) < 1e-6, (t, d)  # the profiler's own bound
+    # What a tensor-parallel member computes whole: a share, when it showed at all.
+    assert 0 <= d.get("tp_whole_share", 0) <= 0.95, (t, d)
 links = [l for l in p["links"] if {l["host_a"], l["host_b"]} == {"h0", "h1"}]
 assert links and links[0]["bytes_per_s"] > 0, p["links"]
 # Tensor-parallel sums of the pair, timed at the smallest and the largest micro-batch (1 and 4).
@@ -243,9 +245,9 @@ for k, v in big.items():
         v = dict(v, fixed_s=8 * v["fixed_s"], per_sample_s=8 * v["per_sample_s"])
         if "points" in v:
             v["points"] = [[m, 8 * t] for m, t in v["points"]]
-    # Ratios stay: the noise is relative (a slower device need not be noisier), and so is the
-    # attention half's share of a block.
-    if not isinstance(v, dict) and k not in ("step_noise", "attn_share_fwd", "attn_share_bwd", "weight_share"):
+    # Ratios stay: the noise is relative (a slower device need not be noisier), and so are the
+    # attention half's share of a block and what a tensor-parallel member computes whole.
+    if not isinstance(v, dict) and k not in ("step_noise", "attn_share_fwd", "attn_share_bwd", "weight_share", "tp_whole_share"):
         v = 8 * v
     slow[k] = v
 p["devices"]["cpu-small"] = slow
