@@ -1,4 +1,5 @@
 #include "alloy/train/trainer.h"
+#include "alloy/train/stage_links.h"
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -223,43 +224,9 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
 
   pipeline::StageLinks links;
   if (pl.stages.size() > 1) {
+    links = stage_links(pl, pos_.stage, rank_, pos_.tp_rank, plan_->has_tensor_parallel(),
+                        plan_->has_tensor_parallel() ? world_->machines() : std::vector<std::string>{});
     links.group = &world_->all();
-    if (pos_.stage > 0) links.prev_rank = pl.stages[static_cast<size_t>(pos_.stage - 1)].ranks[0];
-    if (pos_.stage + 1 < static_cast<int>(pl.stages.size())) links.next_rank = pl.stages[static_cast<size_t>(pos_.stage + 1)].ranks[0];
-    if (plan_->has_tensor_parallel()) {
-      // The first rank of a stage sends to the first rank of each neighbouring stage on each
-      // machine, which relays to that stage's other ranks there; the others send nothing. Two
-      // machines' pairs joined by a thin link: one crossing per message instead of two.
-      const std::vector<std::string> machine = world_->machines();
-      auto entries = [&](const std::vector<int>& ranks) {  // the first rank of RANKS on each machine
-        std::vector<int> out;
-        for (int r : ranks) {
-          bool first = true;
-          for (int e : out) first = first && machine[static_cast<size_t>(e)] != machine[static_cast<size_t>(r)];
-          if (first) out.push_back(r);
-        }
-        return out;
-      };
-      const auto& mine = st.ranks;
-      const std::vector<int> my_entries = entries(mine);
-      if (std::find(my_entries.begin(), my_entries.end(), rank_) != my_entries.end()) {
-        for (int r : mine)
-          if (r != rank_ && machine[static_cast<size_t>(r)] == machine[static_cast<size_t>(rank_)]) links.relay.push_back(r);
-      } else {
-        // Receive from this machine's entry of the stage, in both directions.
-        for (int e : my_entries)
-          if (machine[static_cast<size_t>(e)] == machine[static_cast<size_t>(rank_)]) {
-            if (links.prev_rank >= 0) links.prev_rank = e;
-            if (links.next_rank >= 0) links.next_rank = e;
-          }
-      }
-      if (pos_.tp_rank > 0) {
-        links.send_prev = links.send_next = {-1};
-      } else {
-        if (pos_.stage > 0) links.send_prev = entries(pl.stages[static_cast<size_t>(pos_.stage - 1)].ranks);
-        if (pos_.stage + 1 < static_cast<int>(pl.stages.size())) links.send_next = entries(pl.stages[static_cast<size_t>(pos_.stage + 1)].ranks);
-      }
-    }
   }
   exec_ = std::make_unique<pipeline::StageExecutor>(*model_, links);
   if (const std::string why = model::autocast_problem(device_, cfg_.train.precision); !why.empty())

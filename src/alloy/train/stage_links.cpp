@@ -1,0 +1,45 @@
+// A pipeline stage's links (train/stage_links.h).
+#include "alloy/train/stage_links.h"
+
+#include <algorithm>
+
+namespace alloy::train {
+
+pipeline::StageLinks stage_links(const PipelinePlan& pl, int stage, int rank, int tp_rank, bool tensor_parallel,
+                                 const std::vector<std::string>& machines) {
+  pipeline::StageLinks links;
+  const auto S = static_cast<int>(pl.stages.size());
+  const auto& ranks_of = [&](int s) -> const std::vector<int>& { return pl.stages[static_cast<size_t>(s)].ranks; };
+  if (stage > 0) links.prev_rank = ranks_of(stage - 1)[0];
+  if (stage + 1 < S) links.next_rank = ranks_of(stage + 1)[0];
+  if (!tensor_parallel) return links;
+  auto machine = [&](int r) -> const std::string& { return machines[static_cast<size_t>(r)]; };
+  auto entries = [&](const std::vector<int>& ranks) {  // the first rank of RANKS on each machine
+    std::vector<int> out;
+    for (int r : ranks)
+      if (std::none_of(out.begin(), out.end(), [&](int e) { return machine(e) == machine(r); })) out.push_back(r);
+    return out;
+  };
+  const std::vector<int>& mine = ranks_of(stage);
+  const std::vector<int> my_entries = entries(mine);
+  if (std::find(my_entries.begin(), my_entries.end(), rank) != my_entries.end()) {
+    for (int r : mine)
+      if (r != rank && machine(r) == machine(rank)) links.relay.push_back(r);
+  } else {
+    // Receive from this machine's entry of the stage, in both directions.
+    for (int e : my_entries)
+      if (machine(e) == machine(rank)) {
+        if (links.prev_rank >= 0) links.prev_rank = e;
+        if (links.next_rank >= 0) links.next_rank = e;
+      }
+  }
+  if (tp_rank > 0) {
+    links.send_prev = links.send_next = {-1};
+  } else {
+    if (stage > 0) links.send_prev = entries(ranks_of(stage - 1));
+    if (stage + 1 < S) links.send_next = entries(ranks_of(stage + 1));
+  }
+  return links;
+}
+
+}  // namespace alloy::train

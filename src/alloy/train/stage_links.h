@@ -1,0 +1,20 @@
+#pragma once
+// Who a pipeline stage's rank receives from and sends to (pipeline::StageLinks), from the plan.
+#include <string>
+#include <vector>
+
+#include "alloy/core/plan.h"
+#include "alloy/pipeline/executor.h"
+
+namespace alloy::train {
+
+// The links of RANK, member TP_RANK of stage STAGE of pipeline PL (several stages). Without tensor
+// parallelism each stage's one rank talks to its neighbours' ranks. With it, the first rank of a
+// stage sends to the first rank of each neighbouring stage on each machine (MACHINES: per rank,
+// World::machines), which relays to that stage's other ranks there; the others send nothing. Two
+// machines' pairs joined by a thin link: one crossing per message instead of two. GROUP is left
+// to the caller.
+pipeline::StageLinks stage_links(const PipelinePlan& pl, int stage, int rank, int tp_rank, bool tensor_parallel,
+                                 const std::vector<std::string>& machines);
+
+}  // namespace alloy::train
