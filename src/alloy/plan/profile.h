@@ -77,11 +77,11 @@ struct LinkProfile {
 };
 
 // Tensor parallelism's sums between two devices, timed the way a TP stage runs them (profile
-// version 7): both devices compute a block's forward, then sum its output (BYTES) over a group of
-// the two, again and again; SECONDS is what each sum added to the slower device's compute alone.
-// A pair has one entry per size measured (the smallest and largest micro-batch).
-// It holds the wire time and what a CPU quota, Gloo's threads and the members' uneven arrival add
-// to it (on the emulated pools about 1.6 ms per sum beyond the link model's figure).
+// version 7): both devices run one block as an even pair's members hold it, with its sums of
+// BYTES over the pair, again and again; SECONDS is the time per sum inside the sums on the member
+// that spent least there (training's ranks.json tp_comm_s measures the same). A pair has one
+// entry per size measured (the smallest and largest micro-batch). It holds the wire time and what
+// a CPU quota, Gloo's threads and the members' uneven arrival add to it.
 struct TpSumProfile {
   std::string device_a, device_b;  // the cluster's device names
   double bytes = 0, seconds = 0;

@@ -352,21 +352,47 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
 }
 
 // Tensor-parallel sums between ranks A and B (both call this; the others wait at the barriers of
-// the caller), at the smallest and the largest micro-batch size M: each round times K block
-// forwards alone on both devices at once, then K forwards each followed by a sum of its output
-// over the pair, as a TP stage runs them; what the sums added to the slower device's compute, per
-// sum, is the figure (median of the rounds), and never less than the sums' own time on the member
-// that waited least in them. A block's forward stands for a member's share of a
-// half block: sums come every few milliseconds as in training, so CPU quota periods and the
-// members' uneven arrival are met as often as they are there.
+// the caller), at the smallest and the largest micro-batch size M. Each member runs K forwards of
+// one block as the members of an even pair hold it (half the heads and MLP columns each), with its
+// two sums per block over the pair, exactly as a TP stage of two runs them: the compute between
+// sums, and so the members' uneven arrival and the CPU quota periods met, is training's. Models
+// whose heads do not split evenly run the whole block with one sum after it instead. The figure is
+// the time per sum inside the sums on the member that spent least there, the median of the rounds:
+// ranks.json's tp_comm_s measures the same in training (the member arriving last waits least).
+// Earlier profiles timed what the sums added to a whole block's forward: a wide block's forward
+// varies more than a sum takes, and members computing four times longer between sums than in
+// training waited more for each other (17.5 ms per 512 KiB priced where training spent 4.5 ms).
 std::vector<TpSumProfile> measure_tp_sums(const ModelConfig& model, const ClusterSpec& spec, dist::World& world, int a, int b,
                                           const ProfileOptions& o) {
   dist::GroupTpComm comm(world.new_group("profile-tp-" + std::to_string(a) + "-" + std::to_string(b), {a, b}));
+  // Times each sum: the member's wait for the other included, as the trainer counts it.
+  struct TimedComm : model::TpComm {
+    dist::GroupTpComm* inner = nullptr;
+    double seconds = 0;
+    int64_t count = 0;
+    void allreduce_sum(at::Tensor& t) override {
+      const auto t0 = Clock::now();
+      inner->allreduce_sum(t);
+      seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+      ++count;
+    }
+    int size() const override { return inner->size(); }
+    int rank() const override { return inner->rank(); }
+  } timed;
+  timed.inner = &comm;
   const at::Device dev(o.device);
-  model::Transformer block(model, {1, 2}, 1);
+  model::TpLayout tl;
+  const std::vector<int64_t> split = even_tp_split(model, 2);
+  const bool member = split.size() == 2;
+  if (member) {
+    tl.pieces[0] = {0, split[0], model.heads};
+    tl.head_begin = comm.rank() == 0 ? 0 : split[0];
+    tl.head_end = comm.rank() == 0 ? split[0] : model.heads;
+    tl.comm = &timed;
+  }
+  model::Transformer block(model, {1, 2}, 1, member ? &tl : nullptr);
   block.to(dev);
   at::NoGradGuard no_grad;
-  auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   // Both members' figures, summed over the pair (a Gloo group has no max): slot 0 is A's, 1 B's.
   auto both = [&](double mine) {
     at::Tensor t = at::zeros({2}, at::kDouble);
@@ -382,13 +408,13 @@ std::vector<TpSumProfile> measure_tp_sums(const ModelConfig& model, const Cluste
     const at::Tensor x = at::randn({m, model.seq_len, model.hidden}, gen, at::TensorOptions().dtype(block.dtype())).to(dev);
     auto forward = [&] {
       at::Tensor y = block.forward(x);
+      if (!member) timed.allreduce_sum(y);
       wait_for(dev);
-      return y;
     };
     forward(), forward();  // warm-up: allocations, kernels
     auto t0 = Clock::now();
     for (int i = 0; i < 3; ++i) forward();
-    const auto [ta, tb] = both(seconds_since(t0) / 3);
+    const auto [ta, tb] = both(std::chrono::duration<double>(Clock::now() - t0).count() / 3);
     const int rounds = std::max(1, o.rounds);
     const int64_t k = std::clamp<int64_t>(static_cast<int64_t>(o.window_s / rounds / std::max({ta, tb, 1e-6})), 8, 64);
     std::vector<double> per_sum;
@@ -396,27 +422,10 @@ std::vector<TpSumProfile> measure_tp_sums(const ModelConfig& model, const Cluste
     at::Tensor start = at::zeros({1});
     for (int r = 0; r < rounds; ++r) {
       comm.allreduce_sum(start);  // both start together
-      t0 = Clock::now();
+      timed.seconds = 0, timed.count = 0;
       for (int64_t i = 0; i < k; ++i) forward();
-      const double alone = seconds_since(t0);
-      comm.allreduce_sum(start);
-      t0 = Clock::now();
-      double in_sums = 0;
-      for (int64_t i = 0; i < k; ++i) {
-        at::Tensor y = forward();
-        const auto s0 = Clock::now();
-        comm.allreduce_sum(y);
-        in_sums += seconds_since(s0);
-      }
-      const double with_sums = seconds_since(t0);
-      const auto [alone_a, alone_b] = both(alone);
-      const auto [sums_a, sums_b] = both(in_sums);
-      // Where a forward takes far longer than a sum (a wide model's largest micro-batch), the
-      // compute's own run-to-run noise can exceed what the sums added, and the difference reads
-      // 0 (measured: 0 ms for 4 MiB on a pair that took 6 ms for 512 KiB). The sums themselves,
-      // timed on the member that waited least in them (the later to arrive), are the floor.
-      const double added = (with_sums - std::max(alone_a, alone_b)) / static_cast<double>(k);
-      per_sum.push_back(std::max({0.0, added, std::min(sums_a, sums_b) / static_cast<double>(k)}));
+      const auto [sums_a, sums_b] = both(timed.seconds);
+      per_sum.push_back(std::min(sums_a, sums_b) / static_cast<double>(std::max<int64_t>(1, timed.count)));
     }
     out.push_back({spec.devices[static_cast<size_t>(a)].name, spec.devices[static_cast<size_t>(b)].name, bytes, median(per_sum)});
   }
