@@ -1,4 +1,5 @@
 #include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
 
 #include <cstdlib>  // mkdtemp
 #include <filesystem>
@@ -975,6 +976,51 @@ TEST(MicroBatchCost, InterpolatesMeasuredPointsAndExtendsWithTheFittedSlope) {
   s.add(d, 1);
   for (double m : {1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0}) EXPECT_NEAR(s.at(m), 2 * c.at(m) + d.at(m), 1e-15) << "m = " << m;
   EXPECT_DOUBLE_EQ(s.per_sample_s, 3e-3);
+}
+
+// The demo's half device (a 0.4-core quota) as `alloy profile` read its block forward: the point
+// at 4 samples 30% over its neighbours per sample, where training measured 4 cheaper per sample
+// than 1 (bench/README). Shaped, no size costs more per sample than a smaller one.
+TEST(MicroBatchCost, MeasuredPointsNeverCostMorePerSampleAtALargerSize) {
+  const std::vector<double> m{1, 2, 4, 8}, t{6.53e-3, 11.79e-3, 29.08e-3, 45.58e-3};
+  const auto c = alloy::plan::MicroBatchCost::measured(m, t);
+  ASSERT_EQ(c.n, 4);
+  const double pooled = (6.53e-3 + 11.79e-3 / 2 + 29.08e-3 / 4) / 3;  // the first three per sample, averaged
+  EXPECT_NEAR(c.at(1), pooled, 1e-12);
+  EXPECT_NEAR(c.at(2), 2 * pooled, 1e-12);
+  EXPECT_NEAR(c.at(4), 4 * pooled, 1e-12);
+  EXPECT_DOUBLE_EQ(c.at(8), 45.58e-3);  // cheaper per sample already: kept
+  // Readings that already have both shapes are kept as measured (the fast device's).
+  const std::vector<double> clean{3.19e-3, 5.23e-3, 10.1e-3, 19.35e-3};
+  const auto f = alloy::plan::MicroBatchCost::measured(m, clean);
+  for (size_t i = 0; i < m.size(); ++i) EXPECT_DOUBLE_EQ(f.at(m[i]), clean[i]);
+  // A time that falls with size is pooled as before (a larger micro-batch never takes less).
+  const auto g = alloy::plan::MicroBatchCost::measured({1, 2}, {4e-3, 3e-3});
+  EXPECT_DOUBLE_EQ(g.at(1), 3.5e-3);  // per sample, 4 and 1.5 ms stay; then 4 > 3 ms pooled
+  EXPECT_DOUBLE_EQ(g.at(2), 3.5e-3);
+}
+
+RC_GTEST_PROP(MicroBatchCost, MeasuredPointsRiseWithSizeButNotPerSample, ()) {
+  const int n = *rc::gen::inRange(1, 9);
+  std::vector<double> m, t;
+  double x = 0;
+  for (int i = 0; i < n; ++i) {
+    x += *rc::gen::inRange(1, 9);
+    m.push_back(x);
+    t.push_back(*rc::gen::inRange(1, 100000) * 1e-6);
+  }
+  const auto c = alloy::plan::MicroBatchCost::measured(m, t);
+  RC_ASSERT(c.n == n);
+  for (int i = 0; i < n; ++i) {
+    RC_ASSERT(c.t[static_cast<size_t>(i)] > 0);
+    if (i > 0) {
+      const size_t k = static_cast<size_t>(i);
+      RC_ASSERT(c.t[k] >= c.t[k - 1] * (1 - 1e-12));
+      RC_ASSERT(c.t[k] / c.m[k] <= c.t[k - 1] / c.m[k - 1] * (1 + 1e-12));
+    }
+  }
+  RC_ASSERT(c.per_sample_s >= 0);
+  RC_ASSERT(c.fixed_s >= 0);
 }
 
 TEST(Profile, UnmeasuredTypesScaleMeasuredPointsBySpeed) {

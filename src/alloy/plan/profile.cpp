@@ -184,6 +184,43 @@ void MicroBatchCost::set_points(const std::vector<double>& ms, const std::vector
   std::copy(ts.begin(), ts.end(), t.begin());
 }
 
+namespace {
+// Least-squares non-decreasing fit of V (pool adjacent violators, equal weights).
+std::vector<double> isotonic_increasing(const std::vector<double>& v) {
+  std::vector<double> mean;
+  std::vector<size_t> count;
+  for (double x : v) {
+    mean.push_back(x), count.push_back(1);
+    while (mean.size() > 1 && mean[mean.size() - 2] > mean.back()) {
+      const size_t b = mean.size() - 1, a = b - 1;
+      mean[a] = (mean[a] * static_cast<double>(count[a]) + mean[b] * static_cast<double>(count[b])) / static_cast<double>(count[a] + count[b]);
+      count[a] += count[b];
+      mean.pop_back(), count.pop_back();
+    }
+  }
+  std::vector<double> out;
+  for (size_t i = 0; i < mean.size(); ++i) out.insert(out.end(), count[i], mean[i]);
+  return out;
+}
+}  // namespace
+
+MicroBatchCost MicroBatchCost::measured(const std::vector<double>& ms, const std::vector<double>& ts) {
+  if (ms.size() != ts.size()) throw Error("MicroBatchCost::measured: " + std::to_string(ms.size()) + " sizes and " + std::to_string(ts.size()) + " times");
+  // Per sample, non-increasing: the negated values fitted non-decreasing.
+  std::vector<double> neg;
+  for (size_t i = 0; i < ms.size(); ++i) neg.push_back(-ts[i] / ms[i]);
+  neg = isotonic_increasing(neg);
+  std::vector<double> shaped;
+  for (size_t i = 0; i < ms.size(); ++i) shaped.push_back(-neg[i] * ms[i]);
+  // Then the times, non-decreasing. A pooled run of times starts at or above its mean and ends at
+  // or below it, so the per-sample order survives (tests/test_cluster.cpp checks both).
+  shaped = isotonic_increasing(shaped);
+  const Line line = fit_line(ms, shaped);
+  MicroBatchCost c{line.intercept, line.slope};
+  if (!ms.empty() && ms.size() <= static_cast<size_t>(kMaxPoints)) c.set_points(ms, shaped);
+  return c;
+}
+
 double Profile::activation_bytes_per_sample() const {
   double bytes = 0;
   if (model.dtype == "float32") {

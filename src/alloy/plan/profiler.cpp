@@ -36,28 +36,7 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// The measured medians as points of the cost, made non-decreasing in m (pool adjacent violators:
-// a larger micro-batch never takes less time; a noisy reading that says so is averaged with its
-// neighbour), on top of the fitted line that extends them past the largest size.
-MicroBatchCost measured(const std::vector<double>& x, const std::vector<double>& y) {
-  const Line line = fit_line(x, y);
-  MicroBatchCost c{line.intercept, line.slope};
-  std::vector<double> val;  // pooled blocks: their mean and how many points each holds
-  std::vector<size_t> count;
-  for (double v : y) {
-    val.push_back(v), count.push_back(1);
-    while (val.size() > 1 && val[val.size() - 2] > val.back()) {
-      const size_t b = val.size() - 1, a = b - 1;
-      val[a] = (val[a] * static_cast<double>(count[a]) + val[b] * static_cast<double>(count[b])) / static_cast<double>(count[a] + count[b]);
-      count[a] += count[b];
-      val.pop_back(), count.pop_back();
-    }
-  }
-  std::vector<double> ts;
-  for (size_t i = 0; i < val.size(); ++i) ts.insert(ts.end(), count[i], val[i]);
-  if (x.size() <= static_cast<size_t>(MicroBatchCost::kMaxPoints)) c.set_points(x, ts);
-  return c;
-}
+MicroBatchCost measured(const std::vector<double>& x, const std::vector<double>& y) { return MicroBatchCost::measured(x, y); }
 
 struct FwdBwd {
   double fwd, bwd;
