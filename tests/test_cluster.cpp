@@ -811,7 +811,7 @@ TEST(Profile, JsonRoundTrip) {
   EXPECT_EQ(q.to_json(), p.to_json());
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-profile");
-  EXPECT_EQ(j["version"], 10);
+  EXPECT_EQ(j["version"], 11);
   // Tensor-parallel sums per device pair round-trip and are optional.
   {
     EXPECT_FALSE(j.contains("tp_sums"));
@@ -887,6 +887,25 @@ TEST(Profile, JsonRoundTrip) {
       ADD_FAILURE() << "a whole share of 1 was accepted";
     } catch (const alloy::InputError& e) {
       EXPECT_NE(std::string(e.what()).find("devices.cpu-full.tp_whole_share"), std::string::npos) << e.what();
+    }
+  }
+  // A burst's speed over the steady one round-trips, is optional (1: none), and is bounded.
+  {
+    Profile c = p;
+    c.devices.at("cpu-quarter").burst_speedup = 4.5;
+    Profile d = Profile::from_json(c.to_json(), "p.json");
+    EXPECT_EQ(d.devices.at("cpu-quarter").burst_speedup, 4.5);
+    EXPECT_EQ(d.devices.at("cpu-full").burst_speedup, 1.0);
+    EXPECT_FALSE(c.to_json()["devices"]["cpu-full"].contains("burst_speedup"));
+    for (double v : {0.5, 51.0}) {
+      nlohmann::json bad = c.to_json();
+      bad["devices"]["cpu-quarter"]["burst_speedup"] = v;
+      try {
+        Profile::from_json(bad, "p.json");
+        ADD_FAILURE() << "burst_speedup " << v << " was accepted";
+      } catch (const alloy::InputError& e) {
+        EXPECT_NE(std::string(e.what()).find("devices.cpu-quarter.burst_speedup: must be in [1, 50]"), std::string::npos) << e.what();
+      }
     }
   }
   // Version 1 (lines without points) still reads.
@@ -1058,8 +1077,8 @@ TEST(Profile, ValidationErrorsNameFileAndField) {
   };
   EXPECT_HAS(with([](auto& j) { j["format"] = "alloy-plan"; }), "p.json: format: \"alloy-plan\", not \"alloy-profile\"");
   EXPECT_HAS(with([](auto& j) { j.erase("format"); }), "p.json: format: is missing");
-  EXPECT_HAS(with([](auto& j) { j["version"] = 11; }), "p.json: version: 11; this Alloy reads versions 1 to 10");
-  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 10");
+  EXPECT_HAS(with([](auto& j) { j["version"] = 12; }), "p.json: version: 12; this Alloy reads versions 1 to 11");
+  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 11");
   const nlohmann::json sum = {{"device_a", "a0"}, {"device_b", "a1"}, {"bytes", 4096}, {"seconds", 1e-3}};
   EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["seconds"] = -1; }), "p.json: tp_sums[0].seconds: must be in [0, 60)");
   EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["bytes"] = 0; }), "p.json: tp_sums[0].bytes: must be > 0");

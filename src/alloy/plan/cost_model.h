@@ -320,6 +320,13 @@ class CostContext {
     const double c = type_profile_[static_cast<size_t>(type)]->tp_whole_share;
     return f + c * (1 - f);
   }
+  double burst_speedup(int type) const { return std::max(1.0, type_profile_[static_cast<size_t>(type)]->burst_speedup); }
+  // A member computing C seconds of a micro-batch in stretches between sums that take SUMS_S:
+  // its compute runs at the burst speed while the sums leave it waiting (DeviceProfile::
+  // burst_speedup), never faster than the steady rate over the whole (C + SUMS_S without bursts).
+  double tp_member_s(int type, double compute_s, double sums_s) const {
+    return std::max(compute_s, compute_s / burst_speedup(type) + sums_s);
+  }
   // Standard deviation of a replica done DONE_S after the step's start on devices of NOISE.
   static double done_sd(double noise, double done_s) { return noise * std::sqrt(std::max(0.0, done_s)); }
   double state_bytes_per_param_byte() const { return profile_->memory.state_bytes_per_param_byte; }

@@ -40,10 +40,6 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
   TpStageTime t;
   std::vector<int> devs;
   for (int r : st.ranks) devs.push_back(dev_of[static_cast<size_t>(r)]);
-  for (const auto& mt : tp_member_times(ctx, model, st, dev_of, first, last, m)) {
-    t.forward_s = std::max(t.forward_s, mt.forward_s);
-    t.backward_s = std::max(t.backward_s, mt.backward_s);
-  }
   const double bytes = static_cast<double>(m * model.seq_len * model.hidden) * ctx.dtype_bytes();
   const double one = ctx.tp_sum_s(devs, bytes);
   const double small = ctx.tp_sum_s(devs, static_cast<double>(m * model.seq_len) * 4.0 * 2.0);
@@ -66,8 +62,14 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
   // Recomputation runs each block's forward again in the backward, its sums with it.
   if (st.recompute) bwd += units * one;
   t.comm_s = fwd + bwd;
-  t.forward_s += fwd;
-  t.backward_s += bwd;
+  // The slowest member sets the pace; each computes between sums, at its burst speed where it
+  // waits in them (CostContext::tp_member_s; without bursts its compute + the sums).
+  const std::vector<TpMemberTime> members = tp_member_times(ctx, model, st, dev_of, first, last, m);
+  for (size_t k = 0; k < members.size(); ++k) {
+    const int type = ctx.type_of(devs[k]);
+    t.forward_s = std::max(t.forward_s, ctx.tp_member_s(type, members[k].forward_s, fwd));
+    t.backward_s = std::max(t.backward_s, ctx.tp_member_s(type, members[k].backward_s, bwd));
+  }
   return t;
 }
 

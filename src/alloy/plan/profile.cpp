@@ -20,8 +20,8 @@ const char* const kFormat = "alloy-profile";
 // frozen base's bytes in "memory"); version 6 each type's attn_share_fwd/bwd (the halves of a
 // block); version 7 the tensor-parallel sums per device pair ("tp_sums"); version 8 each type's
 // weight_share (zb-h1's weight passes); version 9 each type's comm_cpu_s_per_byte; version 10 each
-// type's tp_whole_share. Versions 1 to 9 still read.
-constexpr int kVersion = 10;
+// type's tp_whole_share; version 11 each type's burst_speedup. Versions 1 to 10 still read.
+constexpr int kVersion = 11;
 
 // The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
 struct CostField {
@@ -249,6 +249,7 @@ nlohmann::json Profile::to_json() const {
     if (d.weight_share > 0) dj["weight_share"] = d.weight_share;
     if (d.comm_cpu_s_per_byte > 0) dj["comm_cpu_s_per_byte"] = d.comm_cpu_s_per_byte;
     if (d.tp_whole_share > 0) dj["tp_whole_share"] = d.tp_whole_share;
+    if (d.burst_speedup > 1) dj["burst_speedup"] = d.burst_speedup;
     if (!d.codecs.empty()) {
       json cj = json::object();
       for (const auto& [m, c] : d.codecs) cj[m] = {{"encode_s_per_elem", c.encode_s_per_elem}, {"decode_s_per_elem", c.decode_s_per_elem}};
@@ -298,7 +299,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
   const json& devs = rd.object(j, "devices", "devices");
   if (devs.empty()) rd.fail("devices", "the profile has no device types");
   std::set<std::string> dev_keys{"optimizer_s_per_param", "step_noise", "codecs", "attn_share_fwd", "attn_share_bwd", "weight_share",
-                                 "comm_cpu_s_per_byte", "tp_whole_share"};
+                                 "comm_cpu_s_per_byte", "tp_whole_share", "burst_speedup"};
   for (const auto& f : kCostFields) dev_keys.insert(f.key);
   for (const auto& kv : devs.items()) {
     const std::string f = "devices." + kv.key();
@@ -334,6 +335,12 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
       // calibration and speed hints may scale it up from there, not by 100x.
       if (!(d.comm_cpu_s_per_byte >= 0 && d.comm_cpu_s_per_byte < 1e-4))
         rd.fail(f + ".comm_cpu_s_per_byte", "must be in [0, 1e-4) (seconds of compute lost per byte communicated)");
+    }
+    if (kv.value().contains("burst_speedup")) {
+      d.burst_speedup = rd.number(kv.value(), "burst_speedup", f + ".burst_speedup");
+      // The profiler keeps it under 50 (a device of 2% of a core).
+      if (!(d.burst_speedup >= 1 && d.burst_speedup <= 50))
+        rd.fail(f + ".burst_speedup", "must be in [1, 50] (a short stretch's speed after a wait over the steady speed)");
     }
     if (kv.value().contains("codecs")) {
       const json& cs = rd.object(kv.value(), "codecs", f + ".codecs");

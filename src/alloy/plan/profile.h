@@ -75,6 +75,13 @@ struct DeviceProfile {
   // the block. Measured on the first member of an even pair with its sums left out. 0: not
   // measured (older profiles), the share alone.
   double tp_whole_share = 0;
+  // How much faster than its steady rate this device computes a short stretch after a wait
+  // (profile version 11). A CPU quota (cgroup CFS: a container's CPU limit, the emulator's
+  // devices) hands out its budget per period, so a rank that waited through most of a period
+  // computes the next short stretch at the core's full speed. A tensor-parallel member computing
+  // a few milliseconds between sums gains it: the cost model takes the longer of its compute C
+  // and C / burst_speedup + its sums. 1: none showed (a core or GPU of its own, older profiles).
+  double burst_speedup = 1;
 };
 
 struct LinkProfile {

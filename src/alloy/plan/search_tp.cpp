@@ -52,8 +52,8 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
   std::vector<double> ms;
   for (int64_t m : sizes)
     if (ms.size() < static_cast<size_t>(MicroBatchCost::kMaxPoints)) ms.push_back(static_cast<double>(m));
-  double max_whole = 0;
-  for (const auto* p : dp) max_whole = std::max(max_whole, p->tp_whole_share);
+  double max_whole = 0, burst = 50;
+  for (const auto* p : dp) max_whole = std::max(max_whole, p->tp_whole_share), burst = std::min(burst, std::max(1.0, p->burst_speedup));
   auto combine = [&](MicroBatchCost DeviceProfile::*f, bool split, double sums) {
     const bool blocks = f == &DeviceProfile::block_fwd || f == &DeviceProfile::block_bwd;
     std::vector<double> ts;
@@ -69,7 +69,10 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
         if (blocks) whole = std::max(whole, p->tp_whole_share * t);
       }
       const double shared = rate > 0 ? 1.0 / rate : 0.0;
-      ts.push_back((split ? whole + shared * (1 - (blocks ? max_whole : 0.0)) : slowest) + comm);
+      // Members compute between the sums at their burst speed (CostContext::tp_member_s; the
+      // members' least burst stands for the group).
+      const double compute = split ? whole + shared * (1 - (blocks ? max_whole : 0.0)) : slowest;
+      ts.push_back(std::max(compute, compute / burst + comm));
     }
     return from_points(ms, ts);
   };
