@@ -36,8 +36,6 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-MicroBatchCost measured(const std::vector<double>& x, const std::vector<double>& y) { return MicroBatchCost::measured(x, y); }
-
 struct FwdBwd {
   double fwd, bwd;
   int64_t act_bytes;
@@ -264,6 +262,7 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
   }
   // Activation memory at the largest size, the most any round kept.
   const int64_t act_e = peak(te.back()), act_b = peak(tb.back()), act_h = peak(th.back());
+  const auto measured = &MicroBatchCost::measured;
   d.embed_fwd = measured(xs, ef), d.embed_bwd = measured(xs, eb);
   d.block_fwd = measured(xs, bf), d.block_bwd = measured(xs, bb);
   d.head_fwd = measured(xs, hf), d.head_bwd = measured(xs, hb);
