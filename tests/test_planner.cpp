@@ -1611,13 +1611,17 @@ TEST(Calibrate, RebalanceMovesSamplesFromAPipelineSlowerThanPredicted) {
 
 TEST(Report, PredictedVsMeasuredSaysWhichCalibrationItComparesWith) {
   nlohmann::json plan_pred = {{"step_s", 1.9}, {"per_stage", nlohmann::json::array({{{"rank", 0}, {"device", "fast"}, {"forward_s", 0.5},
-                                                                                      {"backward_s", 1.0}, {"sync_exposed_s", 0.1}}})}};
+                                                                                      {"backward_s", 1.0}, {"sync_exposed_s", 0.1},
+                                                                                      {"memory_bytes", 200.0 * 1024 * 1024}}})}};
   nlohmann::json calibrated = plan_pred;
   calibrated["step_s"] = 2.0;
   calibrated["calibrated_after_step"] = 6;
-  nlohmann::json ranks = nlohmann::json::array({{{"rank", 0}, {"compute_s_median", 1.6}, {"sync_wait_s_median", 0.05}}});
+  nlohmann::json ranks = nlohmann::json::array(
+      {{{"rank", 0}, {"compute_s_median", 1.6}, {"sync_wait_s_median", 0.05}, {"model_memory_bytes", 230.0 * 1024 * 1024}}});
   const std::string plain = predicted_vs_measured(plan_pred, ranks, 2.1);
   EXPECT_NE(plain.find("predicted 1900.0 ms, measured 2100.0 ms (+10.5%)"), std::string::npos) << plain;
+  // The rank's memory: the planner's figure, then the measured peak and how far off the plan was.
+  EXPECT_NE(plain.find("200.0 MiB     230.0 MiB (+15%)"), std::string::npos) << plain;
   EXPECT_EQ(plain.find("calibration"), std::string::npos) << plain;
   const std::string cal = predicted_vs_measured(calibrated, ranks, 2.1, &plan_pred);
   EXPECT_NE(cal.find("measured up to step 6, the last calibration"), std::string::npos) << cal;

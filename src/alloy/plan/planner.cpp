@@ -260,15 +260,22 @@ std::string predicted_vs_measured(const nlohmann::json& pred, const nlohmann::js
   if (earlier && earlier->is_object() && earlier->contains("step_s"))
     o << "; the plan's prediction before calibrating " << ms(earlier->value("step_s", 0.0)) << " (" << off(earlier->value("step_s", 0.0)) << ")";
   o << "\n";
-  o << "  rank  device            compute pred   compute meas   sync wait pred  sync wait meas\n";
+  // Memory: the planner's figure for the rank against the peak the rank measured above what it held
+  // before building its model (the CUDA allocator on a GPU, the heap on a CPU), so a user sees
+  // whether the fits/does-not-fit verdicts can be trusted on their devices.
+  o << "  rank  device            compute pred   compute meas   sync wait pred  sync wait meas     memory pred          memory meas\n";
   for (const auto& s : pred["per_stage"]) {
     int rank = s.value("rank", -1);
+    const nlohmann::json none = nlohmann::json::object();
+    const nlohmann::json& r = by_rank.count(rank) ? by_rank[rank] : none;
     double pc = s.value("forward_s", 0.0) + s.value("backward_s", 0.0);
-    double mc = by_rank.count(rank) ? by_rank[rank].value("compute_s_median", 0.0) : 0.0;
-    double msync = by_rank.count(rank) ? by_rank[rank].value("sync_wait_s_median", 0.0) : 0.0;
-    char line[200];
-    std::snprintf(line, sizeof line, "  %4d  %-16s  %13s  %13s  %14s  %14s\n", rank, s.value("device", std::string()).c_str(),
-                  ms(pc).c_str(), ms(mc).c_str(), ms(s.value("sync_exposed_s", 0.0)).c_str(), ms(msync).c_str());
+    const double pm = s.value("memory_bytes", 0.0), mm = r.value("model_memory_bytes", 0.0);
+    std::string meas_mem = mm > 0 ? mem(mm) : std::string("-");
+    if (pm > 0 && mm > 0) meas_mem += fmt(" (%+.0f%%)", 100.0 * (mm - pm) / pm);
+    char line[260];
+    std::snprintf(line, sizeof line, "  %4d  %-16s  %13s  %13s  %14s  %14s  %14s  %19s\n", rank, s.value("device", std::string()).c_str(),
+                  ms(pc).c_str(), ms(r.value("compute_s_median", 0.0)).c_str(), ms(s.value("sync_exposed_s", 0.0)).c_str(),
+                  ms(r.value("sync_wait_s_median", 0.0)).c_str(), pm > 0 ? mem(pm).c_str() : "-", meas_mem.c_str());
     o << line;
   }
   return o.str();
