@@ -220,6 +220,9 @@ DEVICE_LAYOUTS = {
     "cuda+cpu-dp2": ("dp2-6x2-2x6", ["cuda", "cpu"]),
     "cuda+cpu-pp2": ("pp2-6+2-1f1b", ["cpu", "cuda"]),
     "cuda+cpu-mixed": ("mixed-5+3_and_8", ["cuda", "cpu", "cpu"]),
+    # One rank alone of another model ("@arch"): grouped key/value heads through the fused
+    # attention (LibTorch 2.5's enable_gqa) against the CPU's written-out attention.
+    "cuda-llama-gqa": ("@llama-gqa", ["cuda"]),
 }
 RTOL_GPU = 1e-4
 
@@ -428,8 +431,10 @@ def main():
         devices, rtol, extra_flags = [], RTOL, []
         if on_devices:
             base_name, devices = DEVICE_LAYOUTS[name]
-            arch, gb, layout, world = LAYOUTS[base_name or "dp2-equal"][:4]
-            if base_name is None:
+            alone = base_name is None or base_name.startswith("@")
+            arch, gb, layout, world = LAYOUTS["dp2-equal" if alone else base_name][:4]
+            if alone:
+                arch = base_name[1:] if base_name else arch
                 layout, world = plan(gb, [(gb // 2, 2, full(0))]), 1
             rtol = RTOL_GPU
         else:

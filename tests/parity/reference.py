@@ -248,8 +248,10 @@ def llama_logits(cfg, p, idx):
         q = (h @ p[pre + "self_attn.q_proj.weight"].t()).view(B, T, nh, hd).transpose(1, 2)
         k = (h @ p[pre + "self_attn.k_proj.weight"].t()).view(B, T, nkv, hd).transpose(1, 2)
         v = (h @ p[pre + "self_attn.v_proj.weight"].t()).view(B, T, nkv, hd).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        # HF casts the tables to the projections' dtype (bf16 under autocast; a no-op in fp32).
+        c, s = cos.to(q.dtype), sin.to(q.dtype)
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
         # HF repeat_kv: query head j uses kv head j // rep (interleave, not tile).
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)

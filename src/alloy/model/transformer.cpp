@@ -136,7 +136,8 @@ struct Shared {
   int64_t mask_len = -1;
   at::Tensor mask;  // [T, T] additive: 0 on and below the diagonal, -inf above (future positions)
   int64_t rope_len = -1;
-  at::Tensor cos, sin;  // [T, head_dim]
+  at::Tensor cos, sin;        // [T, head_dim]
+  at::Tensor cos_as, sin_as;  // the same in another dtype (rope_as)
 
   const at::Tensor& causal_mask(int64_t T, const at::Device& dev) {
     if (T != mask_len || mask.device() != dev) {
@@ -155,7 +156,18 @@ struct Shared {
     auto emb = at::cat({freqs, freqs}, -1);
     cos = emb.cos();
     sin = emb.sin();
+    cos_as = sin_as = at::Tensor();
     rope_len = T;
+  }
+  // The tables in the projections' dtype, as HF's LLaMA applies them: under autocast q and k are
+  // bf16/fp16, and an fp32 table would promote the rotation to fp32 (twice the bytes each way).
+  std::pair<at::Tensor, at::Tensor> rope_as(at::ScalarType t) {
+    if (t == cos.scalar_type()) return {cos, sin};
+    if (!cos_as.defined() || cos_as.scalar_type() != t) {
+      cos_as = cos.to(t);
+      sin_as = sin.to(t);
+    }
+    return {cos_as, sin_as};
   }
 };
 
@@ -175,10 +187,26 @@ bool use_fused_kernels() {
 #endif
 }
 
+// Whether the fused attention takes grouped key/value heads as they are (LibTorch 2.5's enable_gqa).
+bool fused_gqa() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  return use_fused_kernels();
+#else
+  return false;
+#endif
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Shared& sh) {
   // q, k, v [B, nh, T, hd] -> [B, nh, T, hd], causal, scaled by 1/sqrt(hd).
   const int64_t B = q.size(0), nh = q.size(1), T = q.size(2), hd = q.size(3);
 #if TORCH_VERSION_MAJOR >= 2
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  // Fewer key/value heads than query heads reach here only when the kernel shares them itself
+  // (fused_gqa): no [B, nh, T, hd] copies of k and v.
+  if (k.size(1) != nh)
+    return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true, /*scale=*/std::nullopt,
+                                            /*enable_gqa=*/true);
+#endif
   if (use_fused_kernels()) return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true);
 #endif
   // One baddbmm applies the scale and the additive causal mask inside the product: the separate
@@ -532,9 +560,10 @@ class LlamaBlock : public BlockLayer {
     auto q = proj(1, h, nullptr).view({B, T, nh, hd}).transpose(1, 2);
     auto k = proj(2, h, nullptr).view({B, T, nkv, hd}).transpose(1, 2);
     auto v = proj(3, h, nullptr).view({B, T, nkv, hd}).transpose(1, 2);
-    q = q * sh_->cos + rotate_half(q) * sh_->sin;
-    k = k * sh_->cos + rotate_half(k) * sh_->sin;
-    if (nkv != nh) {
+    const auto [cos, sin] = sh_->rope_as(q.scalar_type());
+    q = q * cos + rotate_half(q) * sin;
+    k = k * cos + rotate_half(k) * sin;
+    if (nkv != nh && !fused_gqa()) {
       // Query head j reads key/value head j / rep (HF's repeat_kv); expand+reshape copies once,
       // where repeat_interleave builds an index first.
       const int64_t rep = nh / nkv;
