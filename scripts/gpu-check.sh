@@ -7,14 +7,19 @@
 #   ALLOY_PYTHON   python3 whose torch has CUDA (default: python3 on PATH)
 #   ALLOY_DEPS     extra CMake prefix for what the machine lacks (e.g. rapidcheck, ICU headers):
 #                  scripts/gpu-deps.sh gathers it from a Debian machine's packages
-#   The tests read Debian's fortunes corpus from /usr/share/games/fortunes (package `fortunes`).
+#   The tests read Debian's fortunes corpus from /usr/share/games/fortunes (package `fortunes`;
+#   the whole folder, which scripts/gpu-deps.sh carries).
 #   ALLOY_CHECK_OUT  folder for logs and results (default: BUILD_DIR/gpu-check)
 #   ALLOY_STEPS    which checks, in this order (default: suite parity pool bench):
 #                  suite (every test), device (the CUDA unit tests only: allocator memory, fused
-#                  AdamW, NCCL at world size 1), bench (bench/gpu_bench.py: Alloy vs PyTorch eager
-#                  and torch.compile), parity (CUDA against the CPU), pool (GPU + CPU, --plan auto)
+#                  AdamW, NCCL at world size 1), parity (CUDA against the CPU), precision
+#                  (bench/precision_bench.py on CUDA: 300 steps of fp32, bf16 and fp16), bench
+#                  (bench/gpu_bench.py: Alloy vs PyTorch eager and torch.compile), pool (GPU + CPU,
+#                  --plan auto: predicted against measured step and memory)
+#                  Without suite or device only the alloy binary is built.
 #   ALLOY_PARITY   the parity layouts (default: all of tests/dist/test_parity.py's --devices)
 #   ALLOY_BENCH_ARGS  extra arguments for bench/gpu_bench.py
+#   ALLOY_POOL_STEPS  the pool run's steps (default 30; it re-plans at step 6)
 # Graphviz is left out (-DALLOY_GRAPHVIZ=OFF): GPU images rarely carry libgvc.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,10 +41,12 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
 steps=" ${ALLOY_STEPS:-suite parity pool bench} "
 has() { [[ "$steps" == *" $1 "* ]]; }
 targets=""
-has suite || targets="alloy_cli test_torch"
+has suite || targets="alloy_cli"
+has suite || ! has device || targets="alloy_cli test_torch"
+stamp() { echo "[gpu-check $(date +%T)] $*"; }
 grep "Alloy: CUDA" "$out/configure.log"
 ninja -C "$build" $targets >"$out/build.log" 2>&1 || { grep -B2 -A12 "error" "$out/build.log" | head -150; exit 1; }
-echo "built: $(grep -c 'Building CXX' "$out/build.log") files"
+stamp "built: $(grep -c 'Building CXX' "$out/build.log") files"
 
 status=0
 if has suite; then
@@ -55,13 +62,22 @@ elif has device; then
 fi
 
 if has parity; then
+  stamp "parity"
   "$py" tests/dist/test_parity.py "$build/alloy" "$out/cuda-parity" --devices ${ALLOY_PARITY:-} 2>&1 | tee "$out/cuda-parity.log" || status=1
 fi
 
+if has precision; then
+  stamp "precision"
+  "$py" bench/precision_bench.py --build "$build" --device cuda --threads 4 --rounds 2 --results "$out/precision-cuda.json" 2>&1 |
+    tee "$out/precision.log" || status=1
+fi
+
 if has bench; then
+  stamp "bench"
   "$py" bench/gpu_bench.py "$build/alloy" --out "$out/bench" ${ALLOY_BENCH_ARGS:-} 2>&1 | tee "$out/gpu-bench.log" || status=1
 fi
 has pool || exit $status
+stamp "pool"
 
 # A pool of the GPU and the CPU: each rank profiles its own device, the planner splits the work,
 # and the run reports predicted against measured.
@@ -77,6 +93,9 @@ EOF
 "$build/alloy" data prepare --input /usr/share/games/fortunes/fortunes --output "$pool/fortunes" >/dev/null || status=1
 "$build/alloy" launch --nproc 2 --devices cuda,cpu --threads-per-rank 4 -- "$build/alloy" train -c examples/demo-gpt2.yaml \
   --plan auto --cluster "$pool/cluster.yaml" --set data.prefix="$pool/fortunes" --set output.dir="$pool/run" \
-  --set train.steps=12 --set train.replan_step=4 --set train.threads=4 >"$pool/train.log" 2>&1 || status=1
-grep -vE "it/s" "$pool/train.log" | tail -45
+  --set train.steps=${ALLOY_POOL_STEPS:-30} --set train.replan_step=6 --set train.threads=4 --set train.log_interval=5 \
+  >"$pool/train.log" 2>&1 || status=1
+cp "$pool/run/plan.json" "$pool/run/ranks.json" "$pool/" 2>/dev/null
+grep -vE "it/s" "$pool/train.log" | grep -vE "step +[0-9]+: " | tail -40
+stamp "done"
 exit $status

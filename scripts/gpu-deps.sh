@@ -7,8 +7,11 @@
 #   # there, with .gpudeps carried beside the checkout:
 #   ALLOY_DEPS=$PWD/.gpudeps/usr ALLOY_STEPS="device parity bench" bash scripts/gpu-check.sh
 #
-# Also copies Debian's fortunes corpus (the parity checks read /usr/share/games/fortunes/fortunes;
-# copy .gpudeps/fortunes/fortunes there). About 45 MB, most of it ICU's data library.
+# Also copies Debian's fortunes corpus, the whole folder (the parity checks read
+# /usr/share/games/fortunes/fortunes; precision_bench.py and the README's examples read the folder,
+# 5 MB of text: the `fortunes` file alone is 28 KB, which 300 steps of small-gpt2 overfit). Copy
+# it there with `cp -a .gpudeps/fortunes/. /usr/share/games/fortunes/`. About 48 MB, most of it
+# ICU's data library.
 set -euo pipefail
 out=${1:-.gpudeps}
 pkgs=(libcli11-dev nlohmann-json3-dev libyaml-cpp-dev libyaml-cpp0.7 libgloo-dev libicu-dev libicu72 libgtest-dev libgmock-dev
@@ -34,5 +37,5 @@ rm -rf "$out"/usr/share/cmake/Gloo
 # FindICU looks in lib/, not only in lib/x86_64-linux-gnu/.
 (cd "$out/usr/lib" && for f in x86_64-linux-gnu/*.so x86_64-linux-gnu/*.a; do [ -e "$f" ] && ln -sf "$f" .; done)
 mkdir -p "$out/fortunes"
-cp /usr/share/games/fortunes/fortunes "$out/fortunes/"
+cp -a /usr/share/games/fortunes/. "$out/fortunes/"
 du -sh "$out"
