@@ -7,6 +7,7 @@
 
 #include "alloy/core/error.h"
 #include "alloy/plan/cost_model.h"
+#include "alloy/plan/cost_tp.h"
 #include "alloy/plan/planner.h"
 #include "alloy/plan/search.h"
 #include "planner_fixtures.h"
@@ -134,6 +135,49 @@ TEST(TensorParallelCost, MembersComputeBetweenSumsAtTheirBurstSpeed) {
   EXPECT_EQ(simulate_plan(alone, c, prof).step_s, simulate_plan(alone, c, pair_profile(4)).step_s);
 }
 
+// zb-h1 on a pipeline whose later stage is a tensor-parallel group: each member's weight products
+// (its heads' share of the blocks' weight part) leave the backward for the weight pass, the sums
+// stay in the backward, and the group's weight pass is its slowest member's.
+TEST(TensorParallelCost, ZeroBubbleHoldsBackTheMembersWeightProducts) {
+  ClusterSpec c = pair_and_far(0);
+  c.devices[2].host = "box";
+  Profile prof = pair_profile(4);
+  prof.devices["fast"].weight_share = 0.4;
+  prof.devices["slow"].weight_share = 0.4;
+  Plan p;
+  p.global_batch = 8;
+  PipelinePlan pl;
+  pl.micro_batch_size = 1;
+  pl.num_micro_batches = 8;
+  pl.stages.push_back(StagePlan{{2}, 0, 2, "b"});
+  StagePlan group{{0, 1}, 2, 4, "a0"};
+  group.devices = {"a0", "a1"};
+  group.tp_split = {3, 1};
+  pl.stages.push_back(group);
+  p.pipelines.push_back(pl);
+  p.schedule = "zb-h1";
+  EXPECT_NO_THROW(p.validate(prof.model, "plan"));
+
+  const CostContext ctx(c, prof);
+  const detail::TpStageTime t = detail::tp_stage_time(ctx, prof.model, group, {0, 1, 2}, false, true, 1);
+  const int fast = ctx.type_of(0);
+  EXPECT_NEAR(t.weight_s, 0.75 * ctx.weight_units_s(fast, group.unit_begin(), group.unit_end(), 1), 1e-12);  // 3 of 4 heads
+  EXPECT_GT(t.weight_s, 0);
+  EXPECT_NEAR(t.input_backward_s + t.weight_s, t.backward_s, 1e-12);  // no bursts: the sums are all in the backward
+
+  const PlanCost zb = simulate_plan(p, c, prof);
+  p.schedule = "1f1b";
+  const PlanCost one = simulate_plan(p, c, prof);
+  EXPECT_LT(zb.pipelines[0].phase_s, one.pipelines[0].phase_s);
+  EXPECT_NEAR(zb.stages[1].tp_comm_s, one.stages[1].tp_comm_s, 1e-12);
+  // Without weight products to hold back (LoRA's frozen base, or a share of 0) nothing moves.
+  prof.devices["fast"].weight_share = prof.devices["slow"].weight_share = 1e-9;
+  p.schedule = "zb-h1";
+  const PlanCost none = simulate_plan(p, c, prof);
+  p.schedule = "1f1b";
+  EXPECT_NEAR(none.pipelines[0].phase_s, simulate_plan(p, c, prof).pipelines[0].phase_s, 1e-6);
+}
+
 TEST(TensorParallelCost, MeasuredSumsReplaceTheFloorPairByPair) {
   ClusterSpec c = pair_and_far(0);
   Profile prof = pair_profile(4);
@@ -188,8 +232,8 @@ namespace {
 // The batch is small. A pipeline over the fast pair idles in its fill and drain; as one
 // tensor-parallel stage it computes each micro-batch together and sums over its fast link.
 // Embedding and head are cheap beside a block (each member computes them). TP against the
-// pipelines it can be part of: zb-h1 runs no tensor-parallel stage, and on this pool its
-// four-stage pipeline (465 ms) beats the TP plan (565 ms, 1F1B).
+// pipelines without a split backward (under zb-h1 the four-stage pipeline, 465 ms, beats the TP
+// plan's 565 ms under 1F1B).
 SearchOptions fast_pair_case(ClusterSpec& c, Profile& prof) {
   four_device_pool(c, prof);
   for (auto* f : {&prof.devices["fast"].head_fwd, &prof.devices["fast"].head_bwd, &prof.devices["fast"].embed_fwd,
@@ -270,6 +314,61 @@ TEST(TensorParallelPlanner, PutsAGroupInsideEachHostAndThePipelineAcrossThem) {
   // Without tensor parallelism the same search is predicted slower.
   o.tensor_parallel = false;
   EXPECT_GT(make_plan(c, prof, o, false).chosen.cost.step_s, r.chosen.cost.step_s);
+}
+
+// After the tensor-parallel phase: a pipeline whose later stage is a group gets zb-h1 when that
+// clears the split schedule's margin (8% here) (the group's members hold their weight passes back), with a
+// note and the cost model's price for the plan; with weight products a sliver of the backward the
+// plan keeps its schedule.
+TEST(TensorParallelPlanner, GroupsInAPipelineRunZeroBubbleWhereItPays) {
+  ClusterSpec c = pair_and_far(0);
+  c.devices[2].host = "box";
+  Profile prof = pair_profile(4);
+  prof.devices["fast"].weight_share = prof.devices["slow"].weight_share = 0.4;
+  Plan p;
+  p.global_batch = 4;
+  PipelinePlan pl;
+  pl.micro_batch_size = 1;
+  pl.num_micro_batches = 4;
+  pl.stages.push_back(StagePlan{{2}, 0, 1, "b"});
+  StagePlan group{{0, 1}, 1, 4, "a0"};
+  group.devices = {"a0", "a1"};
+  group.tp_split = {3, 1};
+  pl.stages.push_back(group);
+  p.pipelines.push_back(pl);
+  p.schedule = "1f1b";
+  SearchOptions o;
+  o.global_batch = 4;
+  o.micro_batch_sizes = {1};
+  o.schedules = {"1f1b", "zb-h1"};
+  SearchResult r;
+  r.strategy = "alloy";
+  r.plan = p;
+  r.cost = simulate_plan(p, c, prof);
+  const double before = r.cost.step_s;
+  split_tensor_parallel_backward(r, c, prof, o);
+  EXPECT_EQ(r.plan.schedule_of(0), "zb-h1") << r.plan.describe();
+  EXPECT_LT(r.cost.step_s, before * (1 - kSplitScheduleMinGain));
+  EXPECT_NEAR(r.cost.step_s, simulate_plan(r.plan, c, prof).step_s, 1e-12);
+  bool noted = false;
+  for (const auto& n : r.notes) noted = noted || n.find("zb-h1 with the tensor-parallel stages") != std::string::npos;
+  EXPECT_TRUE(noted);
+  EXPECT_NO_THROW(r.plan.validate(prof.model, "chosen"));
+
+  prof.devices["fast"].weight_share = prof.devices["slow"].weight_share = 0.01;
+  SearchResult thin;
+  thin.strategy = "alloy";
+  thin.plan = p;
+  thin.cost = simulate_plan(p, c, prof);
+  split_tensor_parallel_backward(thin, c, prof, o);
+  EXPECT_EQ(thin.plan.schedule_of(0), "1f1b");
+  // Without zb-h1 among the schedules allowed nothing changes either.
+  prof.devices["fast"].weight_share = prof.devices["slow"].weight_share = 0.4;
+  o.schedules = {"1f1b", "gpipe"};
+  SearchResult plain = thin;
+  plain.cost = simulate_plan(p, c, prof);
+  split_tensor_parallel_backward(plain, c, prof, o);
+  EXPECT_EQ(plain.plan.schedule_of(0), "1f1b");
 }
 
 TEST(TensorParallelPlanner, LoraKeepsItsGroupsOverAnyBase) {

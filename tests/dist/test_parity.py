@@ -210,6 +210,10 @@ def _sp_in_plan(layout):
 
 
 LAYOUTS["tp2-in-pp2-sp-plan"] = ("gpt2", 24, _sp_in_plan(LAYOUTS["tp2-in-pp2"][2]), 3)
+# zb-h1 with tensor-parallel stages: a group's members defer their pieces' weight gradients to the
+# same weight passes (no sum in them), the input gradients' sums stay in the backward.
+LAYOUTS["zb-pp2-tp2-3:1"] = ("gpt2", 24, _schedule(_tp(24, [(4, 6, [([0], 0, 3, None), ([1, 2], 3, 8, [3, 1])])]), "zb-h1"), 3)
+LAYOUTS["zb-tp-pp-tp-llama-sp"] = ("llama-gqa", 24, _schedule(LAYOUTS["tp-pp-tp-llama"][2], "zb-h1"), 4, ["--sequence-parallel"])
 
 # name: (layout above, or None for one rank training alone; device of each rank). Compared with
 # the one-device run on the CPU.

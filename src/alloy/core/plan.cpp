@@ -265,9 +265,6 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
     const std::string field = own.empty() ? "schedule" : "pipelines[" + std::to_string(p) + "].schedule";
     if (!own.empty() && std::find(names.begin(), names.end(), own) == names.end())
       fail(field, "must be " + pipeline::schedule_names_text(" or ") + ", got '" + own + "'");
-    if (pipelines[p].has_tensor_parallel() && pipeline::splits_backward(schedule_of(p)))
-      fail(field, schedule_of(p) + " with tensor parallelism is not built (a group's weight pieces would wait for their weight passes): "
-                  "use 1f1b or gpipe for pipeline " + std::to_string(p) + ", or stages of one rank each");
   }
   grad_sync.validate(where, "grad_sync");
   int64_t total = 0;

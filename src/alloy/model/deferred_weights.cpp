@@ -27,6 +27,8 @@ struct DeferredProjection : torch::autograd::Function<DeferredProjection> {
     ctx->saved_data["mb"] = mb;
     ctx->saved_data["in_out"] = in_out;
     const bool has_b = b_detached.defined();
+    // A tensor-parallel piece's product may read [B, T, in] (transformer.cpp's pieces).
+    if (in_out && x.dim() != 2) return has_b ? at::matmul(x, W_detached) + b_detached : at::matmul(x, W_detached);
     if (in_out) return has_b ? at::addmm(b_detached, x, W_detached) : at::mm(x, W_detached);
     return has_b ? at::linear(x, W_detached, b_detached) : at::linear(x, W_detached);
   }

@@ -315,6 +315,10 @@ class BlockLayer : public Layer {
       const auto product = [&](const at::Tensor& in, size_t j) {
         const Param& W = params_[j];
         if (W.quant) return quantized_matmul(in, W.quant, in_out_);
+        // Each piece's gradient waits for the zb-h1 weight pass, as a whole weight's does (project).
+        if (DeferredWeightGrads* d = DeferredWeightGrads::active();
+            d && at::GradMode::is_enabled() && W.tensor.requires_grad() && in.requires_grad())
+          return d->project(in, W.tensor, nullptr, in_out_);
         return in_out_ ? at::matmul(in, W.tensor) : at::linear(in, W.tensor);
       };
       if (L.kind.dim == out_dim) {  // column-parallel: each piece gives its heads' outputs

@@ -29,7 +29,8 @@ std::vector<TpMemberTime> tp_member_times(const CostContext& ctx, const ModelCon
     const double fb = ctx.forward_units_s(type, ub, ue, false, false, m), bb = ctx.backward_units_s(type, ub, ue, false, false, m);
     const double fe = ctx.forward_units_s(type, ub, ue, first, last, m) - fb, be = ctx.backward_units_s(type, ub, ue, first, last, m) - bb;
     const double fk = ctx.tp_block_share(type, f);  // the blocks' norms and residual are whole on every member
-    out.push_back({fk * fb + f * fe, fk * bb + f * be + (st.recompute ? fk * fb : 0.0)});
+    // The projections' weight products split exactly in the heads' ratio (the norms are no projections).
+    out.push_back({fk * fb + f * fe, fk * bb + f * be + (st.recompute ? fk * fb : 0.0), f * ctx.weight_units_s(type, ub, ue, m)});
   }
   return out;
 }
@@ -69,6 +70,8 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
     const int type = ctx.type_of(devs[k]);
     t.forward_s = std::max(t.forward_s, ctx.tp_member_s(type, members[k].forward_s, fwd));
     t.backward_s = std::max(t.backward_s, ctx.tp_member_s(type, members[k].backward_s, bwd));
+    t.weight_s = std::max(t.weight_s, members[k].weight_s);
+    t.input_backward_s = std::max(t.input_backward_s, ctx.tp_member_s(type, members[k].backward_s - members[k].weight_s, bwd));
   }
   return t;
 }

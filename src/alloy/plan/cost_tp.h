@@ -14,12 +14,16 @@ double tp_share(const StagePlan& st, const ModelConfig& model, size_t k);
 
 struct TpStageTime {
   double forward_s = 0, backward_s = 0, comm_s = 0;  // per micro-batch
+  // Under a split backward (zb-h1): the weight pass (the slowest member's; no sums in it), and the
+  // backward with that part held back (its sums all stay there).
+  double weight_s = 0, input_backward_s = 0;
 };
 
 // Each member's compute for one micro-batch of M samples (its heads' share on its own type, the
 // recomputed forward included, no sums), in rank order.
 struct TpMemberTime {
   double forward_s = 0, backward_s = 0;
+  double weight_s = 0;  // the part of backward_s a zb-h1 weight pass runs: its projections' weight products
 };
 std::vector<TpMemberTime> tp_member_times(const CostContext& ctx, const ModelConfig& model, const StagePlan& st,
                                           const std::vector<int>& dev_of, bool first, bool last, int64_t m);

@@ -14,10 +14,9 @@ namespace alloy::plan {
 
 namespace {
 
-// Whether the runtime can run a split backward on PLAN's pipeline P: no tensor-parallel stage,
-// and no rank in a ZeRO-3 set (its weight passes need the layers ZeRO-3 frees after a backward).
+// Whether the runtime can run a split backward on PLAN's pipeline P: no rank in a ZeRO-3 set (its
+// weight passes need the layers ZeRO-3 frees after a backward).
 bool may_split(const Plan& plan, size_t p) {
-  if (plan.pipelines[p].has_tensor_parallel()) return false;
   for (const auto& st : plan.pipelines[p].stages) {
     for (int r : st.ranks)
       for (const auto& e : plan.sharding)
@@ -85,6 +84,34 @@ void refine_schedules(SearchResult& result, const ClusterSpec& cluster, const Pr
     << before * 1e3 << " ms with " << result.plan.schedules_text();
   result.notes.push_back(o.str());
   adopt_plan(result, std::move(best), best_cost);
+}
+
+void split_tensor_parallel_backward(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
+  if (!result.plan.has_tensor_parallel()) return;
+  const auto it = std::find_if(options.schedules.begin(), options.schedules.end(), pipeline::splits_backward);
+  if (it == options.schedules.end()) return;
+  const std::string was = result.plan.schedules_text();
+  // The whole plan on the split schedule (a single pipeline's only choice), then each pipeline's own.
+  Plan cand = result.plan;
+  cand.schedule = *it;
+  for (auto& pl : cand.pipelines) pl.schedule.clear();
+  bool may = true;
+  for (size_t p = 0; p < cand.pipelines.size(); ++p) may = may && may_split(cand, p);
+  if (may) {
+    try {
+      const PlanCost c = priced_rebalanced(cand, cluster, profile, options);
+      if (c.fits && zero3_sets_agree(cand) && c.step_s < result.cost.step_s * (1 - options.split_schedule_min_gain)) {
+        std::ostringstream o;
+        o.precision(4);
+        o << "schedule: " << *it << " with the tensor-parallel stages (their members' weight passes held back), predicted "
+          << c.step_s * 1e3 << " ms instead of " << result.cost.step_s * 1e3 << " ms with " << was;
+        result.notes.push_back(o.str());
+        adopt_plan(result, std::move(cand), c);
+      }
+    } catch (const InputError&) {
+    }
+  }
+  refine_schedules(result, cluster, profile, options);
 }
 
 }  // namespace alloy::plan

@@ -317,7 +317,9 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
   SearchOptions o = options;
   o.time_budget_s = std::min(o.time_budget_s, 0.25);
   o.fit_memory = false;
-  // zb-h1 runs no tensor-parallel stage (Plan::validate): the composite pool is searched on the others.
+  // The composite pool is searched on the schedules that do not split the backward (a composite
+  // device has no weight pass of its own to price); the schedule phase (search_schedules.cpp) then
+  // tries zb-h1 on the real plan's pipelines, tensor-parallel stages priced member by member.
   o.schedules.erase(std::remove_if(o.schedules.begin(), o.schedules.end(), pipeline::splits_backward), o.schedules.end());
   if (o.schedules.empty()) {
     result.notes.push_back("tensor parallelism: not tried (the schedules allowed, " + joined(options.schedules, ", ") +

@@ -113,8 +113,9 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       if (st.tp() > 1) {
         const detail::TpStageTime t = detail::tp_stage_time(ctx, profile.model, st, dev_of, first, last, m);
         costs.forward.push_back(t.forward_s + gf + p2p_cpu);
-        costs.backward.push_back(t.backward_s + gb3 + p2p_cpu);
-        costs.weight.push_back(0);  // zb-h1 runs no tensor-parallel stage (Plan::validate)
+        // Split: the members' weight passes come out of the backward, its sums stay in it.
+        costs.backward.push_back((split ? t.input_backward_s + t.weight_s : t.backward_s) + gb3 + p2p_cpu);
+        costs.weight.push_back(split ? t.weight_s : 0.0);
         tp_comm[{p, s}] = static_cast<double>(M) * t.comm_s;
       } else {
         auto fwd = [&](int64_t b, int64_t e) { return ctx.forward_units_s(type, b, e, first, last, m) + gf + p2p_cpu; };
