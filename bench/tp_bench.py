@@ -7,6 +7,8 @@ On one profile of the pool (`alloy profile` under `alloy launch --emulate`):
   uneven-tp    the same group, the heads split nearest the devices' measured speeds
   pipeline     `alloy plan --tensor-parallel off`: pipelines and replicas, one rank per stage
   best         `alloy plan` (TP allowed): what --plan auto would run
+  best-1f1b    only where best puts tensor-parallel stages on zb-h1: the same plan on 1F1B, to
+               show what holding the members' weight passes back gains
 each predicted (`alloy plan --evaluate`) and trained for --steps with the plan fixed (no
 re-planning), measured as the median step after --timed-after, in --rounds rounds (3; every plan in
 turn each round), reporting each plan's median round. Reports per plan the measured and
@@ -72,7 +74,7 @@ def layout(path):
             heads = ":".join(str(h) for h in s.get("tp_split", []))
             rng = s.get("units") or s["layers"]
             st.append(f"{who}{' tp ' + heads if heads else ''} [{rng[0]},{rng[1]})" + (" units" if "units" in s else ""))
-        out.append(f"{pl['micro_batch_size']}x{pl['num_micro_batches']}: " + " -> ".join(st))
+        out.append(f"{pl.get('schedule', p.get('schedule', '1f1b'))} {pl['micro_batch_size']}x{pl['num_micro_batches']}: " + " -> ".join(st))
     return "; ".join(out)
 
 
@@ -97,8 +99,24 @@ def tp_sums(plan_path, rounds):
     return out
 
 
-def plans_order():
-    return ("even-tp", "uneven-tp", "pipeline", "best")
+def plans_order(plans):
+    return [n for n in ("even-tp", "uneven-tp", "pipeline", "best", "best-1f1b") if n in plans]
+
+
+def unsplit(path, out):
+    """PATH's plan on 1F1B where it puts a tensor-parallel stage on zb-h1 (written to OUT), else None."""
+    p = json.load(open(path))
+    pls = p["pipelines"]
+    split = any(pl.get("schedule", p.get("schedule")) == "zb-h1" and any(len(st["ranks"]) > 1 for st in pl["stages"]) for pl in pls)
+    if not split:
+        return None
+    p["schedule"] = "1f1b"
+    for pl in pls:
+        pl.pop("schedule", None)
+    p.pop("predicted", None)
+    with open(out, "w") as f:
+        json.dump(p, f, indent=1)
+    return out
 
 
 def main():
@@ -114,6 +132,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every plan in turn; the median is reported")
     ap.add_argument("--profile", help="an `alloy profile` of this pool and model to use instead of profiling again "
                     "(for a second invocation at another global batch)")
+    ap.add_argument("--tag", help="results go to bench/results/tp-<cluster>-<tag>.json (e.g. another global batch's)")
     a = ap.parse_args()
     sets = [f"train.global_batch={a.global_batch}", f"train.micro_batch={a.micro_batch}", "train.replan_step=0"]
     R = hb.Runner(argparse.Namespace(build=a.build, cluster=a.cluster, config=a.config, work=a.work, steps=a.steps,
@@ -131,8 +150,8 @@ def main():
         out = os.path.join(R.work, f"plan-{name}.json")
         r = R.run(base + extra + ["-o", out])
         plans[name] = out
-        notes = [l.strip() for l in r.stdout.splitlines() if "tensor parallelism" in l]
-        log(f"{name}: {layout(out)}" + (f" ({notes[0]})" if notes else ""))
+        notes = [l.strip() for l in r.stdout.splitlines() if l.strip().startswith(("note: tensor parallelism", "note: schedule: zb-h1 with"))]
+        log(f"{name}: {layout(out)}" + (f" ({'; '.join(notes)})" if notes else ""))
     speeds = [float(d["speed"]) for d in devices]
     for name, split in (("even-tp", speeds_split(heads, kv, [1.0] * len(devices))), ("uneven-tp", speeds_split(heads, kv, speeds))):
         raw = tp_plan(os.path.join(R.work, f"plan-{name}-raw.json"), devices, split, a.global_batch, a.micro_batch,
@@ -141,25 +160,32 @@ def main():
         R.run(base + ["--evaluate", raw, "-o", out])
         plans[name] = out
         log(f"{name}: {layout(out)}")
+    raw = unsplit(plans["best"], os.path.join(R.work, "plan-best-1f1b-raw.json"))
+    if raw:
+        out = os.path.join(R.work, "plan-best-1f1b.json")
+        R.run(base + ["--evaluate", raw, "-o", out])
+        plans["best-1f1b"] = out
+        log(f"best-1f1b: {layout(out)}, the best plan on 1F1B")
     # Rounds: every plan once per round, in turn, so a slow spell of the machine hits all of them;
     # the median round per plan is reported. A plan identical to one already measured shares its runs.
     runs, same_as = {}, {}
     keys = {}
-    for name in ("even-tp", "uneven-tp", "pipeline", "best"):
-        key = json.dumps(json.load(open(plans[name]))["pipelines"], sort_keys=True)
+    for name in plans_order(plans):
+        p = json.load(open(plans[name]))
+        key = json.dumps([p.get("schedule"), p["pipelines"]], sort_keys=True)
         if key in keys:
             same_as[name] = keys[key]
             log(f"{name} is the same plan as {keys[key]}: its measurements stand for both")
         else:
             keys[key] = name
     for k in range(a.rounds):
-        for name in plans_order():
+        for name in plans_order(plans):
             if name in same_as:
                 continue
             log(f"round {k + 1} of {a.rounds}: training {a.steps} steps of {name}")
             runs.setdefault(name, []).append(R.train(f"tp-{name}-{k + 1}", plans[name], a.steps))
     results = []
-    for name in plans_order():
+    for name in plans_order(plans):
         pred = hb.predicted_of(plans[name]).get("step_s", float("nan"))
         rs = runs[same_as.get(name, name)]
         sums = tp_sums(plans[name], rs)
@@ -186,7 +212,8 @@ def main():
         f"{fastest['measured_step_s'] * 1e3:.0f} ms: {'within 5%' if within else 'NOT within 5%'}")
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
     stem = os.path.splitext(os.path.basename(a.cluster))[0]
-    path = os.path.join(HERE, "results", "tp.json" if stem == "cluster-3dev" else f"tp-{stem}.json")
+    name = "tp" if stem == "cluster-3dev" else f"tp-{stem}"
+    path = os.path.join(HERE, "results", name + (f"-{a.tag}" if a.tag else "") + ".json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(dict(machine=dict(cpu=cpu, cores=os.cpu_count()), cluster=os.path.relpath(a.cluster, REPO),

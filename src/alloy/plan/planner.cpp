@@ -114,16 +114,12 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
       x.cost.step_s = std::numeric_limits<double>::infinity();
       consider_tensor_parallel(x, cluster, profile, o);
       if (x.plan.pipelines.empty()) throw;
-      split_tensor_parallel_backward(x, cluster, profile, o);
       return x;
     }
     if (x.strategy == "alloy" && o.split_blocks) refine_units(x, cluster, profile, o);
     if (x.strategy == "alloy") refine_schedules(x, cluster, profile, o);
     if (x.strategy == "alloy") tune_buckets(x, cluster, profile);
-    if (x.strategy == "alloy" && o.tensor_parallel) {
-      consider_tensor_parallel(x, cluster, profile, o);
-      split_tensor_parallel_backward(x, cluster, profile, o);
-    }
+    if (x.strategy == "alloy" && o.tensor_parallel) consider_tensor_parallel(x, cluster, profile, o);
     return x;
   };
   auto run = [&](const SearchOptions& o) { return run_on(cluster, o); };

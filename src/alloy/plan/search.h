@@ -163,9 +163,9 @@ PlanCost priced_rebalanced(Plan& cand, const ClusterSpec& cluster, const Profile
 // backwards on tensor-parallel pipelines or on ranks sharded with ZeRO-3. Notes each change.
 // Applied by make_plan after refine_units.
 void refine_schedules(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
-// After the tensor-parallel phase, whose composite search runs no split backward: the chosen plan
-// with its tensor-parallel stages on zb-h1 (where OPTIONS allow it) when that clears the split
-// schedule's margin, then refine_schedules per pipeline.
+// For the tensor-parallel phase (consider_tensor_parallel), whose composite search runs no split
+// backward: RESULT's plan with its tensor-parallel stages on zb-h1 (where OPTIONS allow it) when
+// that clears the split schedule's margin, then refine_schedules per pipeline.
 void split_tensor_parallel_backward(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
 
 // Tensor parallelism: groups of 2 to 4 devices (pools of up to kTensorParallelMaxDevices; those

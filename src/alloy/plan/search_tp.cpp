@@ -318,8 +318,8 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
   o.time_budget_s = std::min(o.time_budget_s, 0.25);
   o.fit_memory = false;
   // The composite pool is searched on the schedules that do not split the backward (a composite
-  // device has no weight pass of its own to price); the schedule phase (search_schedules.cpp) then
-  // tries zb-h1 on the real plan's pipelines, tensor-parallel stages priced member by member.
+  // device has no weight pass of its own to price); the best groups' plan then tries zb-h1 on the
+  // real pool (split_tensor_parallel_backward), tensor-parallel stages priced member by member.
   o.schedules.erase(std::remove_if(o.schedules.begin(), o.schedules.end(), pipeline::splits_backward), o.schedules.end());
   if (o.schedules.empty()) {
     result.notes.push_back("tensor parallelism: not tried (the schedules allowed, " + joined(options.schedules, ", ") +
@@ -369,6 +369,14 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
                              "every member where sequence parallel)");
     return;
   }
+  // The groups' plan on zb-h1 where that pays (the composite search priced no weight pass), so
+  // it is weighed against the plan without groups on the same schedules.
+  SearchResult split_run;
+  split_run.strategy = result.strategy;
+  split_run.plan = best.plan;
+  split_run.cost = best.cost;
+  split_tensor_parallel_backward(split_run, cluster, profile, options);
+  if (split_run.cost.step_s < best.step_s) best.plan = split_run.plan, best.cost = split_run.cost, best.step_s = split_run.cost.step_s;
   std::sort(best.groups.begin(), best.groups.end());  // named in the pool's order
   std::vector<std::string> splits;
   bool sequence_parallel = false;
@@ -404,6 +412,7 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
     result.exact = false;
     result.notes.push_back("tensor parallelism: " + who + as + split + " (" + buf + ", " + std::to_string(tried) +
                            " device groups tried)");
+    result.notes.insert(result.notes.end(), split_run.notes.begin(), split_run.notes.end());
   } else {
     std::snprintf(buf, sizeof buf, "%.1f ms against %.1f ms without", best.step_s * 1e3, before * 1e3);
     result.notes.push_back("tensor parallelism: not used; the best " + std::string(best.groups.size() > 1 ? "groups, " : "group, ") + who +
