@@ -63,6 +63,15 @@ at::Tensor wire(const at::Tensor& t) {
 
 void GroupTpComm::allreduce_sum(at::Tensor& t) {
   BusyTimer timer(busy_);
+  if (group_->device_collectives() && t.is_cuda()) {
+    // A group of GPUs of their own sums on the device (NCCL, the Group's dispatch the reducer
+    // uses too), in fp32 as on the wire below. The timer then sees the enqueue, not the sum: NCCL
+    // orders the stream after it and the host does not wait.
+    at::Tensor buf = t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble ? t.contiguous() : t.to(at::kFloat);
+    wait_work(group_->allreduce_sum(buf), "the tensor-parallel sum in group " + group_->name());
+    if (!buf.is_same(t)) t.copy_(buf);
+    return;
+  }
   at::Tensor buf = wire(t);
   wait_work(group_->allreduce_sum(buf), "the tensor-parallel sum in group " + group_->name());
   t.copy_(buf);
