@@ -40,6 +40,24 @@ ClusterSpec pair_and_far(double memory_gb) {
   return c;
 }
 
+// One pipeline of micro-batches of 1 over pair_and_far's pool (b moved onto the pair's host by the
+// callers): b holds blocks [0, CUT), the pair a0+a1 the rest as a group at 3:1.
+Plan slow_then_group(int64_t cut, int64_t micro_batches, const std::string& schedule) {
+  Plan p;
+  p.global_batch = micro_batches;
+  PipelinePlan pl;
+  pl.micro_batch_size = 1;
+  pl.num_micro_batches = micro_batches;
+  pl.stages.push_back(StagePlan{{2}, 0, cut, "b"});
+  StagePlan group{{0, 1}, cut, 4, "a0"};
+  group.devices = {"a0", "a1"};
+  group.tp_split = {3, 1};
+  pl.stages.push_back(group);
+  p.pipelines.push_back(pl);
+  p.schedule = schedule;
+  return p;
+}
+
 Profile pair_profile(int64_t layers) {
   Profile p = base_profile(layers, "gpt2");
   // Blocks of 45 ms forward per sample pair: enough work for a group's sums (at least kTpSumFloorS each) to pay.
@@ -144,18 +162,8 @@ TEST(TensorParallelCost, ZeroBubbleHoldsBackTheMembersWeightProducts) {
   Profile prof = pair_profile(4);
   prof.devices["fast"].weight_share = 0.4;
   prof.devices["slow"].weight_share = 0.4;
-  Plan p;
-  p.global_batch = 8;
-  PipelinePlan pl;
-  pl.micro_batch_size = 1;
-  pl.num_micro_batches = 8;
-  pl.stages.push_back(StagePlan{{2}, 0, 2, "b"});
-  StagePlan group{{0, 1}, 2, 4, "a0"};
-  group.devices = {"a0", "a1"};
-  group.tp_split = {3, 1};
-  pl.stages.push_back(group);
-  p.pipelines.push_back(pl);
-  p.schedule = "zb-h1";
+  Plan p = slow_then_group(2, 8, "zb-h1");
+  const StagePlan& group = p.pipelines[0].stages[1];
   EXPECT_NO_THROW(p.validate(prof.model, "plan"));
 
   const CostContext ctx(c, prof);
@@ -317,7 +325,7 @@ TEST(TensorParallelPlanner, PutsAGroupInsideEachHostAndThePipelineAcrossThem) {
 }
 
 // After the tensor-parallel phase: a pipeline whose later stage is a group gets zb-h1 when that
-// clears the split schedule's margin (8% here) (the group's members hold their weight passes back), with a
+// clears the split schedule's margin (8% here; the group's members hold their weight passes back), with a
 // note and the cost model's price for the plan; with weight products a sliver of the backward the
 // plan keeps its schedule.
 TEST(TensorParallelPlanner, GroupsInAPipelineRunZeroBubbleWhereItPays) {
@@ -325,18 +333,7 @@ TEST(TensorParallelPlanner, GroupsInAPipelineRunZeroBubbleWhereItPays) {
   c.devices[2].host = "box";
   Profile prof = pair_profile(4);
   prof.devices["fast"].weight_share = prof.devices["slow"].weight_share = 0.4;
-  Plan p;
-  p.global_batch = 4;
-  PipelinePlan pl;
-  pl.micro_batch_size = 1;
-  pl.num_micro_batches = 4;
-  pl.stages.push_back(StagePlan{{2}, 0, 1, "b"});
-  StagePlan group{{0, 1}, 1, 4, "a0"};
-  group.devices = {"a0", "a1"};
-  group.tp_split = {3, 1};
-  pl.stages.push_back(group);
-  p.pipelines.push_back(pl);
-  p.schedule = "1f1b";
+  const Plan p = slow_then_group(1, 4, "1f1b");
   SearchOptions o;
   o.global_batch = 4;
   o.micro_batch_sizes = {1};
