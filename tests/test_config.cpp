@@ -96,6 +96,14 @@ TEST(Config, GradSyncSectionIsCheckedWithAllowedValues) {
   EXPECT_EQ(Config::from_yaml_string("", "x", {"grad_sync.compression=gaussian"}).grad_sync.compression, "gaussiank");
   EXPECT_EQ(Config::from_yaml_string("", "x", {"grad_sync.compression=eftopk"}).grad_sync.compression, "topk");
   EXPECT_EQ(Config::from_yaml_string("", "x", {"grad_sync.fusion=wfbp"}).grad_sync.fusion, "bucket");
+  // grad_sync.dtype: reduced-precision exact sync, the casting compression of that name.
+  const Config bf = Config::from_yaml_string("grad_sync:\n  dtype: bf16\n", "x");
+  EXPECT_EQ(bf.grad_sync.compression, "bf16");
+  EXPECT_EQ(Config::from_yaml_string("", "x", {"grad_sync.dtype=fp32"}).grad_sync.compression, "none");
+  EXPECT_EQ(error_of("", {"grad_sync.compression=fp16", "grad_sync.dtype=fp16"}), "");
+  EXPECT_NE(error_of("", {"grad_sync.dtype=bf16", "grad_sync.compression=dgc"}).find("key 'grad_sync.dtype': bf16 sums exact sync's"),
+            std::string::npos);
+  EXPECT_NE(error_of("", {"grad_sync.dtype=half"}).find("allowed: fp32, bf16, fp16"), std::string::npos);
 }
 
 TEST(Config, AHeteroShardFileGivenAsTheConfigSaysWhereItGoes) {

@@ -61,7 +61,7 @@ struct TrainArgs {
   std::vector<std::string> lora_targets;
   std::string base_dtype;
   // Megatron's precision flags.
-  bool bf16 = false, fp16 = false;
+  bool bf16 = false, fp16 = false, grad_bf16 = false;
 };
 
 // The LoRA flags as --set lora.* overrides (after the user's --set).
@@ -189,6 +189,8 @@ void add_train_commands(CLI::App& app, Action& action) {
                                                  "gradients and AdamW state");
   cmd->add_flag("--fp16", a->fp16, "Mixed precision in fp16 with dynamic loss scaling (Megatron's flag; train.precision=fp16)")
       ->excludes(bf16);
+  cmd->add_flag("--grad-reduce-in-bf16", a->grad_bf16,
+                "Sum gradients in bf16 on the wire (Megatron's flag; grad_sync.dtype=bf16, exact sync's casting compression)");
   cmd->add_option("--resume-from", a->resume_from, "Resume from this checkpoint or run directory");
   cmd->add_flag("--auto-resume", a->auto_resume,
                 "Resume from output.dir's last complete checkpoint if there is one, else start afresh (what a restarted "
@@ -326,6 +328,7 @@ void add_train_commands(CLI::App& app, Action& action) {
       for (auto& o : lora_overrides(*a)) sets.push_back(o);
       if (a->bf16) sets.push_back("train.precision=bf16");
       if (a->fp16) sets.push_back("train.precision=fp16");
+      if (a->grad_bf16) sets.push_back("grad_sync.dtype=bf16");
       Config cfg = Config::load(a->config, sets);
       if (mt.warmup_fraction) cfg.train.warmup = std::llround(*mt.warmup_fraction * static_cast<double>(cfg.train.steps));
       dist::Rendezvous rv = dist::resolve_rendezvous(a->rv);

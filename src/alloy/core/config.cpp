@@ -148,6 +148,8 @@ const std::vector<Field>& schema() {
       ALLOY_STR(grad_sync, sidco_fit, "sidco: exponential | gamma | gpd"),
       ALLOY_INT(grad_sync, sidco_stages, "sidco: fitting stages (peaks over thresholds)"),
       ALLOY_BOOL(grad_sync, allow_lossy, "--plan auto may choose lossy compression (dgc) across slow links by itself"),
+      ALLOY_STR(grad_sync, dtype, "fp32 | bf16 | fp16: the precision gradients are summed in on the wire (Megatron's "
+                                  "--grad-reduce-in-bf16; the same as compression bf16 / fp16, which it sets)"),
       ALLOY_INT(lora, rank, "LoRA: rank of the adapters; 0 = off (full fine-tuning / pretraining)"),
       ALLOY_FLOAT(lora, alpha, "LoRA: the adapters' output is scaled by alpha / rank"),
       ALLOY_FLOAT(lora, dropout, "LoRA: dropout on the adapters' input while training"),
@@ -221,6 +223,9 @@ void set_key(Config& c, const std::string& key, const std::string& text, const s
   if (!f) throw InputError(where, unknown_key_message(key));
   f->set(c, check_scalar(*f, text, where));
   if (key == "grad_sync.compression") c.grad_sync.compression = GradSyncConfig::canonical_method(c.grad_sync.compression);
+  // Reduced-precision sync is the casting compression of that name (validate checks they agree).
+  if (key == "grad_sync.dtype" && (c.grad_sync.dtype == "bf16" || c.grad_sync.dtype == "fp16") && c.grad_sync.compression == "none")
+    c.grad_sync.compression = c.grad_sync.dtype;
   // SAFusion's name for its no-merging baseline: wait-free backprop's fixed buckets.
   if (key == "grad_sync.fusion" && c.grad_sync.fusion == "wfbp") c.grad_sync.fusion = "bucket";
   c.explicit_keys.insert(key);
@@ -456,6 +461,10 @@ void GradSyncConfig::validate(const std::string& where, const std::string& prefi
   one_of("momentum_correction", momentum_correction, {"auto", "on", "off"});
   one_of("sidco_fit", sidco_fit, {"exponential", "gamma", "gpd"});
   if (sidco_stages < 1 || sidco_stages > 8) fail("sidco_stages", "must be in 1..8");
+  one_of("dtype", dtype, {"fp32", "bf16", "fp16"});
+  if (dtype != "fp32" && compression != dtype)
+    fail("dtype", dtype + " sums exact sync's gradients in " + dtype + " (compression " + dtype + "), but compression is " +
+                      compression + ": set one of the two");
 }
 
 nlohmann::json Config::to_json() const {

@@ -103,6 +103,9 @@ struct GradSyncConfig {
   std::string sidco_fit = "exponential";  // exponential | gamma | gpd
   int64_t sidco_stages = 2;
   bool allow_lossy = false;             // --plan auto may choose lossy compression by itself
+  // The precision exact sync moves gradients in: fp32, or bf16 / fp16, which are the casting
+  // compressions of the same names (set_key makes compression follow it; validate checks they agree).
+  std::string dtype = "fp32";
 
   bool lossy() const { return compression != "none"; }
   static bool sparse_method(const std::string& m) {
