@@ -10,7 +10,7 @@
 #   The tests read Debian's fortunes corpus from /usr/share/games/fortunes (package `fortunes`;
 #   the whole folder, which scripts/gpu-deps.sh carries).
 #   ALLOY_CHECK_OUT  folder for logs and results (default: BUILD_DIR/gpu-check)
-#   ALLOY_STEPS    which checks, in this order (default: suite parity precision pool bench):
+#   ALLOY_STEPS    which checks (default all: suite parity precision bench pool, run in that order):
 #                  suite (every test), device (the CUDA unit tests only: allocator memory, fused
 #                  AdamW, NCCL at world size 1), parity (CUDA against the CPU), precision
 #                  (bench/precision_bench.py on CUDA: 300 steps of fp32, bf16 and fp16), bench
@@ -38,7 +38,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   ${ALLOY_DEPS:+-DICU_ROOT=$ALLOY_DEPS} \
   -DCMAKE_POLICY_VERSION_MINIMUM=3.5 -DALLOY_GRAPHVIZ=OFF -DALLOY_BUILD_BENCH=OFF \
   -DALLOY_PYTHON="$py" >"$out/configure.log" 2>&1 || { tail -40 "$out/configure.log"; exit 1; }
-steps=" ${ALLOY_STEPS:-suite parity precision pool bench} "
+steps=" ${ALLOY_STEPS:-suite parity precision bench pool} "
 has() { [[ "$steps" == *" $1 "* ]]; }
 targets=""
 has suite || targets="alloy_cli"
