@@ -835,59 +835,32 @@ TEST(Profile, JsonRoundTrip) {
     EXPECT_EQ(d.devices.at("cpu-quarter").attn_share_fwd, 0.0);
     EXPECT_EQ(d.to_json(), c.to_json());
   }
-  // zb-h1's weight share round-trips, is optional, and must be a share.
-  {
+  // An optional figure per device type: set on type ON it round-trips, type OFF reads UNSET and
+  // writes no key, and each of BAD is refused naming the field (with WHY after it, where given).
+  auto optional_figure = [&](double alloy::plan::DeviceProfile::*field, const std::string& key, const std::string& on, const std::string& off,
+                             double value, double unset, const std::vector<double>& bad, const std::string& why) {
     Profile c = p;
-    c.devices.at("cpu-full").weight_share = 0.38;
+    c.devices.at(on).*field = value;
     Profile d = Profile::from_json(c.to_json(), "p.json");
-    EXPECT_EQ(d.devices.at("cpu-full").weight_share, 0.38);
-    EXPECT_EQ(d.devices.at("cpu-quarter").weight_share, 0.0);
-    EXPECT_EQ(d.to_json(), c.to_json());
-    nlohmann::json bad = c.to_json();
-    bad["devices"]["cpu-full"]["weight_share"] = 1.5;
-    EXPECT_HAS(profile_error(bad), "devices.cpu-full.weight_share");
-  }
-  // Communication's CPU time per byte round-trips, is optional, and must be a plausible figure.
-  {
-    Profile c = p;
-    c.devices.at("cpu-quarter").comm_cpu_s_per_byte = 1.8e-9;
-    Profile d = Profile::from_json(c.to_json(), "p.json");
-    EXPECT_EQ(d.devices.at("cpu-quarter").comm_cpu_s_per_byte, 1.8e-9);
-    EXPECT_EQ(d.devices.at("cpu-full").comm_cpu_s_per_byte, 0.0);
-    EXPECT_FALSE(c.to_json()["devices"]["cpu-full"].contains("comm_cpu_s_per_byte"));
-    EXPECT_EQ(d.to_json(), c.to_json());
-    for (double v : {-1e-9, 2e-4}) {
-      nlohmann::json bad = c.to_json();
-      bad["devices"]["cpu-quarter"]["comm_cpu_s_per_byte"] = v;
-      EXPECT_HAS(profile_error(bad), "devices.cpu-quarter.comm_cpu_s_per_byte: must be in [0, 1e-4)") << "comm_cpu_s_per_byte " << v;
+    EXPECT_EQ(d.devices.at(on).*field, value) << key;
+    EXPECT_EQ(d.devices.at(off).*field, unset) << key;
+    EXPECT_FALSE(c.to_json()["devices"][off].contains(key)) << key;
+    EXPECT_EQ(d.to_json(), c.to_json()) << key;
+    for (double v : bad) {
+      nlohmann::json j = c.to_json();
+      j["devices"][on][key] = v;
+      EXPECT_HAS(profile_error(j), "devices." + on + "." + key + why) << key << " " << v;
     }
-  }
-  // What a tensor-parallel member computes whole round-trips, is optional, and is a share.
-  {
-    Profile c = p;
-    c.devices.at("cpu-full").tp_whole_share = 0.17;
-    Profile d = Profile::from_json(c.to_json(), "p.json");
-    EXPECT_EQ(d.devices.at("cpu-full").tp_whole_share, 0.17);
-    EXPECT_EQ(d.devices.at("cpu-quarter").tp_whole_share, 0.0);
-    EXPECT_FALSE(c.to_json()["devices"]["cpu-quarter"].contains("tp_whole_share"));
-    nlohmann::json bad = c.to_json();
-    bad["devices"]["cpu-full"]["tp_whole_share"] = 1.0;
-    EXPECT_HAS(profile_error(bad), "devices.cpu-full.tp_whole_share");
-  }
-  // A burst's speed over the steady one round-trips, is optional (1: none), and is bounded.
-  {
-    Profile c = p;
-    c.devices.at("cpu-quarter").burst_speedup = 4.5;
-    Profile d = Profile::from_json(c.to_json(), "p.json");
-    EXPECT_EQ(d.devices.at("cpu-quarter").burst_speedup, 4.5);
-    EXPECT_EQ(d.devices.at("cpu-full").burst_speedup, 1.0);
-    EXPECT_FALSE(c.to_json()["devices"]["cpu-full"].contains("burst_speedup"));
-    for (double v : {0.5, 51.0}) {
-      nlohmann::json bad = c.to_json();
-      bad["devices"]["cpu-quarter"]["burst_speedup"] = v;
-      EXPECT_HAS(profile_error(bad), "devices.cpu-quarter.burst_speedup: must be in [1, 50]") << "burst_speedup " << v;
-    }
-  }
+  };
+  // zb-h1's weight share: a share.
+  optional_figure(&alloy::plan::DeviceProfile::weight_share, "weight_share", "cpu-full", "cpu-quarter", 0.38, 0.0, {1.5}, "");
+  // Communication's CPU time per byte: a plausible figure.
+  optional_figure(&alloy::plan::DeviceProfile::comm_cpu_s_per_byte, "comm_cpu_s_per_byte", "cpu-quarter", "cpu-full", 1.8e-9, 0.0, {-1e-9, 2e-4},
+                  ": must be in [0, 1e-4)");
+  // What a tensor-parallel member computes whole: a share.
+  optional_figure(&alloy::plan::DeviceProfile::tp_whole_share, "tp_whole_share", "cpu-full", "cpu-quarter", 0.17, 0.0, {1.0}, "");
+  // A burst's speed over the steady one: 1 is none, and it is bounded.
+  optional_figure(&alloy::plan::DeviceProfile::burst_speedup, "burst_speedup", "cpu-quarter", "cpu-full", 4.5, 1.0, {0.5, 51.0}, ": must be in [1, 50]");
   // Version 1 (lines without points) still reads.
   {
     nlohmann::json v1 = j;

@@ -187,9 +187,12 @@ bool use_fused_kernels() {
 #endif
 }
 
-// Whether the fused attention takes grouped key/value heads as they are (LibTorch 2.5's enable_gqa).
+// LibTorch 2.5's scaled_dot_product_attention takes grouped key/value heads as they are (enable_gqa).
+#define ALLOY_SDPA_GQA (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5))
+
+// Whether the fused attention shares grouped key/value heads itself (attention() below).
 bool fused_gqa() {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+#if ALLOY_SDPA_GQA
   return use_fused_kernels();
 #else
   return false;
@@ -200,7 +203,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   // q, k, v [B, nh, T, hd] -> [B, nh, T, hd], causal, scaled by 1/sqrt(hd).
   const int64_t B = q.size(0), nh = q.size(1), T = q.size(2), hd = q.size(3);
 #if TORCH_VERSION_MAJOR >= 2
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+#if ALLOY_SDPA_GQA
   // Fewer key/value heads than query heads reach here only when the kernel shares them itself
   // (fused_gqa): no [B, nh, T, hd] copies of k and v.
   if (k.size(1) != nh)

@@ -324,8 +324,10 @@ class CostContext {
   // A member computing C seconds of a micro-batch in stretches between sums that take SUMS_S:
   // its compute runs at the burst speed while the sums leave it waiting (DeviceProfile::
   // burst_speedup), never faster than the steady rate over the whole (C + SUMS_S without bursts).
-  double tp_member_s(int type, double compute_s, double sums_s) const {
-    return std::max(compute_s, compute_s / burst_speedup(type) + sums_s);
+  double tp_member_s(int type, double compute_s, double sums_s) const { return tp_member_s_at(burst_speedup(type), compute_s, sums_s); }
+  // The same at a given BURST (the search's composite devices use their members' least).
+  static double tp_member_s_at(double burst, double compute_s, double sums_s) {
+    return std::max(compute_s, compute_s / burst + sums_s);
   }
   // Standard deviation of a replica done DONE_S after the step's start on devices of NOISE.
   static double done_sd(double noise, double done_s) { return noise * std::sqrt(std::max(0.0, done_s)); }

@@ -72,7 +72,7 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
       // Members compute between the sums at their burst speed (CostContext::tp_member_s; the
       // members' least burst stands for the group).
       const double compute = split ? whole + shared * (1 - (blocks ? max_whole : 0.0)) : slowest;
-      ts.push_back(std::max(compute, compute / burst + comm));
+      ts.push_back(CostContext::tp_member_s_at(burst, compute, comm));
     }
     return from_points(ms, ts);
   };
