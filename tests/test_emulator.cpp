@@ -431,8 +431,12 @@ TEST(Emulator, CommandPrefixRunsAsTheDevice) {
   o.id = uid("pfx");
   CREATE_OR_FAIL(c, spec, o);
   auto argv = c->command_prefix(1);
-  argv.insert(argv.end(), {"/bin/sh", "-c", "readlink /proc/self/ns/net; grep -E '^[0-9]+:cpu:' /proc/self/cgroup"});
+  argv.insert(argv.end(), {"/bin/sh", "-c",
+                           "readlink /proc/self/ns/net; grep -E '^[0-9]+:cpu:' /proc/self/cgroup; "
+                           "echo tcp:$(cat /proc/sys/net/ipv4/tcp_congestion_control)"});
   const std::string out = run_argv(argv);
+  // TCP as a cluster's hosts run it by default, whatever this machine uses (emu::use_cubic).
+  EXPECT_NE(out.find("tcp:cubic"), std::string::npos) << out;
   struct stat ns {};
   ASSERT_EQ(::stat(c->netns_path_of_device(1).c_str(), &ns), 0);
   EXPECT_NE(out.find("net:[" + std::to_string(ns.st_ino) + "]"), std::string::npos) << out;
