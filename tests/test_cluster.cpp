@@ -811,7 +811,7 @@ TEST(Profile, JsonRoundTrip) {
   EXPECT_EQ(q.to_json(), p.to_json());
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-profile");
-  EXPECT_EQ(j["version"], 11);
+  EXPECT_EQ(j["version"], 12);
   // Tensor-parallel sums per device pair round-trip and are optional.
   {
     EXPECT_FALSE(j.contains("tp_sums"));
@@ -859,8 +859,43 @@ TEST(Profile, JsonRoundTrip) {
                   ": must be in [0, 1e-4)");
   // What a tensor-parallel member computes whole: a share.
   optional_figure(&alloy::plan::DeviceProfile::tp_whole_share, "tp_whole_share", "cpu-full", "cpu-quarter", 0.17, 0.0, {1.0}, "");
-  // A burst's speed over the steady one: 1 is none, and it is bounded.
-  optional_figure(&alloy::plan::DeviceProfile::burst_speedup, "burst_speedup", "cpu-quarter", "cpu-full", 4.5, 1.0, {0.5, 51.0}, ": must be in [1, 50]");
+  // A CPU quota: its fraction of a core and its burst, written and read together, each bounded.
+  {
+    Profile c = p;
+    c.devices.at("cpu-quarter").quota_fraction = 0.19;
+    c.devices.at("cpu-quarter").quota_burst_s = 3.7e-3;
+    const nlohmann::json cj = c.to_json();
+    EXPECT_FALSE(cj["devices"]["cpu-full"].contains("quota_fraction"));
+    EXPECT_FALSE(cj["devices"]["cpu-full"].contains("quota_burst_s"));
+    Profile d = Profile::from_json(cj, "p.json");
+    EXPECT_EQ(d.devices.at("cpu-quarter").quota_fraction, 0.19);
+    EXPECT_EQ(d.devices.at("cpu-quarter").quota_burst_s, 3.7e-3);
+    EXPECT_EQ(d.devices.at("cpu-full").quota_fraction, 1.0);
+    EXPECT_EQ(d.devices.at("cpu-full").quota_burst_s, 0.0);
+    EXPECT_EQ(d.to_json(), cj);
+    for (double v : {0.0, 1.0, -0.5}) {
+      nlohmann::json j = cj;
+      j["devices"]["cpu-quarter"]["quota_fraction"] = v;
+      EXPECT_HAS(profile_error(j), "devices.cpu-quarter.quota_fraction: must be in [0.001, 1)") << v;
+    }
+    for (double v : {0.0, 1.5}) {
+      nlohmann::json j = cj;
+      j["devices"]["cpu-quarter"]["quota_burst_s"] = v;
+      EXPECT_HAS(profile_error(j), "devices.cpu-quarter.quota_burst_s: must be in (0, 1]") << v;
+    }
+    nlohmann::json half = cj;
+    half["devices"]["cpu-quarter"].erase("quota_burst_s");
+    EXPECT_HAS(profile_error(half), "devices.cpu-quarter.quota_burst_s: is missing");
+  }
+  // Version 11's burst_speedup: still read (checked, then dropped).
+  {
+    nlohmann::json v11 = p.to_json();
+    v11["version"] = 11;
+    v11["devices"]["cpu-quarter"]["burst_speedup"] = 2.1;
+    EXPECT_EQ(Profile::from_json(v11, "p.json").to_json(), p.to_json());
+    v11["devices"]["cpu-quarter"]["burst_speedup"] = 0.5;
+    EXPECT_HAS(profile_error(v11), "devices.cpu-quarter.burst_speedup: must be in [1, 50]");
+  }
   // Version 1 (lines without points) still reads.
   {
     nlohmann::json v1 = j;
@@ -1030,8 +1065,8 @@ TEST(Profile, ValidationErrorsNameFileAndField) {
   };
   EXPECT_HAS(with([](auto& j) { j["format"] = "alloy-plan"; }), "p.json: format: \"alloy-plan\", not \"alloy-profile\"");
   EXPECT_HAS(with([](auto& j) { j.erase("format"); }), "p.json: format: is missing");
-  EXPECT_HAS(with([](auto& j) { j["version"] = 12; }), "p.json: version: 12; this Alloy reads versions 1 to 11");
-  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 11");
+  EXPECT_HAS(with([](auto& j) { j["version"] = 13; }), "p.json: version: 13; this Alloy reads versions 1 to 12");
+  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 12");
   const nlohmann::json sum = {{"device_a", "a0"}, {"device_b", "a1"}, {"bytes", 4096}, {"seconds", 1e-3}};
   EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["seconds"] = -1; }), "p.json: tp_sums[0].seconds: must be in [0, 60)");
   EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["bytes"] = 0; }), "p.json: tp_sums[0].bytes: must be > 0");

@@ -13,9 +13,15 @@
 #include "alloy/dist/world.h"
 #include "alloy/model/transformer.h"
 #include "alloy/pipeline/device_memory.h"
+#include "alloy/plan/profiler.h"
 #include "alloy/train/optimizer.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
 
 using alloy::model::Param;
@@ -192,4 +198,67 @@ TEST(Nccl, AGroupOfCudaRanksReducesOnTheDevice) {
   at::Tensor h = at::full({2}, 3.0);
   dist::wait_work(g->allreduce_sum(h), "Gloo all-reduce");
   EXPECT_TRUE(at::equal(h, at::full({2}, 3.0)));
+}
+
+// A CPU quota as the profile reads it (DeviceProfile::quota_fraction, quota_burst_s).
+TEST(CpuQuota, ReadFromTheTimesOfEqualPieces) {
+  using alloy::plan::quota_from_times;
+  // Pieces of 10 us; 4 ms of them, then 16 ms throttled, over and over: a fifth of a core, 4 ms
+  // bursts (what a 0.2-core quota of 5 ms periods does on a 4 ms timer tick).
+  auto throttled = [](double run_s, double stop_s, double length_s) {
+    std::vector<double> t{0.0};
+    double in_run = 0;
+    while (t.back() < length_s) {
+      if (in_run + 1e-5 > run_s + 1e-12) t.back() += stop_s, in_run = 0;
+      t.push_back(t.back() + 1e-5);
+      in_run += 1e-5;
+    }
+    return t;
+  };
+  const std::vector<double> steady = throttled(4e-3, 16e-3, 0.3);
+  const std::vector<std::vector<double>> after(6, throttled(4e-3, 16e-3, 0.03));
+  const auto q = quota_from_times(steady, after, 4e-4);
+  EXPECT_NEAR(q.fraction, 0.2, 0.01);
+  EXPECT_NEAR(q.burst_s, 4e-3, 2e-5);
+  // Without throttling: none.
+  const std::vector<double> free_run = throttled(1.0, 0, 0.3);
+  const auto none = quota_from_times(free_run, {free_run, free_run}, 4e-4);
+  EXPECT_EQ(none.fraction, 1.0);
+  EXPECT_EQ(none.burst_s, 0.0);
+  // Another process's turn now and then in the steady run, but never a gap after the waits: none.
+  const auto busy = quota_from_times(throttled(4e-3, 4e-3, 0.3), {free_run, free_run, free_run}, 4e-4);
+  EXPECT_EQ(busy.burst_s, 0.0);
+  // The burst is the median run to the first gap: one odd wait does not move it.
+  std::vector<std::vector<double>> mixed = after;
+  mixed[0] = throttled(1e-3, 16e-3, 0.03);
+  EXPECT_NEAR(quota_from_times(steady, mixed, 4e-4).burst_s, 4e-3, 2e-5);
+}
+
+// The same measured on this thread inside a cgroup v1 CPU quota of 0.2 core in 5 ms periods (the
+// emulator's devices; root). The fraction's upper bound is firm; other work on the machine can
+// lower it. The burst is at least the quota's 1 ms per period and under a few timer ticks.
+TEST(CpuQuota, MeasuredInsideACgroupQuota) {
+  const std::string root = "/sys/fs/cgroup/cpu";
+  if (!std::filesystem::exists(root + "/cgroup.procs")) GTEST_SKIP() << "no cgroup v1 cpu controller at " << root;
+  const std::string g = root + "/alloy-test-quota-" + std::to_string(::getpid());
+  ASSERT_TRUE(std::filesystem::create_directory(g)) << g;
+  auto put = [](const std::string& f, const std::string& v) {
+    std::ofstream o(f);
+    o << v << std::flush;
+    return o.good();
+  };
+  const std::string tid = std::to_string(::syscall(SYS_gettid));
+  ASSERT_TRUE(put(g + "/cpu.cfs_period_us", "5000"));
+  ASSERT_TRUE(put(g + "/cpu.cfs_quota_us", "1000"));
+  ASSERT_TRUE(put(g + "/tasks", tid));  // this thread only
+  const alloy::plan::QuotaFigures q = alloy::plan::measure_quota("cpu");
+  EXPECT_TRUE(put(root + "/tasks", tid));
+  std::filesystem::remove(g);
+  std::printf("quota 0.2 core: fraction %.3f, burst %.2f ms\n", q.fraction, q.burst_s * 1e3);
+  EXPECT_LT(q.fraction, 0.3);
+  EXPECT_GT(q.fraction, 0.02);
+  EXPECT_GE(q.burst_s, 0.9e-3);
+  EXPECT_LT(q.burst_s, 20e-3);
+  // A GPU has none.
+  EXPECT_EQ(alloy::plan::measure_quota("cuda").burst_s, 0.0);
 }

@@ -119,36 +119,61 @@ TEST(TensorParallelCost, WhatEveryMemberComputesWholeIsNotSplit) {
   EXPECT_DOUBLE_EQ(ctx.tp_block_share(ctx.type_of(0), 0.25), 0.4);
 }
 
-// A member under a CPU quota computes its few milliseconds between sums at the core's full speed
-// (profile version 11, burst_speedup): the stage takes the longer of its compute and its compute
-// at that speed plus the sums, per micro-batch, forward and backward apart. Measured on the
-// emulated 3-device pool: even TP's members computed 1.1 s of a 7.1 s step where the steady rate
-// said 2.7 s, beside 6.0 s of sums (bench/README).
-TEST(TensorParallelCost, MembersComputeBetweenSumsAtTheirBurstSpeed) {
+// A member under a CPU quota computes its few milliseconds between sums faster than its steady
+// rate: each wait refills some of the quota's burst (profile version 12, quota_fraction and
+// quota_burst_s), which the next stretch spends at the core's full speed. Measured on the emulated
+// 3-device pool: even TP's members computed 1.1 s of a 7.1 s step where the steady rate said
+// 2.7 s, beside 6.0 s of sums (bench/README).
+TEST(TensorParallelCost, MembersUnderACpuQuotaSpendTheBurstTheirWaitsRefill) {
+  // The rule by its three limits, at a quota of a quarter core: a stretch of c steady seconds is
+  // c / 4 of CPU, which runs at full speed as far as the burst the wait refilled allows.
+  const double q = 0.25;
+  // Long waits, short stretches: every stretch at full speed (C q), the waits as they are.
+  EXPECT_NEAR(CostContext::tp_member_s_at(q, 4e-3, 8e-3, 100e-3, 10), 2e-3 + 100e-3, 1e-15);
+  // Long stretches after waits of 20 ms (5 ms of CPU refilled, more than the burst): each spends
+  // one burst (3 ms of CPU, 9 ms saved against the steady rate).
+  EXPECT_NEAR(CostContext::tp_member_s_at(q, 3e-3, 400e-3, 200e-3, 10), 400e-3 - 10 * 9e-3 + 200e-3, 1e-15);
+  // Short waits: they refill only q x their length (a 1 ms wait 0.25 ms of CPU, 0.75 ms saved).
+  EXPECT_NEAR(CostContext::tp_member_s_at(q, 3e-3, 400e-3, 10e-3, 10), 400e-3 + 10e-3 - 10 * 0.75e-3, 1e-15);
+  // No quota, no waits, no stretches: the compute and the sums as they are.
+  EXPECT_EQ(CostContext::tp_member_s_at(1, 3e-3, 400e-3, 10e-3, 10), 400e-3 + 10e-3);
+  EXPECT_EQ(CostContext::tp_member_s_at(q, 0, 400e-3, 10e-3, 10), 400e-3 + 10e-3);
+  EXPECT_EQ(CostContext::tp_member_s_at(q, 3e-3, 400e-3, 0, 10), 400e-3);
+  // Never faster than the quota's average over the whole pass: the CPU done fits in q x the time
+  // plus one burst.
+  for (double c : {1e-3, 30e-3, 400e-3})
+    for (double w : {1e-3, 50e-3})
+      for (double k : {1.0, 10.0}) {
+        const double t = CostContext::tp_member_s_at(q, 3e-3, c, w, k);
+        EXPECT_LE(c * q, q * t + 3e-3 + 1e-15) << c << " " << w << " " << k;
+        EXPECT_LE(t, c + w);
+      }
+
   ClusterSpec c = pair_and_far(0);
   Profile prof = pair_profile(4);
-  // Sums far longer than a member's compute between them: every pass is in the burst regime.
+  // Sums far longer than a member's compute between them: the stretches run at full speed.
   prof.tp_sums = {{"a0", "a1", 2 * 16 * 32 * 4.0, 0.05}};
   const Plan pair = one_stage({0, 1}, {"a0", "a1"}, {2, 2}, 4, 2, 4);
   const PlanCost steady = simulate_plan(pair, c, prof);
-  const CostContext ctx0(c, prof);
-  EXPECT_DOUBLE_EQ(ctx0.burst_speedup(ctx0.type_of(0)), 1.0);
-  // Without bursts: the members' compute + the sums, as before.
+  // Without a quota: the members' compute + the sums.
   const auto& st = steady.stages[0];
   const double sums = st.tp_comm_s, compute = st.forward_s + st.backward_s - sums;
   ASSERT_GT(sums, compute);
   ASSERT_GT(compute, 0);
-  prof.devices["fast"].burst_speedup = 4;
-  const CostContext ctx(c, prof);
-  const int t = ctx.type_of(0);
-  EXPECT_DOUBLE_EQ(ctx.tp_member_s(t, 8e-3, 1e-3), 8e-3);           // sums short: the steady compute
-  EXPECT_DOUBLE_EQ(ctx.tp_member_s(t, 8e-3, 10e-3), 2e-3 + 10e-3);  // sums long: compute at burst speed + sums
+  prof.devices["fast"].quota_fraction = 0.25;
+  prof.devices["fast"].quota_burst_s = 1.0;
   const PlanCost burst = simulate_plan(pair, c, prof);
   const auto& b = burst.stages[0];
   EXPECT_DOUBLE_EQ(b.tp_comm_s, sums);  // the sums themselves are unchanged
   EXPECT_NEAR(b.forward_s + b.backward_s, compute / 4 + sums, 1e-12);
   EXPECT_LT(burst.step_s, steady.step_s);
+  // A burst so small it hardly counts: within 1% of the steady figure, and still below it.
+  prof.devices["fast"].quota_burst_s = 1e-6;
+  const PlanCost tiny = simulate_plan(pair, c, prof);
+  EXPECT_LT(tiny.step_s, steady.step_s);
+  EXPECT_GT(tiny.step_s, 0.99 * steady.step_s);
   // A stage of one rank waits in no sums: unchanged.
+  prof.devices["fast"].quota_burst_s = 1.0;
   const Plan alone = one_stage({0}, {"a0"}, {}, 4, 2, 4);
   EXPECT_EQ(simulate_plan(alone, c, prof).step_s, simulate_plan(alone, c, pair_profile(4)).step_s);
 }

@@ -157,8 +157,10 @@ for t in ("cpu-big", "cpu-small"):
     assert 0 <= d.get("comm_cpu_s_per_byte", 0) < 1e-6, (t, d)  # the profiler's own bound
     # What a tensor-parallel member computes whole: a share, when it showed at all.
     assert 0 <= d.get("tp_whole_share", 0) <= 0.95, (t, d)
-    # A burst after a wait over the steady speed: 1 (absent) on ranks without a CPU quota, bounded.
-    assert 1 <= d.get("burst_speedup", 1) <= 50, (t, d)
+    # A CPU quota: absent on ranks without one (or both figures, bounded).
+    assert ("quota_fraction" in d) == ("quota_burst_s" in d), (t, d)
+    assert 0 < d.get("quota_fraction", 0.5) < 1 and 0 < d.get("quota_burst_s", 0.5) <= 1, (t, d)
+    assert "burst_speedup" not in d, (t, d)
 links = [l for l in p["links"] if {l["host_a"], l["host_b"]} == {"h0", "h1"}]
 assert links and links[0]["bytes_per_s"] > 0, p["links"]
 # Tensor-parallel sums of the pair, timed at the smallest and the largest micro-batch (1 and 4).
@@ -248,10 +250,10 @@ for k, v in big.items():
         if "points" in v:
             v["points"] = [[m, 8 * t] for m, t in v["points"]]
     # Ratios stay: the noise is relative (a slower device need not be noisier), and so are the
-    # attention half's share of a block, what a tensor-parallel member computes whole, and a
-    # burst's speed over the steady one.
+    # attention half's share of a block, what a tensor-parallel member computes whole, and a CPU
+    # quota (a share of a core and the CPU it hands out per period).
     if not isinstance(v, dict) and k not in ("step_noise", "attn_share_fwd", "attn_share_bwd", "weight_share", "tp_whole_share",
-                                             "burst_speedup"):
+                                             "quota_fraction", "quota_burst_s"):
         v = 8 * v
     slow[k] = v
 p["devices"]["cpu-small"] = slow

@@ -63,15 +63,20 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
   // Recomputation runs each block's forward again in the backward, its sums with it.
   if (st.recompute) bwd += units * one;
   t.comm_s = fwd + bwd;
-  // The slowest member sets the pace; each computes between sums, at its burst speed where it
-  // waits in them (CostContext::tp_member_s; without bursts its compute + the sums).
+  // The slowest member sets the pace; each computes in stretches between the sums, faster than
+  // its steady rate where a CPU quota refills in them (CostContext::tp_member_s). A stretch ends
+  // at each half block's sum, the embedding's, the loss's (its three small sums come back to back)
+  // and the head's backward one; sequence parallelism's pairs come back to back too.
+  const double fwd_chunks = units + (first ? 1 : 0) + (last ? 1 : 0);
+  const double bwd_chunks = units * (st.recompute ? 2 : 1) + (last ? 1 : 0);
   const std::vector<TpMemberTime> members = tp_member_times(ctx, model, st, dev_of, first, last, m);
   for (size_t k = 0; k < members.size(); ++k) {
     const int type = ctx.type_of(devs[k]);
-    t.forward_s = std::max(t.forward_s, ctx.tp_member_s(type, members[k].forward_s, fwd));
-    t.backward_s = std::max(t.backward_s, ctx.tp_member_s(type, members[k].backward_s, bwd));
+    t.forward_s = std::max(t.forward_s, ctx.tp_member_s(type, members[k].forward_s, fwd, fwd_chunks));
+    t.backward_s = std::max(t.backward_s, ctx.tp_member_s(type, members[k].backward_s, bwd, bwd_chunks));
     t.weight_s = std::max(t.weight_s, members[k].weight_s);
-    t.input_backward_s = std::max(t.input_backward_s, ctx.tp_member_s(type, members[k].backward_s - members[k].weight_s, bwd));
+    t.input_backward_s =
+        std::max(t.input_backward_s, ctx.tp_member_s(type, members[k].backward_s - members[k].weight_s, bwd, bwd_chunks));
   }
   return t;
 }

@@ -20,8 +20,10 @@ const char* const kFormat = "alloy-profile";
 // frozen base's bytes in "memory"); version 6 each type's attn_share_fwd/bwd (the halves of a
 // block); version 7 the tensor-parallel sums per device pair ("tp_sums"); version 8 each type's
 // weight_share (zb-h1's weight passes); version 9 each type's comm_cpu_s_per_byte; version 10 each
-// type's tp_whole_share; version 11 each type's burst_speedup. Versions 1 to 10 still read.
-constexpr int kVersion = 11;
+// type's tp_whole_share; version 11 each type's burst_speedup (a short stretch's speed after a
+// wait; read and no longer used: it timed a wake-up's cold start as much as the quota); version 12
+// each type's quota_fraction and quota_burst_s. Versions 1 to 11 still read.
+constexpr int kVersion = 12;
 
 // The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
 struct CostField {
@@ -249,7 +251,10 @@ nlohmann::json Profile::to_json() const {
     if (d.weight_share > 0) dj["weight_share"] = d.weight_share;
     if (d.comm_cpu_s_per_byte > 0) dj["comm_cpu_s_per_byte"] = d.comm_cpu_s_per_byte;
     if (d.tp_whole_share > 0) dj["tp_whole_share"] = d.tp_whole_share;
-    if (d.burst_speedup > 1) dj["burst_speedup"] = d.burst_speedup;
+    if (d.quota_burst_s > 0) {
+      dj["quota_fraction"] = d.quota_fraction;
+      dj["quota_burst_s"] = d.quota_burst_s;
+    }
     if (!d.codecs.empty()) {
       json cj = json::object();
       for (const auto& [m, c] : d.codecs) cj[m] = {{"encode_s_per_elem", c.encode_s_per_elem}, {"decode_s_per_elem", c.decode_s_per_elem}};
@@ -299,7 +304,7 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
   const json& devs = rd.object(j, "devices", "devices");
   if (devs.empty()) rd.fail("devices", "the profile has no device types");
   std::set<std::string> dev_keys{"optimizer_s_per_param", "step_noise", "codecs", "attn_share_fwd", "attn_share_bwd", "weight_share",
-                                 "comm_cpu_s_per_byte", "tp_whole_share", "burst_speedup"};
+                                 "comm_cpu_s_per_byte", "tp_whole_share", "burst_speedup", "quota_fraction", "quota_burst_s"};
   for (const auto& f : kCostFields) dev_keys.insert(f.key);
   for (const auto& kv : devs.items()) {
     const std::string f = "devices." + kv.key();
@@ -337,10 +342,22 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
         rd.fail(f + ".comm_cpu_s_per_byte", "must be in [0, 1e-4) (seconds of compute lost per byte communicated)");
     }
     if (kv.value().contains("burst_speedup")) {
-      d.burst_speedup = rd.number(kv.value(), "burst_speedup", f + ".burst_speedup");
-      // The profiler keeps it under 50 (a device of 2% of a core).
-      if (!(d.burst_speedup >= 1 && d.burst_speedup <= 50))
-        rd.fail(f + ".burst_speedup", "must be in [1, 50] (a short stretch's speed after a wait over the steady speed)");
+      // Version 11's figure: checked as it was written, then dropped (see kVersion).
+      const double b = rd.number(kv.value(), "burst_speedup", f + ".burst_speedup");
+      if (!(b >= 1 && b <= 50)) rd.fail(f + ".burst_speedup", "must be in [1, 50] (a short stretch's speed after a wait over the steady speed)");
+    }
+    if (kv.value().contains("quota_fraction") != kv.value().contains("quota_burst_s"))
+      rd.fail(f + (kv.value().contains("quota_fraction") ? ".quota_burst_s" : ".quota_fraction"),
+              "is missing (a CPU quota is its fraction of a core and its CPU per period together)");
+    if (kv.value().contains("quota_fraction")) {
+      d.quota_fraction = rd.number(kv.value(), "quota_fraction", f + ".quota_fraction");
+      // The profiler records a quota only below 0.95 of a core and above the kernel's 1 ms per 1 s.
+      if (!(d.quota_fraction >= 1e-3 && d.quota_fraction < 1))
+        rd.fail(f + ".quota_fraction", "must be in [0.001, 1) (the share of a core a CPU quota leaves the device)");
+      d.quota_burst_s = rd.number(kv.value(), "quota_burst_s", f + ".quota_burst_s");
+      // The kernel's longest period is 1 s.
+      if (!(d.quota_burst_s > 0 && d.quota_burst_s <= 1))
+        rd.fail(f + ".quota_burst_s", "must be in (0, 1] (seconds of CPU a quota hands out per period)");
     }
     if (kv.value().contains("codecs")) {
       const json& cs = rd.object(kv.value(), "codecs", f + ".codecs");

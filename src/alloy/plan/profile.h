@@ -75,13 +75,15 @@ struct DeviceProfile {
   // the block. Measured on the first member of an even pair with its sums left out. 0: not
   // measured (older profiles), the share alone.
   double tp_whole_share = 0;
-  // How much faster than its steady rate this device computes a short stretch after a wait
-  // (profile version 11). A CPU quota (cgroup CFS: a container's CPU limit, the emulator's
-  // devices) hands out its budget per period, so a rank that waited through most of a period
-  // computes the next short stretch at the core's full speed. A tensor-parallel member computing
-  // a few milliseconds between sums gains it: the cost model takes the longer of its compute C
-  // and C / burst_speedup + its sums. 1: none showed (a core or GPU of its own, older profiles).
-  double burst_speedup = 1;
+  // A CPU quota (cgroup CFS: a container's CPU limit, the emulator's devices), as it shows to a
+  // rank that waits (profile version 12). The quota hands out QUOTA_BURST_S of CPU per period; a
+  // rank that waited through a period computes that much at the core's full speed before it is
+  // throttled back to QUOTA_FRACTION of the core, its steady rate (what every time above is). A
+  // tensor-parallel member computing a few milliseconds between sums gains it (CostContext::
+  // tp_member_s). quota_fraction 1 and quota_burst_s 0: none showed (a core or GPU of its own,
+  // older profiles).
+  double quota_fraction = 1;
+  double quota_burst_s = 0;
 };
 
 struct LinkProfile {

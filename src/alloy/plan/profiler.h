@@ -55,5 +55,19 @@ Profile run_profile(const ModelConfig& model, const ClusterSpec& spec, dist::Wor
 // Compute figures of the device this process runs on.
 DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, MemoryProfile* memory);
 
+// A CPU quota as a rank sees it (DeviceProfile::quota_fraction, quota_burst_s), read from the
+// times at which a loop of equal small pieces of work finished: STEADY, back to back for a while
+// already; AFTER_WAITS, each started right after a wait longer than a quota's period. A gap of
+// more than GAP_S between two pieces is the quota's throttling (or another process's turn). The
+// fraction is the share of the steady run spent computing; the burst the median run from a wait
+// to its first gap. {1, 0}: no quota showed (the fraction 0.95 or more, or no gap after a wait).
+struct QuotaFigures {
+  double fraction = 1, burst_s = 0;
+};
+QuotaFigures quota_from_times(const std::vector<double>& steady, const std::vector<std::vector<double>>& after_waits, double gap_s);
+// The quota the calling thread runs under (about 1.1 s); {1, 0} on a GPU. DEVICE as
+// ProfileOptions::device.
+QuotaFigures measure_quota(const std::string& device);
+
 
 }  // namespace alloy::plan

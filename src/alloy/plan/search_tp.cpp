@@ -52,8 +52,9 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
   std::vector<double> ms;
   for (int64_t m : sizes)
     if (ms.size() < static_cast<size_t>(MicroBatchCost::kMaxPoints)) ms.push_back(static_cast<double>(m));
-  double max_whole = 0, burst = 50;
-  for (const auto* p : dp) max_whole = std::max(max_whole, p->tp_whole_share), burst = std::min(burst, std::max(1.0, p->burst_speedup));
+  double max_whole = 0;
+  for (const auto* p : dp) max_whole = std::max(max_whole, p->tp_whole_share);
+  // SUMS per call; each ends a stretch of compute (CostContext::tp_member_s).
   auto combine = [&](MicroBatchCost DeviceProfile::*f, bool split, double sums) {
     const bool blocks = f == &DeviceProfile::block_fwd || f == &DeviceProfile::block_bwd;
     std::vector<double> ts;
@@ -69,14 +70,17 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
         if (blocks) whole = std::max(whole, p->tp_whole_share * t);
       }
       const double shared = rate > 0 ? 1.0 / rate : 0.0;
-      // Members compute between the sums at their burst speed (CostContext::tp_member_s; the
-      // members' least burst stands for the group).
+      // Every member computes about as long (the split follows their speeds); each gains its own
+      // quota's bursts between the sums, and the group waits for the one that gains least.
       const double compute = split ? whole + shared * (1 - (blocks ? max_whole : 0.0)) : slowest;
-      ts.push_back(CostContext::tp_member_s_at(burst, compute, comm));
+      double t = 0;
+      for (const auto* p : dp) t = std::max(t, CostContext::tp_member_s_at(p->quota_fraction, p->quota_burst_s, compute, comm, sums));
+      ts.push_back(t);
     }
     return from_points(ms, ts);
   };
   DeviceProfile out = *dp.front();
+  out.quota_fraction = 1, out.quota_burst_s = 0;  // the members' bursts are in the times already
   out.block_fwd = combine(&DeviceProfile::block_fwd, true, 2);
   out.block_bwd = combine(&DeviceProfile::block_bwd, true, 2);
   out.embed_fwd = combine(&DeviceProfile::embed_fwd, true, 1);
