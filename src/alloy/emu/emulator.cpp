@@ -282,7 +282,10 @@ void EmulatedCluster::build(const plan::ClusterSpec& spec) {
     const std::string port = "h" + std::to_string(k);
     must({ip, "netns", "add", ns}, "cannot create a network namespace");
     disable_ipv6(ns);
-    use_cubic(ns);
+    if (!use_cubic(ns) && k == 0)
+      log_warn("emulator: the kernel refuses TCP congestion control cubic inside a network namespace (not in "
+               "net.ipv4.tcp_allowed_congestion_control); the emulated hosts use " +
+               trim(read_small("/proc/sys/net/ipv4/tcp_congestion_control")) + ", as this machine does");
     must({ip, "-n", ns, "link", "set", "lo", "up"}, "cannot configure host " + hosts_[k]);
     must({ip, "-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns}, "needs veth support in the kernel (CONFIG_VETH)");
     must({ip, "-n", sw, "link", "set", port, "master", "br0"}, "cannot attach host " + hosts_[k] + " to the bridge");

@@ -50,8 +50,10 @@ void disable_ipv6(const std::string& netns_name);
 // runs the emulator uses (its namespaces start with the machine's choice). Measured on this VM,
 // whose default is BBR: uneven TP over the 3-device pool's 0.2 Gbit/s hop fell from 5.9 to
 // 8.0-8.5 s per step part-way through 4 of 9 runs and stayed there (BBR's bandwidth estimate of
-// an application-limited flow through the htb shaper); under cubic 0 of 3, every step 5.6-6.1 s.
-void use_cubic(const std::string& netns_name);
+// an application-limited flow through the htb shaper); under cubic 0 of 9, every step 5.6-7.5 s.
+// False where the kernel refuses it (cubic not in tcp_allowed_congestion_control, as on an earlier
+// VM of this project): the namespace keeps the machine's choice.
+bool use_cubic(const std::string& netns_name);
 std::optional<unsigned long long> start_time_of(pid_t pid);
 bool owner_alive(pid_t pid, unsigned long long start);
 std::vector<std::string> list_dir(const std::string& dir);
