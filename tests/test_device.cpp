@@ -236,7 +236,8 @@ TEST(CpuQuota, ReadFromTheTimesOfEqualPieces) {
 
 // The same measured on this thread inside a cgroup v1 CPU quota of 0.2 core in 5 ms periods (the
 // emulator's devices; root). The fraction's upper bound is firm; other work on the machine can
-// lower it. The burst is at least the quota's 1 ms per period and under a few timer ticks.
+// lower it. The burst shows (3.6-4.7 ms alone; another process's turn on a busy machine can end a
+// run early, hence the loose floor) and stays under a few timer ticks.
 TEST(CpuQuota, MeasuredInsideACgroupQuota) {
   const std::string root = "/sys/fs/cgroup/cpu";
   if (!std::filesystem::exists(root + "/cgroup.procs")) GTEST_SKIP() << "no cgroup v1 cpu controller at " << root;
@@ -257,7 +258,7 @@ TEST(CpuQuota, MeasuredInsideACgroupQuota) {
   std::printf("quota 0.2 core: fraction %.3f, burst %.2f ms\n", q.fraction, q.burst_s * 1e3);
   EXPECT_LT(q.fraction, 0.3);
   EXPECT_GT(q.fraction, 0.02);
-  EXPECT_GE(q.burst_s, 0.9e-3);
+  EXPECT_GE(q.burst_s, 0.3e-3);
   EXPECT_LT(q.burst_s, 20e-3);
   // A GPU has none.
   EXPECT_EQ(alloy::plan::measure_quota("cuda").burst_s, 0.0);

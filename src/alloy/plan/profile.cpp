@@ -348,16 +348,16 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
     }
     if (kv.value().contains("quota_fraction") != kv.value().contains("quota_burst_s"))
       rd.fail(f + (kv.value().contains("quota_fraction") ? ".quota_burst_s" : ".quota_fraction"),
-              "is missing (a CPU quota is its fraction of a core and its CPU per period together)");
+              "is missing (a CPU quota is its fraction of a core and its burst together)");
     if (kv.value().contains("quota_fraction")) {
       d.quota_fraction = rd.number(kv.value(), "quota_fraction", f + ".quota_fraction");
       // The profiler records a quota only below 0.95 of a core and above the kernel's 1 ms per 1 s.
       if (!(d.quota_fraction >= 1e-3 && d.quota_fraction < 1))
         rd.fail(f + ".quota_fraction", "must be in [0.001, 1) (the share of a core a CPU quota leaves the device)");
       d.quota_burst_s = rd.number(kv.value(), "quota_burst_s", f + ".quota_burst_s");
-      // The kernel's longest period is 1 s.
+      // The profiler caps it at 1 s (the kernel's longest period).
       if (!(d.quota_burst_s > 0 && d.quota_burst_s <= 1))
-        rd.fail(f + ".quota_burst_s", "must be in (0, 1] (seconds of CPU a quota hands out per period)");
+        rd.fail(f + ".quota_burst_s", "must be in (0, 1] (seconds a device under a CPU quota computes at full speed after a wait)");
     }
     if (kv.value().contains("codecs")) {
       const json& cs = rd.object(kv.value(), "codecs", f + ".codecs");

@@ -76,9 +76,10 @@ struct DeviceProfile {
   // measured (older profiles), the share alone.
   double tp_whole_share = 0;
   // A CPU quota (cgroup CFS: a container's CPU limit, the emulator's devices), as it shows to a
-  // rank that waits (profile version 12). The quota hands out QUOTA_BURST_S of CPU per period; a
-  // rank that waited through a period computes that much at the core's full speed before it is
-  // throttled back to QUOTA_FRACTION of the core, its steady rate (what every time above is). A
+  // rank that waits (profile version 12). The quota hands out its CPU per period, so a rank that
+  // waited through a period computes QUOTA_BURST_S at the core's full speed (measured: the kernel
+  // throttles on its timer tick, so more than quota x period) before it is held to
+  // QUOTA_FRACTION of the core, its steady rate (what every time above is). A
   // tensor-parallel member computing a few milliseconds between sums gains it (CostContext::
   // tp_member_s). quota_fraction 1 and quota_burst_s 0: none showed (a core or GPU of its own,
   // older profiles).
