@@ -249,11 +249,20 @@ TEST(CpuQuota, MeasuredInsideACgroupQuota) {
     return o.good();
   };
   const std::string tid = std::to_string(::syscall(SYS_gettid));
+  // Where this thread is now (cgroup v1: "N:cpu,cpuacct:/path"), to put it back afterwards.
+  std::string home = "/";
+  std::ifstream self("/proc/thread-self/cgroup");
+  for (std::string line; std::getline(self, line);) {
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = "," + line.substr(a + 1, b - a - 1) + ",";
+    if (controllers.find(",cpu,") != std::string::npos) home = line.substr(b + 1);
+  }
   ASSERT_TRUE(put(g + "/cpu.cfs_period_us", "5000"));
   ASSERT_TRUE(put(g + "/cpu.cfs_quota_us", "1000"));
   ASSERT_TRUE(put(g + "/tasks", tid));  // this thread only
   const alloy::plan::QuotaFigures q = alloy::plan::measure_quota("cpu");
-  EXPECT_TRUE(put(root + "/tasks", tid));
+  EXPECT_TRUE(put(root + (home == "/" ? "" : home) + "/tasks", tid)) << home;
   std::filesystem::remove(g);
   std::printf("quota 0.2 core: fraction %.3f, burst %.2f ms\n", q.fraction, q.burst_s * 1e3);
   EXPECT_LT(q.fraction, 0.3);
