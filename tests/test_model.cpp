@@ -5,7 +5,10 @@
 #include <map>
 #include <set>
 
+#include "alloy/core/plan.h"
+#include "alloy/dist/tensor_parallel.h"
 #include "alloy/dist/zero3.h"
+#include "alloy/model/tensor_parallel.h"
 #include "alloy/model/deferred_weights.h"
 #include "alloy/model/precision.h"
 #include "alloy/model/transformer.h"
@@ -111,6 +114,84 @@ TEST_P(ModelTest, ForwardUnitsRunsAnyRangeOfAnOverlappingSlice) {
   EXPECT_TRUE(at::equal(b.find(mlp_w)->tensor.grad(), full->find(mlp_w)->tensor.grad()));
   EXPECT_THROW(a.forward_units(x, 0, 7), std::invalid_argument);  // unit 6 is not in [0,6)
   EXPECT_THROW(b.forward_units(h, 4, 8), std::invalid_argument);
+}
+
+TEST_P(ModelTest, ACutMlpSplitsItsColumnsAndChainsToTheFullModelsOutputAndGradients) {
+  // Pipeline 1 cuts block 2's MLP: rank 1 holds units [0,6) and computes the columns of heads
+  // [0,1), rank 2 units [5,8) and the columns of heads [1,4); rank 0 is a whole replica beside
+  // them, holding block 2's MLP as the same two pieces.
+  ModelConfig m = tiny(GetParam());
+  alloy::Plan plan;
+  plan.global_batch = 4;
+  alloy::PipelinePlan rep, cut;
+  rep.micro_batch_size = cut.micro_batch_size = 2;
+  rep.stages.push_back({{0}, 0, m.layers, ""});
+  alloy::StagePlan sa{{1}, 0, 0, ""}, sb{{2}, 0, 0, ""};
+  sa.set_units(0, 6);
+  sa.mlp_cut = 1;
+  sb.set_units(5, 8);
+  cut.stages = {sa, sb};
+  plan.pipelines = {rep, cut};
+  plan.validate(m);
+  EXPECT_TRUE(plan.has_pieces());
+  EXPECT_EQ(plan.pipelines[1].message_width(0, m.hidden), 2 * m.hidden);
+  const auto l0 = alloy::dist::tp_layout(plan, m, 0), la = alloy::dist::tp_layout(plan, m, 1), lb = alloy::dist::tp_layout(plan, m, 2);
+  auto full = Transformer::full(m, 42);
+  Transformer r(m, LayerRange::full(m), 42, &l0);
+  Transformer a(m, LayerRange::for_units(0, 6, m.layers), 42, &la);
+  Transformer b(m, LayerRange::for_units(5, 8, m.layers), 42, &lb);
+  const bool llama = GetParam() == "llama";
+  const std::string up = llama ? "model.layers.2.mlp.up_proj.weight" : "h.2.mlp.c_fc.weight";
+  const std::string norm = llama ? "model.layers.2.post_attention_layernorm.weight" : "h.2.ln_2.weight";
+  EXPECT_NE(a.find(up + "#h0-1"), nullptr);
+  EXPECT_EQ(a.find(up + "#h1-4"), nullptr);
+  EXPECT_NE(b.find(up + "#h1-4"), nullptr);
+  EXPECT_NE(r.find(up + "#h0-1"), nullptr);
+  EXPECT_NE(r.find(up + "#h1-4"), nullptr);
+  EXPECT_NE(a.find(norm), nullptr);
+  EXPECT_NE(b.find(norm), nullptr);
+  if (!llama) {  // the output bias is added once, on the receiving side
+    EXPECT_EQ(a.find("h.2.mlp.c_proj.bias"), nullptr);
+    EXPECT_NE(b.find("h.2.mlp.c_proj.bias"), nullptr);
+  }
+  // What every rank derives from the plan without building the slice agrees with the slice.
+  for (auto [t, l, u0, u1] : {std::tuple{&a, &la, 0, 6}, std::tuple{&b, &lb, 5, 8}}) {
+    std::vector<std::string> built;
+    for (auto* p : t->parameters()) built.push_back(p->name);
+    EXPECT_EQ(built, alloy::model::param_names(m, LayerRange::for_units(u0, u1, m.layers), l));
+  }
+  at::Tensor x = tokens(m, 2, 1);
+  at::Tensor y_full = full->forward(x);
+  at::Tensor h = a.forward(x);
+  EXPECT_EQ(h.size(-1), 2 * m.hidden);
+  at::Tensor y = b.forward(h);
+  EXPECT_TRUE(at::allclose(y, y_full, 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(r.forward(x), y_full, 1e-5, 1e-6));
+  // Gradients: each piece's is the whole parameter's cut to it; the norm both sides hold sums to
+  // the whole one's (the holder-set sync adds them).
+  y_full.pow(2).sum().backward();
+  y.pow(2).sum().backward();
+  std::map<std::string, at::Tensor> summed;
+  for (auto* s : {&a, &b})
+    for (auto* p : s->parameters()) {
+      if (p->name == "wte.weight") continue;  // tied: the runtime sums the two copies' gradients
+      at::Tensor& g = summed[p->name];
+      g = g.defined() ? g + p->tensor.grad() : p->tensor.grad();
+    }
+  int pieces = 0;
+  for (const auto& [name, g] : summed) {
+    std::string base;
+    int64_t h0 = 0, h1 = 0;
+    at::Tensor want;
+    if (alloy::model::parse_piece(name, &base, &h0, &h1)) {
+      ++pieces;
+      want = alloy::model::tp_cut(full->find(base)->tensor.grad(), alloy::model::tp_param(base), h0, h1, m);
+    } else {
+      want = full->find(name)->tensor.grad();
+    }
+    EXPECT_TRUE(at::allclose(g, want, 1e-4, 1e-6)) << name;
+  }
+  EXPECT_EQ(pieces, 6);  // three split parameters (GPT-2: c_fc weight and bias, c_proj weight), two pieces each
 }
 
 TEST_P(ModelTest, SeedDeterminesWeights) {

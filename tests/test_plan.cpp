@@ -263,7 +263,7 @@ TEST(Plan, ShardingEntriesRoundTripAndAreValidatedByField) {
   EXPECT_TRUE(Plan::from_json(r.to_json(), "x").pipelines[0].stages[1].recompute);
   EXPECT_NE(r.describe().find("recompute"), std::string::npos);
   auto v4 = j;  // a version this Alloy does not know
-  v4["version"] = 8;
+  v4["version"] = 9;
   EXPECT_THROW(Plan::from_json(v4, "x"), InputError);
 }
 
@@ -364,6 +364,52 @@ TEST(Plan, FloatingBoundariesShareAUnitRunInAnEvenlySpreadShareOfMicroBatches) {
   Plan tp = p;
   tp.pipelines[0].stages[1].ranks = {1, 2};
   EXPECT_HAS(validate_error(tp, 4), "a floating boundary needs one rank on each side");
+}
+
+TEST(Plan, ACutMlpSharesItsUnitByColumnsAndDoublesTheMessageAcross) {
+  // 4 blocks = 8 units; stage 0 holds [0, 6) and stage 1 [5, 8): they share unit 5 (block 2's MLP
+  // half), stage 0 computing the columns of 1 of the 4 heads in every micro-batch.
+  Plan p = Plan::from_json(nlohmann::json::parse(R"({"version": 8, "global_batch": 4, "pipelines": [
+      {"micro_batch_size": 1, "num_micro_batches": 4, "stages": [
+        {"ranks": [0], "units": [0, 6], "mlp_cut": 1}, {"ranks": [1], "units": [5, 8]}]}]})"),
+                           "x");
+  EXPECT_EQ(validate_error(p, 4), "");
+  const PipelinePlan& pl = p.pipelines[0];
+  EXPECT_TRUE(p.cuts_mlp());
+  EXPECT_TRUE(p.has_pieces());
+  EXPECT_FALSE(pl.floats());
+  EXPECT_EQ(pl.message_width(0, 128), 256);
+  for (int64_t m = 0; m < 4; ++m) {  // both stages run the shared unit every time
+    EXPECT_EQ(pl.units_of(0, m), std::make_pair(int64_t{0}, int64_t{6}));
+    EXPECT_EQ(pl.units_of(1, m), std::make_pair(int64_t{5}, int64_t{8}));
+  }
+  EXPECT_EQ(p.to_json()["version"], 8);
+  EXPECT_EQ(p.to_json()["pipelines"][0]["stages"][0]["mlp_cut"], 1);
+  EXPECT_EQ(Plan::from_json(p.to_json(), "x").to_json(), p.to_json());
+  EXPECT_HAS(p.describe(), "unit 5's MLP columns of 1 heads");
+  Plan apart = p;
+  apart.pipelines[0].stages[1].set_units(6, 8);
+  EXPECT_HAS(validate_error(apart, 4), "previous stage has an mlp_cut, so the two share unit 5: start at 5");
+  Plan range = p;
+  range.pipelines[0].stages[0].mlp_cut = 4;
+  EXPECT_HAS(validate_error(range, 4), "stages[0].mlp_cut: must be in [1, 3]");
+  Plan attention = p;  // a cut goes inside an MLP half, not an attention half
+  attention.pipelines[0].stages[0].set_units(0, 5);
+  attention.pipelines[0].stages[1].set_units(4, 8);
+  EXPECT_HAS(validate_error(attention, 4), "the stage's last unit 4 is an attention half");
+  Plan last = p;
+  last.pipelines[0].stages[1].mlp_cut = 2;
+  EXPECT_HAS(validate_error(last, 4), "stages[1].mlp_cut: the last stage has no next stage");
+  Plan both = p;
+  both.pipelines[0].stages[0].float_share = 0.5;
+  EXPECT_HAS(validate_error(both, 4), "either in a float (float_share) or inside an MLP");
+  Plan tp = p;
+  tp.pipelines[0].stages[1].ranks = {1, 2};
+  EXPECT_HAS(validate_error(tp, 4), "a cut MLP needs one rank on each side");
+  EXPECT_THROW(Plan::from_json(nlohmann::json::parse(R"({"global_batch": 1, "pipelines": [
+      {"micro_batch_size": 1, "num_micro_batches": 1, "stages": [{"ranks": [0], "units": [0, 6], "mlp_cut": 0.5}]}]})"),
+                               "x"),
+               InputError);
 }
 
 namespace {
@@ -569,8 +615,8 @@ TEST(Plan, FromJsonNamesTheBadField) {
     return "";
   };
   EXPECT_HAS(error_of(R"({"format": "other", "global_batch": 1, "pipelines": []})"), "field 'format' is \"other\"");
-  EXPECT_HAS(error_of(R"({"version": 8, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 7");
-  EXPECT_HAS(error_of(R"({"version": 2.5, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 7");
+  EXPECT_HAS(error_of(R"({"version": 9, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 8");
+  EXPECT_HAS(error_of(R"({"version": 2.5, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 8");
   EXPECT_HAS(error_of(R"({"pipelines": []})"), "plan.json: field 'global_batch' is missing or ill-typed");
   EXPECT_HAS(
       error_of(

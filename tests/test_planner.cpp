@@ -316,6 +316,54 @@ TEST(Search, RefineUnitsMovesABoundaryInsideABlockWhenThatBalancesAPipeline) {
   EXPECT_TRUE(again.notes.empty());
 }
 
+TEST(Search, ACutMlpBalancesAPipelineThatHalfBlocksCannot) {
+  // As below: four blocks on a device twice as fast as the other want 2.67 : 1.33 blocks. A cut
+  // inside block 2's MLP (the fast device computing the columns of k of the 4 heads, in every
+  // micro-batch) gives 2.5 + k/8 blocks: the search takes k = 1 or 2, and the slow stage idles less.
+  Profile p = base_profile(4);
+  p.devices["fast"] = flat(1.0, 2.0, 0, 0);
+  p.devices["slow"] = flat(2.0, 4.0, 0, 0);
+  p.devices["fast"].attn_share_fwd = p.devices["fast"].attn_share_bwd = 0.5;
+  p.devices["slow"].attn_share_fwd = p.devices["slow"].attn_share_bwd = 0.5;
+  p.memory.param_bytes_per_block = p.memory.param_bytes_embed = p.memory.param_bytes_head = 1;  // no sync to speak of
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "fast"), device("b", "h1", "slow")};
+  c.rules.push_back({"h0", "h1", Link{100, 0}});
+  SearchResult r;
+  r.strategy = "alloy";
+  r.plan.global_batch = 24;
+  r.plan.pipelines.push_back({1, 24, {stage(0, 0, 3, "a"), stage(1, 3, 4, "b")}});
+  r.cost = simulate_plan(r.plan, c, p);
+  SearchOptions o;
+  o.global_batch = 24;
+  o.float_boundaries = false;
+  o.mlp_cuts = false;
+  SearchResult halves = r;
+  refine_units(halves, c, p, o);
+  EXPECT_FALSE(halves.plan.cuts_mlp());
+  o.mlp_cuts = true;
+  refine_units(r, c, p, o);
+  const PipelinePlan& pl = r.plan.pipelines[0];
+  ASSERT_TRUE(pl.stages[0].cuts_mlp()) << r.plan.describe();
+  EXPECT_EQ(pl.stages[0].unit_end() % 2, 0);  // inside an MLP half
+  EXPECT_EQ(pl.stages[0].unit_end() - pl.stages[1].unit_begin(), 1);
+  const double fast_blocks = (pl.stages[1].unit_begin() + static_cast<double>(pl.stages[0].mlp_cut) / 4) / 2;
+  EXPECT_GT(fast_blocks, 2.5) << r.plan.describe();
+  EXPECT_LT(fast_blocks, 3.0) << r.plan.describe();
+  EXPECT_LT(r.cost.step_s, halves.cost.step_s * 0.97);
+  EXPECT_EQ(r.cost.step_s, simulate_plan(r.plan, c, p).step_s);
+  auto idle = [](const PlanCost& pc) { return pc.stages[1].bubble_s / pc.pipelines[0].phase_s; };
+  EXPECT_LT(idle(r.cost), idle(halves.cost) * 0.75) << r.plan.describe();
+  ASSERT_FALSE(r.notes.empty());
+  EXPECT_NE(r.notes.back().find("its last MLP's columns of"), std::string::npos) << r.notes.back();
+  // The message across is the residual and the partial output: twice a hidden state each way.
+  Plan whole = r.plan;
+  whole.pipelines[0].stages[0].mlp_cut = 0;
+  whole.pipelines[0].stages[1].set_units(pl.stages[0].unit_end(), 8);
+  const PlanCost wc = simulate_plan(whole, c, p);
+  EXPECT_GT(r.cost.stages[0].p2p_s, wc.stages[0].p2p_s * 1.5);
+}
+
 TEST(Search, FloatingBoundaryBalancesAPipelineThatHalfBlocksCannot) {
   // Four blocks on a device twice as fast as the other want 2.67 : 1.33 blocks; half blocks give
   // 3 : 1 or 2.5 : 1.5. A floating boundary (unit 5 shared, the fast device running it in about
@@ -339,6 +387,7 @@ TEST(Search, FloatingBoundaryBalancesAPipelineThatHalfBlocksCannot) {
   SearchOptions o;
   o.global_batch = 24;
   o.float_boundaries = false;
+  o.mlp_cuts = false;  // (a cut would balance it too: ACutMlpBalancesAPipelineThatHalfBlocksCannot)
   SearchResult halves = r;
   refine_units(halves, c, p, o);  // 3 : 1 and 2.5 : 1.5 tie: 3 blocks of time on one device
   EXPECT_FALSE(halves.plan.pipelines[0].floats());

@@ -128,6 +128,34 @@ LAYOUTS["float-zero2-recompute"] = LAYOUTS["float-mixed-12x11_and_16"][:4] + (
 LAYOUTS["float-llama-pp3-gpipe"] = ("llama", 24, _floating(plan(24, [(3, 8, [(0, 0, 1), (1, 1, 5), (2, 5, 8)])]),
                                                            [(0, 4), (3, 11), (10, 16)], [0.375, 0.5], "gpipe"), 3)
 
+# Boundaries inside an MLP (plan version 8): the two stages share the MLP half where they meet, the
+# first computing the columns of mlp_cut of the 4 heads, the second the rest, in every micro-batch;
+# the message across is the residual and the first's partial output side by side. GPT-2 cut in
+# block 5's MLP beside a full replica (which holds that MLP as the same two pieces), again under
+# ZeRO-2 at 3:1:2 with recomputation; LLaMA on three stages whose middle one starts and ends inside
+# an MLP, on ZB-H1.
+
+
+def _cut(layout, units, cuts, schedule=None):
+    """LAYOUT with pipeline 0's stages holding UNITS (half blocks) and the mlp_cuts CUTS."""
+    out = json.loads(json.dumps(layout))
+    out["version"] = 8
+    if schedule:
+        out["schedule"] = schedule
+    for st, (b, e), k in zip(out["pipelines"][0]["stages"], units, cuts + [0]):
+        st["units"] = [b, e]
+        st.pop("layers", None)
+        if k:
+            st["mlp_cut"] = k
+    return out
+
+
+LAYOUTS["cut-mixed-12x11_and_16"] = ("gpt2", 24, _cut(LAYOUTS["mixed-5+3_and_8"][2], [(0, 12), (11, 16)], [1]), 3)
+LAYOUTS["cut-zero2-recompute"] = LAYOUTS["cut-mixed-12x11_and_16"][:4] + (
+    ["--zero-stage", "2", "--shard-ratio", "3", "1", "2", "--recompute"],)
+LAYOUTS["cut-llama-pp3-zb"] = ("llama", 24, _cut(plan(24, [(3, 8, [(0, 0, 1), (1, 1, 5), (2, 5, 8)])]),
+                                                 [(0, 4), (3, 12), (11, 16)], [3, 2], "zb-h1"), 3)
+
 # Zero-bubble ZB-H1 (pipeline/schedule.h): the blocks' weight gradients in weight passes held back
 # by each stage's position; the last pass's through the reducer. GPT-2 on three stages, LLaMA (GQA)
 # in a pipeline beside a replica, and the floating plan under ZeRO-2 at 3:1:2 with recomputation.
@@ -368,6 +396,10 @@ RESHARD_CHAINS = {
     # (11-15), a 2:1:1 TP group (16-20)
     "reshard-tp": [("reshard-tp-a", "tp2-in-pp2", [], 10), ("reshard-tp-b", "dp2-6x2-2x6", [], 15),
                    ("reshard-tp-c", "tp3-2:1:1", [], 20)],
+    # a cut MLP in and out: two replicas (1-7), a 3:1 TP stage in a pipeline, whose pieces split
+    # block 5 at heads 3 (8-14), block 5's MLP cut at head 1 beside a replica, ZeRO-1 (15-20)
+    "reshard-cut": [("reshard-cut-a", "dp2-6x2-2x6", [], 7), ("reshard-cut-b", "tp2-in-pp2", [], 14),
+                    ("reshard-cut-c", "cut-mixed-12x11_and_16", ["--zero-stage", "1"], 20)],
 }
 
 
@@ -413,7 +445,7 @@ def reshard(alloy, work, env, baselines, chain):
     ok = [r[0] for r in got] == list(range(1, STEPS + 1))
     worst = max(abs(l - bl) / abs(bl) for (_, l, _), (_, bl, _) in zip(got, base))
     ok = ok and worst <= RTOL
-    if chain == "reshard-tp":  # the last run's pieces export as whole HuggingFace tensors
+    if chain in ("reshard-tp", "reshard-cut"):  # the last run's pieces export as whole HuggingFace tensors
         ok = exported_whole(alloy, work, os.path.dirname(os.path.dirname(resume)), env) and ok
     print(f"{'ok  ' if ok else 'FAIL'} {chain:<18} {' -> '.join(what)}: worst relative loss difference {worst:.2e}", flush=True)
     return ok

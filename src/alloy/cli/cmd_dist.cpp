@@ -31,6 +31,7 @@ struct PlanArgs {
   bool no_compare = false;
   std::string tensor_parallel = "on";
   std::string float_boundaries = "on";
+  std::string mlp_cuts = "on";
   std::vector<std::string> schedules = pipeline::schedule_names();
   std::vector<std::string> sets;
   int64_t global_batch = 0, micro_batch = 0, layers = 0;
@@ -192,6 +193,10 @@ void add_dist_commands(CLI::App& app, Action& action) {
                    "on: the alloy strategy also tries floating pipeline boundaries (two stages share a half block, each "
                    "running it for part of the micro-batches; kept where predicted at least 5% faster); off: fixed boundaries")
       ->group(g)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  plan->add_option("--mlp-cuts", pa->mlp_cuts,
+                   "on: the alloy strategy also tries pipeline boundaries inside an MLP, split by columns (the first "
+                   "stage computes the columns of some heads, the next the rest; kept where predicted faster); off: none")
+      ->group(g)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   plan->add_option("--schedules", pa->schedules,
                    "Pipeline schedules the search may choose from: 1f1b, gpipe, zb-h1 (zero-bubble: weight gradients "
                    "held back to fill the drain; more activation memory), for the whole plan and then per pipeline "
@@ -275,6 +280,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         so.tensor_parallel = pa->tensor_parallel == "on";
         so.sequence_parallel = cfg.train.sequence_parallel;
         so.float_boundaries = pa->float_boundaries == "on";
+        so.mlp_cuts = pa->mlp_cuts == "on";
         so.schedules = pa->schedules;
         auto report = plan::make_plan(spec, prof, so, !pa->no_compare);
         if (!pa->evaluate.empty()) {

@@ -160,6 +160,18 @@ bool Plan::has_tensor_parallel() const {
   return false;
 }
 
+bool PipelinePlan::cuts_mlp() const {
+  for (const auto& s : stages)
+    if (s.cuts_mlp()) return true;
+  return false;
+}
+
+bool Plan::cuts_mlp() const {
+  for (const auto& p : pipelines)
+    if (p.cuts_mlp()) return true;
+  return false;
+}
+
 void Plan::set_sequence_parallel() {
   for (auto& p : pipelines)
     for (auto& st : p.stages)
@@ -170,6 +182,9 @@ std::string Plan::training_problem(const Config& cfg) const {
   for (size_t p = 0; p < pipelines.size(); ++p)
     for (size_t s = 0; s < pipelines[p].stages.size(); ++s) {
       const StagePlan& st = pipelines[p].stages[s];
+      if (st.cuts_mlp() && cfg.lora.enabled())
+        return "pipelines[" + std::to_string(p) + "].stages[" + std::to_string(s) +
+               "]: LoRA adapters on a cut MLP (mlp_cut) are not supported: move the boundary to a whole unit";
       if (st.tp() < 2 || !(cfg.train.sequence_parallel || st.sequence_parallel)) continue;
       const int k = StagePlan::member_without_positions(st.sequence_bounds(cfg.model.heads, cfg.model.seq_len));
       if (k < 0) continue;
@@ -208,7 +223,8 @@ int64_t PipelinePlan::cut(size_t s, int64_t mb) const {
 }
 
 std::pair<int64_t, int64_t> PipelinePlan::units_of(size_t s, int64_t mb) const {
-  const int64_t begin = s == 0 ? stages.front().unit_begin() : cut(s - 1, mb);
+  // Across a cut MLP both stages run the shared unit (each its columns).
+  const int64_t begin = s == 0 ? stages.front().unit_begin() : stages[s - 1].cuts_mlp() ? stages[s - 1].unit_end() - 1 : cut(s - 1, mb);
   const int64_t end = s + 1 == stages.size() ? stages.back().unit_end() : cut(s, mb);
   return {begin, end};
 }
@@ -288,9 +304,10 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
       const bool split = st.splits_block() || expect % 2;
       const std::string field = sf + (split ? ".units" : ".layers");
       auto at = [&](int64_t u) { return std::to_string(split ? u : u / 2); };
-      const bool shared = s > 0 && pl.stages[s - 1].floats();
+      const bool shared = s > 0 && (pl.stages[s - 1].floats() || pl.stages[s - 1].cuts_mlp());
       if (shared && st.unit_begin() != expect - 1)
-        fail(field, "starts at unit " + std::to_string(st.unit_begin()) + " but the previous stage has a float_share, so the two share unit " +
+        fail(field, "starts at unit " + std::to_string(st.unit_begin()) + " but the previous stage has " +
+                        (pl.stages[s - 1].floats() ? "a float_share" : "an mlp_cut") + ", so the two share unit " +
                         std::to_string(expect - 1) + ": start at " + std::to_string(expect - 1));
       if (!shared && st.unit_begin() != expect)
         fail(field, std::string("starts at ") + (split ? "unit " : "block ") + at(st.unit_begin()) + " but the previous stage ended at " +
@@ -309,6 +326,23 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
                                         ") and shares its first and last with its neighbours: it would run none of its own");
         if (st.ranks.size() > 1 || pl.stages[s + 1].ranks.size() > 1)
           fail(sf + ".float_share", "a floating boundary needs one rank on each side (no tensor parallelism)");
+      }
+      if (st.mlp_cut < 0 || st.mlp_cut >= model.heads)
+        fail(sf + ".mlp_cut", "must be in [1, " + std::to_string(model.heads - 1) + "] (heads whose share of the MLP's columns this stage computes), got " +
+                                  std::to_string(st.mlp_cut));
+      if (st.cuts_mlp()) {
+        const std::string mf = sf + ".mlp_cut";
+        if (s + 1 == pl.stages.size()) fail(mf, "the last stage has no next stage to share an MLP with");
+        if (st.floats()) fail(mf, "a stage ends either in a float (float_share) or inside an MLP, not both");
+        if (st.unit_end() % 2 != 0)
+          fail(mf, "the stage's last unit " + std::to_string(st.unit_end() - 1) + " is an attention half; a cut goes inside an MLP half (end at an even unit)");
+        if (st.unit_end() - st.unit_begin() - 1 - (shared ? 1 : 0) < 1)
+          fail(mf, "the stage holds units [" + std::to_string(st.unit_begin()) + ", " + std::to_string(st.unit_end()) +
+                       ") and shares its first and last with its neighbours: it would run none of its own");
+        if (st.ranks.size() > 1 || pl.stages[s + 1].ranks.size() > 1) fail(mf, "a cut MLP needs one rank on each side (no tensor parallelism)");
+        if (model.ffn_resolved() % model.heads != 0)
+          fail(mf, "the MLP's " + std::to_string(model.ffn_resolved()) + " columns do not divide into " + std::to_string(model.heads) +
+                       " heads' shares: no cut inside this model's MLP");
       }
       if (shared && st.unit_end() - st.unit_begin() < 2)
         fail(field, "shares unit " + std::to_string(st.unit_begin()) + " with the previous stage and holds no other");
@@ -383,7 +417,7 @@ nlohmann::json Plan::to_json() const {
   j["format"] = "alloy-plan";
   // Each version is written only when the plan needs it: readers of version 1 know no sharding
   // and no recomputation, readers of 2 no half-block stages.
-  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel(), v5 = false, v6 = false, v7 = false;
+  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel(), v5 = false, v6 = false, v7 = false, v8 = cuts_mlp();
   for (const auto& p : pipelines) {
     v5 = v5 || p.floats();
     v6 = v6 || (!p.schedule.empty() && p.schedule != schedule);
@@ -393,7 +427,7 @@ nlohmann::json Plan::to_json() const {
       v7 = v7 || st.sequence_parallel;
     }
   }
-  j["version"] = v7 ? 7 : v6 ? 6 : v5 ? 5 : v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
+  j["version"] = v8 ? 8 : v7 ? 7 : v6 ? 6 : v5 ? 5 : v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
   j["global_batch"] = global_batch;
   j["schedule"] = schedule;
   j["pipelines"] = nlohmann::json::array();
@@ -405,6 +439,7 @@ nlohmann::json Plan::to_json() const {
       nlohmann::json sj = {{"ranks", s.ranks}, {"layers", {s.layer_begin, s.layer_end}}};
       if (s.splits_block()) sj["units"] = {s.unit_begin(), s.unit_end()};
       if (s.floats()) sj["float_share"] = s.float_share;
+      if (s.cuts_mlp()) sj["mlp_cut"] = s.mlp_cut;
       if (!s.device.empty()) sj["device"] = s.device;
       if (s.recompute) sj["recompute"] = true;
       if (!s.tp_split.empty()) sj["tp_split"] = s.tp_split;
@@ -453,10 +488,10 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
     if (j.contains("format") && j["format"] != "alloy-plan")
       throw InputError(where, "field 'format' is " + j["format"].dump() + ", not \"alloy-plan\"");
     const auto known_version = [](const nlohmann::json& v) {
-      return v.is_number() && v.get<double>() >= 1 && v.get<double>() <= 7 && v.get<double>() == std::floor(v.get<double>());
+      return v.is_number() && v.get<double>() >= 1 && v.get<double>() <= 8 && v.get<double>() == std::floor(v.get<double>());
     };
     if (j.contains("version") && !known_version(j["version"]))
-      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 7");
+      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 8");
     field = "global_batch";
     p.global_batch = whole<int64_t>(j.at("global_batch"));
     field = "schedule";
@@ -505,6 +540,12 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
           const std::string stage_field = field;
           field = stage_field + ".float_share";
           st.float_share = sts[s].at("float_share").get<double>();
+          field = stage_field;
+        }
+        if (sts[s].contains("mlp_cut")) {
+          const std::string stage_field = field;
+          field = stage_field + ".mlp_cut";
+          st.mlp_cut = whole<int64_t>(sts[s].at("mlp_cut"));
           field = stage_field;
         }
         if (sts[s].contains("tp_split")) st.tp_split = whole_list<int64_t>(sts[s].at("tp_split"));
@@ -626,6 +667,7 @@ std::string Plan::describe() const {
         out << " blocks [" << st.layer_begin << "," << st.layer_end << ")";
       if (st.floats())
         out << " (runs unit " << st.unit_end() - 1 << " for " << pl.float_count(s) << " of " << pl.num_micro_batches << " micro-batches)";
+      if (st.cuts_mlp()) out << " (unit " << st.unit_end() - 1 << "'s MLP columns of " << st.mlp_cut << " heads; the next stage the rest)";
       if (!st.device.empty() && st.devices.size() < 2) out << " (" << st.device << ")";
       if (st.recompute) out << " recompute";
     }

@@ -56,6 +56,17 @@ struct StagePlan {
   // are summed over its two holders by the holder-set sync, as for replicas. 0: no float.
   double float_share = 0;
   bool floats() const { return float_share > 0; }
+  // A boundary inside an MLP (plan version 8): this stage and the next both hold the MLP half where
+  // they meet (this stage's last unit, the next's first), split by columns: this stage computes
+  // the columns of heads [0, MLP_CUT) (the MLP's columns go in the heads' ratio, as under tensor
+  // parallelism), the next stage the rest, in every micro-batch. The message across then carries
+  // the residual stream and this stage's partial MLP output side by side (twice a hidden state),
+  // and their gradients back; the next stage adds the two, the MLP's output bias and the residual.
+  // Unlike a float, both stages run their share of every micro-batch (no lockstep on the heavier
+  // side), and only the norm is held by both; the split parameters are pieces (model/
+  // tensor_parallel.h), each with its own holders. 0: no cut.
+  int64_t mlp_cut = 0;
+  bool cuts_mlp() const { return mlp_cut > 0; }
   // Sequence parallelism for this tensor-parallel stage (plan version 7; train.sequence_parallel
   // turns it on for every such stage): between its products each member holds its share of the
   // positions, in the heads' ratio. The planner sets it where the group fits memory only with it.
@@ -95,6 +106,10 @@ struct PipelinePlan {
   // The units stage S runs for micro-batch MB: [cut(S - 1, MB), cut(S, MB)), from 0 / to the end.
   std::pair<int64_t, int64_t> units_of(size_t s, int64_t mb) const;
   bool floats() const;
+  bool cuts_mlp() const;  // a stage ends inside an MLP (StagePlan::mlp_cut)
+  // The width of what stage S sends to S + 1 (and receives back as its gradient): HIDDEN, or twice
+  // it across a cut MLP.
+  int64_t message_width(size_t s, int64_t hidden) const { return stages.at(s).cuts_mlp() ? 2 * hidden : hidden; }
   // How many micro-batches stage S runs its floating end unit for.
   int64_t float_count(size_t s) const;
 };
@@ -148,6 +163,10 @@ struct Plan {
   static Plan load(const std::string& path);
   void save(const std::string& path) const;  // atomic
   bool has_tensor_parallel() const;
+  bool cuts_mlp() const;
+  // Some rank stores parameters as pieces (tensor parallelism or a cut MLP): every rank then
+  // builds its slice from dist::tp_layout.
+  bool has_pieces() const { return has_tensor_parallel() || cuts_mlp(); }
   // train.sequence_parallel: every tensor-parallel stage runs sequence parallel, so the cost model
   // prices a plan as the trainer will run it.
   void set_sequence_parallel();

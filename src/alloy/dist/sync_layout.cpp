@@ -46,7 +46,7 @@ std::vector<int> HolderSet::leaders() const {
 }
 
 SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model, const LoraConfig& lora) {
-  const bool tp = plan.has_tensor_parallel();
+  const bool tp = plan.has_pieces();
   for (const auto& pl : plan.pipelines)
     for (const auto& s : pl.stages)
       for (int r : s.ranks) {

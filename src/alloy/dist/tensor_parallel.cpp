@@ -20,7 +20,21 @@ model::TpLayout tp_layout(const Plan& plan, const ModelConfig& model, int rank) 
       for (size_t k = 0; k < st.ranks.size(); ++k)
         if (st.ranks[k] == rank) out.head_begin = b[k], out.head_end = b[k + 1], out.group_heads = b;
     }
+  // Cuts inside an MLP: its columns split at the cut (and wherever tensor parallelism splits them).
+  std::map<int64_t, std::set<int64_t>> mlp_bounds;
+  for (const auto& pl : plan.pipelines)
+    for (size_t s = 0; s + 1 < pl.stages.size(); ++s) {
+      const StagePlan& st = pl.stages[s];
+      if (!st.cuts_mlp()) continue;
+      const int64_t blk = st.layer_end - 1;
+      mlp_bounds[blk].insert({0, st.mlp_cut, model.heads});
+      if (st.ranks[0] == rank) out.cut_out = {blk, 0, st.mlp_cut};
+      if (pl.stages[s + 1].ranks[0] == rank) out.cut_in = {blk, st.mlp_cut, model.heads};
+    }
+  for (auto& [blk, s] : mlp_bounds)
+    if (auto it = bounds.find(blk); it != bounds.end()) s.insert(it->second.begin(), it->second.end());
   for (const auto& [blk, s] : bounds) out.pieces[blk] = std::vector<int64_t>(s.begin(), s.end());
+  for (const auto& [blk, s] : mlp_bounds) out.mlp_pieces[blk] = std::vector<int64_t>(s.begin(), s.end());
   // The vocabulary's rows, for the stages holding the embedding or the head: in the heads' ratio.
   std::set<int64_t> rows;
   for (const auto& pl : plan.pipelines)

@@ -14,7 +14,8 @@ class Group;
 
 // RANK's layout under PLAN (comm left null): the pieces of every block a tensor-parallel stage
 // touches (the union of the boundaries of all such stages, so every holder stores the same
-// pieces), and RANK's heads when its stage is a tensor-parallel group.
+// pieces), and RANK's heads when its stage is a tensor-parallel group; the MLP pieces of every
+// block a pipeline boundary cuts inside (StagePlan::mlp_cut) and RANK's side of its own cuts.
 model::TpLayout tp_layout(const Plan& plan, const ModelConfig& model, int rank);
 
 // The group's SUM all-reduce, waited for with the world's timeout. Reduced-precision tensors

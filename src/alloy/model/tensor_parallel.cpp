@@ -255,6 +255,22 @@ TpParam tp_param(const std::string& name) {
   return {};
 }
 
+std::vector<int64_t> tp_piece_bounds(const TpLayout& l, int64_t block, TpParam k) {
+  if (k.kind == TpKind::None || k.kind == TpKind::Vocab) return {};
+  if (k.kind == TpKind::Ffn)
+    if (auto it = l.mlp_pieces.find(block); it != l.mlp_pieces.end()) return it->second;
+  auto it = l.pieces.find(block);
+  return it == l.pieces.end() ? std::vector<int64_t>{} : it->second;
+}
+
+std::pair<int64_t, int64_t> tp_held_heads(const TpLayout& l, int64_t block, TpParam k, int64_t heads) {
+  if (k.kind == TpKind::Ffn) {
+    if (l.cut_out.block == block) return {l.cut_out.head_begin, l.cut_out.head_end};
+    if (l.cut_in.block == block) return {l.cut_in.head_begin, l.cut_in.head_end};
+  }
+  return l.head_end > 0 ? std::pair<int64_t, int64_t>{l.head_begin, l.head_end} : std::pair<int64_t, int64_t>{0, heads};
+}
+
 std::string piece_name(const std::string& name, int64_t h0, int64_t h1) {
   return name + (tp_param(name).kind == TpKind::Vocab ? "#v" : "#h") + std::to_string(h0) + "-" + std::to_string(h1);
 }

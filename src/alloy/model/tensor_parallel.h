@@ -50,7 +50,20 @@ struct TpLayout {
   std::map<int64_t, std::vector<int64_t>> pieces;
   int64_t head_begin = 0, head_end = 0;  // this rank's heads; head_end 0: all of them
   TpComm* comm = nullptr;                // the stage's group; null: the stage has one rank
-  bool splits(int64_t block) const { return pieces.count(block) != 0; }
+  // Pipeline boundaries inside an MLP (StagePlan::mlp_cut): block -> the piece boundaries of its
+  // MLP's split parameters (0, ..., heads; the union with PIECES' where the block has those too),
+  // so that each side of the cut holds its columns as pieces and a replica holding the whole block
+  // sums each piece's gradient with the side that holds it. Other parameters of such a block stay
+  // whole unless PIECES splits them.
+  std::map<int64_t, std::vector<int64_t>> mlp_pieces;
+  // This slice's own cut MLPs: the block whose MLP it ends inside (computing heads [0, k)'s columns
+  // and sending the residual and its partial output side by side) and the one it starts inside
+  // (heads [k, heads), adding the received partial, the bias and the residual); block -1: none.
+  struct MlpCut {
+    int64_t block = -1, head_begin = 0, head_end = 0;
+  };
+  MlpCut cut_out, cut_in;
+  bool splits(int64_t block) const { return pieces.count(block) != 0 || mlp_pieces.count(block) != 0; }
   // Vocabulary-parallel embedding and head: the vocabulary rows' piece boundaries (0, ...,
   // vocab_size; empty: whole), and this rank's rows (vocab_end 0: all of them).
   std::vector<int64_t> vocab_pieces;
@@ -101,6 +114,11 @@ struct TpParam {
   int dim = 0;  // the dimension that splits
 };
 TpParam tp_param(const std::string& name);
+
+// The piece boundaries of a block parameter of kind K in BLOCK under L (empty: it is whole), and
+// the heads [first, second) of it that the slice holds (HEADS: the model's).
+std::vector<int64_t> tp_piece_bounds(const TpLayout& l, int64_t block, TpParam k);
+std::pair<int64_t, int64_t> tp_held_heads(const TpLayout& l, int64_t block, TpParam k, int64_t heads);
 
 // "NAME#hA-B" (heads) or, for the vocabulary's rows, "NAME#vA-B".
 std::string piece_name(const std::string& name, int64_t h0, int64_t h1);

@@ -275,17 +275,20 @@ class BlockLayer : public Layer {
     h0_ = 0, h1_ = c.heads, cfg_ = &c;
     if (!tp || !tp->splits(block)) return;
     if (tp->head_end > 0) h0_ = tp->head_begin, h1_ = tp->head_end, comm_ = tp->comm;
-    const auto& bounds = tp->pieces.at(block);
+    cut_out_ = tp->cut_out.block == block && mlp_;
+    cut_in_ = tp->cut_in.block == block && mlp_;
     std::vector<Param> out;
     for (auto& p : params_) {
       Logical L;
       L.kind = tp_param(p.name);
-      if (L.kind.kind == TpKind::None) {
+      const std::vector<int64_t> bounds = tp_piece_bounds(*tp, block, L.kind);
+      const auto [held0, held1] = tp_held_heads(*tp, block, L.kind, c.heads);
+      if (bounds.empty()) {
         L.idx = {out.size()};
         out.push_back(std::move(p));
       } else {
         for (size_t j = 0; j + 1 < bounds.size(); ++j) {
-          if (bounds[j] < h0_ || bounds[j + 1] > h1_) continue;
+          if (bounds[j] < held0 || bounds[j + 1] > held1) continue;
           if (L.bounds.empty()) L.bounds.push_back(bounds[j]);
           L.bounds.push_back(bounds[j + 1]);
           L.idx.push_back(out.size());
@@ -418,6 +421,10 @@ class BlockLayer : public Layer {
   }
   int64_t h0_ = 0, h1_ = 0;  // the heads this slice computes
   TpComm* comm_ = nullptr;   // its tensor-parallel group, if any
+  // A pipeline boundary inside this block's MLP (TpLayout::cut_out / cut_in): this slice computes
+  // its columns' partial output and sends it beside the residual [x, partial] (cut_out_), or reads
+  // that pair and adds its own columns' output, the bias and the residual (cut_in_).
+  bool cut_out_ = false, cut_in_ = false;
 
  private:
   struct Logical {
@@ -455,6 +462,8 @@ class Gpt2Block : public BlockLayer {
     add(p + "mlp.c_proj.weight", init.normal({F, H}, proj_std), true);
     add(p + "mlp.c_proj.bias", init.fill({H}, 0.0), false);
     keep_halves(attn, mlp, 6);
+    // The side of a cut MLP that sends its partial output leaves the bias to the other side.
+    if (mlp && tp && tp->cut_out.block == i) params_.pop_back();
     split_for_tp(tp, i, c);
   }
 
@@ -472,14 +481,18 @@ class Gpt2Block : public BlockLayer {
     y = y.transpose(1, 2).reshape({B * T, nh * hd});
     return x + proj_summed(4, y, &b_out, B, T);
   }
-  at::Tensor mlp_half(const at::Tensor& x) override {
+  at::Tensor mlp_half(const at::Tensor& in) override {
     const size_t m = mlp0_;
     const int64_t H = c_.hidden;
+    const at::Tensor x = cut_in_ ? in.narrow(-1, 0, H) : in;
     auto h2 = enter(at::layer_norm(x, {H}, w(m), w(m + 1), c_.norm_eps));
     const int64_t B = h2.size(0), T = h2.size(1);
-    const at::Tensor b_fc = w(m + 3), b_out = w(m + 5);
+    const at::Tensor b_fc = w(m + 3);
     auto f = at::gelu(proj(m + 2, h2.reshape({B * T, H}), &b_fc), "tanh");
-    return x + proj_summed(m + 4, f, &b_out, B, T);
+    if (cut_out_) return at::cat({x, proj(m + 4, f, nullptr).view({B, T, H})}, -1);
+    const at::Tensor b_out = w(m + 5);
+    const at::Tensor y = proj_summed(m + 4, f, &b_out, B, T);
+    return cut_in_ ? x + in.narrow(-1, H, H) + y : x + y;
   }
 
  private:
@@ -580,11 +593,15 @@ class LlamaBlock : public BlockLayer {
     auto y = attention(q, k, v, *sh_).transpose(1, 2).reshape({B, T, nh * hd});
     return x + proj_summed(4, y, nullptr, B, T);
   }
-  at::Tensor mlp_half(const at::Tensor& x) override {
+  at::Tensor mlp_half(const at::Tensor& in) override {
     const size_t m = mlp0_;
+    const int64_t H = c_.hidden;
+    const at::Tensor x = cut_in_ ? in.narrow(-1, 0, H) : in;
     auto h2 = enter(rms_norm(x, w(m), c_.norm_eps));
     auto g = at::silu(proj(m + 1, h2, nullptr)) * proj(m + 2, h2, nullptr);
-    return x + proj_summed(m + 3, g, nullptr, h2.size(0), h2.size(1));
+    if (cut_out_) return at::cat({x, proj(m + 3, g, nullptr).view({h2.size(0), h2.size(1), H})}, -1);
+    const at::Tensor y = proj_summed(m + 3, g, nullptr, h2.size(0), h2.size(1));
+    return cut_in_ ? x + in.narrow(-1, H, H) + y : x + y;
   }
 
  private:
@@ -756,9 +773,9 @@ std::vector<std::string> param_names(const ModelConfig& m, LayerRange range, con
         if (b[j] >= v0 && b[j + 1] <= v1) out.push_back(piece_name(name, b[j], b[j + 1]));
       return;
     }
-    if (!tp || !tp->splits(block) || tp_param(name).kind == TpKind::None) return out.push_back(name);
-    const auto& b = tp->pieces.at(block);
-    const int64_t h0 = tp->head_end > 0 ? tp->head_begin : 0, h1 = tp->head_end > 0 ? tp->head_end : m.heads;
+    const std::vector<int64_t> b = tp && block >= 0 ? tp_piece_bounds(*tp, block, tp_param(name)) : std::vector<int64_t>{};
+    if (b.empty()) return out.push_back(name);
+    const auto [h0, h1] = tp_held_heads(*tp, block, tp_param(name), m.heads);
     for (size_t j = 0; j + 1 < b.size(); ++j)
       if (b[j] >= h0 && b[j + 1] <= h1) out.push_back(piece_name(name, b[j], b[j + 1]));
   };
@@ -790,8 +807,10 @@ std::vector<std::string> param_names(const ModelConfig& m, LayerRange range, con
       const auto& names = llama ? llama_names : gpt2_names;
       const size_t attn_params = llama ? 5 : 6;  // the attention half's names come first
       const std::string p = (llama ? "model.layers." : "h.") + std::to_string(pos - 1) + ".";
+      // The sending side of a cut MLP leaves the output bias to the other (GPT-2's last name).
+      const bool no_out_bias = !llama && tp && tp->cut_out.block == pos - 1;
       for (size_t k = range.holds_attention(pos) ? 0 : attn_params; k < (range.holds_mlp(pos) ? names.size() : attn_params); ++k)
-        push(pos - 1, p + names[k]);
+        if (!(no_out_bias && k + 1 == names.size())) push(pos - 1, p + names[k]);
     }
   }
   return out;

@@ -112,27 +112,30 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
   double loss_sum = 0;
 
   // Receives in the order the actions consume them; a sliding window of them stays posted. Every
-  // message a stage receives is [rows, T, H]: activations from the previous stage, and gradients
-  // of this (non-last) stage's output from the next.
+  // message a stage receives is [rows, T, width]: activations from the previous stage (in_width),
+  // and gradients of this (non-last) stage's output from the next (out_width).
   std::vector<size_t> recv_actions;
   for (size_t i = 0; i < actions.size(); ++i)
     if (actions[i].kind == ActionKind::RecvActivation || actions[i].kind == ActionKind::RecvGrad) recv_actions.push_back(i);
   std::deque<PostedRecv> posted;
   size_t next_post = 0;
-  auto shape_of = [&](int64_t m) { return std::vector<int64_t>{mbs[static_cast<size_t>(m)].rows, T, H}; };
+  auto shape_of = [&](int64_t m, bool act) {
+    const int64_t w = act ? in_width : out_width;
+    return std::vector<int64_t>{mbs[static_cast<size_t>(m)].rows, T, w > 0 ? w : H};
+  };
   auto top_up = [&]() {
     while (posted.size() < kRecvsAhead && next_post < recv_actions.size()) {
       const Action& r = actions[recv_actions[next_post++]];
       const bool act = r.kind == ActionKind::RecvActivation;
       posted.push_back(post_recv(act ? links_.prev_rank : links_.next_rank, r.micro_batch, act ? kActHeader : kGradHeader,
-                                 shape_of(r.micro_batch), dt));
+                                 shape_of(r.micro_batch, act), dt));
     }
   };
   auto take = [&](int64_t m, int kind) {
     PostedRecv r = std::move(posted.front());
     posted.pop_front();
     if (r.mb != m || r.kind != kind) throw Error("pipeline executor: receives out of order (internal error)");
-    at::Tensor t = finish_recv(r, shape_of(m), dt);
+    at::Tensor t = finish_recv(r, shape_of(m, kind == kActHeader), dt);
     top_up();
     return t;
   };
@@ -227,8 +230,8 @@ double StageExecutor::forward_only(const std::vector<MicroBatch>& mbs) {
   for (size_t m = 0; m < mbs.size(); ++m) {
     const int64_t rows = mbs[m].rows;
     at::Tensor x = first() ? mbs[m].inputs
-                           : recv_tensor(links_.prev_rank, static_cast<int64_t>(m), kActHeader, {rows, cfg.seq_len, cfg.hidden},
-                                         slice_.dtype());
+                           : recv_tensor(links_.prev_rank, static_cast<int64_t>(m), kActHeader,
+                                         {rows, cfg.seq_len, in_width > 0 ? in_width : cfg.hidden}, slice_.dtype());
     model::AutocastScope amp(slice_.device(), precision);
     at::Tensor out = forward_slice(x, static_cast<int64_t>(m));
     if (last()) {

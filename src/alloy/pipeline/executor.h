@@ -70,6 +70,10 @@ class StageExecutor {
   // A floating pipeline boundary (PipelinePlan::units_of): the units this stage runs for micro-batch
   // m are mb_units[m % size] (validation reuses the training pattern); empty: the whole slice.
   std::vector<std::pair<int64_t, int64_t>> mb_units;
+  // The last dimension of what this stage receives from the previous one (in_width) and sends to
+  // the next (out_width), gradients back alike: 0 is the hidden size; twice it across a cut MLP
+  // (PipelinePlan::message_width).
+  int64_t in_width = 0, out_width = 0;
   // The keys of LoRA's dropout masks (model::DropoutKeys): the run's seed and the step (set per
   // step); each micro-batch adds its samples.
   uint64_t dropout_seed = 0;

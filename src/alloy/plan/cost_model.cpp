@@ -421,9 +421,9 @@ double CostContext::full_model_s_per_sample(int type, int64_t m) const {
   return (forward_s(type, layers(), true, true, m) + backward_s(type, layers(), true, true, m)) / static_cast<double>(m);
 }
 
-double CostContext::p2p_s(int host_a, int host_b, int64_t m, int share) const {
+double CostContext::p2p_s(int host_a, int host_b, int64_t m, int share, double width) const {
   const size_t i = idx(host_a, host_b);
-  return lat_[i] + static_cast<double>(share) * message_bytes(m) / bw_[i];
+  return lat_[i] + static_cast<double>(share) * width * message_bytes(m) / bw_[i];
 }
 
 std::vector<std::vector<int>> CostContext::pipeline_link_shares(const std::vector<std::vector<int>>& pipeline_hosts) const {
@@ -621,8 +621,7 @@ std::vector<CostContext::SyncSet> CostContext::sync_sets(const std::vector<std::
   std::vector<SyncSet> out;
   std::map<std::vector<int>, size_t> index;
   std::vector<int> ids;
-  auto add = [&](int u) {
-    const double bytes = unit_bytes(u);
+  auto add = [&](int u, double bytes) {
     if (!(bytes > 0)) return;  // a unit with no parameters has nothing to sync
     std::sort(ids.begin(), ids.end());
     if (ids.size() < 2) return;
@@ -635,30 +634,56 @@ std::vector<CostContext::SyncSet> CostContext::sync_sets(const std::vector<std::
   for (const auto& p : pipelines)
     for (const auto& h : p)
       if (h.last) ids.push_back(h.id);
-  add(0);
+  add(0, unit_bytes(0));
   std::vector<size_t> at(pipelines.size(), 0);  // each pipeline's stage holding the current half block
   for (size_t p = 0; p < pipelines.size(); ++p) at[p] = pipelines[p].empty() ? 0 : pipelines[p].size() - 1;
+  // A unit cut by columns in some pipeline (Holder::cut_share) syncs as pieces, as the runtime
+  // stores it: its bytes split at every pipeline's cut, each piece among the holders of its columns.
+  struct Held {
+    int id;
+    double from, to;  // the unit's share [from, to) this holder holds
+  };
+  std::vector<Held> held;
+  std::vector<double> bounds;
   for (int64_t h = 2 * L - 1; h >= 0; --h) {
-    ids.clear();
+    held.clear();
+    bounds = {0.0, 1.0};
     for (size_t p = 0; p < pipelines.size(); ++p) {
       while (at[p] > 0 && pipelines[p][at[p]].begin > h) --at[p];
       if (pipelines[p].empty()) continue;
-      ids.push_back(pipelines[p][at[p]].id);
+      const Holder& cur = pipelines[p][at[p]];
+      const Holder* prev = at[p] > 0 && pipelines[p][at[p] - 1].end > h ? &pipelines[p][at[p] - 1] : nullptr;
+      if (prev && prev->cut_share > 0) {
+        held.push_back({prev->id, 0.0, prev->cut_share});
+        held.push_back({cur.id, prev->cut_share, 1.0});
+        bounds.push_back(prev->cut_share);
+        continue;
+      }
+      held.push_back({cur.id, 0.0, 1.0});
       // A floating boundary: the stage before shares this unit.
-      for (size_t k = at[p]; k > 0 && pipelines[p][k - 1].end > h; --k) ids.push_back(pipelines[p][k - 1].id);
+      for (size_t k = at[p]; k > 0 && pipelines[p][k - 1].end > h; --k) held.push_back({pipelines[p][k - 1].id, 0.0, 1.0});
     }
-    add(half_unit(h));
+    std::sort(bounds.begin(), bounds.end());
+    bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
+    const int u = half_unit(h);
+    const double whole = unit_bytes(u);
+    for (size_t j = 0; j + 1 < bounds.size(); ++j) {
+      ids.clear();
+      for (const Held& x : held)
+        if (x.from <= bounds[j] && x.to >= bounds[j + 1]) ids.push_back(x.id);
+      add(u, whole * (bounds[j + 1] - bounds[j]));
+    }
   }
   ids.clear();
   for (const auto& p : pipelines)
     for (const auto& h : p)
       if (h.first) ids.push_back(h.id);
-  add(embed_unit());
+  add(embed_unit(), unit_bytes(embed_unit()));
   ids.clear();
   for (const auto& p : pipelines)
     for (const auto& h : p)
       if (h.first || h.last) ids.push_back(h.id);
-  add(wte_unit());
+  add(wte_unit(), unit_bytes(wte_unit()));
   return out;
 }
 

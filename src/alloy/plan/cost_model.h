@@ -248,6 +248,16 @@ class CostContext {
   double backward_units_s(int type, int64_t unit_begin, int64_t unit_end, bool first, bool last, int64_t m) const {
     return backward_s(type, blocks_in(unit_begin, unit_end, attention_share(type, false)), first, last, m);
   }
+  // The same for a stage at a cut MLP (StagePlan::mlp_cut): it computes share IN of its first
+  // unit's columns (an MLP half; 1: the whole unit) and share OUT of its last unit's.
+  double forward_units_s(int type, int64_t unit_begin, int64_t unit_end, bool first, bool last, int64_t m, double in, double out) const {
+    const double a = attention_share(type, true);
+    return forward_s(type, blocks_in(unit_begin, unit_end, a) - (2 - in - out) * (1 - a), first, last, m);
+  }
+  double backward_units_s(int type, int64_t unit_begin, int64_t unit_end, bool first, bool last, int64_t m, double in, double out) const {
+    const double a = attention_share(type, false);
+    return backward_s(type, blocks_in(unit_begin, unit_end, a) - (2 - in - out) * (1 - a), first, last, m);
+  }
   // The blocks' weight-gradient part of the backward (zb-h1's BackwardWeight, pipeline/schedule.h):
   // the share weight_share(TYPE) of the blocks' backward, as the profile measured it for the type,
   // else the projections' weight products' share by shape.
@@ -257,20 +267,23 @@ class CostContext {
     return measured > 0 ? measured : weight_share_;
   }
   double weight_s(int type, double blocks, int64_t m) const { return weight_share(type) * backward_s(type, blocks, false, false, m); }
-  double weight_units_s(int type, int64_t unit_begin, int64_t unit_end, int64_t m) const {
-    return weight_share(type) * backward_units_s(type, unit_begin, unit_end, false, false, m);
+  double weight_units_s(int type, int64_t unit_begin, int64_t unit_end, int64_t m, double in = 1, double out = 1) const {
+    return weight_share(type) * backward_units_s(type, unit_begin, unit_end, false, false, m, in, out);
   }
   // What a pipeline stage's messages take from its compute, per micro-batch, in its forward and
   // again in its backward (each receives one message unless FIRST / LAST and sends one unless LAST /
   // FIRST): the messages' bytes times the type's profiled comm_cpu_s_per_byte (0 unmeasured).
-  double p2p_cpu_s(int type, bool first, bool last, int64_t m) const {
-    return static_cast<double>(2 - (first ? 1 : 0) - (last ? 1 : 0)) * message_bytes(m) * type_profile_[static_cast<size_t>(type)]->comm_cpu_s_per_byte;
+  // IN_WIDTH / OUT_WIDTH: the messages from the previous stage / to the next in hidden states (2
+  // across a cut MLP, PipelinePlan::message_width).
+  double p2p_cpu_s(int type, bool first, bool last, int64_t m, double in_width = 1, double out_width = 1) const {
+    return ((first ? 0.0 : in_width) + (last ? 0.0 : out_width)) * message_bytes(m) * type_profile_[static_cast<size_t>(type)]->comm_cpu_s_per_byte;
   }
   // Seconds per sample through the whole model at micro-batch M (forward + backward): a type's speed.
   double full_model_s_per_sample(int type, int64_t m) const;
   // One activation (or gradient) message of M samples between two hosts, on a link that SHARE
   // pipelines cross at once (pipeline_link_shares): its bytes take SHARE times as long.
-  double p2p_s(int host_a, int host_b, int64_t m, int share = 1) const;
+  // WIDTH: the message in hidden states (2 across a cut MLP).
+  double p2p_s(int host_a, int host_b, int64_t m, int share = 1, double width = 1) const;
   // Pipelines sharing links: PIPELINE_HOSTS[p] are pipeline p's stages' hosts in stage order.
   // Returns, per pipeline and link s (between stages s and s+1), how many pipelines send their
   // messages over that link: 1 for a link within a host or one no other pipeline crosses, else
@@ -437,6 +450,9 @@ class CostContext {
     int id;                  // rank (simulate_plan) or device (search)
     int64_t begin, end;      // half-block units (2 * blocks for a whole-block stage)
     bool first, last;
+    // A cut MLP at this holder's end (StagePlan::mlp_cut): the share of its last unit's columns it
+    // holds, the next holder of the pipeline the rest (0: no cut; its last unit whole).
+    double cut_share = 0;
   };
   // Parameter units in backward order, the order the reducer fills buckets: 0 head rest,
   // 1..2L half blocks (the last block's MLP half, its attention half, ..., block 0's attention

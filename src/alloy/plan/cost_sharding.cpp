@@ -33,12 +33,13 @@ double CostContext::shard_gather_s(const Ring& r, double bytes, double min_share
 
 namespace detail {
 
-std::vector<std::vector<CostContext::Holder>> plan_holders(const Plan& plan) {
+std::vector<std::vector<CostContext::Holder>> plan_holders(const Plan& plan, int64_t plan_heads) {
   std::vector<std::vector<CostContext::Holder>> holders(plan.pipelines.size());
   for (size_t p = 0; p < plan.pipelines.size(); ++p) {
     const auto& stages = plan.pipelines[p].stages;
     for (size_t s = 0; s < stages.size(); ++s)
-      holders[p].push_back({stages[s].ranks[0], stages[s].unit_begin(), stages[s].unit_end(), s == 0, s + 1 == stages.size()});
+      holders[p].push_back({stages[s].ranks[0], stages[s].unit_begin(), stages[s].unit_end(), s == 0, s + 1 == stages.size(),
+                            stages[s].cuts_mlp() ? static_cast<double>(stages[s].mlp_cut) / static_cast<double>(plan_heads) : 0.0});
   }
   return holders;
 }

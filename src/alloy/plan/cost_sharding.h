@@ -20,8 +20,9 @@ struct RankShard {
   std::vector<double> unit_gather_s;  // ZeRO-3: per parameter unit (CostContext's numbering), its gather; 0 = not sharded
 };
 
-// Each pipeline's stages as holders (ids = ranks), for CostContext::sync_sets.
-std::vector<std::vector<CostContext::Holder>> plan_holders(const Plan& plan);
+// Each pipeline's stages as holders (ids = ranks), for CostContext::sync_sets; HEADS (the model's)
+// turn a cut MLP's mlp_cut into the share of its columns.
+std::vector<std::vector<CostContext::Holder>> plan_holders(const Plan& plan, int64_t heads);
 
 // Per rank (index = rank). SETS: ctx.sync_sets of HOLDERS (ids = ranks); DEV_OF: rank -> device.
 // Sets without a plan entry are full replicas (stage 0).

@@ -46,7 +46,7 @@ class Fitter {
       for (const auto& st : pl.stages) dev_of_[static_cast<size_t>(st.ranks[0])] = cluster.device_index(st.device);
     CostContext ctx(cluster, profile);
     ctx.set_grad_sync(plan.grad_sync);
-    for (const auto& set : ctx.sync_sets(detail::plan_holders(plan))) {
+    for (const auto& set : ctx.sync_sets(detail::plan_holders(plan, profile.model.heads))) {
       std::vector<int> devs;
       for (int r : set.ids) devs.push_back(dev_of_[static_cast<size_t>(r)]);
       std::sort(devs.begin(), devs.end(), [&](int a, int b) { return ctx.ring_less(a, a, b, b); });

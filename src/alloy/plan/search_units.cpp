@@ -26,7 +26,8 @@ std::string layout_text(const Plan& plan) {
              " " + blocks_text(pl.stages[s].unit_begin(), pl.stages[s].unit_end()) +
              (pl.stages[s].floats() ? " (its last half block in " + std::to_string(pl.float_count(s)) + " of " +
                                           std::to_string(pl.num_micro_batches) + " micro-batches)"
-                                    : "");
+              : pl.stages[s].cuts_mlp() ? " (its last MLP's columns of " + std::to_string(pl.stages[s].mlp_cut) + " heads)"
+                                        : "");
   }
   return out;
 }
@@ -76,6 +77,30 @@ std::vector<Plan> floating_candidates(const Plan& plan, size_t p, size_t s) {
   return out;
 }
 
+// The cuts inside an MLP of PLAN's pipeline P at boundary S worth pricing: inside the MLP half
+// on either side of a whole cut (or, for a cut already there, its other column splits), the first
+// stage computing the columns of k heads, k = 1..heads-1.
+std::vector<Plan> mlp_cut_candidates(const Plan& plan, size_t p, size_t s, int64_t heads) {
+  std::vector<Plan> out;
+  const PipelinePlan& pl = plan.pipelines[p];
+  const StagePlan &a = pl.stages[s], &b = pl.stages[s + 1];
+  if (a.tp() > 1 || b.tp() > 1 || a.floats() || b.floats() || (s > 0 && pl.stages[s - 1].floats())) return out;
+  int64_t shared = -1;  // the MLP half both stages would hold
+  if (a.cuts_mlp()) shared = a.unit_end() - 1;
+  else shared = a.unit_end() % 2 == 0 ? a.unit_end() - 1 : a.unit_end();
+  for (int64_t k = 1; k < heads; ++k) {
+    if (a.cuts_mlp() && k == a.mlp_cut) continue;
+    Plan cand = plan;
+    StagePlan &ca = cand.pipelines[p].stages[s], &cb = cand.pipelines[p].stages[s + 1];
+    if (shared + 1 > cb.unit_end() || shared < ca.unit_begin()) continue;
+    ca.set_units(ca.unit_begin(), shared + 1);
+    cb.set_units(shared, cb.unit_end());
+    ca.mlp_cut = k;
+    out.push_back(std::move(cand));
+  }
+  return out;
+}
+
 }  // namespace
 
 void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
@@ -111,6 +136,30 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
     if (!found) break;
     best = std::move(round_best);
     best_cost = round_cost;
+  }
+  // Then cuts inside an MLP, by columns (kept on the half blocks' terms: every micro-batch runs the
+  // same split, so nothing the model leaves out makes them riskier than a half-block move).
+  if (options.mlp_cuts && profile.model.ffn_resolved() % profile.model.heads == 0) {
+    for (int round = 0; round < 4 && !out_of_time(); ++round) {
+      Plan round_best;
+      PlanCost round_cost = best_cost;
+      bool found = false;
+      for (size_t p = 0; p < best.pipelines.size(); ++p)
+        for (size_t s = 0; s + 1 < best.pipelines[p].stages.size(); ++s)
+          for (Plan& cand : mlp_cut_candidates(best, p, s, profile.model.heads)) {
+            if (out_of_time()) break;
+            PlanCost c;
+            try {
+              c = priced_rebalanced(cand, cluster, profile, options);
+            } catch (const InputError&) {
+              continue;  // a stage would run no unit of its own
+            }
+            if (c.fits && c.step_s < round_cost.step_s * (1 - 2e-3)) round_best = std::move(cand), round_cost = c, found = true;
+          }
+      if (!found) break;
+      best = std::move(round_best);
+      best_cost = round_cost;
+    }
   }
   // Then floating boundaries: a boundary's neighbouring unit shared by its two stages, run by the
   // first in a share of the micro-batches, so the average split moves by 1/M of a half block

@@ -74,7 +74,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     }
 
   // The holder sets first: sharding changes the stages' compute (ZeRO-3's gathers) and memory.
-  const std::vector<std::vector<CostContext::Holder>> holders = detail::plan_holders(plan);
+  const std::vector<std::vector<CostContext::Holder>> holders = detail::plan_holders(plan, profile.model.heads);
   ctx.set_grad_sync(plan.grad_sync);
   const auto sets = ctx.sync_sets(holders);
   const std::vector<detail::RankShard> shard = detail::rank_shards(plan, ctx, sets, dev_of);
@@ -109,7 +109,14 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       costs.forward_mb.emplace_back();
       costs.backward_mb.emplace_back();
       costs.weight_mb.emplace_back();
-      const double p2p_cpu = ctx.p2p_cpu_s(type, first, last, m);  // the stage's messages' CPU time
+      // A cut MLP (StagePlan::mlp_cut): the shares of its first and last units' columns this stage
+      // computes, and its messages' widths in hidden states.
+      const StagePlan* prev = s > 0 ? &pl.stages[static_cast<size_t>(s - 1)] : nullptr;
+      const double heads = static_cast<double>(profile.model.heads);
+      const double in_share = prev && prev->cuts_mlp() ? 1 - static_cast<double>(prev->mlp_cut) / heads : 1.0;
+      const double out_share = st.cuts_mlp() ? static_cast<double>(st.mlp_cut) / heads : 1.0;
+      const double in_width = prev && prev->cuts_mlp() ? 2.0 : 1.0, out_width = st.cuts_mlp() ? 2.0 : 1.0;
+      const double p2p_cpu = ctx.p2p_cpu_s(type, first, last, m, in_width, out_width);  // the stage's messages' CPU time
       if (st.tp() > 1) {
         const detail::TpStageTime t = detail::tp_stage_time(ctx, profile.model, st, dev_of, first, last, m);
         costs.forward.push_back(t.forward_s + gf + p2p_cpu);
@@ -118,12 +125,15 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
         costs.weight.push_back(split ? t.weight_s : 0.0);
         tp_comm[{p, s}] = static_cast<double>(M) * t.comm_s;
       } else {
-        auto fwd = [&](int64_t b, int64_t e) { return ctx.forward_units_s(type, b, e, first, last, m) + gf + p2p_cpu; };
+        // A float's units differ per micro-batch (a float and a cut never share a boundary).
+        auto in_of = [&](int64_t b) { return b == ub ? in_share : 1.0; };
+        auto out_of = [&](int64_t e) { return e == ue ? out_share : 1.0; };
+        auto fwd = [&](int64_t b, int64_t e) { return ctx.forward_units_s(type, b, e, first, last, m, in_of(b), out_of(e)) + gf + p2p_cpu; };
         auto bwd = [&](int64_t b, int64_t e) {
-          return ctx.backward_units_s(type, b, e, first, last, m) + gb3 + p2p_cpu +
-                 (st.recompute ? ctx.forward_units_s(type, b, e, false, false, m) : 0.0);
+          return ctx.backward_units_s(type, b, e, first, last, m, in_of(b), out_of(e)) + gb3 + p2p_cpu +
+                 (st.recompute ? ctx.forward_units_s(type, b, e, false, false, m, in_of(b), out_of(e)) : 0.0);
         };
-        auto wgt = [&](int64_t b, int64_t e) { return split ? ctx.weight_units_s(type, b, e, m) : 0.0; };
+        auto wgt = [&](int64_t b, int64_t e) { return split ? ctx.weight_units_s(type, b, e, m, in_of(b), out_of(e)) : 0.0; };
         if (!pl.floats()) {
           costs.forward.push_back(fwd(ub, ue));
           costs.backward.push_back(bwd(ub, ue));
@@ -146,7 +156,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       }
       if (!last) {
         const int next = dev_of[static_cast<size_t>(pl.stages[static_cast<size_t>(s + 1)].ranks[0])];
-        costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m, link_share[p][static_cast<size_t>(s)]));
+        costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m, link_share[p][static_cast<size_t>(s)], out_width));
       }
       actions.push_back(pipeline::make_schedule(plan.schedule_of(p), s, S, M));
     }

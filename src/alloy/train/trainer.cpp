@@ -150,7 +150,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   if (const std::string why = plan_->training_problem(cfg_); !why.empty()) throw InputError("plan", why);
   if (cfg_.train.sequence_parallel && !plan_->has_tensor_parallel() && rank_ == 0)
     log_warn("train.sequence_parallel has no effect: the plan has no tensor-parallel stage");
-  if (plan_->has_tensor_parallel()) {
+  if (plan_->has_pieces()) {
     tp_ = std::make_unique<model::TpLayout>(dist::tp_layout(*plan_, cfg_.model, rank_));
     tp_->sequence_parallel = cfg_.train.sequence_parallel || st.sequence_parallel;
     // Every rank is in at most one stage, so the groups are created in plan order without waiting
@@ -233,6 +233,8 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     throw InputError("train.precision", why);
   exec_->precision = cfg_.train.precision;
   exec_->counts_loss = pos_.tp_rank == 0;
+  if (pos_.stage > 0) exec_->in_width = pl.message_width(static_cast<size_t>(pos_.stage) - 1, cfg_.model.hidden);
+  if (static_cast<size_t>(pos_.stage) + 1 < pl.stages.size()) exec_->out_width = pl.message_width(static_cast<size_t>(pos_.stage), cfg_.model.hidden);
   if (pl.floats())
     for (int64_t m = 0; m < pl.num_micro_batches; ++m) exec_->mb_units.push_back(pl.units_of(static_cast<size_t>(pos_.stage), m));
   if (!resume_dir.empty()) scaler_.restore(resumed.loss_scale, resumed.loss_scale_good_steps);

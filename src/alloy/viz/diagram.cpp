@@ -280,6 +280,8 @@ Picture build(const DiagramInput& in) {
       if (st.floats())
         n.lines.push_back("last half block in " + std::to_string(pl.float_count(s)) + " of " + std::to_string(pl.num_micro_batches) +
                           " micro-batches");
+      if (st.cuts_mlp()) n.lines.push_back("last MLP: columns of " + std::to_string(st.mlp_cut) + " heads");
+      if (s > 0 && pl.stages[s - 1].cuts_mlp()) n.lines.push_back("first MLP: the other columns");
       n.lines.push_back(std::to_string(pl.micro_batch_size) + " samples x " + std::to_string(pl.num_micro_batches) +
                         " micro-batches");
       for (const json* v : {&times[k], &memory[k]}) {
