@@ -2,14 +2,16 @@
 """Pipeline boundaries inside an MLP (StagePlan::mlp_cut) measured against whole half blocks, side
 by side in one invocation on an emulated pool.
 
-On one profile of the pool (`alloy profile` under `alloy launch --emulate`):
-  halves   `alloy plan --mlp-cuts off --float-boundaries off`: boundaries at whole half blocks
-  cut      `alloy plan --mlp-cuts on --float-boundaries off`; where the planner keeps no cut, the
-           halves plan with the one boundary cut at the k (1..heads-1) the model predicts fastest
-           (`alloy plan --evaluate`), so the cut is measured either way (reported as forced)
-each trained --steps with the plan fixed (no re-planning), median step after --timed-after, the two
-alternating for --rounds rounds. Reports per plan the measured and predicted step, the per-device
-idle share (ranks.json: not computing), and the cut's gain measured against predicted.
+On one profile of the pool (`alloy profile` under `alloy launch --emulate`), a pipeline over the
+cluster's first two devices in cluster order (the first holding the embedding), --global-batch in
+micro-batches of --micro-batch, each plan predicted with `alloy plan --evaluate`:
+  halves   the boundary at the whole half block the model predicts fastest
+  cut      that boundary, or the one a half block either side, inside the MLP half next to it, the
+           first stage computing the columns of k heads (k = 1..heads-1), the fastest predicted
+and what `alloy plan` itself chooses for the pool is printed beside them. Both are trained --steps
+with the plan fixed (no re-planning), median step after --timed-after, alternating for --rounds
+rounds. Reports per plan the measured and predicted step, the per-device idle share (ranks.json:
+not computing), and the cut's gain measured against predicted, per round.
 Writes bench/results/cut-<cluster stem>.json.
 
 usage: /usr/bin/python3 bench/cut_bench.py [--cluster examples/cluster-2dev-pipeline.yaml]
@@ -33,43 +35,20 @@ def log(msg):
     print(f"[cut] {msg}", flush=True)
 
 
-def cut_stage(plan):
-    """(pipeline, stage) of PLAN's first cut MLP, or None."""
-    for p, pl in enumerate(plan["pipelines"]):
-        for s, st in enumerate(pl["stages"]):
-            if st.get("mlp_cut"):
-                return p, s
-    return None
-
-
-def forced_cuts(plan_path, heads, work):
-    """Raw plans: PLAN_PATH's first multi-stage boundary moved inside the MLP half next to it, cut at
-    each k = 1..HEADS-1 (as `alloy plan`'s search would try it)."""
-    base = json.load(open(plan_path))
-    base.pop("predicted", None)
-    out = []
-    for p, pl in enumerate(base["pipelines"]):
-        if len(pl["stages"]) < 2:
-            continue
-        a, b = pl["stages"][0], pl["stages"][1]
-        a_end = a["units"][1] if "units" in a else 2 * a["layers"][1]
-        shared = a_end - 1 if a_end % 2 == 0 else a_end
-        for k in range(1, heads):
-            q = json.loads(json.dumps(base))
-            qa, qb = q["pipelines"][p]["stages"][0], q["pipelines"][p]["stages"][1]
-            a_begin = qa["units"][0] if "units" in qa else 2 * qa["layers"][0]
-            b_end = qb["units"][1] if "units" in qb else 2 * qb["layers"][1]
-            for st, (u0, u1) in ((qa, (a_begin, shared + 1)), (qb, (shared, b_end))):
-                st["units"] = [u0, u1]
-                st.pop("layers", None)
-            qa["mlp_cut"] = k
-            q["version"] = 8
-            path = os.path.join(work, f"plan-cut-k{k}-raw.json")
-            with open(path, "w") as f:
-                json.dump(q, f, indent=1)
-            out.append(path)
-        break
-    return out
+def pipeline_plan(path, devices, gb, mbs, units, cut=0, schedule="1f1b"):
+    """A raw plan: one pipeline over DEVICES' first two, stage 0 holding UNITS[0] (half blocks), stage
+    1 UNITS[1], stage 0 cutting its last MLP at CUT heads (0: none)."""
+    stages = []
+    for r, (u0, u1) in enumerate(units):
+        st = {"ranks": [r], "units": [u0, u1], "device": devices[r]["name"]}
+        if r == 0 and cut:
+            st["mlp_cut"] = cut
+        stages.append(st)
+    plan = {"format": "alloy-plan", "version": 8 if cut else 3, "global_batch": gb, "schedule": schedule,
+            "pipelines": [{"micro_batch_size": mbs, "num_micro_batches": gb // mbs, "stages": stages}]}
+    with open(path, "w") as f:
+        json.dump(plan, f, indent=1)
+    return path
 
 
 def main():
@@ -90,29 +69,36 @@ def main():
                                      round_steps=None, demo=False, timed_after=a.timed_after, set=sets))
     if "data/fortunes" in open(R.config).read() and not os.path.exists(os.path.join(REPO, "data", "fortunes_train.idx")):
         R.run([R.alloy, "data", "prepare", "--input", "/usr/share/games/fortunes", "--output", "data/fortunes"])
-    heads = int(hb.model_of(R.config)["heads"])
+    model = hb.model_of(R.config)
+    heads, U = int(model["heads"]), 2 * int(model["layers"])
+    devices = hb.cluster_devices(R.alloy, R.cluster)[:2]
     prof = os.path.abspath(a.profile) if a.profile else R.profile()
-    base = [R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", prof, "--no-compare",
-            "--float-boundaries", "off"] + R.sets
-    plans = {}
-    for name, cuts in (("halves", "off"), ("cut", "on")):
+    base = [R.alloy, "plan", "--cluster", R.cluster, "--config", R.config, "--profile", prof, "--no-compare"] + R.sets
+    auto = os.path.join(R.work, "plan-auto.json")
+    R.run(base + ["-o", auto])
+    log(f"alloy plan's own choice for the pool: {layout(auto)}, predicted {hb.predicted_of(auto).get('step_s', float('nan')) * 1e3:.0f} ms")
+
+    def evaluate(name, units, cut=0):
+        raw = pipeline_plan(os.path.join(R.work, f"plan-{name}-raw.json"), devices, a.global_batch, a.micro_batch, units, cut)
         out = os.path.join(R.work, f"plan-{name}.json")
-        R.run(base + ["--mlp-cuts", cuts, "-o", out])
-        plans[name] = out
-    forced = cut_stage(json.load(open(plans["cut"]))) is None
-    if forced:
-        best = None
-        for raw in forced_cuts(plans["halves"], heads, R.work):
-            out = raw.replace("-raw.json", ".json")
-            R.run(base + ["--evaluate", raw, "-o", out])
-            pred = hb.predicted_of(out).get("step_s", float("inf"))
-            if best is None or pred < best[0]:
-                best = (pred, out)
-        if best is None:
-            sys.exit("the halves plan has no pipeline to cut")
-        plans["cut"] = best[1]
+        R.run(base + ["--evaluate", raw, "-o", out])
+        return hb.predicted_of(out).get("step_s", float("inf")), out
+
+    plans, predicted = {}, {}
+    best = min((evaluate(f"halves-{u}", [(0, u), (u, U)]) + (u,) for u in range(1, U)), key=lambda x: x[0])
+    predicted["halves"], plans["halves"], boundary = best
+    cands = []
+    for u in (boundary - 1, boundary, boundary + 1):
+        shared = u - 1 if u % 2 == 0 else u  # the MLP half next to the boundary
+        if shared % 2 != 1 or shared < 1 or shared + 1 >= U:
+            continue
+        for k in range(1, heads):
+            cands.append(evaluate(f"cut-{shared}-{k}", [(0, shared + 1), (shared, U)], k))
+    if not cands:
+        sys.exit("no MLP half next to the boundary to cut")
+    predicted["cut"], plans["cut"] = min(cands, key=lambda x: x[0])
     for name in ("halves", "cut"):
-        log(f"{name}{' (forced: the planner keeps no cut)' if name == 'cut' and forced else ''}: {layout(plans[name])}, "
+        log(f"{name}: {layout(plans[name])}, "
             f"predicted {hb.predicted_of(plans[name]).get('step_s', float('nan')) * 1e3:.0f} ms")
     runs = {}
     for k in range(a.rounds):
@@ -143,7 +129,7 @@ def main():
     with open(path, "w") as f:
         json.dump(dict(machine=dict(cpu=cpu, cores=os.cpu_count()), cluster=os.path.relpath(a.cluster, REPO),
                        config=os.path.relpath(a.config, REPO), global_batch=a.global_batch, steps=a.steps, rounds=a.rounds,
-                       forced=forced, results=results, gain_per_round=gains, gain_median=statistics.median(gains),
+                       planner_choice=layout(auto), results=results, gain_per_round=gains, gain_median=statistics.median(gains),
                        gain_predicted=predicted_gain), f, indent=2)
     log(f"wrote {path}")
     return 0

@@ -151,7 +151,12 @@ constexpr double kFloatMinGain = 0.05;
 // k = 1..heads-1 priced with the batch re-split, greedily per boundary as above; kept for a gain
 // over 0.2% like the half-block moves. Both stages run their share of every micro-batch, so a
 // 0.4 and a 0.2 device split 2.7 : 1.3 blocks of the demo's model (6 heads) without a float's
-// per-micro-batch imbalance.
+// per-micro-batch imbalance. Kept only when predicted at least kMlpCutMinGain faster than the best
+// plan without it: a cut is chosen to balance its two stages, and balanced 1F1B stages wait on
+// each other's per-micro-batch noise, which the model does not price (bench/cut_bench.py on
+// examples/cluster-2dev-pipeline.yaml: predicted 2.3% faster, measured 0.5% slower, the faster
+// stage's idle share rising 3% -> 7-13% as the slower's fell 36% -> 13-19%).
+constexpr double kMlpCutMinGain = 0.05;
 void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
 
 // CAND priced by simulate_plan, with its batch re-split among its pipelines (calibrate.h's

@@ -137,16 +137,18 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
     best = std::move(round_best);
     best_cost = round_cost;
   }
-  // Then cuts inside an MLP, by columns (kept on the half blocks' terms: every micro-batch runs the
-  // same split, so nothing the model leaves out makes them riskier than a half-block move).
+  // Then cuts inside an MLP, by columns, greedy as above; kept for a clear predicted gain only
+  // (kMlpCutMinGain).
   if (options.mlp_cuts && profile.model.ffn_resolved() % profile.model.heads == 0) {
+    Plan cut = best;
+    PlanCost cut_cost = best_cost;
     for (int round = 0; round < 4 && !out_of_time(); ++round) {
       Plan round_best;
-      PlanCost round_cost = best_cost;
+      PlanCost round_cost = cut_cost;
       bool found = false;
       for (size_t p = 0; p < best.pipelines.size(); ++p)
         for (size_t s = 0; s + 1 < best.pipelines[p].stages.size(); ++s)
-          for (Plan& cand : mlp_cut_candidates(best, p, s, profile.model.heads)) {
+          for (Plan& cand : mlp_cut_candidates(cut, p, s, profile.model.heads)) {
             if (out_of_time()) break;
             PlanCost c;
             try {
@@ -157,9 +159,10 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
             if (c.fits && c.step_s < round_cost.step_s * (1 - 2e-3)) round_best = std::move(cand), round_cost = c, found = true;
           }
       if (!found) break;
-      best = std::move(round_best);
-      best_cost = round_cost;
+      cut = std::move(round_best);
+      cut_cost = round_cost;
     }
+    if (cut_cost.step_s < best_cost.step_s * (1 - kMlpCutMinGain)) best = std::move(cut), best_cost = cut_cost;
   }
   // Then floating boundaries: a boundary's neighbouring unit shared by its two stages, run by the
   // first in a share of the micro-batches, so the average split moves by 1/M of a half block
