@@ -53,22 +53,10 @@ def pipeline_plan(path, devices, gb, mbs, units, cut=0, schedule="1f1b"):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build", default=os.path.join(REPO, "build"))
-    ap.add_argument("--cluster", default=os.path.join(REPO, "examples", "cluster-2dev-pipeline.yaml"))
-    ap.add_argument("--config", default=os.path.join(REPO, "examples", "demo-gpt2.yaml"))
-    ap.add_argument("--work", default=os.path.join(REPO, "runs", "cut"))
-    ap.add_argument("--global-batch", type=int, default=48)
-    ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--timed-after", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of both plans in turn; the median is reported")
+    hb.add_fixed_plan_args(ap, "cluster-2dev-pipeline.yaml", "cut", steps=12, timed_after=3)
     ap.add_argument("--profile", help="an `alloy profile` of this pool and model to use instead of profiling again")
     a = ap.parse_args()
-    sets = [f"train.global_batch={a.global_batch}", f"train.micro_batch={a.micro_batch}", "train.replan_step=0"]
-    R = hb.Runner(argparse.Namespace(build=a.build, cluster=a.cluster, config=a.config, work=a.work, steps=a.steps,
-                                     round_steps=None, demo=False, timed_after=a.timed_after, set=sets))
-    if "data/fortunes" in open(R.config).read() and not os.path.exists(os.path.join(REPO, "data", "fortunes_train.idx")):
-        R.run([R.alloy, "data", "prepare", "--input", "/usr/share/games/fortunes", "--output", "data/fortunes"])
+    R = hb.fixed_plan_runner(a)
     model = hb.model_of(R.config)
     heads, U = int(model["heads"]), 2 * int(model["layers"])
     devices = hb.cluster_devices(R.alloy, R.cluster)[:2]

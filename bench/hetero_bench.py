@@ -199,6 +199,31 @@ def cluster_devices(alloy, cluster):
     return devs
 
 
+def add_fixed_plan_args(ap, cluster, work, steps, timed_after):
+    """The arguments of a bench that trains fixed plans on one emulated pool in rounds (tp_bench,
+    cut_bench)."""
+    ap.add_argument("--build", default=os.path.join(REPO, "build"))
+    ap.add_argument("--cluster", default=os.path.join(REPO, "examples", cluster))
+    ap.add_argument("--config", default=os.path.join(REPO, "examples", "demo-gpt2.yaml"))
+    ap.add_argument("--work", default=os.path.join(REPO, "runs", work))
+    ap.add_argument("--global-batch", type=int, default=48)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--timed-after", type=int, default=timed_after)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every plan in turn; the median is reported")
+
+
+def fixed_plan_runner(a):
+    """A Runner for add_fixed_plan_args' A: the global and micro-batch set, no re-planning; the
+    fortunes corpus prepared when the config reads it and it is missing."""
+    sets = [f"train.global_batch={a.global_batch}", f"train.micro_batch={a.micro_batch}", "train.replan_step=0"]
+    R = Runner(argparse.Namespace(build=a.build, cluster=a.cluster, config=a.config, work=a.work, steps=a.steps,
+                                  round_steps=None, demo=False, timed_after=a.timed_after, set=sets))
+    if "data/fortunes" in open(R.config).read() and not os.path.exists(os.path.join(REPO, "data", "fortunes_train.idx")):
+        R.run([R.alloy, "data", "prepare", "--input", "/usr/share/games/fortunes", "--output", "data/fortunes"])
+    return R
+
+
 def model_of(config):
     m = {}
     sec = None

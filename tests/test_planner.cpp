@@ -316,30 +316,52 @@ TEST(Search, RefineUnitsMovesABoundaryInsideABlockWhenThatBalancesAPipeline) {
   EXPECT_TRUE(again.notes.empty());
 }
 
+namespace {
+// Four blocks on a device twice as fast as the other, 3 : 1 in 24 micro-batches of 1: the pool the
+// floating and cut boundaries' tests refine.
+struct TwoSpeedPipeline {
+  Profile p = base_profile(4);
+  ClusterSpec c;
+  SearchResult r;
+  TwoSpeedPipeline() {
+    p.devices["fast"] = flat(1.0, 2.0, 0, 0);
+    p.devices["slow"] = flat(2.0, 4.0, 0, 0);
+    p.devices["fast"].attn_share_fwd = p.devices["fast"].attn_share_bwd = 0.5;
+    p.devices["slow"].attn_share_fwd = p.devices["slow"].attn_share_bwd = 0.5;
+    p.memory.param_bytes_per_block = p.memory.param_bytes_embed = p.memory.param_bytes_head = 1;  // no sync to speak of
+    c.devices = {device("a", "h0", "fast"), device("b", "h1", "slow")};
+    c.rules.push_back({"h0", "h1", Link{100, 0}});
+    r.strategy = "alloy";
+    r.plan.global_batch = 24;
+    r.plan.pipelines.push_back({1, 24, {stage(0, 0, 3, "a"), stage(1, 3, 4, "b")}});
+    r.cost = simulate_plan(r.plan, c, p);
+  }
+  // Neither cuts nor floats: half blocks only.
+  SearchOptions options() const {
+    SearchOptions o;
+    o.global_batch = 24;
+    o.float_boundaries = false;
+    o.mlp_cuts = false;
+    return o;
+  }
+  SearchResult halves() const {
+    SearchResult h = r;
+    refine_units(h, c, p, options());
+    return h;
+  }
+};
+}  // namespace
+
 TEST(Search, ACutMlpBalancesAPipelineThatHalfBlocksCannot) {
   // As below: four blocks on a device twice as fast as the other want 2.67 : 1.33 blocks. A cut
   // inside block 2's MLP (the fast device computing the columns of k of the 4 heads, in every
   // micro-batch) gives 2.5 + k/8 blocks: the search takes k = 1 or 2, and the slow stage idles less.
-  Profile p = base_profile(4);
-  p.devices["fast"] = flat(1.0, 2.0, 0, 0);
-  p.devices["slow"] = flat(2.0, 4.0, 0, 0);
-  p.devices["fast"].attn_share_fwd = p.devices["fast"].attn_share_bwd = 0.5;
-  p.devices["slow"].attn_share_fwd = p.devices["slow"].attn_share_bwd = 0.5;
-  p.memory.param_bytes_per_block = p.memory.param_bytes_embed = p.memory.param_bytes_head = 1;  // no sync to speak of
-  ClusterSpec c;
-  c.devices = {device("a", "h0", "fast"), device("b", "h1", "slow")};
-  c.rules.push_back({"h0", "h1", Link{100, 0}});
-  SearchResult r;
-  r.strategy = "alloy";
-  r.plan.global_batch = 24;
-  r.plan.pipelines.push_back({1, 24, {stage(0, 0, 3, "a"), stage(1, 3, 4, "b")}});
-  r.cost = simulate_plan(r.plan, c, p);
-  SearchOptions o;
-  o.global_batch = 24;
-  o.float_boundaries = false;
-  o.mlp_cuts = false;
-  SearchResult halves = r;
-  refine_units(halves, c, p, o);
+  TwoSpeedPipeline pool;
+  const Profile& p = pool.p;
+  const ClusterSpec& c = pool.c;
+  SearchResult& r = pool.r;
+  SearchOptions o = pool.options();
+  const SearchResult halves = pool.halves();
   EXPECT_FALSE(halves.plan.cuts_mlp());
   o.mlp_cuts = true;
   refine_units(r, c, p, o);
@@ -370,26 +392,12 @@ TEST(Search, FloatingBoundaryBalancesAPipelineThatHalfBlocksCannot) {
   // a share of the micro-batches) splits in between. (The model picks 2.75 : 1.25 over the
   // 2.67 : 1.33 of the totals: 1F1B pairs one micro-batch's forward with another's backward, and
   // the fill and drain favour the slow stage's lighter micro-batches.)
-  Profile p = base_profile(4);
-  p.devices["fast"] = flat(1.0, 2.0, 0, 0);
-  p.devices["slow"] = flat(2.0, 4.0, 0, 0);
-  p.devices["fast"].attn_share_fwd = p.devices["fast"].attn_share_bwd = 0.5;
-  p.devices["slow"].attn_share_fwd = p.devices["slow"].attn_share_bwd = 0.5;
-  p.memory.param_bytes_per_block = p.memory.param_bytes_embed = p.memory.param_bytes_head = 1;  // no sync to speak of
-  ClusterSpec c;
-  c.devices = {device("a", "h0", "fast"), device("b", "h1", "slow")};
-  c.rules.push_back({"h0", "h1", Link{100, 0}});
-  SearchResult r;
-  r.strategy = "alloy";
-  r.plan.global_batch = 24;
-  r.plan.pipelines.push_back({1, 24, {stage(0, 0, 3, "a"), stage(1, 3, 4, "b")}});
-  r.cost = simulate_plan(r.plan, c, p);
-  SearchOptions o;
-  o.global_batch = 24;
-  o.float_boundaries = false;
-  o.mlp_cuts = false;  // (a cut would balance it too: ACutMlpBalancesAPipelineThatHalfBlocksCannot)
-  SearchResult halves = r;
-  refine_units(halves, c, p, o);  // 3 : 1 and 2.5 : 1.5 tie: 3 blocks of time on one device
+  TwoSpeedPipeline pool;
+  const Profile& p = pool.p;
+  const ClusterSpec& c = pool.c;
+  SearchResult& r = pool.r;
+  SearchOptions o = pool.options();  // (a cut would balance it too: ACutMlpBalancesAPipelineThatHalfBlocksCannot)
+  const SearchResult halves = pool.halves();  // 3 : 1 and 2.5 : 1.5 tie: 3 blocks of time on one device
   EXPECT_FALSE(halves.plan.pipelines[0].floats());
   o.float_boundaries = true;
   refine_units(r, c, p, o);

@@ -1,6 +1,7 @@
 // The search's last phase: pipeline boundaries inside blocks (plan/search.h, refine_units).
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <string>
@@ -137,18 +138,16 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
     best = std::move(round_best);
     best_cost = round_cost;
   }
-  // Then cuts inside an MLP, by columns, greedy as above; kept for a clear predicted gain only
-  // (kMlpCutMinGain).
-  if (options.mlp_cuts && profile.model.ffn_resolved() % profile.model.heads == 0) {
-    Plan cut = best;
-    PlanCost cut_cost = best_cost;
+  // Greedy from (PLAN, COST), as above but over CANDIDATES(plan, p, s) at each boundary: each round
+  // keeps the one candidate that gains most (over 0.2%), its batch re-split; at most four rounds.
+  auto climb = [&](Plan& plan, PlanCost& cost, const std::function<std::vector<Plan>(const Plan&, size_t, size_t)>& candidates) {
     for (int round = 0; round < 4 && !out_of_time(); ++round) {
       Plan round_best;
-      PlanCost round_cost = cut_cost;
+      PlanCost round_cost = cost;
       bool found = false;
-      for (size_t p = 0; p < best.pipelines.size(); ++p)
-        for (size_t s = 0; s + 1 < best.pipelines[p].stages.size(); ++s)
-          for (Plan& cand : mlp_cut_candidates(cut, p, s, profile.model.heads)) {
+      for (size_t p = 0; p < plan.pipelines.size(); ++p)
+        for (size_t s = 0; s + 1 < plan.pipelines[p].stages.size(); ++s)
+          for (Plan& cand : candidates(plan, p, s)) {
             if (out_of_time()) break;
             PlanCost c;
             try {
@@ -158,10 +157,17 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
             }
             if (c.fits && c.step_s < round_cost.step_s * (1 - 2e-3)) round_best = std::move(cand), round_cost = c, found = true;
           }
-      if (!found) break;
-      cut = std::move(round_best);
-      cut_cost = round_cost;
+      if (!found) return;
+      plan = std::move(round_best);
+      cost = round_cost;
     }
+  };
+  // Then cuts inside an MLP, by columns, greedy as above; kept for a clear predicted gain only
+  // (kMlpCutMinGain).
+  if (options.mlp_cuts && profile.model.ffn_resolved() % profile.model.heads == 0) {
+    Plan cut = best;
+    PlanCost cut_cost = best_cost;
+    climb(cut, cut_cost, [&](const Plan& pl, size_t p, size_t s) { return mlp_cut_candidates(pl, p, s, profile.model.heads); });
     if (cut_cost.step_s < best_cost.step_s * (1 - kMlpCutMinGain)) best = std::move(cut), best_cost = cut_cost;
   }
   // Then floating boundaries: a boundary's neighbouring unit shared by its two stages, run by the
@@ -171,26 +177,7 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
   if (options.float_boundaries) {
     Plan floated = best;
     PlanCost floated_cost = best_cost;
-    for (int round = 0; round < 4 && !out_of_time(); ++round) {
-      Plan round_best;
-      PlanCost round_cost = floated_cost;
-      bool found = false;
-      for (size_t p = 0; p < floated.pipelines.size(); ++p)
-        for (size_t s = 0; s + 1 < floated.pipelines[p].stages.size(); ++s)
-          for (Plan& cand : floating_candidates(floated, p, s)) {
-            if (out_of_time()) break;
-            PlanCost c;
-            try {
-              c = priced_rebalanced(cand, cluster, profile, options);
-            } catch (const InputError&) {
-              continue;  // a stage would run no unit of its own
-            }
-            if (c.fits && c.step_s < round_cost.step_s * (1 - 2e-3)) round_best = std::move(cand), round_cost = c, found = true;
-          }
-      if (!found) break;
-      floated = std::move(round_best);
-      floated_cost = round_cost;
-    }
+    climb(floated, floated_cost, floating_candidates);
     // Kept only for a clear predicted gain: measured on the emulated pools, floating plans ran
     // 5-13% slower than predicted where fixed boundaries ran 4-5% slower (see kFloatMinGain).
     if (floated_cost.step_s < best_cost.step_s * (1 - kFloatMinGain)) best = std::move(floated), best_cost = floated_cost;
