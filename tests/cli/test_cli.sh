@@ -227,6 +227,16 @@ out=$("$alloy" plan --cluster pool.yaml --config tiny.yaml --profile prof-togeth
 grep -q "plan (given)" <<<"$out" && grep -q "1 x " <<<"$out" && grep -qE "^  alloy +[0-9.]+ ms" <<<"$out" \
   && ok "--evaluate shows the given plan beside the searched one" || bad "--evaluate output: $out"
 
+# A boundary inside an MLP: the plan says which heads' columns the first stage computes; --evaluate
+# prices it, the summary and the diagram say so, and a cut out of range names the field.
+printf '{"version": 8, "global_batch": 4, "pipelines": [{"micro_batch_size": 1, "num_micro_batches": 4, "stages": [{"ranks": [0], "units": [0, 2], "mlp_cut": 3, "device": "big"}, {"ranks": [1], "units": [1, 4], "device": "small"}]}]}' > cut.json
+out=$("$alloy" plan --cluster pool.yaml --config tiny.yaml --profile prof-together.json --evaluate cut.json -o cut-evaluated.json --diagram cut.dot 2>&1)
+grep -qF "unit 1's MLP columns of 3 heads" <<<"$out" && grep -qF "units [1,4)" <<<"$out" && grep -qF "last MLP: columns of 3 heads" cut.dot \
+  && ok "--evaluate prices a cut MLP and the diagram shows it" || bad "cut MLP plan: $out"
+sed 's/"mlp_cut": 3/"mlp_cut": 4/' cut.json > cut-bad.json
+expect_fail "cut MLP out of range" "cut-bad.json" "stages[0].mlp_cut: must be in [1, 3]" -- \
+  "$alloy" plan --cluster pool.yaml --config tiny.yaml --profile prof-together.json --evaluate cut-bad.json -o /dev/null
+
 # --- re-planning from measured speeds: a profile that puts the small device 8x slower than the
 # big one (both are the same here) gives it one sample in three; after step 3 the measured compute
 # corrects it, the job switches plans at a checkpoint, and the loss stays the one-device loss.

@@ -285,7 +285,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         auto report = plan::make_plan(spec, prof, so, !pa->no_compare);
         if (!pa->evaluate.empty()) {
           Plan given = Plan::load(pa->evaluate);
-          plan::apply_grad_sync(given, cfg, /*plan_from_file=*/true);  // --set grad_sync.* applies to it too
+          plan::apply_grad_sync(given, cfg, /*plan_from_file=*/true, pa->evaluate);  // --set grad_sync.* applies to it too
           if (cfg.train.sequence_parallel) given.set_sequence_parallel();  // priced as the trainer will run it
           if (const std::string why = given.training_problem(cfg); !why.empty()) throw InputError(pa->evaluate, why);
           report = plan::evaluate_plan(given, pa->evaluate, cfg.model, spec, prof, report);

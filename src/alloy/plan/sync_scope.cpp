@@ -43,7 +43,7 @@ std::vector<std::pair<int, int>> slow_rank_pairs(const Plan& plan, const Cluster
   return out;
 }
 
-void apply_grad_sync(Plan& plan, const Config& cfg, bool plan_from_file) {
+void apply_grad_sync(Plan& plan, const Config& cfg, bool plan_from_file, const std::string& where) {
   GradSyncConfig& p = plan.grad_sync;
   const GradSyncConfig& c = cfg.grad_sync;
   auto take = [&](const char* key, auto GradSyncConfig::*field) {
@@ -64,7 +64,7 @@ void apply_grad_sync(Plan& plan, const Config& cfg, bool plan_from_file) {
   take("sidco_fit", &GradSyncConfig::sidco_fit);
   take("sidco_stages", &GradSyncConfig::sidco_stages);
   take("allow_lossy", &GradSyncConfig::allow_lossy);
-  plan.validate(cfg.model, "plan");
+  plan.validate(cfg.model, where);
 }
 
 }  // namespace alloy::plan

@@ -24,7 +24,8 @@ std::vector<std::pair<int, int>> slow_rank_pairs(const Plan& plan, const Cluster
 
 // The plan's gradient sync from the config: a plan made here (from flags, a HeteroShard file, the
 // planner) takes the config's grad_sync whole; a plan read from a file keeps its own, except for
-// the keys the config sets explicitly. Validates the result against MODEL.
-void apply_grad_sync(Plan& plan, const Config& cfg, bool plan_from_file);
+// the keys the config sets explicitly. Validates the result against the config's model, naming
+// WHERE (the plan's source) in an error.
+void apply_grad_sync(Plan& plan, const Config& cfg, bool plan_from_file, const std::string& where = "plan");
 
 }  // namespace alloy::plan

@@ -245,7 +245,7 @@ ResolvedPlan resolve_plan(const Config& cfg, const PlanSources& src, int world_s
   out.plan->validate(cfg.model, where);
   // The planner chose the automatic plan's sync from the config (allow_lossy may have made it
   // compress): keep it, like a plan file's, but for the keys the config sets explicitly.
-  plan::apply_grad_sync(*out.plan, cfg, from_file || out.autoplan);
+  plan::apply_grad_sync(*out.plan, cfg, from_file || out.autoplan, where);
   if (out.plan->grad_sync.lossy() && out.plan->grad_sync.scope == "slow-links") {
     const std::string path = cluster_path(src);
     if (!path.empty()) {
