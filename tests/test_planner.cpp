@@ -386,6 +386,31 @@ TEST(Search, ACutMlpBalancesAPipelineThatHalfBlocksCannot) {
   EXPECT_GT(r.cost.stages[0].p2p_s, wc.stages[0].p2p_s * 1.5);
 }
 
+TEST(Search, ACutOrFloatPredictedFasterByLessThanItsBarIsNotedNotKept) {
+  // The slow device 1.8x slower: 4 blocks want 2.57 : 1.43, which half blocks nearly give (2.5 :
+  // 1.5), so a cut or a float gains under its 5%: the plan keeps half blocks and says what each
+  // would have predicted.
+  TwoSpeedPipeline pool;
+  pool.p.devices["slow"] = flat(1.8, 3.6, 0, 0);
+  pool.p.devices["slow"].attn_share_fwd = pool.p.devices["slow"].attn_share_bwd = 0.5;
+  pool.r.cost = simulate_plan(pool.r.plan, pool.c, pool.p);
+  SearchOptions o = pool.options();
+  o.mlp_cuts = o.float_boundaries = true;
+  const SearchResult halves = pool.halves();
+  SearchResult r = pool.r;
+  refine_units(r, pool.c, pool.p, o);
+  EXPECT_FALSE(r.plan.cuts_mlp()) << r.plan.describe();
+  EXPECT_FALSE(r.plan.pipelines[0].floats()) << r.plan.describe();
+  EXPECT_EQ(r.plan.to_json(), halves.plan.to_json());
+  int noted = 0;
+  for (const auto& n : r.notes)
+    if (n.rfind("a boundary inside an MLP: not used", 0) == 0 || n.rfind("a floating boundary: not used", 0) == 0) {
+      ++noted;
+      EXPECT_NE(n.find("kept only for a predicted gain of 5%"), std::string::npos) << n;
+    }
+  EXPECT_GE(noted, 1);
+}
+
 TEST(Search, FloatingBoundaryBalancesAPipelineThatHalfBlocksCannot) {
   // Four blocks on a device twice as fast as the other want 2.67 : 1.33 blocks; half blocks give
   // 3 : 1 or 2.5 : 1.5. A floating boundary (unit 5 shared, the fast device running it in about

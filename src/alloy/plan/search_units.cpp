@@ -33,6 +33,16 @@ std::string layout_text(const Plan& plan) {
   return out;
 }
 
+// A note on a refinement the model found faster but not by MIN_GAIN, so the plan keeps its
+// boundaries: what it was and what it predicted.
+std::string not_kept(const std::string& what, const Plan& plan, const PlanCost& cost, const PlanCost& kept, double min_gain) {
+  std::ostringstream o;
+  o.precision(4);
+  o << what << ": not used; the best (" << layout_text(plan) << ") predicts " << cost.step_s * 1e3 << " ms against "
+    << kept.step_s * 1e3 << " ms without; kept only for a predicted gain of " << min_gain * 100 << "%";
+  return o.str();
+}
+
 }  // namespace
 
 PlanCost priced_rebalanced(Plan& cand, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
@@ -169,6 +179,7 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
     PlanCost cut_cost = best_cost;
     climb(cut, cut_cost, [&](const Plan& pl, size_t p, size_t s) { return mlp_cut_candidates(pl, p, s, profile.model.heads); });
     if (cut_cost.step_s < best_cost.step_s * (1 - kMlpCutMinGain)) best = std::move(cut), best_cost = cut_cost;
+    else if (cut_cost.step_s < best_cost.step_s) result.notes.push_back(not_kept("a boundary inside an MLP", cut, cut_cost, best_cost, kMlpCutMinGain));
   }
   // Then floating boundaries: a boundary's neighbouring unit shared by its two stages, run by the
   // first in a share of the micro-batches, so the average split moves by 1/M of a half block
@@ -181,6 +192,8 @@ void refine_units(SearchResult& result, const ClusterSpec& cluster, const Profil
     // Kept only for a clear predicted gain: measured on the emulated pools, floating plans ran
     // 5-13% slower than predicted where fixed boundaries ran 4-5% slower (see kFloatMinGain).
     if (floated_cost.step_s < best_cost.step_s * (1 - kFloatMinGain)) best = std::move(floated), best_cost = floated_cost;
+    else if (floated_cost.step_s < best_cost.step_s)
+      result.notes.push_back(not_kept("a floating boundary", floated, floated_cost, best_cost, kFloatMinGain));
   }
   if (best_cost.step_s >= before) return;
   std::ostringstream o;
