@@ -54,7 +54,6 @@ def pipeline_plan(path, devices, gb, mbs, units, cut=0, schedule="1f1b"):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     hb.add_fixed_plan_args(ap, "cluster-2dev-pipeline.yaml", "cut", steps=12, timed_after=3)
-    ap.add_argument("--profile", help="an `alloy profile` of this pool and model to use instead of profiling again")
     a = ap.parse_args()
     R = hb.fixed_plan_runner(a)
     model = hb.model_of(R.config)

@@ -211,6 +211,8 @@ def add_fixed_plan_args(ap, cluster, work, steps, timed_after):
     ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--timed-after", type=int, default=timed_after)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every plan in turn; the median is reported")
+    ap.add_argument("--profile", help="an `alloy profile` of this pool and model to use instead of profiling again "
+                    "(for a second invocation at another global batch)")
 
 
 def fixed_plan_runner(a):

@@ -122,8 +122,6 @@ def unsplit(path, out):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     hb.add_fixed_plan_args(ap, "cluster-3dev.yaml", "tp", steps=8, timed_after=2)
-    ap.add_argument("--profile", help="an `alloy profile` of this pool and model to use instead of profiling again "
-                    "(for a second invocation at another global batch)")
     ap.add_argument("--tag", help="results go to bench/results/tp-<cluster>-<tag>.json (e.g. another global batch's)")
     a = ap.parse_args()
     R = hb.fixed_plan_runner(a)

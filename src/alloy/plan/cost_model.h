@@ -241,20 +241,16 @@ class CostContext {
   double compute_blocks(int64_t unit_begin, int64_t unit_end) const { return blocks_in(unit_begin, unit_end, attn_compute_share_); }
   double param_blocks(int64_t unit_begin, int64_t unit_end) const { return blocks_in(unit_begin, unit_end, attn_param_share_); }
   double attention_share(int type, bool forward) const;
-  // forward_s / backward_s of a stage holding units [UNIT_BEGIN, UNIT_END).
-  double forward_units_s(int type, int64_t unit_begin, int64_t unit_end, bool first, bool last, int64_t m) const {
-    return forward_s(type, blocks_in(unit_begin, unit_end, attention_share(type, true)), first, last, m);
-  }
-  double backward_units_s(int type, int64_t unit_begin, int64_t unit_end, bool first, bool last, int64_t m) const {
-    return backward_s(type, blocks_in(unit_begin, unit_end, attention_share(type, false)), first, last, m);
-  }
-  // The same for a stage at a cut MLP (StagePlan::mlp_cut): it computes share IN of its first
-  // unit's columns (an MLP half; 1: the whole unit) and share OUT of its last unit's.
-  double forward_units_s(int type, int64_t unit_begin, int64_t unit_end, bool first, bool last, int64_t m, double in, double out) const {
+  // forward_s / backward_s of a stage holding units [UNIT_BEGIN, UNIT_END). At a cut MLP
+  // (StagePlan::mlp_cut) it computes share IN of its first unit's columns (an MLP half) and share
+  // OUT of its last unit's; 1: the whole unit.
+  double forward_units_s(int type, int64_t unit_begin, int64_t unit_end, bool first, bool last, int64_t m, double in = 1,
+                         double out = 1) const {
     const double a = attention_share(type, true);
     return forward_s(type, blocks_in(unit_begin, unit_end, a) - (2 - in - out) * (1 - a), first, last, m);
   }
-  double backward_units_s(int type, int64_t unit_begin, int64_t unit_end, bool first, bool last, int64_t m, double in, double out) const {
+  double backward_units_s(int type, int64_t unit_begin, int64_t unit_end, bool first, bool last, int64_t m, double in = 1,
+                          double out = 1) const {
     const double a = attention_share(type, false);
     return backward_s(type, blocks_in(unit_begin, unit_end, a) - (2 - in - out) * (1 - a), first, last, m);
   }
