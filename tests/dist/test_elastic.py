@@ -74,13 +74,23 @@ def main():
     while p.poll() is None and time.time() < deadline:
         n = len(metrics_rows(out))
         if removed_at is None and n >= 12:
-            if mode == "emulated":
-                subprocess.run([alloy, "emu", "down", "h2"], check=True, capture_output=True)
-            else:
-                open(gone, "w").close()
-                pid = rank_pid(cfg, 2)
-                if pid:
-                    os.kill(pid, 9)
+            # The survivors are paused while the device goes: `alloy emu down` starts a LibTorch-linked
+            # binary and runs `tc`, and CI's machine trained the 28 remaining steps before it had cut
+            # anything (the kill then came after the last checkpoint, leaving nothing to resume).
+            survivors = [pid for pid in (rank_pid(cfg, 0), rank_pid(cfg, 1)) if pid]
+            for pid in survivors:
+                signal_quietly(pid, signal.SIGSTOP)
+            try:
+                if mode == "emulated":
+                    subprocess.run([alloy, "emu", "down", "h2"], check=True, capture_output=True)
+                else:
+                    open(gone, "w").close()
+                    pid = rank_pid(cfg, 2)
+                    if pid:
+                        os.kill(pid, 9)
+            finally:
+                for pid in survivors:
+                    signal_quietly(pid, signal.SIGCONT)
             removed_at = n
         # Back once the two survivors have trained two steps of their own.
         resumed = [int(l.rsplit(" ", 1)[1]) for l in lines if "resumed from" in l and " at step " in l]
