@@ -95,6 +95,32 @@ def rank_pid(config_path, rank):
     return None
 
 
+class paused:
+    """Stops the `alloy train` ranks of CONFIG_PATH (SIGSTOP) for the body of a `with`, so that an action
+    taking seconds (an `alloy emu` command) lands at a chosen step however fast the machine trains."""
+
+    def __init__(self, config_path, ranks):
+        self.pids = [pid for pid in (rank_pid(config_path, r) for r in ranks) if pid]
+
+    def _signal(self, sig):
+        import os
+        for pid in self.pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self):
+        import signal
+        self._signal(signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+        self._signal(signal.SIGCONT)
+        return False
+
+
 def popen_collect(cmd, env):
     """Starts CMD with stdout+stderr merged; returns (process, list its lines are appended to)."""
     import subprocess

@@ -15,24 +15,16 @@ usage: test_elastic.py ALLOY WORKDIR [emulated|check]
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from distlib import fresh_workdir_with_corpus, metrics_rows, popen_collect, rank_pid, sh  # noqa: E402
+from distlib import fresh_workdir_with_corpus, metrics_rows, paused, popen_collect, rank_pid, sh  # noqa: E402
 
 STEPS = 40
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
-
-
-def signal_quietly(pid, sig):
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def config(work, out):
@@ -77,10 +69,7 @@ def main():
             # The survivors are paused while the device goes: `alloy emu down` starts a LibTorch-linked
             # binary and runs `tc`, and CI's machine trained the 28 remaining steps before it had cut
             # anything (the kill then came after the last checkpoint, leaving nothing to resume).
-            survivors = [pid for pid in (rank_pid(cfg, 0), rank_pid(cfg, 1)) if pid]
-            for pid in survivors:
-                signal_quietly(pid, signal.SIGSTOP)
-            try:
+            with paused(cfg, (0, 1)):
                 if mode == "emulated":
                     subprocess.run([alloy, "emu", "down", "h2"], check=True, capture_output=True)
                 else:
@@ -88,9 +77,6 @@ def main():
                     pid = rank_pid(cfg, 2)
                     if pid:
                         os.kill(pid, 9)
-            finally:
-                for pid in survivors:
-                    signal_quietly(pid, signal.SIGCONT)
             removed_at = n
         # Back once the two survivors have trained two steps of their own.
         resumed = [int(l.rsplit(" ", 1)[1]) for l in lines if "resumed from" in l and " at step " in l]
@@ -98,10 +84,7 @@ def main():
             # The survivors are paused until the launcher has seen the device back: two devices train a
             # step in ~0.1 s, so without the pause the job could reach its last checkpoint before the
             # launcher's next look (once a second), and nothing would be left to rejoin (CI saw this).
-            survivors = [pid for pid in (rank_pid(cfg, 0), rank_pid(cfg, 1)) if pid]
-            for pid in survivors:
-                signal_quietly(pid, signal.SIGSTOP)
-            try:
+            with paused(cfg, (0, 1)):
                 if mode == "emulated":
                     subprocess.run([alloy, "emu", "up", "h2"], check=True, capture_output=True)
                 else:
@@ -109,9 +92,6 @@ def main():
                 seen = time.time() + 20
                 while time.time() < seen and not any("is available again" in l for l in lines):
                     time.sleep(0.05)
-            finally:
-                for pid in survivors:
-                    signal_quietly(pid, signal.SIGCONT)
             back_at = n
         time.sleep(0.05)
     if p.poll() is None:

@@ -13,10 +13,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distlib import fresh_workdir_with_corpus, metrics_rows, plan, popen_collect  # noqa: E402
+from distlib import fresh_workdir_with_corpus, metrics_rows, paused, plan, popen_collect  # noqa: E402
 
-# Long enough that the cut lands mid-run: `alloy emu cut` starts a LibTorch-linked binary and runs
-# several tc commands, which took over 1.8 s (18 steps of this model) on a busy CI machine.
+# `alloy emu cut` starts a LibTorch-linked binary and runs several tc commands, which took over 1.8 s
+# (18 steps of this model) on a busy CI machine: the ranks are paused while it runs (see below), and
+# the run is long enough besides that a late cut still lands mid-run.
 STEPS = 100
 
 
@@ -55,7 +56,8 @@ output: {{dir: {out}, tensorboard: false}}
     deadline = time.time() + 240
     while p.poll() is None and time.time() < deadline:
         if not cut and len(rows(out)) >= 11:
-            subprocess.run([alloy, "emu", "cut", "h0", "h1"], check=True, capture_output=True)
+            with paused(cfg, (0, 1)):
+                subprocess.run([alloy, "emu", "cut", "h0", "h1"], check=True, capture_output=True)
             cut = True
         if cut and not restored and any("restart 1 of 1" in l for l in lines):
             subprocess.run([alloy, "emu", "restore", "h0", "h1"], check=True, capture_output=True)
