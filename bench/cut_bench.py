@@ -8,14 +8,18 @@ micro-batches of --micro-batch, each plan predicted with `alloy plan --evaluate`
   halves   the boundary at the whole half block the model predicts fastest
   cut      that boundary, or the one a half block either side, inside the MLP half next to it, the
            first stage computing the columns of k heads (k = 1..heads-1), the fastest predicted
-and what `alloy plan` itself chooses for the pool is printed beside them. Both are trained --steps
-with the plan fixed (no re-planning), median step after --timed-after, alternating for --rounds
-rounds. Reports per plan the measured and predicted step, the per-device idle share (ranks.json:
-not computing), and the cut's gain measured against predicted, per round.
+each under every schedule of --schedules (default 1f1b and eager-1f1b: under 1F1B two balanced
+stages wait for messages in every other slot, which eager 1F1B's extra forward in flight hides),
+and what `alloy plan` itself chooses for the pool is printed beside them. Every plan is trained
+--steps with the plan fixed (no re-planning), median step after --timed-after, all alternating
+for --rounds rounds. Reports per plan the measured and predicted step, the per-device idle share
+(ranks.json: not computing), and per round the cut's gain against half blocks under each
+schedule and each later schedule's gain against the first, measured against predicted.
 Writes bench/results/cut-<cluster stem>.json.
 
 usage: /usr/bin/python3 bench/cut_bench.py [--cluster examples/cluster-2dev-pipeline.yaml]
            [--config examples/demo-gpt2.yaml] [--global-batch 48] [--micro-batch 4] [--steps 12] [--rounds 3]
+           [--schedules 1f1b,eager-1f1b]
 """
 import argparse
 import json
@@ -54,7 +58,9 @@ def pipeline_plan(path, devices, gb, mbs, units, cut=0, schedule="1f1b"):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     hb.add_fixed_plan_args(ap, "cluster-2dev-pipeline.yaml", "cut", steps=12, timed_after=3)
+    ap.add_argument("--schedules", default="1f1b,eager-1f1b", help="comma-separated pipeline schedules to train each plan under")
     a = ap.parse_args()
+    schedules = [x for x in a.schedules.split(",") if x]
     R = hb.fixed_plan_runner(a)
     model = hb.model_of(R.config)
     heads, U = int(model["heads"]), 2 * int(model["layers"])
@@ -65,50 +71,68 @@ def main():
     R.run(base + ["-o", auto])
     log(f"alloy plan's own choice for the pool: {layout(auto)}, predicted {hb.predicted_of(auto).get('step_s', float('nan')) * 1e3:.0f} ms")
 
-    def evaluate(name, units, cut=0):
-        raw = pipeline_plan(os.path.join(R.work, f"plan-{name}-raw.json"), devices, a.global_batch, a.micro_batch, units, cut)
+    def evaluate(name, units, cut=0, schedule="1f1b"):
+        raw = pipeline_plan(os.path.join(R.work, f"plan-{name}-raw.json"), devices, a.global_batch, a.micro_batch, units, cut,
+                            schedule)
         out = os.path.join(R.work, f"plan-{name}.json")
         R.run(base + ["--evaluate", raw, "-o", out])
         return hb.predicted_of(out).get("step_s", float("inf")), out
 
+    # The boundary and the cut are chosen under the first schedule and kept under the others, so
+    # the schedules are compared on the same layouts.
     plans, predicted = {}, {}
-    best = min((evaluate(f"halves-{u}", [(0, u), (u, U)]) + (u,) for u in range(1, U)), key=lambda x: x[0])
-    predicted["halves"], plans["halves"], boundary = best
+    first = schedules[0]
+    best = min((evaluate(f"halves-{u}", [(0, u), (u, U)], 0, first) + (u,) for u in range(1, U)), key=lambda x: x[0])
+    predicted[("halves", first)], plans[("halves", first)], boundary = best
     cands = []
     for u in (boundary - 1, boundary, boundary + 1):
         shared = u - 1 if u % 2 == 0 else u  # the MLP half next to the boundary
         if shared % 2 != 1 or shared < 1 or shared + 1 >= U:
             continue
         for k in range(1, heads):
-            cands.append(evaluate(f"cut-{shared}-{k}", [(0, shared + 1), (shared, U)], k))
+            cands.append(evaluate(f"cut-{shared}-{k}", [(0, shared + 1), (shared, U)], k, first) + ((shared, k),))
     if not cands:
         sys.exit("no MLP half next to the boundary to cut")
-    predicted["cut"], plans["cut"] = min(cands, key=lambda x: x[0])
-    for name in ("halves", "cut"):
-        log(f"{name}: {layout(plans[name])}, "
-            f"predicted {hb.predicted_of(plans[name]).get('step_s', float('nan')) * 1e3:.0f} ms")
+    predicted[("cut", first)], plans[("cut", first)], (shared, k) = min(cands, key=lambda x: x[0])
+    for sched in schedules[1:]:
+        predicted[("halves", sched)], plans[("halves", sched)] = evaluate(f"halves-{sched}", [(0, boundary), (boundary, U)], 0, sched)
+        predicted[("cut", sched)], plans[("cut", sched)] = evaluate(f"cut-{sched}", [(0, shared + 1), (shared, U)], k, sched)
+    keys = [(kind, sched) for sched in schedules for kind in ("halves", "cut")]
+    name_of = {key: f"{key[0]}-{key[1]}" for key in keys}
+    for key in keys:
+        log(f"{name_of[key]}: {layout(plans[key])}, predicted {predicted[key] * 1e3:.0f} ms")
     runs = {}
-    for k in range(a.rounds):
-        for name in ("halves", "cut"):
-            log(f"round {k + 1} of {a.rounds}: training {a.steps} steps of {name}")
-            runs.setdefault(name, []).append(R.train(f"cut-{name}-{k + 1}", plans[name], a.steps))
+    for r in range(a.rounds):
+        for key in keys:
+            log(f"round {r + 1} of {a.rounds}: training {a.steps} steps of {name_of[key]}")
+            runs.setdefault(key, []).append(R.train(f"cut-{name_of[key]}-{r + 1}", plans[key], a.steps))
     results = {}
-    for name in ("halves", "cut"):
-        rs = runs[name]
-        pred = hb.predicted_of(plans[name]).get("step_s", float("nan"))
-        steps = [r["step_s"] for r in rs]
+    for key in keys:
+        rs = runs[key]
+        pred = predicted[key]
+        steps = [x["step_s"] for x in rs]
         step = statistics.median(steps)
-        idle = [hb.idle_shares(r) for r in rs]
-        results[name] = dict(plan=layout(plans[name]), measured_step_s=step, rounds_step_s=steps, predicted_step_s=pred,
-                             relative_error=(step - pred) / pred, idle_share=idle)
-        log(f"{name}: measured {step * 1e3:.0f} ms/step (rounds {', '.join(f'{x * 1e3:.0f}' for x in steps)}), predicted "
-            f"{pred * 1e3:.0f} ms ({100 * (step - pred) / pred:+.1f}%); idle " +
+        idle = [hb.idle_shares(x) for x in rs]
+        results[name_of[key]] = dict(plan=layout(plans[key]), schedule=key[1], measured_step_s=step, rounds_step_s=steps,
+                                     predicted_step_s=pred, relative_error=(step - pred) / pred, idle_share=idle)
+        log(f"{name_of[key]}: measured {step * 1e3:.0f} ms/step (rounds {', '.join(f'{x * 1e3:.0f}' for x in steps)}), "
+            f"predicted {pred * 1e3:.0f} ms ({100 * (step - pred) / pred:+.1f}%); idle " +
             "; ".join(", ".join(f"{d} {100 * v:.0f}%" for d, v in x.items()) for x in idle))
-    # Per round, both plans measured back to back: the cut's gain in that round.
-    gains = [h["step_s"] / c["step_s"] - 1 for h, c in zip(runs["halves"], runs["cut"])]
-    predicted_gain = results["halves"]["predicted_step_s"] / results["cut"]["predicted_step_s"] - 1
-    log(f"the cut against half blocks: {', '.join(f'{100 * g:+.1f}%' for g in gains)} faster per round (median "
-        f"{100 * statistics.median(gains):+.1f}%), predicted {100 * predicted_gain:+.1f}%")
+
+    # Per round, the plans measured back to back: the gain of A over B in that round.
+    def gain(a_key, b_key, what):
+        g = [rb["step_s"] / ra["step_s"] - 1 for ra, rb in zip(runs[a_key], runs[b_key])]
+        pg = predicted[b_key] / predicted[a_key] - 1
+        log(f"{what}: {', '.join(f'{100 * x:+.1f}%' for x in g)} faster per round (median {100 * statistics.median(g):+.1f}%), "
+            f"predicted {100 * pg:+.1f}%")
+        return dict(per_round=g, median=statistics.median(g), predicted=pg)
+
+    gains = {}
+    for sched in schedules:
+        gains[f"cut-vs-halves-{sched}"] = gain(("cut", sched), ("halves", sched), f"the cut against half blocks under {sched}")
+    for sched in schedules[1:]:
+        for kind in ("halves", "cut"):
+            gains[f"{sched}-vs-{first}-{kind}"] = gain((kind, sched), (kind, first), f"{sched} against {first} on {kind}")
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
     stem = os.path.splitext(os.path.basename(a.cluster))[0].replace("cluster-", "")
     path = os.path.join(HERE, "results", f"cut-{stem}.json")
@@ -116,8 +140,7 @@ def main():
     with open(path, "w") as f:
         json.dump(dict(machine=dict(cpu=cpu, cores=os.cpu_count()), cluster=os.path.relpath(a.cluster, REPO),
                        config=os.path.relpath(a.config, REPO), global_batch=a.global_batch, steps=a.steps, rounds=a.rounds,
-                       planner_choice=layout(auto), results=results, gain_per_round=gains, gain_median=statistics.median(gains),
-                       gain_predicted=predicted_gain), f, indent=2)
+                       schedules=schedules, planner_choice=layout(auto), results=results, gains=gains), f, indent=2)
     log(f"wrote {path}")
     return 0
 

@@ -123,7 +123,7 @@ std::string check_structure(const std::string& name, int64_t S, int64_t M) {
 
 // Exhaustive over the whole range the brief names rather than sampled: it is only 256 cases.
 TEST(Schedule, StructureHoldsForAllSmallPipelines) {
-  for (const std::string name : {"gpipe", "1f1b", "zb-h1"})
+  for (const std::string name : {"gpipe", "1f1b", "eager-1f1b", "zb-h1"})
     for (int64_t S = 1; S <= 8; ++S)
       for (int64_t M = 1; M <= 16; ++M) {
         const std::string err = check_structure(name, S, M);
@@ -135,9 +135,10 @@ TEST(Schedule, NoDeadlockAndActivationMemoryBoundsForAllSmallPipelines) {
   for (int64_t S = 1; S <= 8; ++S)
     for (int64_t M = 1; M <= 16; ++M) {
       const auto costs = uniform(S, 1, 2, 0.25);
-      SimResult g, o;
+      SimResult g, o, e;
       ASSERT_NO_THROW(g = simulate(all_stages("gpipe", S, M), costs)) << "gpipe S=" << S << " M=" << M;
       ASSERT_NO_THROW(o = simulate(all_stages("1f1b", S, M), costs)) << "1f1b S=" << S << " M=" << M;
+      ASSERT_NO_THROW(e = simulate(all_stages("eager-1f1b", S, M), costs)) << "eager-1f1b S=" << S << " M=" << M;
       ASSERT_EQ(g.peak_in_flight.size(), static_cast<size_t>(S));
       ASSERT_EQ(o.peak_in_flight.size(), static_cast<size_t>(S));
       for (int64_t s = 0; s < S; ++s) {
@@ -145,6 +146,9 @@ TEST(Schedule, NoDeadlockAndActivationMemoryBoundsForAllSmallPipelines) {
         // The 1F1B promise: stage i never holds more than (S - i), and it does reach that
         // (otherwise warm-up is too short and the stage idles).
         EXPECT_EQ(o.peak_in_flight[static_cast<size_t>(s)], std::min(S - s, M)) << "1f1b S=" << S << " M=" << M << " stage " << s;
+        // Eager: one more on every stage but the last.
+        EXPECT_EQ(e.peak_in_flight[static_cast<size_t>(s)], std::min(S - s + (s + 1 < S ? 1 : 0), M))
+            << "eager-1f1b S=" << S << " M=" << M << " stage " << s;
       }
     }
 }
@@ -156,7 +160,7 @@ TEST(Schedule, MakespanMatchesBubbleFormulaExactly) {
     for (double b : {1.0, 2.0, 5.0})
       for (int64_t S = 1; S <= 8; ++S)
         for (int64_t M = 1; M <= 16; ++M)
-          for (const std::string name : {"gpipe", "1f1b"}) {
+          for (const std::string name : {"gpipe", "1f1b", "eager-1f1b"}) {
             const SimResult r = simulate(all_stages(name, S, M), uniform(S, f, b));
             const double expect = static_cast<double>(M + S - 1) * (f + b);
             ASSERT_EQ(r.makespan, expect) << name << " S=" << S << " M=" << M << " f=" << f << " b=" << b;
@@ -171,7 +175,7 @@ TEST(Schedule, MakespanMatchesBubbleFormulaExactly) {
 // (compute never overlaps on a stage, F before B, a receive ends no earlier than its message
 // arrives, and nothing finishes before the busiest stage's own work).
 RC_GTEST_PROP(Schedule, SimulationIsConsistentUnderAnyCosts, ()) {
-  const std::string name = *rc::gen::element<std::string>("gpipe", "1f1b");
+  const std::string name = *rc::gen::element<std::string>("gpipe", "1f1b", "eager-1f1b");
   const int64_t S = *rc::gen::inRange<int64_t>(1, 9);
   const int64_t M = *rc::gen::inRange<int64_t>(1, 17);
   SimCosts c;
@@ -249,6 +253,39 @@ TEST(Schedule, OneFOneBShapeMatchesMegatron) {
   EXPECT_EQ(to_string(one_f_one_b(0, 4, 2)), "F0 sendA0 F1 sendA1 recvG0 B0 recvG1 B1");
 }
 
+// 1F1B's shape with one more warm-up forward on every stage but the last.
+TEST(Schedule, EagerOneFOneBShape) {
+  // 1F1B's stage 0 of 2 forwards F0 F1 before B0; eager F0 F1 F2.
+  EXPECT_EQ(to_string(eager_one_f_one_b(0, 2, 4)), "F0 sendA0 F1 sendA1 F2 sendA2 recvG0 B0 F3 sendA3 recvG1 B1 recvG2 B2 recvG3 B3");
+  EXPECT_EQ(to_string(eager_one_f_one_b(1, 2, 4)), to_string(one_f_one_b(1, 2, 4)));
+  EXPECT_EQ(to_string(eager_one_f_one_b(1, 3, 3)),
+            "recvA0 F0 sendA0 recvA1 F1 sendA1 recvA2 F2 sendA2 recvG0 B0 sendG0 recvG1 B1 sendG1 recvG2 B2 sendG2");
+  // Capped at M like 1F1B's.
+  EXPECT_EQ(to_string(eager_one_f_one_b(0, 3, 2)), "F0 sendA0 F1 sendA1 recvG0 B0 recvG1 B1");
+  EXPECT_THROW(eager_one_f_one_b(2, 2, 4), std::invalid_argument);
+}
+
+// Two stages of equal forward + backward (f = 1, b = 2), messages of p = 0.5, 8 micro-batches.
+// Eager: F0 on stage 0 [0,1] arrives at 1.5; stage 1 then always has its next activation waiting
+// and runs its 8 (F + B) back to back until 25.5; G7 arrives at 26 and stage 0's B7 ends at 28.
+// 1F1B (hand-traced): stage 0 sends A(m+2) only after B(m), i.e. after G(m)'s way back, so stage 1
+// gets its activations in pairs: after micro-batches 1, 3 and 5 it waits 2p (the gradient's way
+// back and the next activation's way on) for the next one: 28 + 3 * 1.
+TEST(Schedule, EagerOneFOneBHidesTheMessagesOfBalancedStages) {
+  const SimCosts c = uniform(2, 1, 2, 0.5);
+  const SimResult eager = simulate(all_stages("eager-1f1b", 2, 8), c);
+  EXPECT_DOUBLE_EQ(eager.makespan, 28.0);
+  EXPECT_DOUBLE_EQ(simulate(all_stages("1f1b", 2, 8), c).makespan, 31.0);
+  EXPECT_EQ(simulate_times("eager-1f1b", 2, 8, c).makespan, eager.makespan);
+  // A slower first stage (f = 2, b = 4) is the bottleneck under both, but 1F1B's stage 0 waits
+  // for G0 from 4 (F0 F1 done) to 6 (stage 1's F0 B0 and both messages): eager runs F2 there, and
+  // stage 0 never idles: 8 x 6.
+  SimCosts slow_first = c;
+  slow_first.forward[0] = 2, slow_first.backward[0] = 4;
+  EXPECT_DOUBLE_EQ(simulate(all_stages("1f1b", 2, 8), slow_first).makespan, 50.0);
+  EXPECT_DOUBLE_EQ(simulate(all_stages("eager-1f1b", 2, 8), slow_first).makespan, 48.0);
+}
+
 TEST(Schedule, GPipeShape) {
   EXPECT_EQ(to_string(gpipe(1, 3, 2)), "recvA0 F0 sendA0 recvA1 F1 sendA1 recvG0 B0 sendG0 recvG1 B1 sendG1");
 }
@@ -257,6 +294,7 @@ TEST(Schedule, MakeScheduleDispatchesAndRejectsUnknownNames) {
   EXPECT_EQ(make_schedule("1f1b", 1, 3, 5), one_f_one_b(1, 3, 5));
   EXPECT_EQ(make_schedule("gpipe", 1, 3, 5), gpipe(1, 3, 5));
   EXPECT_EQ(make_schedule("zb-h1", 1, 3, 5), zb_h1(1, 3, 5));
+  EXPECT_EQ(make_schedule("eager-1f1b", 1, 3, 5), eager_one_f_one_b(1, 3, 5));
   for (const std::string bad : {"", "1F1B", "interleaved", "gpipe "}) {
     try {
       make_schedule(bad, 0, 2, 4);
@@ -268,10 +306,11 @@ TEST(Schedule, MakeScheduleDispatchesAndRejectsUnknownNames) {
       EXPECT_NE(msg.find("'" + bad + "'"), std::string::npos) << msg;
     }
   }
-  EXPECT_EQ(schedule_names(), (std::vector<std::string>{"1f1b", "gpipe", "zb-h1"}));
+  EXPECT_EQ(schedule_names(), (std::vector<std::string>{"1f1b", "eager-1f1b", "gpipe", "zb-h1"}));
   EXPECT_TRUE(splits_backward("zb-h1"));
   EXPECT_FALSE(splits_backward("1f1b"));
   EXPECT_FALSE(splits_backward("gpipe"));
+  EXPECT_FALSE(splits_backward("eager-1f1b"));
 }
 
 TEST(Schedule, RejectsBadShapes) {
@@ -523,7 +562,7 @@ TEST(Schedule, MessagesQueueOnAThinLink) {
   EXPECT_EQ(t.at("1:sendG0"), P(5, 7));
   EXPECT_EQ(t.at("1:F1"), P(5, 6));
   EXPECT_EQ(t.at("1:sendG1"), P(7, 9));
-  for (const std::string sched : {"1f1b", "gpipe", "zb-h1"}) {
+  for (const std::string sched : {"1f1b", "eager-1f1b", "gpipe", "zb-h1"}) {
     SimCosts c = uniform(3, 1, 1, 2);
     c.weight = {0, 0.5, 0.5};
     EXPECT_EQ(simulate_times(sched, 3, 5, c).makespan, simulate(all_stages(sched, 3, 5), c).makespan) << sched;

@@ -198,9 +198,11 @@ void add_dist_commands(CLI::App& app, Action& action) {
                    "stage computes the columns of some heads, the next the rest; kept where predicted at least 5% faster); off: none")
       ->group(g)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   plan->add_option("--schedules", pa->schedules,
-                   "Pipeline schedules the search may choose from: 1f1b, gpipe, zb-h1 (zero-bubble: weight gradients "
-                   "held back to fill the drain; more activation memory), for the whole plan and then per pipeline "
-                   "(each pipeline may keep its own; zb-h1 only where predicted at least 5% faster)")
+                   "Pipeline schedules the search may choose from: 1f1b, eager-1f1b (one more forward in flight per "
+                   "stage, hiding the messages between balanced stages; one more micro-batch of activations), gpipe, "
+                   "zb-h1 (zero-bubble: weight gradients held back to fill the drain; more activation memory), for the "
+                   "whole plan and then per pipeline (each pipeline may keep its own; zb-h1 only where predicted at "
+                   "least 5% faster)")
       ->group(g)->delimiter(',')->capture_default_str()->check(CLI::IsMember(pipeline::schedule_names()));
   plan->add_option("--evaluate", pa->evaluate,
                    "Predict a given plan (hand-written or converted) on the cluster instead of searching one; "

@@ -126,7 +126,7 @@ struct ShardingPlan {
 
 struct Plan {
   int64_t global_batch = 0;
-  std::string schedule = "1f1b";  // 1f1b | gpipe | zb-h1 (pipeline/schedule.h); per pipeline below
+  std::string schedule = "1f1b";  // 1f1b | eager-1f1b | gpipe | zb-h1 (pipeline/schedule.h); per pipeline below
   std::vector<PipelinePlan> pipelines;
   // The schedule pipeline P runs: its own, or the plan's.
   const std::string& schedule_of(size_t p) const;

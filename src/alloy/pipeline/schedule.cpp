@@ -57,13 +57,20 @@ std::vector<Action> gpipe(int64_t stage, int64_t num_stages, int64_t num_micro_b
   return std::move(b.out);
 }
 
-std::vector<Action> one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
-  check_args("one_f_one_b", stage, num_stages, num_micro_batches);
+int64_t one_f_one_b_warmup(bool eager, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+  // Stage i must run ahead by the number of stages after it, so that (with messages that take no
+  // time) the gradient of its oldest micro-batch arrives just as its steady phase starts. Eager
+  // runs one forward further ahead on every stage but the last (whose backward waits on nothing).
+  const int64_t ahead = num_stages - stage - 1 + (eager && stage + 1 < num_stages ? 1 : 0);
+  return std::min(ahead, num_micro_batches);
+}
+
+namespace {
+
+std::vector<Action> one_f_one_b_with(const char* who, bool eager, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+  check_args(who, stage, num_stages, num_micro_batches);
   Builder b = builder(stage, num_stages, num_micro_batches);
-  // Stage i must run ahead by the number of stages after it, so that the gradient of its oldest
-  // micro-batch arrives just as its steady phase starts; fewer would idle it, more would only
-  // hold more activations.
-  const int64_t warmup = std::min(num_stages - stage - 1, num_micro_batches);
+  const int64_t warmup = one_f_one_b_warmup(eager, stage, num_stages, num_micro_batches);
   const int64_t steady = num_micro_batches - warmup;
   for (int64_t m = 0; m < warmup; ++m) b.forward(m);
   for (int64_t i = 0; i < steady; ++i) {
@@ -72,6 +79,16 @@ std::vector<Action> one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_m
   }
   for (int64_t m = steady; m < num_micro_batches; ++m) b.backward(m);
   return std::move(b.out);
+}
+
+}  // namespace
+
+std::vector<Action> one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+  return one_f_one_b_with("one_f_one_b", false, stage, num_stages, num_micro_batches);
+}
+
+std::vector<Action> eager_one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+  return one_f_one_b_with("eager_one_f_one_b", true, stage, num_stages, num_micro_batches);
 }
 
 std::vector<Action> zb_h1(int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
@@ -104,7 +121,7 @@ std::vector<Action> zb_h1(int64_t stage, int64_t num_stages, int64_t num_micro_b
 bool splits_backward(const std::string& name) { return name == "zb-h1"; }
 
 const std::vector<std::string>& schedule_names() {
-  static const std::vector<std::string> names = {"1f1b", "gpipe", "zb-h1"};
+  static const std::vector<std::string> names = {"1f1b", "eager-1f1b", "gpipe", "zb-h1"};
   return names;
 }
 
@@ -117,6 +134,7 @@ std::string schedule_names_text(const char* last_sep) {
 
 std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
   if (name == "1f1b") return one_f_one_b(stage, num_stages, num_micro_batches);
+  if (name == "eager-1f1b") return eager_one_f_one_b(stage, num_stages, num_micro_batches);
   if (name == "gpipe") return gpipe(stage, num_stages, num_micro_batches);
   if (name == "zb-h1") return zb_h1(stage, num_stages, num_micro_batches);
   throw std::invalid_argument("unknown pipeline schedule '" + name + "' (valid: " + schedule_names_text() + ")");
@@ -352,8 +370,8 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
 }
 
 StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64_t num_micro_batches, const SimCosts& costs) {
-  const bool gp = schedule == "gpipe", zb = schedule == "zb-h1";
-  if (!gp && !zb && schedule != "1f1b") make_schedule(schedule, 0, 1, 1);  // throws, naming the valid schedules
+  const bool gp = schedule == "gpipe", zb = schedule == "zb-h1", eager = schedule == "eager-1f1b";
+  if (!gp && !zb && !eager && schedule != "1f1b") make_schedule(schedule, 0, 1, 1);  // throws, naming the valid schedules
   check_args("simulate_times", 0, num_stages, num_micro_batches);
   const int64_t S = num_stages, M = num_micro_batches;
   const size_t Su = static_cast<size_t>(S);
@@ -409,7 +427,7 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
   }
   // Compute ops of stage s: a forward and a backward per micro-batch, and zb_h1's weight passes.
   auto n_ops = [&](size_t s) { return zops ? static_cast<int64_t>((*zops)[s].size()) : 2 * M; };
-  // Op K of stage s as (kind, micro-batch), following gpipe() / one_f_one_b() / zb_h1() exactly.
+  // Op K of stage s as (kind, micro-batch), following gpipe() / (eager_)one_f_one_b() / zb_h1() exactly.
   auto op = [&](int64_t s, int64_t k, Op& kind, int64_t& j) {
     if (zops) {
       const auto& o = (*zops)[static_cast<size_t>(s)][static_cast<size_t>(k)];
@@ -421,7 +439,7 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
       j = k < M ? k : k - M;
       return;
     }
-    const int64_t w = std::min(S - s - 1, M);
+    const int64_t w = one_f_one_b_warmup(eager, s, S, M);
     if (k < w) {
       kind = kF, j = k;
     } else if (k < 2 * M - w) {

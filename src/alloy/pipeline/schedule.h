@@ -45,6 +45,17 @@ std::vector<Action> gpipe(int64_t stage, int64_t num_stages, int64_t num_micro_b
 // Same argument checks as gpipe().
 std::vector<Action> one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches);
 
+// Eager 1F1B: 1F1B with one more warm-up forward on every stage but the last (stage i holds up to
+// min(S - i + 1, M) micro-batches; the last stage as in 1F1B). Under 1F1B, two stages of equal
+// forward+backward time wait in every steady slot for two messages (the activation going on and
+// the gradient coming back): the extra forward in flight fills that wait. Stages that differ
+// hide the messages in the slower one's slack anyway, so this pays only where they are balanced
+// (a cut inside an MLP, PipelinePlan::units_of) or the link is slow; it costs one micro-batch of
+// activations per stage. Same argument checks as gpipe().
+std::vector<Action> eager_one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches);
+// The warm-up forwards of stage STAGE under 1F1B (EAGER false) or eager 1F1B.
+int64_t one_f_one_b_warmup(bool eager, int64_t stage, int64_t num_stages, int64_t num_micro_batches);
+
 // Zero-bubble ZB-H1: 1F1B's forwards and (input-gradient) backwards, each followed by its send,
 // with stage i > 0 holding back its weight-gradient passes by i micro-batches and running the held
 // ones after its last backward (stage 0, which sends no gradient, runs whole backwards). The last stages thus reach their last backward sooner, the
@@ -57,7 +68,7 @@ std::vector<Action> zb_h1(int64_t stage, int64_t num_stages, int64_t num_micro_b
 // Whether schedule NAME splits the backward (has BackwardWeight actions).
 bool splits_backward(const std::string& name);
 
-// "gpipe" | "1f1b" | "zb-h1"; anything else throws std::invalid_argument naming the valid names.
+// "gpipe" | "1f1b" | "eager-1f1b" | "zb-h1"; anything else throws std::invalid_argument naming the valid names.
 std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches);
 // The names make_schedule accepts, in the order error messages list them.
 const std::vector<std::string>& schedule_names();
