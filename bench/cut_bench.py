@@ -24,8 +24,6 @@ usage: /usr/bin/python3 bench/cut_bench.py [--cluster examples/cluster-2dev-pipe
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -108,24 +106,15 @@ def main():
             runs.setdefault(key, []).append(R.train(f"cut-{name_of[key]}-{r + 1}", plans[key], a.steps))
     results = {}
     for key in keys:
-        rs = runs[key]
-        pred = predicted[key]
-        steps = [x["step_s"] for x in rs]
-        step = statistics.median(steps)
-        idle = [hb.idle_shares(x) for x in rs]
-        results[name_of[key]] = dict(plan=layout(plans[key]), schedule=key[1], measured_step_s=step, rounds_step_s=steps,
-                                     predicted_step_s=pred, relative_error=(step - pred) / pred, idle_share=idle)
-        log(f"{name_of[key]}: measured {step * 1e3:.0f} ms/step (rounds {', '.join(f'{x * 1e3:.0f}' for x in steps)}), "
-            f"predicted {pred * 1e3:.0f} ms ({100 * (step - pred) / pred:+.1f}%); idle " +
-            "; ".join(", ".join(f"{d} {100 * v:.0f}%" for d, v in x.items()) for x in idle))
+        results[name_of[key]], text = hb.fixed_plan_result(runs[key], layout(plans[key]), predicted[key])
+        results[name_of[key]]["schedule"] = key[1]
+        log(f"{name_of[key]}: {text}")
 
-    # Per round, the plans measured back to back: the gain of A over B in that round.
+    # Per round, the plans measured back to back: the gain of one over another in that round.
     def gain(a_key, b_key, what):
-        g = [rb["step_s"] / ra["step_s"] - 1 for ra, rb in zip(runs[a_key], runs[b_key])]
-        pg = predicted[b_key] / predicted[a_key] - 1
-        log(f"{what}: {', '.join(f'{100 * x:+.1f}%' for x in g)} faster per round (median {100 * statistics.median(g):+.1f}%), "
-            f"predicted {100 * pg:+.1f}%")
-        return dict(per_round=g, median=statistics.median(g), predicted=pg)
+        g = hb.paired_gain(runs[a_key], runs[b_key], predicted[a_key], predicted[b_key])
+        log(f"{what}: {hb.gain_text(g)}")
+        return g
 
     gains = {}
     for sched in schedules:
@@ -133,14 +122,9 @@ def main():
     for sched in schedules[1:]:
         for kind in ("halves", "cut"):
             gains[f"{sched}-vs-{first}-{kind}"] = gain((kind, sched), (kind, first), f"{sched} against {first} on {kind}")
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
     stem = os.path.splitext(os.path.basename(a.cluster))[0].replace("cluster-", "")
-    path = os.path.join(HERE, "results", f"cut-{stem}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(dict(machine=dict(cpu=cpu, cores=os.cpu_count()), cluster=os.path.relpath(a.cluster, REPO),
-                       config=os.path.relpath(a.config, REPO), global_batch=a.global_batch, steps=a.steps, rounds=a.rounds,
-                       schedules=schedules, planner_choice=layout(auto), results=results, gains=gains), f, indent=2)
+    path = hb.write_fixed_plan_results(a, f"cut-{stem}", schedules=schedules, planner_choice=layout(auto), results=results,
+                                       gains=gains)
     log(f"wrote {path}")
     return 0
 

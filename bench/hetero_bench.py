@@ -226,6 +226,44 @@ def fixed_plan_runner(a):
     return R
 
 
+def write_fixed_plan_results(a, name, **fields):
+    """Writes bench/results/NAME.json for a bench of add_fixed_plan_args' A: the machine, the pool,
+    the model and the run's shape, then FIELDS. Returns the path."""
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
+    path = os.path.join(HERE, "results", name + ".json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(machine=dict(cpu=cpu, cores=os.cpu_count()), cluster=os.path.relpath(a.cluster, REPO),
+                       config=os.path.relpath(a.config, REPO), global_batch=a.global_batch, steps=a.steps, rounds=a.rounds,
+                       **fields), f, indent=2)
+    return path
+
+
+def fixed_plan_result(runs, plan_text, predicted):
+    """The figures of one plan trained in rounds (RUNS: Runner.train's results): median and per-round
+    step, prediction and its error, idle shares per round; and the line that reports them."""
+    steps = [x["step_s"] for x in runs]
+    step = statistics.median(steps)
+    idle = [idle_shares(x) for x in runs]
+    text = (f"measured {step * 1e3:.0f} ms/step (rounds {', '.join(f'{x * 1e3:.0f}' for x in steps)}), predicted "
+            f"{predicted * 1e3:.0f} ms ({100 * (step - predicted) / predicted:+.1f}%); idle " +
+            "; ".join(", ".join(f"{d} {100 * v:.0f}%" for d, v in x.items()) for x in idle))
+    return dict(plan=plan_text, measured_step_s=step, rounds_step_s=steps, predicted_step_s=predicted,
+                relative_error=(step - predicted) / predicted, idle_share=idle), text
+
+
+def paired_gain(runs_a, runs_b, predicted_a, predicted_b):
+    """How much faster plan A ran than plan B in each round (both trained back to back), their
+    median, and the gain predicted."""
+    g = [b["step_s"] / x["step_s"] - 1 for x, b in zip(runs_a, runs_b)]
+    return dict(per_round=g, median=statistics.median(g), predicted=predicted_b / predicted_a - 1)
+
+
+def gain_text(g):
+    return (f"{', '.join(f'{100 * x:+.1f}%' for x in g['per_round'])} faster per round (median {100 * g['median']:+.1f}%), "
+            f"predicted {100 * g['predicted']:+.1f}%")
+
+
 def model_of(config):
     m = {}
     sec = None

@@ -25,7 +25,6 @@ Megatron's layout (a group inside each host, a pipeline across the thin link bet
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 
@@ -196,15 +195,10 @@ def main():
             f"{100 * x['relative_error']:+6.1f}%   {x['plan']}")
     log(f"the planner's choice (best) measured {best['measured_step_s'] * 1e3:.0f} ms; the fastest, {fastest['name']}, "
         f"{fastest['measured_step_s'] * 1e3:.0f} ms: {'within 5%' if within else 'NOT within 5%'}")
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine())
     stem = os.path.splitext(os.path.basename(a.cluster))[0]
     name = "tp" if stem == "cluster-3dev" else f"tp-{stem}"
-    path = os.path.join(HERE, "results", name + (f"-{a.tag}" if a.tag else "") + ".json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(dict(machine=dict(cpu=cpu, cores=os.cpu_count()), cluster=os.path.relpath(a.cluster, REPO),
-                       config=os.path.relpath(a.config, REPO), global_batch=a.global_batch, steps=a.steps, rounds=a.rounds,
-                       results=results, best_within_5_percent_of_fastest=within), f, indent=2)
+    path = hb.write_fixed_plan_results(a, name + (f"-{a.tag}" if a.tag else ""), results=results,
+                                       best_within_5_percent_of_fastest=within)
     log(f"wrote {path}")
     return 0 if within else 1
 
