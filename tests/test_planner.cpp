@@ -386,6 +386,46 @@ TEST(Search, ACutMlpBalancesAPipelineThatHalfBlocksCannot) {
   EXPECT_GT(r.cost.stages[0].p2p_s, wc.stages[0].p2p_s * 1.5);
 }
 
+TEST(Search, EagerOneFOneBIsNotedAgainstTheSamePlanOnOneFOneB) {
+  // Two equal devices in a pipeline of two blocks each, messages of 1 ms: 1F1B waits for them,
+  // eager 1F1B hides them, and the plan says what 1F1B would have taken.
+  Profile p = base_profile(4);
+  p.devices["fast"] = flat(1.0, 2.0, 0, 0);
+  p.memory.param_bytes_per_block = p.memory.param_bytes_embed = p.memory.param_bytes_head = 1;
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "fast"), device("b", "h1", "fast")};
+  c.rules.push_back({"h0", "h1", Link{100, 1}});
+  SearchResult r;
+  r.strategy = "alloy";
+  r.plan.global_batch = 24;
+  r.plan.pipelines.push_back({1, 24, {stage(0, 0, 2, "a"), stage(1, 2, 4, "b")}});
+  r.plan.schedule = "eager-1f1b";
+  r.cost = simulate_plan(r.plan, c, p);
+  Plan one = r.plan;
+  one.schedule = "1f1b";
+  const PlanCost oc = simulate_plan(one, c, p);
+  EXPECT_LT(r.cost.step_s, oc.step_s);
+  note_eager_schedule(r, c, p);
+  ASSERT_EQ(r.notes.size(), 1u);
+  char want[80];
+  std::snprintf(want, sizeof want, "against %.1f ms for the same plan on 1f1b", oc.step_s * 1e3);
+  EXPECT_NE(r.notes[0].find("schedule: eager-1f1b"), std::string::npos) << r.notes[0];
+  EXPECT_NE(r.notes[0].find(want), std::string::npos) << r.notes[0] << " / " << want;
+  // A pipeline of its own on eager under a 1F1B plan is noted alike; a plan without eager is not.
+  SearchResult own = r;
+  own.notes.clear();
+  own.plan.schedule = "1f1b";
+  own.plan.pipelines[0].schedule = "eager-1f1b";
+  note_eager_schedule(own, c, p);
+  ASSERT_EQ(own.notes.size(), 1u);
+  EXPECT_NE(own.notes[0].find(want), std::string::npos) << own.notes[0];
+  SearchResult plain = r;
+  plain.notes.clear();
+  plain.plan = one;
+  note_eager_schedule(plain, c, p);
+  EXPECT_TRUE(plain.notes.empty());
+}
+
 TEST(Search, ACutOrFloatPredictedFasterByLessThanItsBarIsNotedNotKept) {
   // The slow device 1.8x slower: 4 blocks want 2.57 : 1.43, which half blocks nearly give (2.5 :
   // 1.5), so a cut or a float gains under its 5%: the plan keeps half blocks and says what each

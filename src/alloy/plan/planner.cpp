@@ -120,6 +120,7 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
     if (x.strategy == "alloy") refine_schedules(x, cluster, profile, o);
     if (x.strategy == "alloy") tune_buckets(x, cluster, profile);
     if (x.strategy == "alloy" && o.tensor_parallel) consider_tensor_parallel(x, cluster, profile, o);
+    if (x.strategy == "alloy") note_eager_schedule(x, cluster, profile);
     return x;
   };
   auto run = [&](const SearchOptions& o) { return run_on(cluster, o); };

@@ -122,6 +122,11 @@ struct SearchResult {
 
 SearchResult search(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
 
+// Where RESULT's plan runs eager 1F1B on some pipeline, notes what the same plan is predicted to
+// take on plain 1F1B there: the extra micro-batch of activations per stage is paid for by that
+// difference alone (make_plan adds it once the plan is final).
+void note_eager_schedule(SearchResult& result, const ClusterSpec& cluster, const Profile& profile);
+
 // Smaller gradient buckets start the late layers' all-reduces while the backward still runs, at
 // one latency per extra collective. Re-simulates RESULT's plan with bucket caps from its own down
 // to 1 MiB and keeps the fastest when it gains over 0.2%, noting the change. Applied after the
