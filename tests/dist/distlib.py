@@ -1,6 +1,8 @@
 """What the end-to-end tests through real processes share: running a command, a corpus, plans."""
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -95,30 +97,24 @@ def rank_pid(config_path, rank):
     return None
 
 
-class paused:
+@contextlib.contextmanager
+def paused(config_path, ranks):
     """Stops the `alloy train` ranks of CONFIG_PATH (SIGSTOP) for the body of a `with`, so that an action
     taking seconds (an `alloy emu` command) lands at a chosen step however fast the machine trains."""
+    pids = [pid for pid in (rank_pid(config_path, r) for r in ranks) if pid]
 
-    def __init__(self, config_path, ranks):
-        self.pids = [pid for pid in (rank_pid(config_path, r) for r in ranks) if pid]
-
-    def _signal(self, sig):
-        import os
-        for pid in self.pids:
+    def send(sig):
+        for pid in pids:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
-    def __enter__(self):
-        import signal
-        self._signal(signal.SIGSTOP)
-        return self
-
-    def __exit__(self, *exc):
-        import signal
-        self._signal(signal.SIGCONT)
-        return False
+    send(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        send(signal.SIGCONT)
 
 
 def popen_collect(cmd, env):

@@ -310,32 +310,6 @@ SearchResult search_fitting(const ClusterSpec& cluster, const Profile& profile, 
 
 }  // namespace
 
-void note_eager_schedule(SearchResult& result, const ClusterSpec& cluster, const Profile& profile) {
-  Plan plain = result.plan;
-  bool eager = false;
-  auto unroll = [&](std::string& schedule) {
-    if (schedule != "eager-1f1b") return;
-    schedule = "1f1b";
-    eager = true;
-  };
-  unroll(plain.schedule);
-  for (auto& pl : plain.pipelines) unroll(pl.schedule);
-  if (!eager) return;
-  PlanCost c;
-  try {
-    c = simulate_plan(plain, cluster, profile);
-  } catch (const InputError&) {
-    return;
-  }
-  char buf[240];
-  std::snprintf(buf, sizeof buf,
-                "schedule: eager-1f1b (one more micro-batch of activations on every stage but the last, hiding the messages "
-                "between stages), "
-                "predicted %.1f ms against %.1f ms for the same plan on 1f1b",
-                result.cost.step_s * 1e3, c.step_s * 1e3);
-  result.notes.push_back(buf);
-}
-
 SearchResult search(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
   SearchResult r = search_fitting(cluster, profile, options);
   if (options.strategy != "alloy" || !pipeline::splits_backward(r.plan.schedule) || !(options.split_schedule_min_gain > 0)) return r;

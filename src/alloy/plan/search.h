@@ -122,11 +122,6 @@ struct SearchResult {
 
 SearchResult search(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
 
-// Where RESULT's plan runs eager 1F1B on some pipeline, notes what the same plan is predicted to
-// take on plain 1F1B there: the extra micro-batch of activations per stage is paid for by that
-// difference alone (make_plan adds it once the plan is final).
-void note_eager_schedule(SearchResult& result, const ClusterSpec& cluster, const Profile& profile);
-
 // Smaller gradient buckets start the late layers' all-reduces while the backward still runs, at
 // one latency per extra collective. Re-simulates RESULT's plan with bucket caps from its own down
 // to 1 MiB and keeps the fastest when it gains over 0.2%, noting the change. Applied after the
@@ -182,6 +177,12 @@ PlanCost priced_rebalanced(Plan& cand, const ClusterSpec& cluster, const Profile
 // backwards on tensor-parallel pipelines or on ranks sharded with ZeRO-3. Notes each change.
 // Applied by make_plan after refine_units.
 void refine_schedules(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
+
+// Where RESULT's plan runs eager 1F1B on some pipeline, notes what the same plan is predicted to
+// take on plain 1F1B there: the extra micro-batch of activations per stage is paid for by that
+// difference alone (make_plan adds it once the plan is final).
+void note_eager_schedule(SearchResult& result, const ClusterSpec& cluster, const Profile& profile);
+
 // For the tensor-parallel phase (consider_tensor_parallel), whose composite search runs no split
 // backward: RESULT's plan with its tensor-parallel stages on zb-h1 (where OPTIONS allow it) when
 // that clears the split schedule's margin, then refine_schedules per pipeline.
