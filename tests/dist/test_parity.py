@@ -400,6 +400,11 @@ RESHARD_CHAINS = {
     # (11-15), a 2:1:1 TP group (16-20)
     "reshard-tp": [("reshard-tp-a", "tp2-in-pp2", [], 10), ("reshard-tp-b", "dp2-6x2-2x6", [], 15),
                    ("reshard-tp-c", "tp3-2:1:1", [], 20)],
+    # the same under ZeRO-1, whose optimizer state is saved in slices of the pieces and of whole
+    # tensors: a 3:1 TP group beside a replica (1-7), two replicas (8-14), a 2:1:1 group (15-20)
+    "reshard-tp-zero": [("reshard-tp-zero-a", "tp2-beside-replica", ["--zero-stage", "1"], 7),
+                        ("reshard-tp-zero-b", "dp2-6x2-2x6", ["--zero-stage", "1"], 14),
+                        ("reshard-tp-zero-c", "tp3-2:1:1", ["--zero-stage", "1"], 20)],
     # a cut MLP in and out: two replicas (1-7), a 3:1 TP stage in a pipeline, whose pieces split
     # block 5 at heads 3 (8-14), block 5's MLP cut at head 1 beside a replica, ZeRO-1 (15-20)
     "reshard-cut": [("reshard-cut-a", "dp2-6x2-2x6", [], 7), ("reshard-cut-b", "tp2-in-pp2", [], 14),

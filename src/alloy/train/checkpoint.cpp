@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <set>
 
 #include "alloy/core/error.h"
 #include "alloy/model/tensor_parallel.h"
@@ -333,6 +334,56 @@ void load_params(const std::string& ckpt_dir, const std::vector<model::Param*>& 
   }
 }
 
+namespace {
+// Optimizer state a ZeRO run saved as slices of the flattened tensor ("exp_avg.NAME@BEGIN", each by
+// its owner), joined on demand: another tensor-parallel layout joins and cuts whole tensors and
+// pieces (TpTensors), which needs them whole. Shaped as NAME's weight in the checkpoint's model
+// files (weights are saved whole). Slices that do not cover their tensor join to nothing, and
+// AdamW::load_state then says what is wrong.
+class SlicedState {
+ public:
+  SlicedState(const std::string& ckpt_dir, const std::map<std::string, at::Tensor>& all) : dir_(ckpt_dir), all_(all) {
+    for (const auto& [key, t] : all)
+      if (const auto at_pos = key.rfind('@'); at_pos != std::string::npos) sliced_.insert(key.substr(0, at_pos));
+    if (sliced_.empty()) return;
+    for (const auto& f : shards(ckpt_dir, "model")) {
+      auto st = model::SafetensorsFile::open(f);
+      for (const auto& n : st.names()) shapes_[n] = st.info(n).shape;
+    }
+  }
+  // What is stored, and the tensors its slices make.
+  std::vector<std::string> names() const {
+    std::vector<std::string> out(sliced_.begin(), sliced_.end());
+    for (const auto& [n, t] : all_) out.push_back(n);
+    return out;
+  }
+  at::Tensor get(const std::string& key) {
+    if (auto it = all_.find(key); it != all_.end()) return it->second;
+    if (auto it = joined_.find(key); it != joined_.end()) return it->second;
+    if (!sliced_.count(key)) return {};
+    const auto dot = key.find('.');  // "exp_avg.NAME" -> NAME
+    const auto shape = dot == std::string::npos ? shapes_.end() : shapes_.find(key.substr(dot + 1));
+    if (shape == shapes_.end()) return {};
+    int64_t n = 1;
+    for (int64_t d : shape->second) n *= d;
+    at::Tensor flat;
+    try {
+      flat = join_state_slices(all_, key, n, dir_);
+    } catch (const InputError&) {
+      return {};  // slices of another shape or coverage: only the layout that saved them reads them
+    }
+    return joined_[key] = flat.view(shape->second);
+  }
+
+ private:
+  std::string dir_;
+  const std::map<std::string, at::Tensor>& all_;
+  std::set<std::string> sliced_;
+  std::map<std::string, std::vector<int64_t>> shapes_;
+  std::map<std::string, at::Tensor> joined_;
+};
+}  // namespace
+
 void load_optimizer(const std::string& ckpt_dir, AdamW& opt, int64_t optimizer_steps) {
   std::map<std::string, at::Tensor> all;
   auto files = shards(ckpt_dir, "optimizer");
@@ -348,9 +399,9 @@ void load_optimizer(const std::string& ckpt_dir, AdamW& opt, int64_t optimizer_s
     }
   }
   // Tensor parallelism: state stored for other pieces (or whole where this run holds pieces, or the
-  // reverse) is joined and cut to what this run holds. Not for ZeRO slices of pieces: those need
-  // the same layout.
-  TpTensors tp = TpTensors::over(ckpt_dir, all);
+  // reverse), whole or in ZeRO slices, is joined and cut to what this run holds.
+  SlicedState stored(ckpt_dir, all);
+  TpTensors tp(ckpt_dir, [&stored](const std::string& n) { return stored.get(n); }, stored.names());
   for (const auto& [key, t] : opt.state()) {
     const std::string want = key.substr(0, key.find('@'));
     const auto sliced = all.lower_bound(want + "@");

@@ -137,6 +137,31 @@ std::vector<std::pair<std::string, at::Tensor>> AdamW::state() const {
   return out;
 }
 
+at::Tensor join_state_slices(const std::map<std::string, at::Tensor>& tensors, const std::string& key, int64_t numel,
+                             const std::string& where) {
+  const std::string prefix = key + "@";
+  at::Tensor out;
+  int64_t covered = 0;
+  for (auto s = tensors.lower_bound(prefix); s != tensors.end() && s->first.compare(0, prefix.size(), prefix) == 0; ++s) {
+    int64_t begin = -1;
+    try {
+      begin = std::stoll(s->first.substr(prefix.size()));
+    } catch (const std::exception&) {
+    }
+    const int64_t len = s->second.numel();
+    if (begin < 0 || begin + len > numel)
+      throw InputError(where, "optimizer state '" + s->first + "' (" + std::to_string(len) + " elements) lies outside '" + key +
+                                  "' (" + std::to_string(numel) + ")");
+    if (!out.defined()) out = at::zeros({numel}, s->second.options().device(at::kCPU).requires_grad(false));
+    out.narrow(0, begin, len).copy_(s->second.reshape({-1}));
+    covered += len;
+  }
+  if (out.defined() && covered != numel)
+    throw InputError(where, "optimizer state '" + key + "' is incomplete: its slices cover " + std::to_string(covered) + " of " +
+                                std::to_string(numel) + " elements");
+  return out;
+}
+
 namespace {
 // The whole tensor of state KEY for P: saved whole, or assembled from the slices "KEY@BEGIN" that
 // another (sharded) run saved. Throws InputError when missing, misshapen or not fully covered.
@@ -149,28 +174,9 @@ at::Tensor whole_state(const std::map<std::string, at::Tensor>& tensors, const s
                                   ", the model needs " + std::string(c10::str(p.tensor.sizes())));
     return it->second;
   }
-  const std::string prefix = key + "@";
-  const int64_t n = p.tensor.numel();
-  at::Tensor out = at::zeros({n}, p.tensor.options().device(at::kCPU).requires_grad(false));
-  int64_t covered = 0;
-  for (auto s = tensors.lower_bound(prefix); s != tensors.end() && s->first.compare(0, prefix.size(), prefix) == 0; ++s) {
-    int64_t begin = -1;
-    try {
-      begin = std::stoll(s->first.substr(prefix.size()));
-    } catch (const std::exception&) {
-    }
-    const int64_t len = s->second.numel();
-    if (begin < 0 || begin + len > n)
-      throw InputError(where, "optimizer state '" + s->first + "' (" + std::to_string(len) + " elements) lies outside '" + p.name +
-                                  "' (" + std::to_string(n) + ")");
-    out.narrow(0, begin, len).copy_(s->second.reshape({-1}));
-    covered += len;
-  }
-  if (covered == 0) throw InputError(where, "optimizer state '" + key + "' is missing");
-  if (covered != n)
-    throw InputError(where, "optimizer state '" + key + "' is incomplete: its slices cover " + std::to_string(covered) + " of " +
-                                std::to_string(n) + " elements");
-  return out.view(p.tensor.sizes());
+  at::Tensor out = join_state_slices(tensors, key, p.tensor.numel(), where);
+  if (!out.defined()) throw InputError(where, "optimizer state '" + key + "' is missing");
+  return out.to(p.tensor.scalar_type()).view(p.tensor.sizes());
 }
 }  // namespace
 

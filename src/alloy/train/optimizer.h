@@ -13,6 +13,12 @@
 
 namespace alloy::train {
 
+// State KEY saved as slices of the flattened tensor ("KEY@BEGIN", each by its owner under ZeRO),
+// joined into NUMEL elements (flat). Undefined when TENSORS holds no slice of KEY; throws
+// InputError naming WHERE when a slice lies outside or the slices do not cover the tensor exactly.
+at::Tensor join_state_slices(const std::map<std::string, at::Tensor>& tensors, const std::string& key, int64_t numel,
+                             const std::string& where);
+
 class AdamW {
  public:
   struct Options {
