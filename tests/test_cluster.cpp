@@ -811,7 +811,7 @@ TEST(Profile, JsonRoundTrip) {
   EXPECT_EQ(q.to_json(), p.to_json());
   nlohmann::json j = p.to_json();
   EXPECT_EQ(j["format"], "alloy-profile");
-  EXPECT_EQ(j["version"], 12);
+  EXPECT_EQ(j["version"], 13);
   // Tensor-parallel sums per device pair round-trip and are optional.
   {
     EXPECT_FALSE(j.contains("tp_sums"));
@@ -859,6 +859,28 @@ TEST(Profile, JsonRoundTrip) {
                   ": must be in [0, 1e-4)");
   // What a tensor-parallel member computes whole: a share.
   optional_figure(&alloy::plan::DeviceProfile::tp_whole_share, "tp_whole_share", "cpu-full", "cpu-quarter", 0.17, 0.0, {1.0}, "");
+  // A member's share per shard size: [fraction, share] pairs in order, each bounded.
+  {
+    Profile c = p;
+    c.devices.at("cpu-full").tp_shard_shares = {{0.25, 0.41}, {0.5, 0.6}};
+    const nlohmann::json cj = c.to_json();
+    EXPECT_FALSE(cj["devices"]["cpu-quarter"].contains("tp_shard_shares"));
+    Profile d = Profile::from_json(cj, "p.json");
+    EXPECT_EQ(d.devices.at("cpu-full").tp_shard_shares, c.devices.at("cpu-full").tp_shard_shares);
+    EXPECT_TRUE(d.devices.at("cpu-quarter").tp_shard_shares.empty());
+    EXPECT_EQ(d.to_json(), cj);
+    auto refused = [&](const nlohmann::json& pts, const std::string& what) {
+      nlohmann::json j = cj;
+      j["devices"]["cpu-full"]["tp_shard_shares"] = pts;
+      EXPECT_HAS(profile_error(j), "devices.cpu-full.tp_shard_shares" + what) << pts.dump();
+    };
+    refused(0.5, ": must be an array of [fraction, share] pairs");
+    refused({{0.5}}, "[0]: must be [fraction, share] (two numbers)");
+    refused({{1.0, 1.0}}, "[0]: fraction must be in (0, 1)");
+    refused({{0.5, 0.0}}, "[0]: share must be in (0, 1]");
+    refused({{0.5, 0.6}, {0.25, 0.41}}, "[1]: must come after devices.cpu-full.tp_shard_shares[0]");
+    refused({{0.25, 0.7}, {0.5, 0.6}}, "[1]: must come after");
+  }
   // A CPU quota: its fraction of a core and its burst, written and read together, each bounded.
   {
     Profile c = p;
@@ -1065,8 +1087,8 @@ TEST(Profile, ValidationErrorsNameFileAndField) {
   };
   EXPECT_HAS(with([](auto& j) { j["format"] = "alloy-plan"; }), "p.json: format: \"alloy-plan\", not \"alloy-profile\"");
   EXPECT_HAS(with([](auto& j) { j.erase("format"); }), "p.json: format: is missing");
-  EXPECT_HAS(with([](auto& j) { j["version"] = 13; }), "p.json: version: 13; this Alloy reads versions 1 to 12");
-  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 12");
+  EXPECT_HAS(with([](auto& j) { j["version"] = 14; }), "p.json: version: 14; this Alloy reads versions 1 to 13");
+  EXPECT_HAS(with([](auto& j) { j["version"] = "5"; }), "p.json: version: \"5\"; this Alloy reads versions 1 to 13");
   const nlohmann::json sum = {{"device_a", "a0"}, {"device_b", "a1"}, {"bytes", 4096}, {"seconds", 1e-3}};
   EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["seconds"] = -1; }), "p.json: tp_sums[0].seconds: must be in [0, 60)");
   EXPECT_HAS(with([&](auto& j) { j["tp_sums"] = {sum}; j["tp_sums"][0]["bytes"] = 0; }), "p.json: tp_sums[0].bytes: must be > 0");

@@ -217,6 +217,18 @@ CostContext::LinkLoads CostContext::empty_loads() const {
   return l;
 }
 
+double CostContext::tp_block_share(int type, double f) const {
+  const DeviceProfile& d = *type_profile_[static_cast<size_t>(type)];
+  if (d.tp_shard_shares.empty()) return f + d.tp_whole_share * (1 - f);
+  std::vector<std::pair<double, double>> pts = d.tp_shard_shares;
+  pts.emplace_back(1.0, 1.0);
+  size_t i = 1;  // the segment [pts[i - 1], pts[i]] holding f, or the first one below it
+  while (i + 1 < pts.size() && f > pts[i].first) ++i;
+  const auto [f0, s0] = pts[i - 1];
+  const auto [f1, s1] = pts[i];
+  return std::max(0.0, s0 + (s1 - s0) * (f - f0) / (f1 - f0));
+}
+
 double CostContext::wire_ratio() const {
   const std::string& m = gs_.compression;
   if (m == "none") return 1.0;

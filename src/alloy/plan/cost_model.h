@@ -324,11 +324,10 @@ class CostContext {
   double optimizer_s(int type, double param_bytes) const;
   double step_noise(int type) const { return type_profile_[static_cast<size_t>(type)]->step_noise; }
   // A tensor-parallel member of TYPE holding fraction F of the heads: its share of a block's
-  // compute (DeviceProfile::tp_whole_share: what every member computes whole).
-  double tp_block_share(int type, double f) const {
-    const double c = type_profile_[static_cast<size_t>(type)]->tp_whole_share;
-    return f + c * (1 - f);
-  }
+  // compute. Between the shard sizes the profile timed (DeviceProfile::tp_shard_shares) and the
+  // whole block, on the line through them (below the smallest, the line through the two smallest);
+  // without them f + tp_whole_share (1 - f), what every member computes whole.
+  double tp_block_share(int type, double f) const;
   // A member computing C seconds of a pass (at its steady rate) in CHUNKS stretches between sums
   // that keep it waiting SUMS_S in all. Under a CPU quota (DeviceProfile::quota_fraction q,
   // quota_burst_s B) each wait refills up to B of CPU, which the next stretch spends at the core's

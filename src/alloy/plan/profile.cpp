@@ -22,8 +22,9 @@ const char* const kFormat = "alloy-profile";
 // weight_share (zb-h1's weight passes); version 9 each type's comm_cpu_s_per_byte; version 10 each
 // type's tp_whole_share; version 11 each type's burst_speedup (a short stretch's speed after a
 // wait; read and no longer used: it timed a wake-up's cold start as much as the quota); version 12
-// each type's quota_fraction and quota_burst_s. Versions 1 to 11 still read.
-constexpr int kVersion = 12;
+// each type's quota_fraction and quota_burst_s; version 13 each type's tp_shard_shares. Versions 1
+// to 12 still read.
+constexpr int kVersion = 13;
 
 // The cost terms of a DeviceProfile, in file order; one table keeps to_json and from_json in step.
 struct CostField {
@@ -251,6 +252,11 @@ nlohmann::json Profile::to_json() const {
     if (d.weight_share > 0) dj["weight_share"] = d.weight_share;
     if (d.comm_cpu_s_per_byte > 0) dj["comm_cpu_s_per_byte"] = d.comm_cpu_s_per_byte;
     if (d.tp_whole_share > 0) dj["tp_whole_share"] = d.tp_whole_share;
+    if (!d.tp_shard_shares.empty()) {
+      json pts = json::array();
+      for (const auto& [f, share] : d.tp_shard_shares) pts.push_back({f, share});
+      dj["tp_shard_shares"] = pts;
+    }
     if (d.quota_burst_s > 0) {
       dj["quota_fraction"] = d.quota_fraction;
       dj["quota_burst_s"] = d.quota_burst_s;
@@ -304,7 +310,8 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
   const json& devs = rd.object(j, "devices", "devices");
   if (devs.empty()) rd.fail("devices", "the profile has no device types");
   std::set<std::string> dev_keys{"optimizer_s_per_param", "step_noise", "codecs", "attn_share_fwd", "attn_share_bwd", "weight_share",
-                                 "comm_cpu_s_per_byte", "tp_whole_share", "burst_speedup", "quota_fraction", "quota_burst_s"};
+                                 "comm_cpu_s_per_byte", "tp_whole_share", "tp_shard_shares", "burst_speedup", "quota_fraction",
+                                 "quota_burst_s"};
   for (const auto& f : kCostFields) dev_keys.insert(f.key);
   for (const auto& kv : devs.items()) {
     const std::string f = "devices." + kv.key();
@@ -358,6 +365,23 @@ Profile Profile::from_json(const nlohmann::json& j, const std::string& where) {
       // The profiler caps it at 1 s (the kernel's longest period).
       if (!(d.quota_burst_s > 0 && d.quota_burst_s <= 1))
         rd.fail(f + ".quota_burst_s", "must be in (0, 1] (seconds a device under a CPU quota computes at full speed after a wait)");
+    }
+    if (kv.value().contains("tp_shard_shares")) {
+      const std::string tf = f + ".tp_shard_shares";
+      const json& pts = kv.value()["tp_shard_shares"];
+      if (!pts.is_array()) rd.fail(tf, std::string("must be an array of [fraction, share] pairs, got ") + pts.type_name());
+      for (size_t i = 0; i < pts.size(); ++i) {
+        const std::string pf = tf + "[" + std::to_string(i) + "]";
+        if (!pts[i].is_array() || pts[i].size() != 2 || !pts[i][0].is_number() || !pts[i][1].is_number())
+          rd.fail(pf, "must be [fraction, share] (two numbers), got " + pts[i].dump());
+        const double fr = pts[i][0].get<double>(), share = pts[i][1].get<double>();
+        if (!(fr > 0 && fr < 1)) rd.fail(pf, "fraction must be in (0, 1) (the share of the heads a piece holds), got " + pts[i][0].dump());
+        if (!(share > 0 && share <= 1))
+          rd.fail(pf, "share must be in (0, 1] (the piece's time over the whole block's), got " + pts[i][1].dump());
+        if (!d.tp_shard_shares.empty() && !(fr > d.tp_shard_shares.back().first && share >= d.tp_shard_shares.back().second))
+          rd.fail(pf, "must come after " + tf + "[" + std::to_string(i - 1) + "] in fraction and not fall in share");
+        d.tp_shard_shares.emplace_back(fr, share);
+      }
     }
     if (kv.value().contains("codecs")) {
       const json& cs = rd.object(kv.value(), "codecs", f + ".codecs");
@@ -552,6 +576,7 @@ std::vector<std::string> complete_profile(Profile& p, const ClusterSpec& spec) {
     d.attn_share_fwd = base.attn_share_fwd, d.attn_share_bwd = base.attn_share_bwd;  // ratios: speed cancels
     d.weight_share = base.weight_share;
     d.tp_whole_share = base.tp_whole_share;
+    d.tp_shard_shares = base.tp_shard_shares;
     d.comm_cpu_s_per_byte = base.comm_cpu_s_per_byte * s;  // CPU seconds: a slower device loses more per byte
     p.devices[type] = d;
     notes.push_back("device type " + type + ": estimated from " + ref + " scaled by speed hints (" + std::to_string(hint(type)) +

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <chrono>
 #include <map>
+#include <memory>
 
 #include "alloy/core/error.h"
 #include "alloy/core/log.h"
@@ -334,32 +335,54 @@ DeviceProfile measure_device(const ModelConfig& model, const ProfileOptions& o, 
     if (!share.empty()) d.weight_share = std::clamp(median(share), 0.01, 0.99);
   }
 
-  // A tensor-parallel member's compute: the stack as the first member of an even pair holds it
-  // (half the heads and MLP columns; norms, residual and rotary positions whole), its sums left
-  // out, at the largest size. Its time over the whole stack's is 1/2 + c/2, c the share every
-  // member computes whole (DeviceProfile::tp_whole_share).
-  if (const auto split = even_tp_split(model, 2); split.size() == 2) {
+  // A tensor-parallel member's compute per shard size: the stack as the first member of a pair
+  // holds it (its heads and their MLP columns; norms, residual and rotary positions whole), its sums
+  // left out, at the largest size, for the even pair and the smallest piece a split allows
+  // (DeviceProfile::tp_shard_shares). From the even pair, whose time over the whole stack's is
+  // 1/2 + c/2, also c, the share every member computes whole (DeviceProfile::tp_whole_share).
+  if (const auto even = even_tp_split(model, 2); even.size() == 2) {
     struct NoSums : model::TpComm {
       void allreduce_sum(at::Tensor&) override {}
       int size() const override { return 2; }
       int rank() const override { return 0; }
     } none;
-    model::TpLayout tl;
-    for (int64_t b = 0; b < K; ++b) tl.pieces[b] = {0, split[0], model.heads};
-    tl.head_begin = 0, tl.head_end = split[0];
-    tl.comm = &none;
-    model::Transformer member(model, {1, 1 + K}, 1, &tl);
-    member.apply_lora(o.lora, 1);
-    member.to(dev);
-    const int64_t m = o.micro_batch_sizes.back();
-    std::vector<double> ratio;
-    for (int r = 0; r < rounds; ++r) {
-      const FwdBwd whole = time_slice(stack, m, window, false, false, dev), half = time_slice(member, m, window, false, false, dev);
-      if (whole.fwd + whole.bwd > 0) ratio.push_back((half.fwd + half.bwd) / (whole.fwd + whole.bwd));
+    std::vector<int64_t> heads;  // the first member's, smallest first
+    for (int64_t h = 1; h < even[0]; ++h)
+      if (tp_split_problem(model, {h, model.heads - h}).empty()) {
+        heads.push_back(h);
+        break;
+      }
+    heads.push_back(even[0]);
+    std::vector<model::TpLayout> layouts(heads.size());
+    std::vector<std::unique_ptr<model::Transformer>> members;
+    for (size_t i = 0; i < heads.size(); ++i) {
+      for (int64_t b = 0; b < K; ++b) layouts[i].pieces[b] = {0, heads[i], model.heads};
+      layouts[i].head_begin = 0, layouts[i].head_end = heads[i];
+      layouts[i].comm = &none;
+      members.push_back(std::make_unique<model::Transformer>(model, model::LayerRange{1, 1 + K}, 1, &layouts[i]));
+      members.back()->apply_lora(o.lora, 1);
+      members.back()->to(dev);
     }
-    if (!ratio.empty()) {
-      const double c = 2 * median(ratio) - 1;
+    const int64_t m = o.micro_batch_sizes.back();
+    std::vector<std::vector<double>> ratio(heads.size());
+    for (int r = 0; r < rounds; ++r) {
+      const FwdBwd whole = time_slice(stack, m, window, false, false, dev);
+      for (size_t i = 0; i < heads.size(); ++i) {
+        const FwdBwd piece = time_slice(*members[i], m, window, false, false, dev);
+        if (whole.fwd + whole.bwd > 0) ratio[i].push_back((piece.fwd + piece.bwd) / (whole.fwd + whole.bwd));
+      }
+    }
+    if (!ratio.back().empty()) {
+      const double c = 2 * median(ratio.back()) - 1;
       if (c > 0.01) d.tp_whole_share = std::min(c, 0.95);
+      // Each share at least its heads' fraction and at most the whole; a larger piece never cheaper.
+      double floor = 0;
+      for (size_t i = 0; i < heads.size(); ++i) {
+        if (ratio[i].empty()) continue;
+        const double f = static_cast<double>(heads[i]) / static_cast<double>(model.heads);
+        floor = std::clamp(median(ratio[i]), std::max(f, floor), 1.0);
+        d.tp_shard_shares.emplace_back(f, floor);
+      }
     }
   }
 
