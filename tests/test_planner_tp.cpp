@@ -10,6 +10,7 @@
 #include "alloy/plan/cost_tp.h"
 #include "alloy/plan/planner.h"
 #include "alloy/plan/search.h"
+#include "alloy/viz/diagram.h"
 #include "planner_fixtures.h"
 
 using namespace alloy;
@@ -117,6 +118,40 @@ TEST(TensorParallelCost, WhatEveryMemberComputesWholeIsNotSplit) {
   EXPECT_EQ(simulate_plan(alone, c, prof).step_s, alone0.step_s);
   const CostContext ctx(c, prof);
   EXPECT_DOUBLE_EQ(ctx.tp_block_share(ctx.type_of(0), 0.25), 0.4);
+}
+
+// Measured per shard size (profile version 13), a member's share follows the points the profile
+// timed, and the whole block at 1, on the lines between them; below the smallest piece timed, the
+// line through the two smallest. With only the even pair's point it is the line f + c (1 - f).
+TEST(TensorParallelCost, SharesFollowTheShardSizesTimed) {
+  ClusterSpec c = pair_and_far(0);
+  Profile prof = pair_profile(4);
+  auto& d = prof.devices["fast"];
+  d.tp_whole_share = 0.2;
+  d.tp_shard_shares = {{0.25, 0.45}, {0.5, 0.6}};
+  {
+    const CostContext ctx(c, prof);
+    const int t = ctx.type_of(0);
+    EXPECT_DOUBLE_EQ(ctx.tp_block_share(t, 0.25), 0.45);  // not the line's 0.4
+    EXPECT_DOUBLE_EQ(ctx.tp_block_share(t, 0.5), 0.6);
+    EXPECT_NEAR(ctx.tp_block_share(t, 0.375), 0.525, 1e-12);
+    EXPECT_NEAR(ctx.tp_block_share(t, 0.75), 0.8, 1e-12);
+    EXPECT_DOUBLE_EQ(ctx.tp_block_share(t, 1.0), 1.0);
+    EXPECT_NEAR(ctx.tp_block_share(t, 0.125), 0.375, 1e-12);  // the line through 0.25 and 0.5
+  }
+  // A plan whose slower member holds one head of four is priced at the measured share.
+  const Plan pair = one_stage({0, 1}, {"a0", "a1"}, {1, 3}, 4, 2, 4);
+  const PlanCost measured = simulate_plan(pair, c, prof);
+  d.tp_shard_shares = {{0.5, 0.6}};
+  {
+    const CostContext ctx(c, prof);
+    EXPECT_NEAR(ctx.tp_block_share(ctx.type_of(0), 0.25), 0.4, 1e-12);
+    EXPECT_NEAR(ctx.tp_block_share(ctx.type_of(0), 0.75), 0.8, 1e-12);
+  }
+  // The three-head member (the slower) sits between the half's point and the whole: a dearer half
+  // makes it dearer, and the plan follows.
+  d.tp_shard_shares = {{0.25, 0.45}, {0.5, 0.7}};
+  EXPECT_GT(simulate_plan(pair, c, prof).step_s, measured.step_s);
 }
 
 // A member under a CPU quota computes its few milliseconds between sums faster than its steady
@@ -310,23 +345,23 @@ TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
   EXPECT_GT(make_plan(c, prof, o, false).chosen.cost.step_s, r.chosen.cost.step_s);
 }
 
-// Megatron's layout, found rather than asked for: two hosts of two equal devices each, a thin
-// link between the hosts, a batch of two micro-batches and a model no device holds alone (LLaMA:
-// no tied weights to sum across the thin link). A pipeline over four stages idles in most of its
-// fill and drain; each host's pair as one tensor-parallel stage, the pipeline crossing the thin
-// link once, does not. The search finds the first pair alone, then adds the second.
+// Megatron's layout, found rather than asked for, on examples/cluster-tp-2x2.yaml: two hosts of
+// two equal devices each, a thin link between the hosts, a batch of two micro-batches and a model
+// no device holds alone (LLaMA: no tied weights to sum across the thin link). A pipeline over four
+// stages idles in most of its fill and drain; each host's pair as one tensor-parallel stage, the
+// pipeline crossing the thin link once, does not. The search finds the first pair alone, then adds
+// the second; the plan's diagram draws both groups.
 TEST(TensorParallelPlanner, PutsAGroupInsideEachHostAndThePipelineAcrossThem) {
-  ClusterSpec c;
-  c.devices = {device("a0", "box0", "fast", 0.009), device("a1", "box0", "fast", 0.009), device("b0", "box1", "fast", 0.009),
-               device("b1", "box1", "fast", 0.009)};
-  c.intra_host = {40.0, 0.02};
-  c.default_link = {0.1, 0.1};
+  ClusterSpec c = ClusterSpec::load(std::string(ALLOY_EXAMPLES_DIR) + "/cluster-tp-2x2.yaml");
+  ASSERT_EQ(c.devices.size(), 4u);
+  // The example sizes memory for examples/wide-llama.yaml; this profile's blocks are smaller.
+  for (auto& d : c.devices) d.memory_gb = 0.009;
   Profile prof = base_profile(4, "llama");
   // A wide model: a sum of one micro-batch's activations is 512 KiB, 42 ms on the thin link.
   prof.model.hidden = 1024;
   prof.model.seq_len = 128;
   prof.memory.param_bytes_embed = prof.memory.param_bytes_head = 2e5;
-  prof.devices["fast"] = dev_profile(10.0);
+  prof.devices[c.devices[0].type] = dev_profile(10.0);
   SearchOptions o;
   o.global_batch = 2;
   o.micro_batch_sizes = {1};
@@ -344,6 +379,13 @@ TEST(TensorParallelPlanner, PutsAGroupInsideEachHostAndThePipelineAcrossThem) {
   bool noted = false;
   for (const auto& n : r.chosen.notes) noted = noted || n.find("a0+a1 and b0+b1 as one stage each") != std::string::npos;
   EXPECT_TRUE(noted) << r.text();
+  viz::DiagramInput in;
+  in.plan = &r.chosen.plan;
+  in.cluster = &c;
+  in.num_layers = prof.model.layers;
+  const std::string dot = viz::to_dot(in);
+  for (const std::string pair : {"a0 + a1", "b0 + b1"})
+    EXPECT_NE(dot.find("tensor parallel x2, heads 2:2: " + pair), std::string::npos) << dot;
   // Without tensor parallelism the same search is predicted slower.
   o.tensor_parallel = false;
   EXPECT_GT(make_plan(c, prof, o, false).chosen.cost.step_s, r.chosen.cost.step_s);
