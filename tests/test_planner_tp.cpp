@@ -467,10 +467,17 @@ TEST(TensorParallelPlanner, KeepsGroupsInsideARegionOfTheTwoRegionPool) {
           EXPECT_EQ(regions.size(), 1u) << r.text();
         }
   }
-  // A group across the thin link loses to the same group inside a region.
+  // A group across the thin link loses to the same group inside a region, and to a pipeline over
+  // the same two devices, which sends one activation and one gradient per micro-batch across it
+  // where the group sums four times per block.
   const PlanCost inside = simulate_plan(one_stage({0, 1}, {"eu-a", "eu-b"}, {2, 2}, 4, 1, 4), c, prof);
   const PlanCost across = simulate_plan(one_stage({0, 1}, {"eu-a", "us-a"}, {2, 2}, 4, 1, 4), c, prof);
   EXPECT_GT(across.step_s, 2 * inside.step_s);
+  Plan pipe = one_stage({0}, {"eu-a"}, {}, 4, 1, 4);
+  pipe.pipelines[0].stages[0].layer_end = 2;
+  pipe.pipelines[0].stages.push_back(StagePlan{{1}, 2, 4, "us-a"});
+  ASSERT_NO_THROW(pipe.validate(prof.model, "pipeline"));
+  EXPECT_GT(across.step_s, 2 * simulate_plan(pipe, c, prof).step_s);
 }
 
 // The planner's schedule choice: on a four-stage pipeline of equal devices (the pool above, no
