@@ -157,6 +157,9 @@ for t in ("cpu-big", "cpu-small"):
     assert 0 <= d.get("comm_cpu_s_per_byte", 0) < 1e-6, (t, d)  # the profiler's own bound
     # What a tensor-parallel member computes whole: a share, when it showed at all.
     assert 0 <= d.get("tp_whole_share", 0) <= 0.95, (t, d)
+    # ... and per shard size: the even pair's piece at least, each share at least its fraction.
+    s = d["tp_shard_shares"]
+    assert s and s[-1][0] == 0.5 and all(f <= x <= 1 for f, x in s), (t, d)
     # A CPU quota: absent on ranks without one (or both figures, bounded).
     assert ("quota_fraction" in d) == ("quota_burst_s" in d), (t, d)
     assert 0 < d.get("quota_fraction", 0.5) < 1 and 0 < d.get("quota_burst_s", 0.5) <= 1, (t, d)
@@ -260,10 +263,10 @@ for k, v in big.items():
         if "points" in v:
             v["points"] = [[m, 8 * t] for m, t in v["points"]]
     # Ratios stay: the noise is relative (a slower device need not be noisier), and so are the
-    # attention half's share of a block, what a tensor-parallel member computes whole, and a CPU
-    # quota (a share of a core and the CPU it hands out per period).
+    # attention half's share of a block, what a tensor-parallel member computes whole and per shard
+    # size, and a CPU quota (a share of a core and the CPU it hands out per period).
     if not isinstance(v, dict) and k not in ("step_noise", "attn_share_fwd", "attn_share_bwd", "weight_share", "tp_whole_share",
-                                             "quota_fraction", "quota_burst_s"):
+                                             "tp_shard_shares", "quota_fraction", "quota_burst_s"):
         v = 8 * v
     slow[k] = v
 p["devices"]["cpu-small"] = slow
