@@ -219,13 +219,14 @@ CostContext::LinkLoads CostContext::empty_loads() const {
 
 double CostContext::tp_block_share(int type, double f) const {
   const DeviceProfile& d = *type_profile_[static_cast<size_t>(type)];
-  if (d.tp_shard_shares.empty()) return f + d.tp_whole_share * (1 - f);
-  std::vector<std::pair<double, double>> pts = d.tp_shard_shares;
-  pts.emplace_back(1.0, 1.0);
-  size_t i = 1;  // the segment [pts[i - 1], pts[i]] holding f, or the first one below it
-  while (i + 1 < pts.size() && f > pts[i].first) ++i;
-  const auto [f0, s0] = pts[i - 1];
-  const auto [f1, s1] = pts[i];
+  const auto& pts = d.tp_shard_shares;
+  if (pts.empty()) return f + d.tp_whole_share * (1 - f);
+  // The points timed, then the whole block at (1, 1).
+  auto point = [&](size_t i) { return i < pts.size() ? pts[i] : std::pair<double, double>{1.0, 1.0}; };
+  size_t i = 1;  // the segment [point(i - 1), point(i)] holding f, or the first one below it
+  while (i < pts.size() && f > point(i).first) ++i;
+  const auto [f0, s0] = point(i - 1);
+  const auto [f1, s1] = point(i);
   return std::max(0.0, s0 + (s1 - s0) * (f - f0) / (f1 - f0));
 }
 

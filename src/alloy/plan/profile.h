@@ -78,8 +78,8 @@ struct DeviceProfile {
   // A tensor-parallel member's compute measured per shard size (profile version 13): (f, share)
   // for each piece timed, f the fraction of the heads it holds (the smallest piece a split allows,
   // and half), share its time over the whole block's, sums left out. Increasing in f. The cost
-  // model interpolates between them and (1, 1) (CostContext::tp_block_share); small products run
-  // less efficiently per flop than tp_whole_share's line says. Empty: not measured (older profiles).
+  // model interpolates between them and (1, 1) (CostContext::tp_block_share) rather than assume
+  // tp_whole_share's line holds for small pieces. Empty: not measured (older profiles).
   std::vector<std::pair<double, double>> tp_shard_shares;
   // A CPU quota (cgroup CFS: a container's CPU limit, the emulator's devices), as it shows to a
   // rank that waits (profile version 12). The quota hands out its CPU per period, so a rank that

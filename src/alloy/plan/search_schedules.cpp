@@ -1,7 +1,7 @@
 // The search's schedule phase: a schedule per pipeline (plan/search.h, refine_schedules).
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
+#include <iomanip>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -104,13 +104,12 @@ void note_eager_schedule(SearchResult& result, const ClusterSpec& cluster, const
   } catch (const InputError&) {
     return;
   }
-  char buf[240];
-  std::snprintf(buf, sizeof buf,
-                "schedule: eager-1f1b (one more micro-batch of activations on every stage but the last, hiding the messages "
-                "between stages), "
-                "predicted %.1f ms against %.1f ms for the same plan on 1f1b",
-                result.cost.step_s * 1e3, c.step_s * 1e3);
-  result.notes.push_back(buf);
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(1)
+    << "schedule: eager-1f1b (one more micro-batch of activations on every stage but the last, hiding the messages between "
+       "stages), predicted "
+    << result.cost.step_s * 1e3 << " ms against " << c.step_s * 1e3 << " ms for the same plan on 1f1b";
+  result.notes.push_back(o.str());
 }
 
 void split_tensor_parallel_backward(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {

@@ -338,18 +338,13 @@ namespace {
 // Optimizer state a ZeRO run saved as slices of the flattened tensor ("exp_avg.NAME@BEGIN", each by
 // its owner), joined on demand: another tensor-parallel layout joins and cuts whole tensors and
 // pieces (TpTensors), which needs them whole. Shaped as NAME's weight in the checkpoint's model
-// files (weights are saved whole). Slices that do not cover their tensor join to nothing, and
-// AdamW::load_state then says what is wrong.
+// files (weights are saved whole). Slices that do not cover their tensor are an error naming it
+// (join_state_slices), as on a resume under the same layout.
 class SlicedState {
  public:
   SlicedState(const std::string& ckpt_dir, const std::map<std::string, at::Tensor>& all) : dir_(ckpt_dir), all_(all) {
     for (const auto& [key, t] : all)
       if (const auto at_pos = key.rfind('@'); at_pos != std::string::npos) sliced_.insert(key.substr(0, at_pos));
-    if (sliced_.empty()) return;
-    for (const auto& f : shards(ckpt_dir, "model")) {
-      auto st = model::SafetensorsFile::open(f);
-      for (const auto& n : st.names()) shapes_[n] = st.info(n).shape;
-    }
   }
   // What is stored, and the tensors its slices make.
   std::vector<std::string> names() const {
@@ -361,18 +356,17 @@ class SlicedState {
     if (auto it = all_.find(key); it != all_.end()) return it->second;
     if (auto it = joined_.find(key); it != joined_.end()) return it->second;
     if (!sliced_.count(key)) return {};
+    if (shapes_.empty())  // read once, when a slice is first needed whole (not on a same-layout resume)
+      for (const auto& f : shards(dir_, "model")) {
+        auto st = model::SafetensorsFile::open(f);
+        for (const auto& n : st.names()) shapes_[n] = st.info(n).shape;
+      }
     const auto dot = key.find('.');  // "exp_avg.NAME" -> NAME
     const auto shape = dot == std::string::npos ? shapes_.end() : shapes_.find(key.substr(dot + 1));
     if (shape == shapes_.end()) return {};
     int64_t n = 1;
     for (int64_t d : shape->second) n *= d;
-    at::Tensor flat;
-    try {
-      flat = join_state_slices(all_, key, n, dir_);
-    } catch (const InputError&) {
-      return {};  // slices of another shape or coverage: only the layout that saved them reads them
-    }
-    return joined_[key] = flat.view(shape->second);
+    return joined_[key] = join_state_slices(all_, key, n, dir_).view(shape->second);
   }
 
  private:
