@@ -510,7 +510,41 @@ TEST(SyncLayout, RegionsFromSlowLinksDecideWhatIsCompressed) {
   for (const auto& s : all.sets()) {
     EXPECT_TRUE(s.compressed) << s.name;
     EXPECT_FALSE(s.hierarchical) << s.name;
+    EXPECT_TRUE(s.tree.empty()) << s.name;  // compressed sets have their own routes
   }
+}
+
+// Exact sets of three or more ranks with a slow pair among them sum along a tree; pairs, sets
+// without a slow pair and `allreduce: ring` keep the ring.
+TEST(SyncLayout, ExactSetsAroundASlowLinkSumAlongATree) {
+  alloy::ModelConfig m;
+  m.layers = 4;
+  alloy::Plan p;  // three full replicas, the 3-device pool's slow link between ranks 0 and 2
+  p.global_batch = 6;
+  p.pipelines = {{2, 1, {{{0}, 0, 4, ""}}}, {2, 1, {{{1}, 0, 4, ""}}}, {2, 1, {{{2}, 0, 4, ""}}}};
+  p.slow_links = {{0, 2}};
+  {
+    alloy::dist::SyncLayout l(p, m);
+    ASSERT_EQ(l.sets().size(), 1u);
+    const auto& t = l.sets()[0].tree;
+    ASSERT_FALSE(t.empty());
+    EXPECT_EQ(t.root, 1);
+    EXPECT_EQ(t.parent, (std::vector<int>{1, -1, 1}));
+  }
+  p.grad_sync.allreduce = "ring";
+  EXPECT_TRUE(alloy::dist::SyncLayout(p, m).sets()[0].tree.empty());
+  p.grad_sync.allreduce = "auto";
+  p.slow_links.clear();
+  EXPECT_TRUE(alloy::dist::SyncLayout(p, m).sets()[0].tree.empty());
+  // A pipeline beside a replica: the pair sets {0, 2} and {1, 2} keep the ring; the tied
+  // embedding's set {0, 1, 2} has the slow pair 1-2 and goes around it through rank 0.
+  p.pipelines = {{2, 2, {{{0}, 0, 2, ""}, {{1}, 2, 4, ""}}}, {2, 1, {{{2}, 0, 4, ""}}}};
+  p.slow_links = {{1, 2}};
+  alloy::dist::SyncLayout mixed(p, m);
+  EXPECT_TRUE(mixed.set_of({0, 2})->tree.empty());
+  EXPECT_TRUE(mixed.set_of({1, 2})->tree.empty());
+  ASSERT_FALSE(mixed.set_of({0, 1, 2})->tree.empty());
+  EXPECT_EQ(mixed.set_of({0, 1, 2})->tree.root, 0);
 }
 
 #include <rapidcheck/gtest.h>

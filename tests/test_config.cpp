@@ -92,6 +92,9 @@ TEST(Config, GradSyncSectionIsCheckedWithAllowedValues) {
   EXPECT_EQ(error_of("", {"grad_sync.compression=dgc", "grad_sync.density=1", "grad_sync.dense_steps=0"}), "");
   EXPECT_NE(error_of("", {"grad_sync.fusion=saf-intra"}).find("did you mean 'saf-inter'"), std::string::npos);
   EXPECT_NE(error_of("", {"grad_sync.scope=slow"}).find("allowed: all, slow-links"), std::string::npos);
+  EXPECT_EQ(Config::from_yaml_string("", "x").grad_sync.allreduce, "auto");
+  EXPECT_NE(error_of("", {"grad_sync.allreduce=rign"}).find("key 'grad_sync.allreduce': unknown value 'rign' (did you mean 'ring'?)"),
+            std::string::npos);
   // SAFusion's names map to Alloy's.
   EXPECT_EQ(Config::from_yaml_string("", "x", {"grad_sync.compression=gaussian"}).grad_sync.compression, "gaussiank");
   EXPECT_EQ(Config::from_yaml_string("", "x", {"grad_sync.compression=eftopk"}).grad_sync.compression, "topk");

@@ -223,6 +223,14 @@ TEST(Plan, JsonRoundTripKeepsCompression) {
   auto j = p.to_json();
   j["grad_sync"]["compression"] = "gaussian";
   EXPECT_EQ(Plan::from_json(j, "x").grad_sync.compression, "gaussiank");
+  // The exact sums' route: auto (trees around slow links) is the default and not written; ring is.
+  EXPECT_FALSE(p.to_json()["grad_sync"].contains("allreduce"));
+  p.grad_sync.allreduce = "ring";
+  EXPECT_EQ(Plan::from_json(p.to_json(), "x").grad_sync.allreduce, "ring");
+  j = p.to_json();
+  j["grad_sync"]["allreduce"] = "tree";
+  EXPECT_HAS(validate_error(Plan::from_json(j, "x"), 8), "allreduce': unknown value 'tree'");
+  EXPECT_HAS(validate_error(Plan::from_json(j, "x"), 8), "allowed: auto, ring");
 }
 
 // ZeRO per holder set: version 2 when present, version 1 stays readable and is written without it.

@@ -796,9 +796,11 @@ TEST(CostModel, HierarchicalSyncCompressesOnlyBetweenRegions) {
   ASSERT_EQ(pc.sync_groups.size(), 1u);
   EXPECT_TRUE(pc.sync_groups[0].hierarchical);
   EXPECT_EQ(pc.sync_groups[0].regions, 2);
-  // Dense: 2 * 3/4 of 6 MB over the 12.5 MB/s hops of the ring. Compressed: 6 MB inside each
-  // region at 1.25 GB/s, then 2% of it between the two leaders.
-  EXPECT_GT(dense.sync_groups[0].time_s, 0.72);
+  // Dense: along a tree that crosses the slow links once, 6 MB each way over a 12.5 MB/s hop (a
+  // ring would cross two hops with 2 * 3/4 of it). Compressed: 6 MB inside each region at 1.25
+  // GB/s, then 2% of it between the two leaders.
+  EXPECT_TRUE(dense.sync_groups[0].tree);
+  EXPECT_GT(dense.sync_groups[0].time_s, 0.48);
   EXPECT_LT(pc.sync_groups[0].time_s, 0.1);
   EXPECT_LT(pc.step_s, dense.step_s);
   // A set inside one region stays exact: a pipeline whose both stages sit in region A.
@@ -811,6 +813,62 @@ TEST(CostModel, HierarchicalSyncCompressesOnlyBetweenRegions) {
     const bool crosses = g.ranks != std::vector<int>{0, 1} && g.ranks != std::vector<int>{2, 3};
     EXPECT_EQ(g.compressed, crosses);
   }
+}
+
+// The 3-device pool's shape: a - b and b - c fast (1 GB/s), a - c slow (10 MB/s). A ring of all three
+// replicas crosses a - c; the tree through b carries the 6 MB each way over the fast links only:
+// one bucket takes its bytes plus one chunk (depth 1: a chunk up, then down) over 1 GB/s. The
+// root moves the set over both its edges, so its sync's CPU time is twice a leaf's. The search
+// prices the plan it returns the same way, and `allreduce: ring` prices the ring.
+TEST(CostModel, AnExactSetAroundASlowLinkSumsAlongATree) {
+  Profile p = base_profile(2);
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "t"), device("b", "h1", "t"), device("c", "h2", "t")};
+  c.rules.push_back({"h0", "h1", Link{8, 0}});
+  c.rules.push_back({"h1", "h2", Link{8, 0}});
+  c.rules.push_back({"h0", "h2", Link{0.08, 0}});
+  Plan plan;
+  plan.global_batch = 3;
+  for (int r = 0; r < 3; ++r) plan.pipelines.push_back({1, 1, {stage(r, 0, 2, c.devices[static_cast<size_t>(r)].name)}});
+  const PlanCost tree = simulate_plan(plan, c, p);
+  ASSERT_EQ(tree.sync_groups.size(), 1u);
+  const auto& g = tree.sync_groups[0];
+  EXPECT_TRUE(g.tree);
+  EXPECT_DOUBLE_EQ(g.bytes, 6e6);
+  EXPECT_NEAR(g.slowest_bytes_per_s, 1e9, 1e-3);
+  EXPECT_NEAR(g.time_s, (6e6 + 256.0 * 1024) / 1e9, 1e-12);
+  Plan ring = plan;
+  ring.grad_sync.allreduce = "ring";
+  const PlanCost r = simulate_plan(ring, c, p);
+  EXPECT_FALSE(r.sync_groups[0].tree);
+  EXPECT_NEAR(r.sync_groups[0].time_s, 2.0 * 2 / 3 * 6e6 / 1e7, 1e-9);
+  EXPECT_LT(tree.step_s + 0.7, r.step_s);
+
+  CostContext ctx(c, p);
+  const CostContext::SyncShape s = ctx.sync_shape({0, 1, 2}, nullptr, 6e6);
+  ASSERT_TRUE(s.tree);
+  EXPECT_EQ(s.sum_tree.parent, (std::vector<int>{1, -1, 1}));
+  p.devices["t"].comm_cpu_s_per_byte = 1e-9;
+  CostContext cpu(c, p);
+  EXPECT_NEAR(cpu.sync_cpu_s(0, s, 6e6, 3, 1), 2 * cpu.sync_cpu_s(0, s, 6e6, 3, 0), 1e-15);
+  EXPECT_NEAR(cpu.sync_cpu_s(0, s, 6e6, 3, 0), 2 * 6e6 * 1e-9, 1e-15);
+  // The slow link carries nothing of it: a ring of a and c beside it gets that link whole, while a
+  // ring of a and b shares its link with the tree's edge.
+  CostContext::LinkLoads loads = ctx.empty_loads();
+  ctx.add_load({0, 1, 2}, 6e6, &loads);
+  ctx.add_load({0, 2}, 6e6, &loads);
+  EXPECT_NEAR(ctx.ring({0, 2}, &loads, 6e6).slowest_bytes_per_s, 1e7, 1e-3);
+  CostContext::LinkLoads beside = ctx.empty_loads();
+  ctx.add_load({0, 1, 2}, 6e6, &beside);
+  ctx.add_load({0, 1}, 6e6, &beside);
+  EXPECT_NEAR(ctx.ring({0, 1}, &beside, 6e6).slowest_bytes_per_s, 0.5e9, 1e-3);
+
+  SearchOptions o;
+  o.global_batch = 3;
+  o.fit_memory = false;
+  const SearchResult best = search(c, p, o);
+  EXPECT_NEAR(best.search_step_s, simulate_plan(best.plan, c, p).step_s, 1e-9 * best.search_step_s);
 }
 
 // Sets whose rings cross the same link share it: a link carrying two equal sets gives each half.

@@ -391,6 +391,18 @@ def activations_shrank(plain, recomputed):
     return all(y < x for x, y in zip(a, b))
 
 
+# Exact sums along a tree around slow links (grad_sync.allreduce auto, core/sync_tree.h): the plan
+# names the slow pairs as `alloy plan` writes them from a cluster. Three replicas with the 3-device
+# pool's slow pair (a chain through rank 1), the same under ZeRO-1 at 3:2:1 (the gather stays on
+# Gloo), a pipeline beside a replica whose tied embedding's three holders go around the slow pair
+# 1-2 (the pairs keep their rings), and four replicas in two regions (one slow edge).
+LAYOUTS["tree-dp3"] = ("gpt2", 24, plan(24, [(4, 3, full(0)), (3, 2, full(1)), (1, 6, full(2))], slow_links=[[0, 2]]), 3)
+LAYOUTS["tree-dp3-zero1"] = LAYOUTS["tree-dp3"] + (["--zero-stage", "1", "--shard-ratio", "3", "2", "1"],)
+LAYOUTS["tree-mixed"] = ("gpt2", 24, plan(24, [(4, 4, [(0, 0, 5), (1, 5, 8)]), (2, 4, full(2))], slow_links=[[1, 2]]), 3)
+LAYOUTS["tree-dp4-regions"] = ("gpt2", 24, plan(24, [(3, 2, full(0)), (3, 2, full(1)), (2, 3, full(2)), (1, 6, full(3))],
+                                                slow_links=[[0, 2], [0, 3], [1, 2], [1, 3]]), 4)
+
+
 RESHARD_CHAINS = {
     # steps 1-10 under ZeRO-2 with 3:1:2 shards in a 2-stage pipeline with a floating boundary (its
     # two stages share block 5's MLP half) beside a full replica, then steps 11-20 on three full replicas, ZeRO-1, even shards
@@ -501,8 +513,8 @@ def main():
             extra = list(layout)
         extra += extra_flags
         placement = ["--devices", ",".join(devices)] if devices else []
-        sh([alloy, "launch", "--nproc", str(world), "--threads-per-rank", "1"] + placement + ["--",
-            alloy, "train", "--config", cfg, "--timeout", "120"] + extra, env=env)
+        run = sh([alloy, "launch", "--nproc", str(world), "--threads-per-rank", "1"] + placement + ["--",
+                  alloy, "train", "--config", cfg, "--timeout", "120"] + extra, env=env)
         got = losses(out)
         worst = 0.0
         ok = len(got) == len(base) == STEPS
@@ -526,6 +538,9 @@ def main():
         if name.startswith("tp") and isinstance(layout, dict):
             ok = tp_split_held(out, os.path.join(work, f"single-{arch}-{gb}"), layout) and ok
             ok = tp_sums_reported(out, layout) and ok
+        if name.startswith("tree-") and "sums along a tree" not in run.stdout + run.stderr:
+            print(f"     {name}: no holder set summed along a tree")
+            ok = False
         if name in SHRINKS and os.path.exists(os.path.join(work, SHRINKS[name][0], "ranks.json")):
             base_name, key, at_most = SHRINKS[name]
             ok = shrank(os.path.join(work, base_name), out, key, at_most) and ok

@@ -295,7 +295,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         std::printf("%s", report.text().c_str());
         p = report.chosen.plan;
         p.predicted = report.chosen.cost.to_json();
-        if (p.grad_sync.lossy() && p.grad_sync.scope == "slow-links") p.slow_links = plan::slow_rank_pairs(p, spec, p.grad_sync);
+        if (plan::needs_slow_links(p.grad_sync)) p.slow_links = plan::slow_rank_pairs(p, spec, p.grad_sync);
         if (!pa->diagram.empty()) {
           // The diagram shows the few figures a reader needs per stage, not the whole breakdown.
           nlohmann::json brief = {{"step_s", p.predicted.value("step_s", 0.0)}, {"per_stage", nlohmann::json::array()}};

@@ -142,7 +142,10 @@ const std::vector<Field>& schema() {
                                         "second moment (1-bit Adam's recipe, see docs/DESIGN.md)"),
       ALLOY_INT(grad_sync, powersgd_rank, "powersgd: rank of the low-rank factors"),
       ALLOY_STR(grad_sync, scope, "all | slow-links: compress only between ranks joined by a slow link, exact elsewhere"),
-      ALLOY_FLOAT(grad_sync, slow_link_gbps, "scope slow-links: links below this are slow; 0 = below 1/4 of the fastest link"),
+      ALLOY_FLOAT(grad_sync, slow_link_gbps, "links below this are slow (scope slow-links, allreduce auto); 0 = below 1/4 of the "
+                                             "fastest link"),
+      ALLOY_STR(grad_sync, allreduce, "auto (exact sums of three or more holders go along a tree of their fast links where a "
+                                      "ring would cross a slow one) | ring (Gloo's ring always)"),
       ALLOY_FLOAT(grad_sync, dgc_momentum, "momentum correction's factor (local velocity); 0 = plain accumulation"),
       ALLOY_STR(grad_sync, momentum_correction, "auto (dgc only) | on (every sparsifier: a local velocity, as DGC's) | off"),
       ALLOY_STR(grad_sync, sidco_fit, "sidco: exponential | gamma | gpd"),
@@ -456,6 +459,7 @@ void GradSyncConfig::validate(const std::string& where, const std::string& prefi
     fail("dense_steps", "must be >= 1 with a sparsifier below density 1: Adam's second moment is measured on exact steps, then frozen");
   if (powersgd_rank < 1) fail("powersgd_rank", "must be >= 1, got " + std::to_string(powersgd_rank));
   one_of("scope", scope, {"all", "slow-links"});
+  one_of("allreduce", allreduce, {"auto", "ring"});
   if (!(slow_link_gbps >= 0)) fail("slow_link_gbps", "must be >= 0");
   if (!(dgc_momentum >= 0 && dgc_momentum < 1)) fail("dgc_momentum", "must be in [0, 1)");
   one_of("momentum_correction", momentum_correction, {"auto", "on", "off"});

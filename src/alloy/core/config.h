@@ -106,6 +106,9 @@ struct GradSyncConfig {
   // The precision exact sync moves gradients in: fp32, or bf16 / fp16, which are the casting
   // compressions of the same names (set_key makes compression follow it; validate checks they agree).
   std::string dtype = "fp32";
+  // How exact sync sums a holder set: auto = along a tree of its fast links where a ring of three or
+  // more members would cross a slow link (core/sync_tree.h), Gloo's ring elsewhere; ring = always.
+  std::string allreduce = "auto";
 
   bool lossy() const { return compression != "none"; }
   static bool sparse_method(const std::string& m) {

@@ -464,6 +464,7 @@ nlohmann::json Plan::to_json() const {
                            {"sidco_fit", g.sidco_fit},
                            {"sidco_stages", g.sidco_stages}});
   }
+  if (g.allreduce != "auto") j["grad_sync"]["allreduce"] = g.allreduce;
   if (!slow_links.empty()) {
     nlohmann::json sl = nlohmann::json::array();
     for (const auto& [a, b] : slow_links) sl.push_back({a, b});
@@ -596,6 +597,8 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
       o.sidco_fit = g.value("sidco_fit", o.sidco_fit);
       field = "grad_sync.sidco_stages";
       o.sidco_stages = whole_or(g, "sidco_stages", o.sidco_stages);
+      field = "grad_sync.allreduce";
+      o.allreduce = g.value("allreduce", o.allreduce);
       field = "grad_sync.slow_links";
       if (g.contains("slow_links"))
         for (const auto& e : g.at("slow_links")) {

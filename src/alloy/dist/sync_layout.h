@@ -8,13 +8,15 @@
 // one region: its ranks split into regions by the plan's slow_links (ranks joined, directly or
 // through each other, by links that are not slow). With scope slow-links such a set syncs
 // hierarchically (exact inside each region, compressed between regions); a set inside one region
-// stays exact.
+// stays exact. An exact set of three or more ranks with a slow pair among them sums along a tree
+// of its fast links instead of Gloo's ring (grad_sync.allreduce auto; core/sync_tree.h).
 #include <map>
 #include <string>
 #include <vector>
 
 #include "alloy/core/config.h"
 #include "alloy/core/plan.h"
+#include "alloy/core/sync_tree.h"
 
 namespace alloy::dist {
 
@@ -23,6 +25,7 @@ struct HolderSet {
   std::vector<std::vector<int>> regions;  // sorted by first rank; each sorted
   bool compressed = false;
   bool hierarchical = false;              // compressed between regions only (scope slow-links)
+  SyncTree tree;                          // exact sum along this tree over RANKS' order; empty: ring
   std::string name;                       // "grad-0-2": also the stem of its process groups
   const std::vector<int>* region_of(int rank) const;
   std::vector<int> leaders() const;       // the lowest rank of every region

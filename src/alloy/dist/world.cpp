@@ -15,6 +15,7 @@
 #include "alloy/core/error.h"
 #include "alloy/core/log.h"
 #include "alloy/dist/nccl.h"
+#include "alloy/dist/tree_allreduce.h"
 
 namespace alloy::dist {
 namespace {
@@ -66,10 +67,16 @@ int Group::group_rank_of(int global_rank) const {
 
 c10::intrusive_ptr<c10d::Work> Group::allreduce_sum(at::Tensor& t) {
   if (device_ && t.is_cuda()) return device_->allreduce_sum(t);
+  if (tree_ && t.is_cpu()) return tree_->allreduce_sum(t);
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::SUM;
   return gloo_->allreduce(v, o);
+}
+
+void Group::route_sums(std::shared_ptr<Group> p2p, const SyncTree& tree) {
+  if (!p2p || p2p->ranks() != ranks_) throw Error("group " + name_ + ": its sum tree needs a group of the same members");
+  tree_ = std::make_unique<TreeAllreduce>(std::move(p2p), tree);
 }
 
 c10::intrusive_ptr<c10d::Work> Group::allgather(std::vector<at::Tensor>& out, at::Tensor& in) {

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "alloy/core/sync_tree.h"
 #include "alloy/dist/rendezvous.h"
 
 namespace c10d {
@@ -24,6 +25,7 @@ class Work;
 namespace alloy::dist {
 
 class DeviceCollectives;
+class TreeAllreduce;
 
 // A process group over a subset of the world's ranks, on Gloo, which moves host memory: callers
 // stage CUDA tensors through the CPU (pipeline sends, mixed groups' reducer buckets). A group whose
@@ -41,8 +43,14 @@ class Group {
 
   // Whether CUDA tensors' all-reduce, broadcast and all-gather stay on the device (NCCL).
   bool device_collectives() const { return device_ != nullptr; }
-  // Asynchronous SUM all-reduce in place; wait() on the handle.
+  // Asynchronous SUM all-reduce in place; wait() on the handle. Host tensors go along the group's
+  // sum tree when it has one (route_sums), else through Gloo's ring.
   c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor& t);
+  // From now on host tensors' SUM all-reduces travel along TREE (over this group's members in
+  // rank order; dist/tree_allreduce.h), through P2P: a group of the same members used for
+  // nothing else. Every member calls it with the same tree.
+  void route_sums(std::shared_ptr<Group> p2p, const SyncTree& tree);
+  bool routes_sums_by_tree() const { return tree_ != nullptr; }
   // Asynchronous all-gather of equal-sized tensors: OUT[i] receives group rank i's IN.
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<at::Tensor>& out, at::Tensor& in);
   // Asynchronous all-to-all along dimension 0: IN's first IN_ROWS[i] rows (after those for
@@ -63,6 +71,7 @@ class Group {
   int my_rank_ = -1;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo_;
   std::unique_ptr<DeviceCollectives> device_;
+  std::unique_ptr<TreeAllreduce> tree_;
 };
 
 // What a rank publishes of its device (World::set_device): "cpu", "cuda:I@host" when it will use

@@ -8,6 +8,7 @@
 
 #include "alloy/core/components.h"
 #include "alloy/core/error.h"
+#include "alloy/core/sync_tree.h"
 #include "alloy/plan/cost_sharding.h"
 #include "alloy/plan/sync_scope.h"
 
@@ -278,6 +279,27 @@ CostContext::SyncShape CostContext::sync_shape(const std::vector<int>& d, const 
   const double f = n > 1 ? 2.0 * (n - 1) / n : 0.0;
   if (!s.compressed) {
     s.ring = ring(d, loads, f * set_bytes);
+    if (gs_.allreduce == "auto") {
+      const SyncTree t = sync_tree(d.size(), [&](size_t a, size_t b) { return slow_pair(d[a], d[b]); });
+      if (!t.empty()) {
+        s.tree = true;
+        Tree& tr = s.sum_tree;
+        tr.depth = t.depth;
+        tr.devices = d;
+        tr.parent = t.parent;
+        tr.slowest_bytes_per_s = std::numeric_limits<double>::infinity();
+        for (size_t m = 0; m < d.size(); ++m) {
+          tr.degree.push_back(t.degree(static_cast<int>(m)));
+          if (t.parent[m] < 0) continue;
+          const int hm = host_of(d[m]), hp = host_of(d[static_cast<size_t>(t.parent[m])]);
+          for (const size_t k : {idx(hm, hp), idx(hp, hm)}) {  // the partial sum up, the total down
+            const double share = loads ? loads->factor(hop_link_[k], set_bytes) : 1.0;
+            tr.slowest_bytes_per_s = std::min(tr.slowest_bytes_per_s, bw_[k] / share);
+            tr.latency_s = std::max(tr.latency_s, lat_[k]);
+          }
+        }
+      }
+    }
     return s;
   }
   auto codec_of = [&](int dev) {
@@ -321,6 +343,16 @@ void CostContext::add_load(const std::vector<int>& d, double set_bytes, LinkLoad
       loads->hop[hop_link_[idx(host_of(ring_devs[i]), host_of(ring_devs[(i + 1) % ring_devs.size()]))]].push_back(per_hop);
   };
   const int n = static_cast<int>(d.size());
+  if (s.tree) {  // every tree edge, both ways
+    const Tree& t = s.sum_tree;
+    for (size_t m = 0; m < t.devices.size(); ++m) {
+      if (t.parent[m] < 0) continue;
+      const int hm = host_of(t.devices[m]), hp = host_of(t.devices[static_cast<size_t>(t.parent[m])]);
+      loads->hop[hop_link_[idx(hm, hp)]].push_back(set_bytes);
+      loads->hop[hop_link_[idx(hp, hm)]].push_back(set_bytes);
+    }
+    return;
+  }
   if (!s.compressed) {
     put(d, n > 1 ? 2.0 * (n - 1) / n * set_bytes : 0);
     return;
@@ -344,8 +376,25 @@ void CostContext::add_load(const std::vector<int>& d, double set_bytes, LinkLoad
   put(leaders, exchange(static_cast<int>(leaders.size())));
 }
 
+int CostContext::Tree::degree_of(int device) const {
+  for (size_t m = 0; m < devices.size(); ++m)
+    if (devices[m] == device) return degree[m];
+  return degree.empty() ? 0 : *std::max_element(degree.begin(), degree.end());
+}
+
+double CostContext::tree_allreduce_s(const Tree& t, double bytes) const {
+  if (!(bytes > 0) || t.devices.size() < 2) return 0;
+  // The first chunk climbs DEPTH levels and the total comes down as many; the chunks behind it
+  // follow one per chunk time on the slowest edge (up and down are different ways of a link).
+  const double chunk = std::min(bytes, static_cast<double>(kSyncTreeChunkBytes));
+  return (bytes + (2.0 * t.depth - 1) * chunk) / t.slowest_bytes_per_s + 2.0 * t.depth * t.latency_s;
+}
+
 double CostContext::sync_buffer_bytes(const SyncShape& s, double set_bytes) const {
-  if (!s.compressed) return set_bytes;  // the reducer's bucket copy
+  // The reducer's bucket copy; a tree's member also receives its children's and its parent's copy of
+  // the bucket in flight.
+  if (s.tree) return set_bytes + s.sum_tree.degree_of(-1) * std::min(set_bytes, bucket_bytes());
+  if (!s.compressed) return set_bytes;
   // Staging and output buffers, the residual (error feedback) and DGC's velocity.
   double k = 2;
   if (gs_.error_feedback) k += 1;
@@ -359,6 +408,11 @@ double CostContext::allgather_s(const Ring& r, double per_member) const {
 }
 
 double CostContext::bucket_s(const SyncShape& s, double bytes, int64_t* collectives) const {
+  if (s.tree) {
+    const double nb = std::max(1.0, std::ceil(bytes / bucket_bytes()));
+    if (collectives) *collectives = static_cast<int64_t>(nb);
+    return nb * tree_allreduce_s(s.sum_tree, bytes / nb);
+  }
   if (!s.compressed) return allreduce_s(s.ring, bytes, bucket_bytes(), collectives);
   if (collectives) *collectives = 1;
   const double elems = bytes / dtype_bytes_, wire = wire_ratio() * bytes;
@@ -382,9 +436,10 @@ double CostContext::bucket_s(const SyncShape& s, double bytes, int64_t* collecti
   return t + region + exchange(s.leaders) + bcast;
 }
 
-double CostContext::sync_cpu_s(int type, const SyncShape& s, double bytes, size_t n) const {
+double CostContext::sync_cpu_s(int type, const SyncShape& s, double bytes, size_t n, int device) const {
   const double rate = type_profile_[static_cast<size_t>(type)]->comm_cpu_s_per_byte;
   if (!(rate > 0) || n < 2) return 0;
+  if (s.tree) return rate * 2.0 * bytes * s.sum_tree.degree_of(device);
   auto moved = [](double payload, int k, bool gather) {
     if (k < 2) return 0.0;
     return 2.0 * (gather ? (k - 1) * payload : 2.0 * (k - 1) / k * payload);
@@ -721,7 +776,7 @@ void CostContext::buckets(const SyncShape& s, const std::vector<std::pair<int, d
   auto close = [&](Bucket& b) {
     if (!s.compressed) {
       b.collectives = cap > 0 ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(b.bytes / cap))) : 1;
-      b.time_s = s.ring.n < 2 ? 0 : allreduce_s(s.ring, b.bytes, cap);
+      b.time_s = s.ring.n < 2 ? 0 : s.tree ? tree_allreduce_s(s.sum_tree, b.bytes) : allreduce_s(s.ring, b.bytes, cap);
     } else {
       b.time_s = bucket_s(s, b.bytes, &b.collectives);
     }

@@ -171,6 +171,7 @@ struct PipelineCost {
 struct SyncGroupCost {
   std::vector<int> ranks;  // in ring order
   bool compressed = false, hierarchical = false;
+  bool tree = false;       // exact, summed along a tree around slow links
   int regions = 1;
   double wire_bytes = 0;   // compressed: what one member puts in the exchange
   double encode_s = 0;     // compressed: encode + decode time of all buckets
@@ -385,9 +386,19 @@ class CostContext {
 
   // How one holder set's gradients travel: an exact ring all-reduce, a flat compressed exchange,
   // or hierarchical (regions exact, their leaders compressed).
+  // An exact set summed along a tree (core/sync_tree.h): every tree edge carries the set's bytes
+  // once each way, chunk by chunk, so a bucket takes its bytes over the slowest tree edge, plus a
+  // chunk per level up and down and each level's latency.
+  struct Tree {
+    int depth = 0;
+    double slowest_bytes_per_s = 0, latency_s = 0;  // over the tree's edges, either way
+    std::vector<int> devices, degree, parent;       // the members (the shape's order), their tree edges, parents (-1: root)
+    int degree_of(int device) const;                // the most of any member for a device not among them
+  };
   struct SyncShape {
-    bool compressed = false, hierarchical = false;
+    bool compressed = false, hierarchical = false, tree = false;
     Ring ring;                    // every member (exact, flat)
+    Tree sum_tree;                // exact, along a tree around slow links (tree)
     std::vector<Ring> regions;    // hierarchical: the regions of two or more members
     Ring leaders;                 // hierarchical: one device per region
     int num_regions = 1;
@@ -419,7 +430,11 @@ class CostContext {
   // member its region's exact all-reduce and the leaders' compressed exchange (an upper bound for
   // members that lead nothing). The member's compute and this share its CPU, so its sync cannot
   // end before its last backward plus this (charged like encoding).
-  double sync_cpu_s(int type, const SyncShape& shape, double bytes, size_t n) const;
+  // A tree's member moves the set's bytes each way over each of its tree edges (DEVICE: the member;
+  // -1: the busiest).
+  double sync_cpu_s(int type, const SyncShape& shape, double bytes, size_t n, int device = -1) const;
+  // A bucket of BYTES summed along TREE (chunks of dist/tree_allreduce's kChunkBytes).
+  double tree_allreduce_s(const Tree& tree, double bytes) const;
   // Memory the set's sync keeps on each member: the reducer's bucket copy (exact), or staging,
   // output, residual and DGC velocity buffers (compressed).
   double sync_buffer_bytes(const SyncShape& shape, double set_bytes) const;

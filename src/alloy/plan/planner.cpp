@@ -206,6 +206,14 @@ std::string PlanReport::text() const {
         << "\n";
   }
   for (const auto& n : chosen.notes) o << "  note: " << n << "\n";
+  for (const auto& g : c.sync_groups)
+    if (g.tree)
+      o << "  note: ranks " << [&] {
+        std::string s;
+        for (int x : g.ranks) s += (s.empty() ? "" : ",") + std::to_string(x);
+        return s;
+      }() << " sum their gradients along a tree of their fast links (a ring would cross a slow one): slowest tree edge "
+        << fmt("%.0f Mbit/s", g.slowest_bytes_per_s * 8 / 1e6) << ", " << mib(g.bytes) << " in " << ms(g.time_s) << "\n";
   auto sync_name = [](const GradSyncConfig& g) {
     if (!g.lossy()) return std::string("exact sync");
     std::string s = g.compression;

@@ -290,7 +290,7 @@ void Evaluator::add_set(const CostContext::SyncShape& shape, const int* members,
       syncp_[x].emplace_back(tail_[k], off);
     }
     bucket_[x] += buffers;
-    encode_[x] += enc + ctx_.sync_cpu_s(ctx_.type_of(members[i]), shape, bytes, n);
+    encode_[x] += enc + ctx_.sync_cpu_s(ctx_.type_of(members[i]), shape, bytes, n, members[i]);
   }
 }
 

@@ -287,7 +287,10 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     g.compressed = shape.compressed;
     g.hierarchical = shape.hierarchical;
     g.regions = shape.num_regions;
-    g.slowest_bytes_per_s = shape.hierarchical ? shape.leaders.slowest_bytes_per_s : shape.ring.slowest_bytes_per_s;
+    g.tree = shape.tree;
+    g.slowest_bytes_per_s = shape.tree           ? shape.sum_tree.slowest_bytes_per_s
+                            : shape.hierarchical ? shape.leaders.slowest_bytes_per_s
+                                                 : shape.ring.slowest_bytes_per_s;
     if (shape.compressed) {
       g.wire_bytes = ctx.wire_ratio() * set.bytes;
       g.encode_s = (shape.encode_s_per_elem + shape.decode_s_per_elem) * set.bytes / ctx.dtype_bytes();
@@ -316,7 +319,8 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       bucket[static_cast<size_t>(r)] += ctx.sync_buffer_bytes(shape, set.bytes);
       longest[static_cast<size_t>(r)] = std::max(longest[static_cast<size_t>(r)], g.time_s);
       if (shape.compressed && !shape.hierarchical) encode_total[static_cast<size_t>(r)] += ctx.encode_s(shape, set.bytes);
-      encode_total[static_cast<size_t>(r)] += ctx.sync_cpu_s(ctx.type_of(dev_of[static_cast<size_t>(r)]), shape, set.bytes, g.ranks.size());
+      encode_total[static_cast<size_t>(r)] +=
+          ctx.sync_cpu_s(ctx.type_of(dev_of[static_cast<size_t>(r)]), shape, set.bytes, g.ranks.size(), dev_of[static_cast<size_t>(r)]);
     }
     pc.sync_groups.push_back(g);
   }
@@ -450,6 +454,7 @@ nlohmann::json PlanCost::to_json() const {
                {"ready_s", g.ready_s},
                {"time_s", g.time_s},
                {"done_s", g.done_s}};
+    if (g.tree) gj["route"] = "tree";
     if (g.compressed) {
       gj["compressed"] = g.hierarchical ? "hierarchical" : "flat";
       gj["regions"] = g.regions;

@@ -30,6 +30,11 @@ int device_of_rank(const Plan& plan, const ClusterSpec& cluster, int rank) {
   return rank;
 }
 
+bool needs_slow_links(const GradSyncConfig& g) {
+  if (g.lossy()) return g.scope == "slow-links";  // scope all compresses every set: none sums exact
+  return g.allreduce == "auto";
+}
+
 std::vector<std::pair<int, int>> slow_rank_pairs(const Plan& plan, const ClusterSpec& cluster, const GradSyncConfig& g) {
   const double thr = slow_link_threshold_gbps(cluster, g);
   const int W = plan.world_size();
@@ -64,6 +69,7 @@ void apply_grad_sync(Plan& plan, const Config& cfg, bool plan_from_file, const s
   take("sidco_fit", &GradSyncConfig::sidco_fit);
   take("sidco_stages", &GradSyncConfig::sidco_stages);
   take("allow_lossy", &GradSyncConfig::allow_lossy);
+  take("allreduce", &GradSyncConfig::allreduce);
   plan.validate(cfg.model, where);
 }
 

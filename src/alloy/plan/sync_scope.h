@@ -19,6 +19,10 @@ double slow_link_threshold_gbps(const ClusterSpec& cluster, const GradSyncConfig
 // (the emulator's convention: rank i is device i). Throws InputError when neither exists.
 int device_of_rank(const Plan& plan, const ClusterSpec& cluster, int rank);
 
+// Whether the runtime looks at the plan's slow links under G: scope slow-links compresses across
+// them, and exact sets (allreduce auto) sum along trees around them.
+bool needs_slow_links(const GradSyncConfig& g);
+
 // Pairs of ranks (a < b) on different hosts whose link is slow.
 std::vector<std::pair<int, int>> slow_rank_pairs(const Plan& plan, const ClusterSpec& cluster, const GradSyncConfig& g);
 

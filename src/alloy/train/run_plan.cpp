@@ -246,12 +246,12 @@ ResolvedPlan resolve_plan(const Config& cfg, const PlanSources& src, int world_s
   // The planner chose the automatic plan's sync from the config (allow_lossy may have made it
   // compress): keep it, like a plan file's, but for the keys the config sets explicitly.
   plan::apply_grad_sync(*out.plan, cfg, from_file || out.autoplan, where);
-  if (out.plan->grad_sync.lossy() && out.plan->grad_sync.scope == "slow-links") {
+  if (plan::needs_slow_links(out.plan->grad_sync)) {
     const std::string path = cluster_path(src);
     if (!path.empty()) {
       plan::ClusterSpec spec = out.autoplan ? out.autoplan->spec : plan::load_cluster(path);
       out.plan->slow_links = plan::slow_rank_pairs(*out.plan, spec, out.plan->grad_sync);
-    } else if (out.plan->slow_links.empty()) {
+    } else if (out.plan->slow_links.empty() && out.plan->grad_sync.lossy()) {
       throw InputError("grad_sync.scope", "slow-links needs to know which links are slow: --cluster FILE (or `alloy launch "
                                           "--emulate FILE`), or slow_links in the plan's grad_sync");
     }

@@ -357,6 +357,12 @@ void Trainer::build_groups() {
     if (!set.hierarchical) {
       g.all = world_->new_group(gen + set.name, set.ranks);
       groups_.push_back(g.all);
+      if (!set.tree.empty()) {
+        // Its sums go along the tree, point to point over a group of their own.
+        auto p2p = world_->new_group(gen + set.name + "-tree", set.ranks);
+        groups_.push_back(p2p);
+        g.all->route_sums(p2p, set.tree);
+      }
       continue;
     }
     for (const auto& region : set.regions)
@@ -435,6 +441,17 @@ void Trainer::build_groups() {
                "(default 20)");
     sparse_params_.insert(names.begin(), names.end());
   }
+  if (rank_ == 0 && !opts_.quiet)
+    for (const auto& set : sync_->sets()) {
+      if (set.tree.empty()) continue;
+      std::string edges;
+      for (size_t m = 0; m < set.ranks.size(); ++m)
+        if (set.tree.parent[m] >= 0)
+          edges += (edges.empty() ? "" : ", ") + std::to_string(set.ranks[static_cast<size_t>(set.tree.parent[m])]) + "-" +
+                   std::to_string(set.ranks[m]);
+      log_info("gradient sync: holder set " + join(set.ranks, ",") + " sums along a tree around its slow link(s) (rank " +
+               std::to_string(set.ranks[static_cast<size_t>(set.tree.root)]) + " at the root; edges " + edges + ")");
+    }
   if (rank_ == 0 && plan_->grad_sync.lossy() && !opts_.quiet) {
     int compressed = 0, total = 0;
     for (const auto& set : sync_->sets()) total += 1, compressed += set.compressed ? 1 : 0;

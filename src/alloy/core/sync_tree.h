@@ -1,0 +1,43 @@
+#pragma once
+// The route of an exact gradient sum around slow links. A ring all-reduce of three or more members
+// crosses every hop of its ring, so one slow pair among them bounds the whole sum: on the 3-device
+// pool (fast - half - quarter joined at 1 Gbit/s, fast - quarter at 0.2) a ring of all three runs
+// at the slow pair's speed although the half device joins the other two by fast links. A tree
+// over the members' fast links (slow ones only where the fast ones leave regions apart) sends each
+// member's partial sum up and the total back down, chunk by chunk: every tree edge carries the
+// buffer once each way, and the slow pair carries nothing.
+//
+// One pure function, used by the runtime (ranks, dist/tree_allreduce) and the cost model (devices,
+// plan/cost_model) alike, so the tree priced is the tree run.
+#include <cstddef>
+#include <functional>
+#include <vector>
+
+namespace alloy {
+
+// The runtime's chunk (dist/tree_allreduce): large enough that a chunk's fixed costs are small
+// against its bytes, small enough that a 1 MiB bucket pipelines through a two-level tree.
+constexpr long long kSyncTreeChunkBytes = 256 * 1024;
+
+struct SyncTree {
+  int root = -1;                           // member index; -1: no tree, the set syncs by ring
+  std::vector<int> parent;                 // per member; -1 for the root
+  std::vector<std::vector<int>> children;  // per member, ascending
+  int depth = 0;                           // edges on the longest path from the root
+  bool empty() const { return root < 0; }
+  // Tree edges a member's sum crosses: its children and its parent.
+  int degree(int member) const {
+    return static_cast<int>(children[static_cast<size_t>(member)].size()) + (parent[static_cast<size_t>(member)] >= 0 ? 1 : 0);
+  }
+};
+
+// The tree for N members (in an order every member agrees on) when SLOW(a, b) (a < b) holds for
+// at least one pair and N >= 3; empty otherwise (the ring: two members exchange both ways at once
+// whatever the link, and a set without a slow pair keeps Gloo's ring, whose per-member traffic is
+// the least). Edges are taken fast ones first, then slow ones (Kruskal), each kind by the distance
+// of the members in the order and then by the first member, so members next to each other (a
+// host's or a region's, in host order) chain; the root is the member with the shortest longest
+// path to the others (the lowest index among equals).
+SyncTree sync_tree(size_t n, const std::function<bool(size_t, size_t)>& slow);
+
+}  // namespace alloy

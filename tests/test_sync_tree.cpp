@@ -1,0 +1,100 @@
+// The route of exact sums around slow links (core/sync_tree.h): which sets get a tree, and that
+// every tree spans its members, crosses as few slow links as the fast ones allow and is rooted at
+// a centre.
+#include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
+
+#include <algorithm>
+#include <set>
+#include <functional>
+#include <utility>
+#include <vector>
+
+#include "alloy/core/components.h"
+#include "alloy/core/sync_tree.h"
+
+using alloy::sync_tree;
+using alloy::SyncTree;
+
+namespace {
+std::function<bool(size_t, size_t)> slow_pairs(std::set<std::pair<size_t, size_t>> pairs) {
+  return [pairs](size_t a, size_t b) { return pairs.count({std::min(a, b), std::max(a, b)}) > 0; };
+}
+}  // namespace
+
+// The 3-device pool: fast (0) and quarter (2) joined by the slow link, the half device (1) joined
+// to both by fast ones. The sum goes through the half device and nothing crosses 0-2.
+TEST(SyncTree, TheThreeDevicePoolSumsThroughTheHalfDevice) {
+  const SyncTree t = sync_tree(3, slow_pairs({{0, 2}}));
+  ASSERT_FALSE(t.empty());
+  EXPECT_EQ(t.root, 1);
+  EXPECT_EQ(t.parent, (std::vector<int>{1, -1, 1}));
+  EXPECT_EQ(t.children[1], (std::vector<int>{0, 2}));
+  EXPECT_EQ(t.depth, 1);
+  EXPECT_EQ(t.degree(1), 2);
+  EXPECT_EQ(t.degree(0), 1);
+}
+
+TEST(SyncTree, RingsStayWhereNoSlowPairIsAmongTheMembersOrOnlyTwoSum) {
+  EXPECT_TRUE(sync_tree(4, slow_pairs({})).empty());
+  EXPECT_TRUE(sync_tree(2, slow_pairs({{0, 1}})).empty());  // two members exchange both ways at once
+  EXPECT_TRUE(sync_tree(1, slow_pairs({})).empty());
+}
+
+// Two regions of two joined only by slow links: one slow edge, between neighbours in the order,
+// the two fast pairs kept, the root in the middle of the chain.
+TEST(SyncTree, TwoRegionsCrossTheSlowLinksOnce) {
+  const SyncTree t = sync_tree(4, slow_pairs({{0, 2}, {0, 3}, {1, 2}, {1, 3}}));
+  ASSERT_FALSE(t.empty());
+  EXPECT_EQ(t.depth, 2);
+  EXPECT_EQ(t.root, 1);
+  EXPECT_EQ(t.parent, (std::vector<int>{1, -1, 1, 2}));
+}
+
+// Any members and slow pairs: a spanning tree whose edges are N - 1, of which exactly (regions of
+// the fast links - 1) are slow, whose root has the smallest height any member would give, and
+// whose children lists match the parents.
+RC_GTEST_PROP(SyncTree, EveryTreeSpansWithTheFewestSlowEdgesFromACentre, ()) {
+  const size_t n = *rc::gen::inRange<size_t>(1, 10);
+  std::set<std::pair<size_t, size_t>> slow;
+  for (size_t a = 0; a < n; ++a)
+    for (size_t b = a + 1; b < n; ++b)
+      if (*rc::gen::inRange(0, 3) == 0) slow.insert({a, b});
+  const auto is_slow = slow_pairs(slow);
+  const SyncTree t = sync_tree(n, is_slow);
+  RC_ASSERT(t.empty() == (n < 3 || slow.empty()));
+  if (t.empty()) return;
+  RC_ASSERT(t.parent.size() == n && t.children.size() == n);
+  RC_ASSERT(t.parent[static_cast<size_t>(t.root)] == -1);
+  size_t slow_edges = 0, edges = 0;
+  auto height_from = [&](size_t r) {
+    // Tree distances from R over the parent links (both ways).
+    std::vector<int> d(n, -1);
+    std::vector<size_t> q{r};
+    d[r] = 0;
+    for (size_t i = 0; i < q.size(); ++i) {
+      const size_t x = q[i];
+      std::vector<size_t> nb;
+      if (t.parent[x] >= 0) nb.push_back(static_cast<size_t>(t.parent[x]));
+      for (int c : t.children[x]) nb.push_back(static_cast<size_t>(c));
+      for (size_t y : nb)
+        if (d[y] < 0) d[y] = d[x] + 1, q.push_back(y);
+    }
+    RC_ASSERT(std::all_of(d.begin(), d.end(), [](int v) { return v >= 0; }));  // spans
+    return *std::max_element(d.begin(), d.end());
+  };
+  for (size_t m = 0; m < n; ++m) {
+    const auto& kids = t.children[m];
+    RC_ASSERT(std::is_sorted(kids.begin(), kids.end()));
+    for (int c : kids) RC_ASSERT(t.parent[static_cast<size_t>(c)] == static_cast<int>(m));
+    if (t.parent[m] < 0) continue;
+    ++edges;
+    slow_edges += is_slow(m, static_cast<size_t>(t.parent[m])) ? 1 : 0;
+  }
+  RC_ASSERT(edges == n - 1);
+  const size_t regions = alloy::components(n, [&](size_t a, size_t b) { return a != b && !is_slow(a, b); }).size();
+  RC_ASSERT(slow_edges == regions - 1);
+  const int h = height_from(static_cast<size_t>(t.root));
+  RC_ASSERT(h == t.depth);
+  for (size_t m = 0; m < n; ++m) RC_ASSERT(height_from(m) >= h);
+}
