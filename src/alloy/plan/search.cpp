@@ -127,7 +127,14 @@ std::vector<int64_t> SearchOptions::candidate_micro_batches() const {
   if (c.empty()) {
     if (max_micro_batch < 1)
       throw InputError("planner", "max_micro_batch must be >= 1, got " + std::to_string(max_micro_batch));
-    for (int64_t m = 1; m <= max_micro_batch; m *= 2) c.push_back(m);
+    // Powers of two and the sizes halfway between them (1, 2, 3, 4, 6, 8, 12, ...): a replica's
+    // samples then come in steps of a few percent, so heterogeneous replicas can be balanced
+    // (on the 3-device pool 57 / 27 / 12 samples instead of 60 / 24 / 12), while the search's
+    // candidates grow by half, not to every size.
+    for (int64_t m = 1; m <= max_micro_batch; m *= 2) {
+      c.push_back(m);
+      if (m >= 2 && m + m / 2 <= max_micro_batch) c.push_back(m + m / 2);
+    }
   }
   std::sort(c.begin(), c.end());
   c.erase(std::unique(c.begin(), c.end()), c.end());

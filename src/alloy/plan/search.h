@@ -73,7 +73,7 @@ struct SearchOptions {
   // other schedules to be chosen (kSplitScheduleMinGain); 0: the fastest predicted, whatever it is.
   double split_schedule_min_gain = kSplitScheduleMinGain;
   int64_t max_micro_batch = 8;
-  std::vector<int64_t> micro_batch_sizes;  // candidate sizes; empty: powers of two up to max_micro_batch
+  std::vector<int64_t> micro_batch_sizes;  // candidate sizes; empty: powers of two and 3 x powers of two up to max_micro_batch
   GradSyncConfig grad_sync;  // bucket size, compression and its scope: fixed, as the cost model prices them
   int ptafm_stages = 0;  // PTAFM's NUM_STAGE; 0: the fewest stages whose plan fits
   // The alloy strategy is exact when the space has at most this many (partition, order, split)
