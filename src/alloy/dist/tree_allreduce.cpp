@@ -20,16 +20,20 @@ class TreeWork : public c10d::Work {
 
 constexpr int64_t kMaxChunks = 1 << 15;  // chunk indices take 15 bits of a tag
 constexpr int kUp = 0, kDown = 1;
-// The thread's own waits: the error names the step of the sum; the training thread's wait_work on
-// the sum's Work adds the world's failure report once.
-void wait_step(const c10::intrusive_ptr<c10d::Work>& w, const std::string& what) {
+// A step of a sum (posting a receive or a send, or waiting for one): its error names the step and
+// the peer; the caller's wait (wait_work) adds the world's failure report once.
+template <typename F>
+auto step(const std::string& what, F&& f) -> decltype(f()) {
   try {
-    w->wait();  // bounded by the group's timeout
+    return f();
   } catch (const std::exception& e) {
     std::string msg = e.what();
     msg = msg.substr(0, msg.find('\n'));
     throw Error(what + ": " + msg);
   }
+}
+void wait_step(const c10::intrusive_ptr<c10d::Work>& w, const std::string& what) {
+  step(what, [&] { return w->wait(); });  // bounded by the group's timeout
 }
 
 int tag_of(int64_t seq, int64_t chunk, int dir) {
@@ -61,9 +65,39 @@ TreeAllreduce::~TreeAllreduce() {
   worker_.join();
 }
 
+namespace {
+void check_host(const at::Tensor& t, const std::string& group) {
+  if (!t.is_cpu() || !t.is_contiguous()) throw Error("group " + group + ": the tree all-reduce sums contiguous host tensors");
+}
+}  // namespace
+
+void TreeAllreduce::sum_now(at::Tensor& t) {
+  check_host(t, group_->name());
+  at::Tensor flat = t.view({-1});
+  int64_t seq = 0;
+  {
+    // Sums pair up across members in the order asked for: wait for those queued before this one.
+    std::unique_lock<std::mutex> lk(mu_);
+    idle_cv_.wait(lk, [&] { return queue_.empty() && !running_; });
+    running_ = true;
+    seq = seq_++;
+  }
+  struct Done {
+    TreeAllreduce* self;
+    ~Done() {
+      {
+        std::lock_guard<std::mutex> lk(self->mu_);
+        self->running_ = false;
+      }
+      self->cv_.notify_all();
+      self->idle_cv_.notify_all();
+    }
+  } done{this};
+  sum(flat, seq);
+}
+
 c10::intrusive_ptr<c10d::Work> TreeAllreduce::allreduce_sum(at::Tensor& t) {
-  if (!t.is_cpu() || !t.is_contiguous())
-    throw Error("group " + group_->name() + ": the tree all-reduce sums contiguous host tensors");
+  check_host(t, group_->name());
   auto job = std::make_unique<Job>();
   job->flat = t.view({-1});
   job->work = c10::make_intrusive<TreeWork>();
@@ -82,17 +116,24 @@ void TreeAllreduce::run() {
     std::unique_ptr<Job> job;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      cv_.wait(lk, [&] { return (stop_ && queue_.empty()) || (!queue_.empty() && !running_); });
       if (queue_.empty()) return;  // stopping, nothing left
       job = std::move(queue_.front());
       queue_.pop_front();
+      running_ = true;
     }
+    std::exception_ptr error;
     try {
       sum(job->flat, job->seq);
-      job->work->complete(nullptr);
     } catch (...) {
-      job->work->complete(std::current_exception());
+      error = std::current_exception();
     }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      running_ = false;
+    }
+    idle_cv_.notify_all();
+    job->work->complete(error);
   }
 }
 
@@ -119,7 +160,7 @@ void TreeAllreduce::sum(at::Tensor& flat, int64_t seq) {
     from_kid.push_back(at::empty({n}, flat.options()));
     for (int64_t k = 0; k < chunks; ++k) {
       at::Tensor p = part(from_kid[c], k);
-      kid_recv[c].push_back(group_->recv(p, global(kids[c]), tag_of(seq, k, kUp)));
+      kid_recv[c].push_back(step(what("receiving a partial sum from", kids[c]), [&] { return group_->recv(p, global(kids[c]), tag_of(seq, k, kUp)); }));
     }
   }
   at::Tensor total;  // what comes down from the parent
@@ -128,14 +169,15 @@ void TreeAllreduce::sum(at::Tensor& flat, int64_t seq) {
     total = at::empty({n}, flat.options());
     for (int64_t k = 0; k < chunks; ++k) {
       at::Tensor p = part(total, k);
-      parent_recv.push_back(group_->recv(p, global(up), tag_of(seq, k, kDown)));
+      parent_recv.push_back(step(what("receiving the total from", up), [&] { return group_->recv(p, global(up), tag_of(seq, k, kDown)); }));
     }
   }
   std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, std::string>> sends;
   auto send_down = [&](const at::Tensor& src, int64_t k) {
     for (int kid : kids) {
       at::Tensor p = part(src, k);
-      sends.emplace_back(group_->send(p, global(kid), tag_of(seq, k, kDown)), what("sending the total to", kid));
+      const std::string text = what("sending the total to", kid);
+      sends.emplace_back(step(text, [&] { return group_->send(p, global(kid), tag_of(seq, k, kDown)); }), text);
     }
   };
   // Up: this member's chunk plus its children's, in ascending member order.
@@ -145,10 +187,12 @@ void TreeAllreduce::sum(at::Tensor& flat, int64_t seq) {
       wait_step(kid_recv[c][static_cast<size_t>(k)], what("receiving a partial sum from", kids[c]));
       mine.add_(part(from_kid[c], k));
     }
-    if (up >= 0)
-      sends.emplace_back(group_->send(mine, global(up), tag_of(seq, k, kUp)), what("sending a partial sum to", up));
-    else
+    if (up >= 0) {
+      const std::string text = what("sending a partial sum to", up);
+      sends.emplace_back(step(text, [&] { return group_->send(mine, global(up), tag_of(seq, k, kUp)); }), text);
+    } else {
       send_down(flat, k);
+    }
   }
   // Down: the total, passed on to the children as it arrives.
   if (up >= 0)
