@@ -800,7 +800,12 @@ TEST(CostModel, HierarchicalSyncCompressesOnlyBetweenRegions) {
   // ring would cross two hops with 2 * 3/4 of it). Compressed: 6 MB inside each region at 1.25
   // GB/s, then 2% of it between the two leaders.
   EXPECT_TRUE(dense.sync_groups[0].tree);
-  EXPECT_GT(dense.sync_groups[0].time_s, 0.48);
+  // The tree a0 - a1 - b0 - b1 (one slow edge), rooted at a1: the bytes behind the first chunk at
+  // 12.5 MB/s, and the first chunk from b1 up to a1 and back (two fast hops, two slow, with their
+  // latencies).
+  const double chunk = 256.0 * 1024;
+  EXPECT_NEAR(dense.sync_groups[0].time_s, (6e6 - chunk) / 1.25e7 + chunk * (2 / 1.25e9 + 2 / 1.25e7) + 2 * 0.0001 + 2 * 0.010,
+              1e-9);
   EXPECT_LT(pc.sync_groups[0].time_s, 0.1);
   EXPECT_LT(pc.step_s, dense.step_s);
   // A set inside one region stays exact: a pipeline whose both stages sit in region A.

@@ -288,6 +288,7 @@ CostContext::SyncShape CostContext::sync_shape(const std::vector<int>& d, const 
         tr.devices = d;
         tr.parent = t.parent;
         tr.slowest_bytes_per_s = std::numeric_limits<double>::infinity();
+        std::vector<double> edge_s_per_byte(d.size(), 0), edge_latency(d.size(), 0);  // member -> parent, both ways
         for (size_t m = 0; m < d.size(); ++m) {
           tr.degree.push_back(t.degree(static_cast<int>(m)));
           if (t.parent[m] < 0) continue;
@@ -295,8 +296,16 @@ CostContext::SyncShape CostContext::sync_shape(const std::vector<int>& d, const 
           for (const size_t k : {idx(hm, hp), idx(hp, hm)}) {  // the partial sum up, the total down
             const double share = loads ? loads->factor(hop_link_[k], set_bytes) : 1.0;
             tr.slowest_bytes_per_s = std::min(tr.slowest_bytes_per_s, bw_[k] / share);
-            tr.latency_s = std::max(tr.latency_s, lat_[k]);
+            edge_s_per_byte[m] += share / bw_[k];
+            edge_latency[m] += lat_[k];
           }
+        }
+        for (size_t m = 0; m < d.size(); ++m) {
+          double spb = 0, lat = 0;
+          for (int x = static_cast<int>(m); t.parent[static_cast<size_t>(x)] >= 0; x = t.parent[static_cast<size_t>(x)])
+            spb += edge_s_per_byte[static_cast<size_t>(x)], lat += edge_latency[static_cast<size_t>(x)];
+          tr.path_s_per_byte.push_back(spb);
+          tr.path_latency_s.push_back(lat);
         }
       }
     }
@@ -384,10 +393,14 @@ int CostContext::Tree::degree_of(int device) const {
 
 double CostContext::tree_allreduce_s(const Tree& t, double bytes) const {
   if (!(bytes > 0) || t.devices.size() < 2) return 0;
-  // The first chunk climbs DEPTH levels and the total comes down as many; the chunks behind it
-  // follow one per chunk time on the slowest edge (up and down are different ways of a link).
+  // The first chunk climbs from the farthest member to the root and its total comes back down;
+  // the chunks behind it follow one per chunk time on the slowest edge (up and down are different
+  // ways of a link, so they overlap).
   const double chunk = std::min(bytes, static_cast<double>(kSyncTreeChunkBytes));
-  return (bytes + (2.0 * t.depth - 1) * chunk) / t.slowest_bytes_per_s + 2.0 * t.depth * t.latency_s;
+  double first = 0;
+  for (size_t m = 0; m < t.path_s_per_byte.size(); ++m)
+    first = std::max(first, chunk * t.path_s_per_byte[m] + t.path_latency_s[m]);
+  return (bytes - chunk) / t.slowest_bytes_per_s + first;
 }
 
 double CostContext::sync_buffer_bytes(const SyncShape& s, double set_bytes) const {

@@ -387,13 +387,16 @@ class CostContext {
   // How one holder set's gradients travel: an exact ring all-reduce, a flat compressed exchange,
   // or hierarchical (regions exact, their leaders compressed).
   // An exact set summed along a tree (core/sync_tree.h): every tree edge carries the set's bytes
-  // once each way, chunk by chunk, so a bucket takes its bytes over the slowest tree edge, plus a
-  // chunk per level up and down and each level's latency.
+  // once each way, chunk by chunk, so a bucket takes its bytes over the slowest tree edge, plus
+  // the first chunk's way from the farthest member up to the root and back (each hop at its own
+  // link's speed and latency), less the one chunk time already counted.
   struct Tree {
     int depth = 0;
-    double slowest_bytes_per_s = 0, latency_s = 0;  // over the tree's edges, either way
-    std::vector<int> devices, degree, parent;       // the members (the shape's order), their tree edges, parents (-1: root)
-    int degree_of(int device) const;                // the most of any member for a device not among them
+    double slowest_bytes_per_s = 0;          // over the tree's edges, either way
+    std::vector<int> devices, degree, parent;  // the members (the shape's order), their tree edges, parents (-1: root)
+    // Per member, over the hops between it and the root, both ways: seconds per byte, latency.
+    std::vector<double> path_s_per_byte, path_latency_s;
+    int degree_of(int device) const;  // the most of any member for a device not among them
   };
   struct SyncShape {
     bool compressed = false, hierarchical = false, tree = false;
