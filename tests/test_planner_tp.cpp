@@ -282,33 +282,6 @@ TEST(TensorParallelCost, MeasuredSumsReplaceTheFloorPairByPair) {
   EXPECT_EQ(ctx.tp_sum_s({1}, 4096), 0);
 }
 
-// A group whose members include a slow pair sums along the tree around it (grad_sync.allreduce
-// auto), as the runtime does: up to the root and back down, each hop its pair's measured line at
-// the whole sum's bytes. Under `ring` the group pays its slowest pair's line at the ring's bytes.
-TEST(TensorParallelCost, AGroupAroundASlowPairSumsAlongATree) {
-  ClusterSpec c;
-  c.devices = {device("a", "h0", "fast"), device("b", "h1", "fast"), device("d", "h2", "fast")};
-  c.rules.push_back({"h0", "h1", Link{1, 0.1}});
-  c.rules.push_back({"h1", "h2", Link{1, 0.1}});
-  c.rules.push_back({"h0", "h2", Link{0.1, 0.1}});
-  Profile prof = pair_profile(4);
-  prof.tp_sums = {{"a", "b", 4096, 1e-3}, {"a", "b", 8192, 1.5e-3}, {"b", "d", 4096, 2e-3}, {"b", "d", 8192, 2.5e-3},
-                  {"a", "d", 4096, 8e-3}, {"a", "d", 8192, 12e-3}};
-  const CostContext tree(c, prof);
-  // Root b; b + d is the slower edge: 2 ms + 0.5 ms per 4096 bytes beyond 4096, one hop up, one down.
-  EXPECT_NEAR(tree.tp_sum_s({2, 0, 1}, 8192), 2 * 2.5e-3, 1e-12);
-  Profile ring_prof = prof;
-  CostContext ring(c, ring_prof);
-  GradSyncConfig g;
-  g.allreduce = "ring";
-  ring.set_grad_sync(g);
-  // a + d's line at 4/3 of the bytes: 4 ms + 4 ms per 4096 bytes beyond 4096.
-  EXPECT_NEAR(ring.tp_sum_s({0, 1, 2}, 6144), 12e-3, 1e-12);
-  EXPECT_LT(tree.tp_sum_s({0, 1, 2}, 6144), ring.tp_sum_s({0, 1, 2}, 6144) / 2);
-  // A pair keeps its own line whatever the route.
-  EXPECT_NEAR(tree.tp_sum_s({0, 2}, 8192), 12e-3, 1e-12);
-}
-
 namespace {
 // Four equal devices, a pair on one machine and two behind thin links; none holds the whole model
 // (2-3 blocks of 4 at most).

@@ -4,8 +4,7 @@
 // each checks its result bit for bit against the tree's own order of additions computed locally:
 // every member must end with the root's total. Sizes straddle the chunk (one element less, equal,
 // one more, several chunks and a remainder, none at all), in float and double, several sums in
-// flight at once (the reducer launches a group's buckets back to back), then one on the caller's
-// thread (a tensor-parallel sum's way) behind them. With --die R, rank R exits
+// flight at once (the reducer launches a group's buckets back to back). With --die R, rank R exits
 // after the first round without a word and every other rank must fail its next sum with an error
 // naming the tree and a rank, not hang. Prints "tree-allreduce ok" (or "tree-allreduce failed
 // as expected: ...") per rank.
@@ -88,14 +87,6 @@ int main(int argc, char** argv) {
         for (int64_t n : sizes) {
           bufs.push_back(input(me, round, n, dtype));
           works.push_back(group->allreduce_sum(bufs.back()));  // all in flight before any wait
-        }
-        // A sum on this thread (a tensor-parallel sum's way) waits for those queued before it.
-        const int64_t n_now = chunk + 3;
-        at::Tensor now = input(me, round + 100, n_now, dtype);
-        group->allreduce_sum_wait(now, "check sum on the caller's thread");
-        if (!at::equal(now, subtree(tree, tree.root, round + 100, n_now, dtype))) {
-          ++bad;
-          std::fprintf(stderr, "rank %d round %d: the sum on the caller's thread differs from the tree's total\n", me, round);
         }
         for (size_t k = 0; k < sizes.size(); ++k) {
           dist::wait_work(works[k], "check sum " + std::to_string(k));

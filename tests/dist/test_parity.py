@@ -399,9 +399,6 @@ def activations_shrank(plain, recomputed):
 LAYOUTS["tree-dp3"] = ("gpt2", 24, plan(24, [(4, 3, full(0)), (3, 2, full(1)), (1, 6, full(2))], slow_links=[[0, 2]]), 3)
 LAYOUTS["tree-dp3-zero1"] = LAYOUTS["tree-dp3"] + (["--zero-stage", "1", "--shard-ratio", "3", "2", "1"],)
 LAYOUTS["tree-mixed"] = ("gpt2", 24, plan(24, [(4, 4, [(0, 0, 5), (1, 5, 8)]), (2, 4, full(2))], slow_links=[[1, 2]]), 3)
-# A tensor-parallel group of three around the slow pair 0-2: its sums go along the tree too
-# (GQA heads split 4:2:2, so the sums are the group's only traffic).
-LAYOUTS["tree-tp3-llama-gqa"] = ("llama-gqa", 24, dict(LAYOUTS["tp3-llama-gqa-even"][2], grad_sync={"slow_links": [[0, 2]]}), 3)
 LAYOUTS["tree-dp4-regions"] = ("gpt2", 24, plan(24, [(3, 2, full(0)), (3, 2, full(1)), (2, 3, full(2)), (1, 6, full(3))],
                                                 slow_links=[[0, 2], [0, 3], [1, 2], [1, 3]]), 4)
 

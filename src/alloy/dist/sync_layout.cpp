@@ -33,15 +33,6 @@ std::vector<std::vector<int>> split_regions(const std::vector<int>& ranks, const
   return out;
 }
 
-SyncTree sum_tree(const Plan& plan, std::vector<int> ranks) {
-  if (plan.grad_sync.allreduce != "auto") return {};
-  std::sort(ranks.begin(), ranks.end());
-  const std::set<std::pair<int, int>> slow(plan.slow_links.begin(), plan.slow_links.end());
-  return sync_tree(ranks.size(), [&](size_t a, size_t b) {
-    return slow.count({std::min(ranks[a], ranks[b]), std::max(ranks[a], ranks[b])}) > 0;
-  });
-}
-
 const std::vector<int>* HolderSet::region_of(int rank) const {
   for (const auto& r : regions)
     if (std::find(r.begin(), r.end(), rank) != r.end()) return &r;
@@ -72,6 +63,8 @@ SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model, const LoraCon
     if (r.size() > 1 && model::trains(lora, n)) distinct.insert(r);
   }
   const GradSyncConfig& g = plan.grad_sync;
+  const std::set<std::pair<int, int>> slow(plan.slow_links.begin(), plan.slow_links.end());
+  auto is_slow = [&](int a, int b) { return slow.count({std::min(a, b), std::max(a, b)}) > 0; };
   for (const auto& ranks : distinct) {
     HolderSet h;
     h.ranks = ranks;
@@ -80,7 +73,8 @@ SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model, const LoraCon
     h.regions = slow_only ? split_regions(ranks, plan.slow_links) : std::vector<std::vector<int>>{ranks};
     h.compressed = g.lossy() && (!slow_only || h.regions.size() > 1);
     h.hierarchical = h.compressed && slow_only;
-    if (!h.compressed) h.tree = sum_tree(plan, ranks);
+    if (!h.compressed && g.allreduce == "auto")
+      h.tree = sync_tree(ranks.size(), [&](size_t a, size_t b) { return is_slow(ranks[a], ranks[b]); });
     sets_.push_back(h);
   }
 }

@@ -57,10 +57,6 @@ class SyncLayout {
   std::vector<HolderSet> sets_;
 };
 
-// The tree a group of RANKS sums along under the plan's slow links (grad_sync.allreduce auto): over
-// RANKS in ascending order, as a group orders its members; empty where the ring stays.
-SyncTree sum_tree(const Plan& plan, std::vector<int> ranks);
-
 // Ranks split by slow links: connected components of the graph whose edges are the pairs of RANKS
 // not listed in SLOW (pairs a < b).
 std::vector<std::vector<int>> split_regions(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow);

@@ -87,7 +87,7 @@ void GroupTpComm::allreduce_sum(at::Tensor& t) {
     return;
   }
   at::Tensor buf = wire(t);
-  group_->allreduce_sum_wait(buf, "the tensor-parallel sum in group " + group_->name());
+  wait_work(group_->allreduce_sum(buf), "the tensor-parallel sum in group " + group_->name());
   t.copy_(buf);
 }
 

@@ -21,7 +21,7 @@ class TreeWork : public c10d::Work {
 constexpr int64_t kMaxChunks = 1 << 15;  // chunk indices take 15 bits of a tag
 constexpr int kUp = 0, kDown = 1;
 // A step of a sum (posting a receive or a send, or waiting for one): its error names the step and
-// the peer; the caller's wait (wait_work) adds the world's failure report once.
+// the peer; the training thread's wait_work on the sum's Work adds the world's failure report once.
 template <typename F>
 auto step(const std::string& what, F&& f) -> decltype(f()) {
   try {
@@ -65,39 +65,9 @@ TreeAllreduce::~TreeAllreduce() {
   worker_.join();
 }
 
-namespace {
-void check_host(const at::Tensor& t, const std::string& group) {
-  if (!t.is_cpu() || !t.is_contiguous()) throw Error("group " + group + ": the tree all-reduce sums contiguous host tensors");
-}
-}  // namespace
-
-void TreeAllreduce::sum_now(at::Tensor& t) {
-  check_host(t, group_->name());
-  at::Tensor flat = t.view({-1});
-  int64_t seq = 0;
-  {
-    // Sums pair up across members in the order asked for: wait for those queued before this one.
-    std::unique_lock<std::mutex> lk(mu_);
-    idle_cv_.wait(lk, [&] { return queue_.empty() && !running_; });
-    running_ = true;
-    seq = seq_++;
-  }
-  struct Done {
-    TreeAllreduce* self;
-    ~Done() {
-      {
-        std::lock_guard<std::mutex> lk(self->mu_);
-        self->running_ = false;
-      }
-      self->cv_.notify_all();
-      self->idle_cv_.notify_all();
-    }
-  } done{this};
-  sum(flat, seq);
-}
-
 c10::intrusive_ptr<c10d::Work> TreeAllreduce::allreduce_sum(at::Tensor& t) {
-  check_host(t, group_->name());
+  if (!t.is_cpu() || !t.is_contiguous())
+    throw Error("group " + group_->name() + ": the tree all-reduce sums contiguous host tensors");
   auto job = std::make_unique<Job>();
   job->flat = t.view({-1});
   job->work = c10::make_intrusive<TreeWork>();
@@ -116,24 +86,17 @@ void TreeAllreduce::run() {
     std::unique_ptr<Job> job;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return (stop_ && queue_.empty()) || (!queue_.empty() && !running_); });
+      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, nothing left
       job = std::move(queue_.front());
       queue_.pop_front();
-      running_ = true;
     }
-    std::exception_ptr error;
     try {
       sum(job->flat, job->seq);
+      job->work->complete(nullptr);
     } catch (...) {
-      error = std::current_exception();
+      job->work->complete(std::current_exception());
     }
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      running_ = false;
-    }
-    idle_cv_.notify_all();
-    job->work->complete(error);
   }
 }
 

@@ -44,8 +44,6 @@ class TreeAllreduce {
 
   // Asynchronous SUM in place of a contiguous host tensor; wait() on the handle.
   c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor& t);
-  // The same sum on the calling thread, after the sums already asked for; throws on failure.
-  void sum_now(at::Tensor& t);
   const SyncTree& tree() const { return tree_; }
 
  private:
@@ -60,8 +58,6 @@ class TreeAllreduce {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Job>> queue_;
-  std::condition_variable idle_cv_;
-  bool running_ = false;  // a sum is under way, on the thread or a caller's
   bool stop_ = false;
   int64_t seq_ = 0;
   std::thread worker_;

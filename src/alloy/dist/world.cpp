@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <functional>
 #include <cstdlib>
 #include <mutex>
 #include <set>
@@ -121,10 +120,7 @@ c10::intrusive_ptr<c10d::Work> Group::recv(at::Tensor& t, int src_global, int ta
 
 void Group::barrier() { wait_work(gloo_->barrier(), "barrier of group " + name_); }
 
-namespace {
-// wait_work's bookkeeping (what this rank waits for, for the stall report) and its error: WAIT
-// does the waiting.
-void waiting_for(const std::string& what, const std::function<void()>& wait) {
+void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
   {
     std::lock_guard<std::mutex> lk(g_wait_mu);
     g_waiting = what;
@@ -137,7 +133,7 @@ void waiting_for(const std::string& what, const std::function<void()>& wait) {
     }
   } done;
   try {
-    wait();  // bounded by the group's timeout (set at creation)
+    work->wait();  // bounded by the group's timeout (set at creation)
   } catch (const std::exception& e) {
     std::string report = World::current() ? World::current()->failure_report() : "";
     std::string msg = std::string(e.what());
@@ -145,18 +141,6 @@ void waiting_for(const std::string& what, const std::function<void()>& wait) {
     if (nl != std::string::npos) msg = msg.substr(0, nl);
     throw Error(what + " failed: " + msg + (report.empty() ? "" : "\n  " + report));
   }
-}
-}  // namespace
-
-void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
-  waiting_for(what, [&] { work->wait(); });
-}
-
-void Group::allreduce_sum_wait(at::Tensor& t, const std::string& what) {
-  // A sum the caller waits for at once runs on the caller's thread: under a CPU quota each hand-off
-  // to the tree's thread and back can wait for the next quota period.
-  if (tree_ && t.is_cpu()) return waiting_for(what, [&] { tree_->sum_now(t); });
-  wait_work(allreduce_sum(t), what);
 }
 
 World::World(const Rendezvous& rv, std::chrono::milliseconds timeout) : rv_(rv), timeout_(timeout) {

@@ -50,8 +50,6 @@ class Group {
   // rank order; dist/tree_allreduce.h), through P2P: a group of the same members used for
   // nothing else. Every member calls it with the same tree.
   void route_sums(std::shared_ptr<Group> p2p, const SyncTree& tree);
-  // allreduce_sum and wait_work(WHAT) in one: a routed host sum runs on the calling thread.
-  void allreduce_sum_wait(at::Tensor& t, const std::string& what);
   bool routes_sums_by_tree() const { return tree_ != nullptr; }
   // Asynchronous all-gather of equal-sized tensors: OUT[i] receives group rank i's IN.
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<at::Tensor>& out, at::Tensor& in);

@@ -659,24 +659,6 @@ CostContext::Ring CostContext::ring(const std::vector<int>& d, const LinkLoads* 
 double CostContext::tp_sum_s(std::vector<int> devices, double bytes) const {
   const size_t n = devices.size(), N = cluster_->devices.size();
   if (n < 2) return 0;
-  if (gs_.allreduce == "auto" && n >= 3) {
-    // Around a slow pair the group sums along a tree of its members in rank order (the runtime's
-    // order; under emulation rank i is device i): up to the root, then back down, one hop per
-    // level each way, each hop a transfer of the whole (small) sum, as its pair's measured line.
-    std::sort(devices.begin(), devices.end());
-    const SyncTree t = sync_tree(n, [&](size_t a, size_t b) { return slow_pair(devices[a], devices[b]); });
-    if (!t.empty()) {
-      double hop = 0;
-      for (size_t m = 0; m < n; ++m) {
-        if (t.parent[m] < 0) continue;
-        const int a = devices[m], b = devices[static_cast<size_t>(t.parent[m])];
-        const auto [f, sl] = tp_line_[static_cast<size_t>(a) * N + static_cast<size_t>(b)];
-        const size_t k = idx(host_of(a), host_of(b));
-        hop = std::max(hop, f >= 0 ? f + sl * bytes : lat_[k] + bytes / bw_[k]);
-      }
-      return std::max(kTpSumFloorS, 2.0 * t.depth * hop);
-    }
-  }
   // A ring all-reduce moves 2(n-1)/n of the bytes over every hop (a pair: all of them once). The
   // group takes its slowest pair's line at those bytes: a fast pair's fixed wait overlaps a thin
   // pair's transfer rather than adding to it (adding the worst fixed part to the worst slope put

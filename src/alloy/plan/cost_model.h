@@ -456,8 +456,6 @@ class CostContext {
   // link model: a ping-pong with a device under a small CPU quota measures its throttling as
   // latency (8.7 ms on a 1 Gbit/s veth once). A group with a pair nobody measured (older
   // profiles, pools over 8 devices): the ring's time, at least kTpSumFloorS.
-  // With grad_sync.allreduce auto, a group of three or more with a slow pair sums along the tree
-  // around it (core/sync_tree.h) as the runtime does: 2 x depth hops of its slowest tree edge.
   double tp_sum_s(std::vector<int> devices, double bytes) const;
 
   // Parameter units and their holders. A stage of a pipeline, seen by the sync computation.

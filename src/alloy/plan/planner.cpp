@@ -22,6 +22,11 @@ std::string ms(double s) { return fmt("%.1f ms", s * 1e3); }
 std::string gib(double bytes) { return fmt("%.2f GiB", bytes / (1024.0 * 1024 * 1024)); }
 std::string mib(double bytes) { return fmt("%.1f MiB", bytes / (1024.0 * 1024)); }
 std::string mem(double bytes) { return bytes >= 1024.0 * 1024 * 1024 ? gib(bytes) : mib(bytes); }
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string s;
+  for (int x : ranks) s += (s.empty() ? "" : ",") + std::to_string(x);
+  return s;
+}
 }  // namespace
 
 ClusterSpec load_cluster(const std::string& path, int* ptafm_stages) {
@@ -208,11 +213,7 @@ std::string PlanReport::text() const {
   for (const auto& n : chosen.notes) o << "  note: " << n << "\n";
   for (const auto& g : c.sync_groups)
     if (g.tree)
-      o << "  note: ranks " << [&] {
-        std::string s;
-        for (int x : g.ranks) s += (s.empty() ? "" : ",") + std::to_string(x);
-        return s;
-      }() << " sum their gradients along a tree of their fast links (a ring would cross a slow one): slowest tree edge "
+      o << "  note: ranks " << ranks_text(g.ranks) << " sum their gradients along a tree of their fast links (a ring would cross a slow one): slowest tree edge "
         << fmt("%.0f Mbit/s", g.slowest_bytes_per_s * 8 / 1e6) << ", " << mib(g.bytes) << " in " << ms(g.time_s) << "\n";
   auto sync_name = [](const GradSyncConfig& g) {
     if (!g.lossy()) return std::string("exact sync");
@@ -229,11 +230,7 @@ std::string PlanReport::text() const {
     o << "\n";
     for (const auto& g : c.sync_groups)
       if (g.compressed)
-        o << "  ranks " << [&] {
-          std::string s;
-          for (int x : g.ranks) s += (s.empty() ? "" : ",") + std::to_string(x);
-          return s;
-        }() << ": " << (g.hierarchical ? fmt("hierarchical over %.0f regions", g.regions) : std::string("flat")) << ", "
+        o << "  ranks " << ranks_text(g.ranks) << ": " << (g.hierarchical ? fmt("hierarchical over %.0f regions", g.regions) : std::string("flat")) << ", "
           << mib(g.bytes) << " of gradients -> " << mib(g.wire_bytes) << " per member on the wire, sync " << ms(g.time_s)
           << " (codec " << ms(g.encode_s) << ")\n";
   }

@@ -158,14 +158,7 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     if (st.tp() > 1) {
       std::string name = opts_.generation + "tp";
       for (int r : st.ranks) name += "-" + std::to_string(r);
-      auto group = world_->new_group(name, st.ranks);
-      if (const SyncTree tree = dist::sum_tree(*plan_, st.ranks); !tree.empty()) {
-        // Its sums go around the slow pair among its members, as a gradient set's do.
-        group->route_sums(world_->new_group(name + "-tree", st.ranks), tree);
-        if (pos_.tp_rank == 0 && !opts_.quiet)
-          log_info("tensor-parallel ranks " + join(st.ranks, "+") + ": sums along a tree around their slow link(s)");
-      }
-      tp_comm_ = std::make_unique<dist::GroupTpComm>(group);
+      tp_comm_ = std::make_unique<dist::GroupTpComm>(world_->new_group(name, st.ranks));
       tp_->comm = tp_comm_.get();
       if (tp_->sequence_parallel && pos_.tp_rank == 0 && !opts_.quiet) {
         const auto b = st.sequence_bounds(cfg_.model.heads, cfg_.model.seq_len);
