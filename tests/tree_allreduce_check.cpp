@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
       }
   }
   const auto rv = dist::resolve_rendezvous({});
-  auto world = dist::World::create(rv, std::chrono::milliseconds(die >= 0 ? 10000 : 60000));
+  auto world = dist::World::create(rv, std::chrono::milliseconds(die >= 0 ? 20000 : 60000));
   const int W = world->size(), me = world->rank();
   const alloy::SyncTree tree =
       alloy::sync_tree(static_cast<size_t>(W), [&](size_t a, size_t b) { return slow.count({static_cast<int>(a), static_cast<int>(b)}) > 0; });

@@ -25,7 +25,7 @@ def main():
     ok = Checks()
     for n, slow, die in CASES:
         cmd = [alloy, "launch", "--nproc", str(n), "--", check, "--slow", slow] + (["--die", str(die)] if die is not None else [])
-        # A hang guard, not a speed check: the failing cases wait at most a 10 s collective timeout.
+        # A hang guard, not a speed check: the failing cases wait at most a 20 s collective timeout.
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         out = r.stdout + r.stderr
         what = f"{n} ranks, slow {slow}" + (f", rank {die} leaves" if die is not None else "")

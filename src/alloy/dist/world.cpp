@@ -79,6 +79,8 @@ void Group::route_sums(std::shared_ptr<Group> p2p, const SyncTree& tree) {
   tree_ = std::make_unique<TreeAllreduce>(std::move(p2p), tree);
 }
 
+const SyncTree* Group::sum_tree() const { return tree_ ? &tree_->tree() : nullptr; }
+
 c10::intrusive_ptr<c10d::Work> Group::allgather(std::vector<at::Tensor>& out, at::Tensor& in) {
   if (device_ && in.is_cuda()) return device_->allgather(out, in);
   std::vector<std::vector<at::Tensor>> outs{out};

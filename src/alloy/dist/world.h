@@ -50,7 +50,7 @@ class Group {
   // rank order; dist/tree_allreduce.h), through P2P: a group of the same members used for
   // nothing else. Every member calls it with the same tree.
   void route_sums(std::shared_ptr<Group> p2p, const SyncTree& tree);
-  bool routes_sums_by_tree() const { return tree_ != nullptr; }
+  const SyncTree* sum_tree() const;  // the tree route_sums gave, or null
   // Asynchronous all-gather of equal-sized tensors: OUT[i] receives group rank i's IN.
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<at::Tensor>& out, at::Tensor& in);
   // Asynchronous all-to-all along dimension 0: IN's first IN_ROWS[i] rows (after those for

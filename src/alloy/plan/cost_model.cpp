@@ -280,6 +280,8 @@ CostContext::SyncShape CostContext::sync_shape(const std::vector<int>& d, const 
   if (!s.compressed) {
     s.ring = ring(d, loads, f * set_bytes);
     if (gs_.allreduce == "auto") {
+      // D is in host order, the runtime's members in rank order: the same where rank i runs device
+      // i of a cluster listed host by host (the emulator's, the planner's plans).
       const SyncTree t = sync_tree(d.size(), [&](size_t a, size_t b) { return slow_pair(d[a], d[b]); });
       if (!t.empty()) {
         s.tree = true;
