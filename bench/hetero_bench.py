@@ -393,7 +393,7 @@ def plan_layout(path):
     """One line per pipeline of a plan file: its stages (device, blocks) and samples, for the JSON."""
     plan = json.load(open(path))
     return [" -> ".join(f"{st.get('device', 'rank %d' % st['ranks'][0])} [{st['layers'][0]},{st['layers'][1]})"
-                        for st in pl["stages"]) + f": {pl['micro_batch_size']} x {pl['num_micro_batches']}"
+                        for st in pl["stages"]) + f": {pl['micro_batch_size']} x {pl['num_micro_batches']}" + (f" (the last of {pl['last_micro_batch_size']})" if pl.get('last_micro_batch_size') else "")
             for pl in plan["pipelines"]]
 
 

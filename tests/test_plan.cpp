@@ -113,7 +113,7 @@ TEST(Plan, BatchSumMismatchShowsTheArithmetic) {
   Plan p = sample_plan();
   p.global_batch = 9;
   EXPECT_HAS(validate_error(p, 8),
-             "global_batch: 9 != sum of micro_batch_size x num_micro_batches over pipelines (2x3 + 1x2 = 8)");
+             "global_batch: 9 != the pipelines' samples, micro_batch_size x num_micro_batches less a short last one's gap (2x3 + 1x2 = 8)");
 }
 
 TEST(Plan, DuplicateRankNamesBothPlaces) {
@@ -271,7 +271,7 @@ TEST(Plan, ShardingEntriesRoundTripAndAreValidatedByField) {
   EXPECT_TRUE(Plan::from_json(r.to_json(), "x").pipelines[0].stages[1].recompute);
   EXPECT_NE(r.describe().find("recompute"), std::string::npos);
   auto v4 = j;  // a version this Alloy does not know
-  v4["version"] = 9;
+  v4["version"] = 10;
   EXPECT_THROW(Plan::from_json(v4, "x"), InputError);
 }
 
@@ -623,8 +623,8 @@ TEST(Plan, FromJsonNamesTheBadField) {
     return "";
   };
   EXPECT_HAS(error_of(R"({"format": "other", "global_batch": 1, "pipelines": []})"), "field 'format' is \"other\"");
-  EXPECT_HAS(error_of(R"({"version": 9, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 8");
-  EXPECT_HAS(error_of(R"({"version": 2.5, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 8");
+  EXPECT_HAS(error_of(R"({"version": 10, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 9");
+  EXPECT_HAS(error_of(R"({"version": 2.5, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 9");
   EXPECT_HAS(error_of(R"({"pipelines": []})"), "plan.json: field 'global_batch' is missing or ill-typed");
   EXPECT_HAS(
       error_of(

@@ -402,6 +402,24 @@ LAYOUTS["tree-mixed"] = ("gpt2", 24, plan(24, [(4, 4, [(0, 0, 5), (1, 5, 8)]), (
 LAYOUTS["tree-dp4-regions"] = ("gpt2", 24, plan(24, [(3, 2, full(0)), (3, 2, full(1)), (2, 3, full(2)), (1, 6, full(3))],
                                                 slow_links=[[0, 2], [0, 3], [1, 2], [1, 3]]), 4)
 
+# Short last micro-batches (PipelinePlan::last_micro_batch_size, plan version 9): three replicas
+# of 13 (4 x 4, the last of 1), 7 (3 x 3, the last of 1) and 4 samples, summed along the tree; and
+# a 2-stage pipeline of 5 x 5 (the last of 4), whose last messages between the stages are short.
+
+
+def _short_last(p, lasts):
+    p = json.loads(json.dumps(p))
+    p["version"] = 9
+    for pl, last in zip(p["pipelines"], lasts):
+        if last:
+            pl["last_micro_batch_size"] = last
+    return p
+
+
+LAYOUTS["short-dp3"] = ("gpt2", 24, _short_last(plan(24, [(4, 4, full(0)), (3, 3, full(1)), (4, 1, full(2))],
+                                                     slow_links=[[0, 2]]), [1, 1, 0]), 3)
+LAYOUTS["short-pp2"] = ("gpt2", 24, _short_last(plan(24, [(5, 5, [(0, 0, 6), (1, 6, 8)])]), [4]), 2)
+
 
 RESHARD_CHAINS = {
     # steps 1-10 under ZeRO-2 with 3:1:2 shards in a 2-stage pipeline with a floating boundary (its

@@ -32,6 +32,7 @@ struct PlanArgs {
   std::string tensor_parallel = "on";
   std::string float_boundaries = "on";
   std::string mlp_cuts = "on";
+  std::string short_micro_batches = "on";
   std::vector<std::string> schedules = pipeline::schedule_names();
   std::vector<std::string> sets;
   int64_t global_batch = 0, micro_batch = 0, layers = 0;
@@ -197,6 +198,10 @@ void add_dist_commands(CLI::App& app, Action& action) {
                    "on: the alloy strategy also tries pipeline boundaries inside an MLP, split by columns (the first "
                    "stage computes the columns of some heads, the next the rest; kept where predicted at least 5% faster); off: none")
       ->group(g)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  plan->add_option("--short-micro-batches", pa->short_micro_batches,
+                   "on: a pipeline's samples need not be a multiple of its micro-batch size (its last micro-batch is "
+                   "short), so unlike replicas split the batch as their speeds ask; off: whole micro-batches")
+      ->group(g)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   plan->add_option("--schedules", pa->schedules,
                    "Pipeline schedules the search may choose from: 1f1b, eager-1f1b (one more forward in flight per "
                    "stage, hiding the messages between balanced stages; one more micro-batch of activations), gpipe, "
@@ -283,6 +288,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         so.sequence_parallel = cfg.train.sequence_parallel;
         so.float_boundaries = pa->float_boundaries == "on";
         so.mlp_cuts = pa->mlp_cuts == "on";
+        so.short_micro_batches = pa->short_micro_batches == "on";
         so.schedules = pa->schedules;
         auto report = plan::make_plan(spec, prof, so, !pa->no_compare);
         if (!pa->evaluate.empty()) {

@@ -148,6 +148,18 @@ int StagePlan::member_without_positions(const std::vector<int64_t>& bounds) {
   return -1;
 }
 
+void PipelinePlan::set_samples(int64_t samples, int64_t m) {
+  micro_batch_size = m;
+  num_micro_batches = (samples + m - 1) / m;
+  const int64_t last = samples - m * (num_micro_batches - 1);
+  last_micro_batch_size = last == m ? 0 : last;
+}
+
+std::string PipelinePlan::batch_text() const {
+  return std::to_string(micro_batch_size) + " x " + std::to_string(num_micro_batches) +
+         (short_last() ? " (the last of " + std::to_string(last_size()) + ")" : "");
+}
+
 bool PipelinePlan::has_tensor_parallel() const {
   for (const auto& s : stages)
     if (s.ranks.size() > 1) return true;
@@ -291,11 +303,16 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
     std::string pf = "pipelines[" + std::to_string(p) + "]";
     if (pl.micro_batch_size < 1) fail(pf + ".micro_batch_size", "must be >= 1, got " + std::to_string(pl.micro_batch_size));
     if (pl.num_micro_batches < 1) fail(pf + ".num_micro_batches", "must be >= 1, got " + std::to_string(pl.num_micro_batches));
+    if (pl.last_micro_batch_size < 0 || pl.last_micro_batch_size >= pl.micro_batch_size)
+      fail(pf + ".last_micro_batch_size", "must be 1.." + std::to_string(pl.micro_batch_size - 1) +
+                                              " (fewer than micro_batch_size) or absent, got " + std::to_string(pl.last_micro_batch_size));
     int64_t samples = 0;
     if (__builtin_mul_overflow(pl.micro_batch_size, pl.num_micro_batches, &samples) ||
         __builtin_add_overflow(total, samples, &total))
       fail(pf, "micro_batch_size x num_micro_batches, summed over the pipelines, overflows a 64-bit integer");
+    total -= pl.micro_batch_size - pl.last_size();
     sum_text += (sum_text.empty() ? "" : " + ") + std::to_string(pl.micro_batch_size) + "x" + std::to_string(pl.num_micro_batches);
+    if (pl.short_last()) sum_text += "-" + std::to_string(pl.micro_batch_size - pl.last_size());
     if (pl.stages.empty()) fail(pf + ".stages", "a pipeline needs at least one stage");
     int64_t expect = 0;  // in units (half blocks)
     for (size_t s = 0; s < pl.stages.size(); ++s) {
@@ -383,7 +400,7 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
                                " (model.layers)");
   }
   if (total != global_batch)
-    fail("global_batch", std::to_string(global_batch) + " != sum of micro_batch_size x num_micro_batches over pipelines (" +
+    fail("global_batch", std::to_string(global_batch) + " != the pipelines' samples, micro_batch_size x num_micro_batches less a short last one's gap (" +
                              sum_text + " = " + std::to_string(total) + ")");
   int world = world_size();
   for (int r = 0; r < world; ++r)
@@ -417,9 +434,10 @@ nlohmann::json Plan::to_json() const {
   j["format"] = "alloy-plan";
   // Each version is written only when the plan needs it: readers of version 1 know no sharding
   // and no recomputation, readers of 2 no half-block stages.
-  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel(), v5 = false, v6 = false, v7 = false, v8 = cuts_mlp();
+  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel(), v5 = false, v6 = false, v7 = false, v8 = cuts_mlp(), v9 = false;
   for (const auto& p : pipelines) {
     v5 = v5 || p.floats();
+    v9 = v9 || p.short_last();
     v6 = v6 || (!p.schedule.empty() && p.schedule != schedule);
     for (const auto& st : p.stages) {
       v2 = v2 || st.recompute;
@@ -427,12 +445,13 @@ nlohmann::json Plan::to_json() const {
       v7 = v7 || st.sequence_parallel;
     }
   }
-  j["version"] = v8 ? 8 : v7 ? 7 : v6 ? 6 : v5 ? 5 : v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
+  j["version"] = v9 ? 9 : v8 ? 8 : v7 ? 7 : v6 ? 6 : v5 ? 5 : v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
   j["global_batch"] = global_batch;
   j["schedule"] = schedule;
   j["pipelines"] = nlohmann::json::array();
   for (const auto& p : pipelines) {
     nlohmann::json pj = {{"micro_batch_size", p.micro_batch_size}, {"num_micro_batches", p.num_micro_batches}};
+    if (p.short_last()) pj["last_micro_batch_size"] = p.last_micro_batch_size;
     if (!p.schedule.empty() && p.schedule != schedule) pj["schedule"] = p.schedule;
     pj["stages"] = nlohmann::json::array();
     for (const auto& s : p.stages) {
@@ -489,10 +508,10 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
     if (j.contains("format") && j["format"] != "alloy-plan")
       throw InputError(where, "field 'format' is " + j["format"].dump() + ", not \"alloy-plan\"");
     const auto known_version = [](const nlohmann::json& v) {
-      return v.is_number() && v.get<double>() >= 1 && v.get<double>() <= 8 && v.get<double>() == std::floor(v.get<double>());
+      return v.is_number() && v.get<double>() >= 1 && v.get<double>() <= 9 && v.get<double>() == std::floor(v.get<double>());
     };
     if (j.contains("version") && !known_version(j["version"]))
-      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 8");
+      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 9");
     field = "global_batch";
     p.global_batch = whole<int64_t>(j.at("global_batch"));
     field = "schedule";
@@ -504,6 +523,11 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
       PipelinePlan pl;
       pl.micro_batch_size = whole<int64_t>(pls[i].at("micro_batch_size"));
       pl.num_micro_batches = whole<int64_t>(pls[i].at("num_micro_batches"));
+      if (pls[i].contains("last_micro_batch_size")) {
+        field += ".last_micro_batch_size";
+        pl.last_micro_batch_size = whole<int64_t>(pls[i].at("last_micro_batch_size"));
+        field = "pipelines[" + std::to_string(i) + "]";
+      }
       if (pls[i].contains("schedule")) {
         field += ".schedule";
         pl.schedule = pls[i].at("schedule").get<std::string>();
@@ -643,8 +667,7 @@ std::string Plan::describe() const {
       << (pipelines.size() == 1 ? "" : "s") << ", " << world_size() << " rank" << (world_size() == 1 ? "" : "s") << "\n";
   for (size_t p = 0; p < pipelines.size(); ++p) {
     const auto& pl = pipelines[p];
-    out << "  pipeline " << p << ": " << pl.micro_batch_size << " x " << pl.num_micro_batches << " = " << pl.samples()
-        << " samples |";
+    out << "  pipeline " << p << ": " << pl.batch_text() << " = " << pl.samples() << " samples |";
     for (size_t s = 0; s < pl.stages.size(); ++s) {
       const auto& st = pl.stages[s];
       out << (s ? " ->" : "");

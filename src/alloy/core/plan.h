@@ -5,7 +5,8 @@
 // planner.
 //
 // Invariants (validate() checks them and names the offending field and values):
-//  - sum over pipelines of micro_batch_size * num_micro_batches == global_batch
+//  - sum over pipelines of samples() == global_batch (micro_batch_size x num_micro_batches, less
+//    what a short last micro-batch leaves out)
 //  - every pipeline's stages cover blocks [0, model.layers) contiguously, in order, none empty;
 //    a boundary may fall inside a block, between its attention and its MLP half (units below);
 //    two neighbouring stages may share one unit when the first has a float_share (a floating
@@ -97,7 +98,20 @@ struct PipelinePlan {
   // in depth and balance, so the schedule that hides one's bubble best may not suit another's
   // (a split backward pays off on an uneven pipeline bounding the step, and only there).
   std::string schedule;
-  int64_t samples() const { return micro_batch_size * num_micro_batches; }
+  // A short last micro-batch (plan version 9): the last of the num_micro_batches has this many
+  // samples, 1 <= last < micro_batch_size; 0: as many as the others. Replicas of unlike devices
+  // then take any number of samples while every other micro-batch keeps the efficient size: on
+  // the 3-device pool 57 / 26 / 13 samples in micro-batches of 6 where whole micro-batches allow
+  // only 60 / 24 / 12 (or smaller, slower micro-batches). Every micro-batch's loss is divided by
+  // the global batch's tokens, so the sum is the same gradient however the samples are cut.
+  int64_t last_micro_batch_size = 0;
+  int64_t last_size() const { return last_micro_batch_size > 0 ? last_micro_batch_size : micro_batch_size; }
+  bool short_last() const { return last_micro_batch_size > 0 && last_micro_batch_size != micro_batch_size; }
+  // SAMPLES in micro-batches of M, the last one short when M does not divide them.
+  void set_samples(int64_t samples, int64_t m);
+  // "6 x 10", or "6 x 10 (the last of 3)".
+  std::string batch_text() const;
+  int64_t samples() const { return micro_batch_size * (num_micro_batches - 1) + last_size(); }
   bool has_tensor_parallel() const;  // a stage with several ranks
   // The unit where micro-batch MB passes from stage S to S + 1: the stages' own boundary, or, for
   // a floating one, the shared unit's end in round(float_share x M) of the M micro-batches (those

@@ -121,17 +121,26 @@ Rebalance rebalance(const Plan& plan, const ClusterSpec& cluster, const Profile&
     Plan round_best = best;
     double round_s = best_s;
     const int64_t have = best.pipelines[hi].samples();
+    // The sizes a pipeline may take N samples in: each candidate dividing N, and with short last
+    // micro-batches its own size (only that: every size would multiply the simulations by the
+    // number of candidates, and the search chose the size).
+    auto sizes_for = [&](const PipelinePlan& pl, int64_t count) {
+      std::vector<int64_t> out;
+      for (int64_t m : sizes)
+        if (count % m == 0) out.push_back(m);
+      if (options.short_micro_batches && count > pl.micro_batch_size && count % pl.micro_batch_size)
+        out.push_back(pl.micro_batch_size);
+      return out;
+    };
     for (size_t lo = 0; lo < n; ++lo) {
       if (lo == hi) continue;
       for (int64_t d = 1; d <= sizes.back() && d < have; ++d) {
         const int64_t a = have - d, b = best.pipelines[lo].samples() + d;
-        for (int64_t ma : sizes) {
-          if (a % ma) continue;
-          for (int64_t mb : sizes) {
-            if (b % mb) continue;
+        for (int64_t ma : sizes_for(best.pipelines[hi], a)) {
+          for (int64_t mb : sizes_for(best.pipelines[lo], b)) {
             Plan cand = best;
-            cand.pipelines[hi].micro_batch_size = ma, cand.pipelines[hi].num_micro_batches = a / ma;
-            cand.pipelines[lo].micro_batch_size = mb, cand.pipelines[lo].num_micro_batches = b / mb;
+            cand.pipelines[hi].set_samples(a, ma);
+            cand.pipelines[lo].set_samples(b, mb);
             const double sc = score(cand);
             if (sc < round_s) round_s = sc, round_best = cand;
           }
@@ -149,8 +158,7 @@ Rebalance rebalance(const Plan& plan, const ClusterSpec& cluster, const Profile&
   o << "; with these the running split takes " << ms(rb.current_s);
   if (best_s < rb.current_s) {
     o << ", the best split " << ms(best_s) << " (";
-    for (size_t r = 0; r < n; ++r)
-      o << (r ? ", " : "") << best.pipelines[r].micro_batch_size << " x " << best.pipelines[r].num_micro_batches;
+    for (size_t r = 0; r < n; ++r) o << (r ? ", " : "") << best.pipelines[r].batch_text();
     o << ")" << (rb.change ? ": rebalancing" : ": keeping the split (a change needs " + f2(100.0 * min_gain) + "%)");
   }
   o << "\n";

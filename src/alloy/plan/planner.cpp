@@ -123,6 +123,7 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
     }
     if (x.strategy == "alloy" && o.split_blocks) refine_units(x, cluster, profile, o);
     if (x.strategy == "alloy") refine_schedules(x, cluster, profile, o);
+    if (x.strategy == "alloy") consider_short_micro_batches(x, cluster, profile, o);
     if (x.strategy == "alloy") tune_buckets(x, cluster, profile);
     if (x.strategy == "alloy" && o.tensor_parallel) consider_tensor_parallel(x, cluster, profile, o);
     if (x.strategy == "alloy") note_eager_schedule(x, cluster, profile);

@@ -15,7 +15,7 @@ namespace alloy::plan {
 
 namespace {
 
-constexpr size_t kRebalanceUpTo = 4;
+constexpr size_t kRebalanceUpTo = kShortSplitUpTo;
 
 std::string layout_text(const Plan& plan) {
   std::string out;

@@ -116,43 +116,47 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       const double in_share = prev && prev->cuts_mlp() ? 1 - static_cast<double>(prev->mlp_cut) / heads : 1.0;
       const double out_share = st.cuts_mlp() ? static_cast<double>(st.mlp_cut) / heads : 1.0;
       const double in_width = prev && prev->cuts_mlp() ? 2.0 : 1.0, out_width = st.cuts_mlp() ? 2.0 : 1.0;
-      const double p2p_cpu = ctx.p2p_cpu_s(type, first, last, m, in_width, out_width);  // the stage's messages' CPU time
-      if (st.tp() > 1) {
-        const detail::TpStageTime t = detail::tp_stage_time(ctx, profile.model, st, dev_of, first, last, m);
-        costs.forward.push_back(t.forward_s + gf + p2p_cpu);
-        // Split: the members' weight passes come out of the backward, its sums stay in it.
-        costs.backward.push_back((split ? t.input_backward_s + t.weight_s : t.backward_s) + gb3 + p2p_cpu);
-        costs.weight.push_back(split ? t.weight_s : 0.0);
-        tp_comm[{p, s}] = static_cast<double>(M) * t.comm_s;
-      } else {
-        // A float's units differ per micro-batch (a float and a cut never share a boundary).
-        auto in_of = [&](int64_t b) { return b == ub ? in_share : 1.0; };
-        auto out_of = [&](int64_t e) { return e == ue ? out_share : 1.0; };
-        auto fwd = [&](int64_t b, int64_t e) { return ctx.forward_units_s(type, b, e, first, last, m, in_of(b), out_of(e)) + gf + p2p_cpu; };
-        auto bwd = [&](int64_t b, int64_t e) {
-          return ctx.backward_units_s(type, b, e, first, last, m, in_of(b), out_of(e)) + gb3 + p2p_cpu +
-                 (st.recompute ? ctx.forward_units_s(type, b, e, false, false, m, in_of(b), out_of(e)) : 0.0);
-        };
-        auto wgt = [&](int64_t b, int64_t e) { return split ? ctx.weight_units_s(type, b, e, m, in_of(b), out_of(e)) : 0.0; };
-        if (!pl.floats()) {
-          costs.forward.push_back(fwd(ub, ue));
-          costs.backward.push_back(bwd(ub, ue));
-          costs.weight.push_back(wgt(ub, ue));
-        } else {
-          // A floating boundary: each micro-batch runs its own units; the stage's per-micro-batch
-          // figure (and so its step figures below) is their mean.
-          double f_sum = 0, b_sum = 0;
-          for (int64_t j = 0; j < M; ++j) {
-            const auto [b, e] = pl.units_of(static_cast<size_t>(s), j);
-            costs.forward_mb.back().push_back(fwd(b, e));
-            costs.backward_mb.back().push_back(bwd(b, e));
-            costs.weight_mb.back().push_back(wgt(b, e));
-            f_sum += costs.forward_mb.back().back(), b_sum += costs.backward_mb.back().back();
-          }
-          costs.forward.push_back(f_sum / static_cast<double>(M));
-          costs.backward.push_back(b_sum / static_cast<double>(M));
-          costs.weight.push_back(0);  // weight_mb[s] holds its figures
+      // One micro-batch of MM samples through units [b, e): forward, backward, weight pass, TP sums.
+      struct MbCost {
+        double forward, backward, weight, tp_comm;
+      };
+      auto cost_at = [&](int64_t mm, int64_t b, int64_t e) -> MbCost {
+        const double p2p_cpu = ctx.p2p_cpu_s(type, first, last, mm, in_width, out_width);  // the stage's messages' CPU time
+        if (st.tp() > 1) {
+          const detail::TpStageTime t = detail::tp_stage_time(ctx, profile.model, st, dev_of, first, last, mm);
+          // Split: the members' weight passes come out of the backward, its sums stay in it.
+          return {t.forward_s + gf + p2p_cpu, (split ? t.input_backward_s + t.weight_s : t.backward_s) + gb3 + p2p_cpu,
+                  split ? t.weight_s : 0.0, t.comm_s};
         }
+        // A float's units differ per micro-batch (a float and a cut never share a boundary).
+        const double in = b == ub ? in_share : 1.0, out = e == ue ? out_share : 1.0;
+        return {ctx.forward_units_s(type, b, e, first, last, mm, in, out) + gf + p2p_cpu,
+                ctx.backward_units_s(type, b, e, first, last, mm, in, out) + gb3 + p2p_cpu +
+                    (st.recompute ? ctx.forward_units_s(type, b, e, false, false, mm, in, out) : 0.0),
+                split ? ctx.weight_units_s(type, b, e, mm, in, out) : 0.0, 0.0};
+      };
+      if (!pl.floats() && !pl.short_last()) {
+        const MbCost c = cost_at(m, ub, ue);
+        costs.forward.push_back(c.forward);
+        costs.backward.push_back(c.backward);
+        costs.weight.push_back(c.weight);
+        if (st.tp() > 1) tp_comm[{p, s}] = static_cast<double>(M) * c.tp_comm;
+      } else {
+        // A floating boundary, or a short last micro-batch: each micro-batch has its own figures;
+        // the stage's per-micro-batch figure (and so its step figures below) is their mean.
+        double f_sum = 0, b_sum = 0, comm = 0;
+        for (int64_t j = 0; j < M; ++j) {
+          const auto [b, e] = pl.units_of(static_cast<size_t>(s), j);
+          const MbCost c = cost_at(j + 1 == M ? pl.last_size() : m, b, e);
+          costs.forward_mb.back().push_back(c.forward);
+          costs.backward_mb.back().push_back(c.backward);
+          costs.weight_mb.back().push_back(c.weight);
+          f_sum += c.forward, b_sum += c.backward, comm += c.tp_comm;
+        }
+        costs.forward.push_back(f_sum / static_cast<double>(M));
+        costs.backward.push_back(b_sum / static_cast<double>(M));
+        costs.weight.push_back(0);  // weight_mb[s] holds its figures
+        if (st.tp() > 1) tp_comm[{p, s}] = comm;
       }
       if (!last) {
         const int next = dev_of[static_cast<size_t>(pl.stages[static_cast<size_t>(s + 1)].ranks[0])];
@@ -264,7 +268,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
   for (size_t p = 0; p < holders.size(); ++p)
     for (const auto& h : holders[p]) {
       holder_of[static_cast<size_t>(h.id)] = &h;
-      mbs_of[static_cast<size_t>(h.id)] = plan.pipelines[p].micro_batch_size;
+      mbs_of[static_cast<size_t>(h.id)] = plan.pipelines[p].last_size();  // the buckets fill during the last backward
     }
   std::vector<std::vector<int>> ring_ranks(sets.size()), ring_devs(sets.size());
   CostContext::LinkLoads loads = ctx.empty_loads();
@@ -276,7 +280,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     for (int r : ring_ranks[i]) ring_devs[i].push_back(dev_of[static_cast<size_t>(r)]);
     ctx.add_load(ring_devs[i], sets[i].bytes, &loads);
   }
-  for (size_t p = 0; p < plan.pipelines.size(); ++p) ctx.add_pipeline_tail_load(pipeline_hosts[p], plan.pipelines[p].micro_batch_size, &loads);
+  for (size_t p = 0; p < plan.pipelines.size(); ++p) ctx.add_pipeline_tail_load(pipeline_hosts[p], plan.pipelines[p].last_size(), &loads);
   std::vector<CostContext::Bucket> bks;
   for (size_t i = 0; i < sets.size(); ++i) {
     const auto& set = sets[i];

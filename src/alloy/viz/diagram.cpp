@@ -219,8 +219,9 @@ Picture build(const DiagramInput& in) {
       const auto& pl = plan.pipelines[p];
       pic.groups.push_back({"p" + std::to_string(p),
                             {"pipeline " + std::to_string(p), std::to_string(pl.micro_batch_size) + " samples x " +
-                                                                   std::to_string(pl.num_micro_batches) + " micro-batches = " +
-                                                                   std::to_string(pl.samples())},
+                                                                   std::to_string(pl.num_micro_batches) + " micro-batches" +
+                                                                   (pl.short_last() ? " (the last of " + std::to_string(pl.last_size()) + ")" : "") +
+                                                                   " = " + std::to_string(pl.samples())},
                             ""});
     }
   }
@@ -282,8 +283,8 @@ Picture build(const DiagramInput& in) {
                           " micro-batches");
       if (st.cuts_mlp()) n.lines.push_back("last MLP: columns of " + std::to_string(st.mlp_cut) + " heads");
       if (s > 0 && pl.stages[s - 1].cuts_mlp()) n.lines.push_back("first MLP: the other columns");
-      n.lines.push_back(std::to_string(pl.micro_batch_size) + " samples x " + std::to_string(pl.num_micro_batches) +
-                        " micro-batches");
+      n.lines.push_back(std::to_string(pl.micro_batch_size) + " samples x " + std::to_string(pl.num_micro_batches) + " micro-batches" +
+                        (pl.short_last() ? " (the last of " + std::to_string(pl.last_size()) + ")" : ""));
       for (const json* v : {&times[k], &memory[k]}) {
         std::string t = predicted_text(*v, v == &memory[k]);
         if (!t.empty()) n.lines.push_back(t);

@@ -1,0 +1,98 @@
+// The search's batch-split phase: short last micro-batches (plan/search.h,
+// consider_short_micro_batches).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "alloy/plan/cost_model.h"
+#include "alloy/plan/search.h"
+
+namespace alloy::plan {
+
+namespace {
+
+// One replica per device (rank d on device d, as the search numbers them), the global batch split
+// in proportion to the devices' whole-model speeds at micro-batch size M; empty when a device
+// cannot take a sample.
+Plan all_replicas(const Plan& like, const ClusterSpec& cluster, const Profile& profile, int64_t m) {
+  const CostContext ctx(cluster, profile);
+  const size_t n = cluster.devices.size();
+  Plan plan;
+  plan.global_batch = like.global_batch;
+  plan.schedule = "1f1b";  // one stage each: no schedule differs
+  plan.grad_sync = like.grad_sync;
+  plan.slow_links = like.slow_links;
+  if (static_cast<int64_t>(n) > like.global_batch) return plan;
+  std::vector<double> speed(n);
+  double total = 0;
+  for (size_t d = 0; d < n; ++d) total += speed[d] = 1.0 / ctx.full_model_s_per_sample(ctx.type_of(static_cast<int>(d)), m);
+  std::vector<int64_t> share(n);
+  int64_t given = 0;
+  for (size_t d = 0; d < n; ++d) {
+    share[d] = std::max<int64_t>(1, static_cast<int64_t>(std::floor(static_cast<double>(like.global_batch) * speed[d] / total)));
+    given += share[d];
+  }
+  // What rounding left goes to the fastest devices, one sample each; what it overshot comes off them.
+  std::vector<size_t> order(n);
+  for (size_t d = 0; d < n; ++d) order[d] = d;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return speed[a] > speed[b]; });
+  for (size_t k = 0; given != like.global_batch; k = (k + 1) % n) {
+    const size_t d = order[k];
+    if (given < like.global_batch) ++share[d], ++given;
+    else if (share[d] > 1) --share[d], --given;
+  }
+  for (size_t d = 0; d < n; ++d) {
+    PipelinePlan pl;
+    pl.set_samples(share[d], std::min(m, share[d]));
+    pl.stages.push_back({{static_cast<int>(d)}, 0, profile.model.layers, cluster.devices[d].name});
+    plan.pipelines.push_back(pl);
+  }
+  return plan;
+}
+
+}  // namespace
+
+void consider_short_micro_batches(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options) {
+  if (!options.short_micro_batches || !std::isfinite(result.cost.step_s) || result.plan.pipelines.size() > kShortSplitUpTo) return;
+  const Plan& chosen = result.plan;
+  Plan best = chosen;
+  PlanCost best_cost = result.cost;
+  std::string what;
+  // The chosen layout re-split (the refinement phases may have done it already).
+  {
+    Plan cand = chosen;
+    const PlanCost c = priced_rebalanced(cand, cluster, profile, options);
+    if (c.fits && c.step_s < best_cost.step_s * (1 - 2e-3)) best = cand, best_cost = c, what = "the batch re-split";
+  }
+  // Every device a replica: with whole micro-batches their samples move in steps of a
+  // micro-batch, so a pipeline may have won by a few percent that a short last micro-batch takes back.
+  const bool has_pipeline = std::any_of(chosen.pipelines.begin(), chosen.pipelines.end(), [](const PipelinePlan& p) { return p.stages.size() > 1; });
+  const bool one_rank_each = chosen.world_size() == static_cast<int>(cluster.devices.size());
+  if (has_pipeline && one_rank_each && chosen.sharding.empty() && cluster.devices.size() <= kShortSplitUpTo) {
+    int64_t m = 1;
+    for (const auto& pl : chosen.pipelines) m = std::max(m, pl.micro_batch_size);
+    Plan cand = all_replicas(chosen, cluster, profile, m);
+    if (!cand.pipelines.empty()) {
+      const PlanCost c = priced_rebalanced(cand, cluster, profile, options);
+      if (c.fits && c.step_s < best_cost.step_s * (1 - kShortSplitLayoutMinGain)) best = cand, best_cost = c, what = "every device a replica";
+    }
+  }
+  if (what.empty()) return;
+  bool any_short = false;
+  std::string splits;
+  for (const auto& pl : best.pipelines) {
+    any_short = any_short || pl.short_last();
+    splits += (splits.empty() ? "" : ", ") + pl.batch_text();
+  }
+  std::ostringstream o;
+  o.precision(4);
+  o << what << (any_short ? " with short last micro-batches" : "") << " (" << splits << "): predicted " << best_cost.step_s * 1e3
+    << " ms instead of " << result.cost.step_s * 1e3 << " ms";
+  result.notes.push_back(o.str());
+  adopt_plan(result, std::move(best), best_cost);
+}
+
+}  // namespace alloy::plan
