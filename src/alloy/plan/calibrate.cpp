@@ -185,7 +185,9 @@ Replan replan(const Plan& current, const ClusterSpec& cluster, const Calibration
     o << "the calibrated profile gives the same plan: predicted " << ms(r.current.step_s) << " per step\n";
   } else {
     o << "with the calibrated profile: the running plan " << ms(r.current.step_s) << " per step, the best found "
-      << ms(r.best.step_s) << " (" << f2(100.0 * (r.current.step_s - r.best.step_s) / r.current.step_s) << "% less)";
+      << ms(r.best.step_s)
+      << (r.best.step_s < r.current.step_s ? " (" + f2(100.0 * (r.current.step_s - r.best.step_s) / r.current.step_s) + "% less)"
+                                           : " (no faster)");
     if (r.change)
       o << ": switching to\n" << found.chosen.plan.describe();
     else
