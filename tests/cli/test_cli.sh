@@ -299,6 +299,17 @@ assert cal < 0.5 * wrong, (cal, wrong)
 PY
 expect_ok "plan with the run's calibrated profile" "$alloy" plan --cluster pool.yaml --config mid.yaml \
   --profile replan3/profile-calibrated.json --no-compare -o replanned-again.json
+# With the profile measured here the plan is right: whether the measurement after step 3 keeps it
+# or not, the ranks measure again after step 6.
+expect_ok "train --plan auto on a right profile" "$alloy" launch --nproc 2 -- "$alloy" train --config mid.yaml --plan auto \
+  --cluster pool.yaml --profile prof-mid.json --set output.dir=replan-right --set train.replan_step=3
+/usr/bin/python3 - <<'PY' && ok "a kept plan is measured once more, later" || bad "measuring a kept plan again"
+import json
+doc = json.load(open("replan-right/replan.json"))
+assert [e["step"] for e in doc["replans"]] == [3, 6], doc["replans"]
+r = [json.loads(l) for l in open("replan-right/metrics.jsonl")]
+assert len(r) == 8, len(r)
+PY
 
 # --- LoRA fine-tuning from the exported model: adapters in PEFT's layout, a small checkpoint, and
 # the errors a user meets

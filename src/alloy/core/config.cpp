@@ -110,7 +110,8 @@ const std::vector<Field>& schema() {
       ALLOY_BOOL(train, async_checkpoint, "write checkpoints off the training thread: the step pays only for copying its "
                                           "tensors; the files, their checksums and the publication follow in the background"),
       ALLOY_INT(train, replan_step, "--plan auto: after this step, scale the profile by each device's measured compute, "
-                                    "search again and switch plans if 5% faster (again after as many steps, once); 0 = never"),
+                                    "search again and switch plans if 5% faster (or rebalance the batch if 2%); again after as many "
+                                    "steps, once, whether it switched or not; 0 = never"),
       ALLOY_INT(train, log_interval, "steps between log lines when not on a terminal"),
       ALLOY_INT(train, threads, "intra-op threads; 0 = all cores"),
       ALLOY_STR(train, device, "cpu | cuda | cuda:N"),

@@ -263,8 +263,10 @@ ResolvedPlan resolve_plan(const Config& cfg, const PlanSources& src, int world_s
 
 TrainResult train_with_replanning(const Config& cfg, TrainOptions o, const ResolvedPlan& rp) {
   o.plan = rp.plan;
-  // Up to kMaxReplans switches, each replan_step steps after the previous one; the first
-  // calibration that finds nothing better ends it.
+  // Up to kMaxReplans switches, each replan_step steps after the previous one. The first plan is
+  // measured again replan_step steps later when its first measurement keeps it
+  // (TrainOptions::remeasure_after); after that, the first calibration that finds nothing better
+  // ends it.
   constexpr int kMaxReplans = 2;
   auto replanning = std::make_shared<Replanning>();
   int64_t measured_from = 2;
@@ -273,9 +275,10 @@ TrainResult train_with_replanning(const Config& cfg, TrainOptions o, const Resol
                                                               rp.autoplan->options);
     o.calibrated_prediction = replanning->calibrated;
     o.replan_at = cfg.train.replan_step;
-    o.replan = [replanning, &cfg, &o, &measured_from](const std::map<int, double>& measured, const std::map<int, double>& phase,
-                                                      double step_s) {
-      return replan_from_measured(*replanning, cfg, measured_from, o.replan_at, measured, phase, step_s);
+    o.remeasure_after = cfg.train.replan_step;  // the first plan only (below)
+    o.replan = [replanning, &cfg, &measured_from](int64_t step, const std::map<int, double>& measured,
+                                                  const std::map<int, double>& phase, double step_s) {
+      return replan_from_measured(*replanning, cfg, measured_from, step, measured, phase, step_s);
     };
   }
   // A re-plan ends a run early at a checkpoint; the next one resumes from it under the new plan,
@@ -301,8 +304,10 @@ TrainResult train_with_replanning(const Config& cfg, TrainOptions o, const Resol
     o.plan = r.next_plan;
     o.resume = r.checkpoint;
     o.init_weights.clear();
-    measured_from = o.replan_at + 2;  // a new layout's first step warms up too
-    o.replan_at = generation < kMaxReplans ? o.replan_at + cfg.train.replan_step : 0;
+    const int64_t switched_at = r.steps.empty() ? o.replan_at : r.steps.back().step;  // at the first measurement or the second
+    measured_from = switched_at + 2;  // a new layout's first step warms up too
+    o.replan_at = generation < kMaxReplans ? switched_at + cfg.train.replan_step : 0;
+    o.remeasure_after = 0;
     o.generation = "plan" + std::to_string(generation + 1) + "/";
   }
   return all;

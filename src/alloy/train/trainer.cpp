@@ -85,7 +85,7 @@ std::string job_fingerprint(const Config& c, const Plan& p) {
 
 Trainer::~Trainer() = default;
 
-Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(std::move(opts)) {
+Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(std::move(opts)), replan_at_(opts_.replan_at) {
   cfg_.validate();
   configure_threads(cfg_.train.threads);
   device_ = at::Device(rank_device(cfg_));
@@ -834,9 +834,11 @@ TrainResult Trainer::run() {
       result.val_loss.emplace_back(rec.step, last_val);
     }
     std::shared_ptr<Plan> next_plan;
-    if (world_ && opts_.replan_at > 0 && rec.step == opts_.replan_at && !last) {
-      next_plan = replan_now(result);
+    if (world_ && replan_at_ > 0 && rec.step == replan_at_ && !last) {
+      next_plan = replan_now(result, rec.step);
       if (next_plan) j["replanned"] = true;  // the steps after this one ran another plan
+      // Kept: once more, later, over the longer window (every rank decides the same from opts_).
+      replan_at_ = !next_plan && replan_at_ == opts_.replan_at && opts_.remeasure_after > 0 ? replan_at_ + opts_.remeasure_after : 0;
     }
     if (metrics) metrics->log(j);
 

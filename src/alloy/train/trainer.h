@@ -48,10 +48,17 @@ struct TrainOptions {
   // with them (rank -> seconds). When it returns a plan, every rank checkpoints and run() returns
   // early with TrainResult::next_plan, for the caller to resume under that plan.
   int64_t replan_at = 0;
-  // Called on rank 0 with each rank's median compute and median phase (step start to its last
-  // schedule action) over the steps since the last plan started, and the median step itself;
-  // returns the plan to switch to.
-  std::function<std::shared_ptr<Plan>(const std::map<int, double>& compute, const std::map<int, double>& phase, double step_s)>
+  // When REPLAN keeps the plan at REPLAN_AT, the ranks measure once more REMEASURE_AFTER steps
+  // later, over the longer window since the plan started (0: never): a first window that caught
+  // the machine slow or fast then does not set the prediction and the batch split for the rest of
+  // the run (on the 3-device demo a window of steps 2-6 read every type 4-11% slower than the
+  // steps after it, and the kept plan's prediction stayed 11% off).
+  int64_t remeasure_after = 0;
+  // Called on rank 0 after step STEP with each rank's median compute and median phase (step start
+  // to its last schedule action) over the steps since the last plan started, and the median step
+  // itself; returns the plan to switch to.
+  std::function<std::shared_ptr<Plan>(int64_t step, const std::map<int, double>& compute, const std::map<int, double>& phase,
+                                      double step_s)>
       replan;
   // Rank 0: the running plan's step as the last calibration predicted it (PlanCost::to_json with
   // "calibrated_after_step"), filled by REPLAN's caller; the final report compares the measured
@@ -124,7 +131,7 @@ class Trainer {
   void plan_shards();
   void load_sync_state(const std::string& ckpt_dir);
   void publish_rank_stats(const TrainResult& r);
-  std::shared_ptr<Plan> replan_now(const TrainResult& r);
+  std::shared_ptr<Plan> replan_now(const TrainResult& r, int64_t step);
 
   Config cfg_;
   TrainOptions opts_;
@@ -163,6 +170,7 @@ class Trainer {
   bool any_sparse_set_ = false;          // some holder set of the plan is (on any rank)
   std::unique_ptr<pipeline::StageExecutor> exec_;
   int64_t start_step_ = 0;
+  int64_t replan_at_ = 0;  // the next step after which the ranks measure (TrainOptions::replan_at, remeasure_after)
   std::string base_;  // where the frozen base came from (LoRA checkpoints name it)
   int64_t memory_before_model_ = 0;  // the device's memory in use before this rank built its slice (model memory is measured above it)
   model::LossScaler scaler_{false, 1.0, 1};  // train.loss_scaling (set in the constructor)

@@ -114,7 +114,7 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
   }
 }
 
-std::shared_ptr<Plan> Trainer::replan_now(const TrainResult& r) {
+std::shared_ptr<Plan> Trainer::replan_now(const TrainResult& r, int64_t step) {
   // Medians of the steps after the first (it warms up allocators and caches); the lower middle:
   // a stall only raises times.
   auto lower_median = [&](auto of) {
@@ -127,7 +127,7 @@ std::shared_ptr<Plan> Trainer::replan_now(const TrainResult& r) {
   // compute_s) are left out, the cost model prices them apart.
   const double mine = lower_median([](const StepRecord& s) { return s.compute_s - s.tp_comm_s; });
   const double my_phase = lower_median([](const StepRecord& s) { return s.phase_s; });
-  const std::string prefix = "alloy/" + opts_.generation + "replan/";
+  const std::string prefix = "alloy/" + opts_.generation + "replan/" + std::to_string(step) + "/";  // a plan may be measured twice
   auto& store = world_->store();
   auto put = [&](const std::string& k, const std::string& s) { store.set(prefix + k, std::vector<uint8_t>(s.begin(), s.end())); };
   auto get = [&](const std::string& k) {
@@ -145,7 +145,7 @@ std::shared_ptr<Plan> Trainer::replan_now(const TrainResult& r) {
       phase[q] = std::stod(get("phase/" + std::to_string(q)));
     }
     try {
-      auto next = opts_.replan ? opts_.replan(measured, phase, lower_median([](const StepRecord& s) { return s.step_s; })) : nullptr;
+      auto next = opts_.replan ? opts_.replan(step, measured, phase, lower_median([](const StepRecord& s) { return s.step_s; })) : nullptr;
       if (next) decision = next->to_json().dump();
     } catch (const std::exception& e) {
       log_warn(std::string("re-planning failed, the running plan stays: ") + e.what());
