@@ -18,16 +18,7 @@ using namespace alloy::plan::testing;
 
 namespace {
 
-ModelConfig model8() {
-  ModelConfig m;
-  m.arch = "llama";
-  m.layers = 8;
-  m.hidden = 32;
-  m.heads = 4;
-  m.seq_len = 16;
-  m.vocab_size = 64;
-  return m;
-}
+ModelConfig model8() { return base_profile(8).model; }  // llama, 8 blocks
 
 PipelinePlan replica(int rank, int64_t samples, int64_t m, const std::string& dev = "") {
   PipelinePlan pl;
