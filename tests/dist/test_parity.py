@@ -419,6 +419,14 @@ def _short_last(p, lasts):
 LAYOUTS["short-dp3"] = ("gpt2", 24, _short_last(plan(24, [(4, 4, full(0)), (3, 3, full(1)), (4, 1, full(2))],
                                                      slow_links=[[0, 2]]), [1, 1, 0]), 3)
 LAYOUTS["short-pp2"] = ("gpt2", 24, _short_last(plan(24, [(5, 5, [(0, 0, 6), (1, 6, 8)])]), [4]), 2)
+# With tensor parallelism: a 3:1 group of 16 samples (5 x 4, the last of 1) beside a replica of 8
+# under ZeRO-3 (the members gather per micro-batch, the same count of them); a 3:1 group under
+# sequence parallelism (5 x 5, the last of 4: its positions cut, its rows short).
+LAYOUTS["short-tp-beside-replica-zero3"] = (
+    "gpt2", 24, _short_last(_tp(24, [(5, 4, [([0, 1], 0, 8, [3, 1])]), (2, 4, [([2], 0, 8, None)])]), [1, 0]), 3,
+    ["--zero-stage", "3", "--shard-ratio", "2", "1", "1"])
+LAYOUTS["short-tp2-3:1-sp"] = ("gpt2", 24, _short_last(_tp(24, [(5, 5, [([0, 1], 0, 8, [3, 1])])]), [4]), 2,
+                               ["--sequence-parallel"])
 
 
 RESHARD_CHAINS = {
