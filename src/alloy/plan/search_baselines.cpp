@@ -13,18 +13,6 @@
 
 namespace alloy::plan::detail {
 
-namespace {
-
-// ---------------------------------------------------------------------------------------------
-// Splits and shares
-
-std::vector<int64_t> equal_split(int64_t total, int64_t parts) {
-  std::vector<int64_t> v(static_cast<size_t>(parts), total / parts);
-  for (int64_t i = 0; i < total % parts; ++i) ++v[static_cast<size_t>(i)];
-  return v;
-}
-
-// TOTAL into parts proportional to WEIGHTS, each >= 1 (largest remainder on what is left).
 std::vector<int64_t> proportional_split(int64_t total, const std::vector<double>& weights) {
   const size_t n = weights.size();
   std::vector<int64_t> v(n, 1);
@@ -42,6 +30,17 @@ std::vector<int64_t> proportional_split(int64_t total, const std::vector<double>
   }
   std::sort(frac.begin(), frac.end());
   for (int64_t k = 0; k < rest - given; ++k) ++v[frac[static_cast<size_t>(k) % n].second];
+  return v;
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Splits and shares
+
+std::vector<int64_t> equal_split(int64_t total, int64_t parts) {
+  std::vector<int64_t> v(static_cast<size_t>(parts), total / parts);
+  for (int64_t i = 0; i < total % parts; ++i) ++v[static_cast<size_t>(i)];
   return v;
 }
 

@@ -364,6 +364,9 @@ struct Problem {
 // Evaluates with the given batch mode; returns the step time (inf when it does not fit).
 inline double eval(Problem& P, Layout& l, Batch mode) { return P.ev.evaluate(l, mode); }
 
+// TOTAL into parts proportional to WEIGHTS, each >= 1 (largest remainder on what is left).
+std::vector<int64_t> proportional_split(int64_t total, const std::vector<double>& weights);
+
 // Input checks shared by every strategy: the global batch can be split, the model fits the pool.
 void check_inputs(Problem& P);
 

@@ -9,6 +9,7 @@
 
 #include "alloy/plan/cost_model.h"
 #include "alloy/plan/search.h"
+#include "alloy/plan/search_detail.h"
 
 namespace alloy::plan {
 
@@ -27,23 +28,8 @@ Plan all_replicas(const Plan& like, const ClusterSpec& cluster, const Profile& p
   plan.slow_links = like.slow_links;
   if (static_cast<int64_t>(n) > like.global_batch) return plan;
   std::vector<double> speed(n);
-  double total = 0;
-  for (size_t d = 0; d < n; ++d) total += speed[d] = 1.0 / ctx.full_model_s_per_sample(ctx.type_of(static_cast<int>(d)), m);
-  std::vector<int64_t> share(n);
-  int64_t given = 0;
-  for (size_t d = 0; d < n; ++d) {
-    share[d] = std::max<int64_t>(1, static_cast<int64_t>(std::floor(static_cast<double>(like.global_batch) * speed[d] / total)));
-    given += share[d];
-  }
-  // What rounding left goes to the fastest devices, one sample each; what it overshot comes off them.
-  std::vector<size_t> order(n);
-  for (size_t d = 0; d < n; ++d) order[d] = d;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return speed[a] > speed[b]; });
-  for (size_t k = 0; given != like.global_batch; k = (k + 1) % n) {
-    const size_t d = order[k];
-    if (given < like.global_batch) ++share[d], ++given;
-    else if (share[d] > 1) --share[d], --given;
-  }
+  for (size_t d = 0; d < n; ++d) speed[d] = 1.0 / ctx.full_model_s_per_sample(ctx.type_of(static_cast<int>(d)), m);
+  const std::vector<int64_t> share = detail::proportional_split(like.global_batch, speed);
   for (size_t d = 0; d < n; ++d) {
     PipelinePlan pl;
     pl.set_samples(share[d], std::min(m, share[d]));

@@ -118,6 +118,12 @@ std::string ranks_heading(const std::vector<int>& ranks) {
 
 // One predicted entry as text: a number is a time (or a size for memory), an object a list of
 // named figures whose unit its key's suffix gives.
+// "6 samples x 10 micro-batches", with a short last one's size.
+std::string micro_batches_text(const PipelinePlan& pl) {
+  return std::to_string(pl.micro_batch_size) + " samples x " + std::to_string(pl.num_micro_batches) + " micro-batches" +
+         (pl.short_last() ? " (the last of " + std::to_string(pl.last_size()) + ")" : "");
+}
+
 std::string predicted_text(const json& v, bool memory) {
   auto one = [&](double x, const std::string& key) {
     auto ends = [&](const std::string& suf) {
@@ -218,10 +224,7 @@ Picture build(const DiagramInput& in) {
     for (size_t p = 0; p < plan.pipelines.size(); ++p) {
       const auto& pl = plan.pipelines[p];
       pic.groups.push_back({"p" + std::to_string(p),
-                            {"pipeline " + std::to_string(p), std::to_string(pl.micro_batch_size) + " samples x " +
-                                                                   std::to_string(pl.num_micro_batches) + " micro-batches" +
-                                                                   (pl.short_last() ? " (the last of " + std::to_string(pl.last_size()) + ")" : "") +
-                                                                   " = " + std::to_string(pl.samples())},
+                            {"pipeline " + std::to_string(p), micro_batches_text(pl) + " = " + std::to_string(pl.samples())},
                             ""});
     }
   }
@@ -283,8 +286,7 @@ Picture build(const DiagramInput& in) {
                           " micro-batches");
       if (st.cuts_mlp()) n.lines.push_back("last MLP: columns of " + std::to_string(st.mlp_cut) + " heads");
       if (s > 0 && pl.stages[s - 1].cuts_mlp()) n.lines.push_back("first MLP: the other columns");
-      n.lines.push_back(std::to_string(pl.micro_batch_size) + " samples x " + std::to_string(pl.num_micro_batches) + " micro-batches" +
-                        (pl.short_last() ? " (the last of " + std::to_string(pl.last_size()) + ")" : ""));
+      n.lines.push_back(micro_batches_text(pl));
       for (const json* v : {&times[k], &memory[k]}) {
         std::string t = predicted_text(*v, v == &memory[k]);
         if (!t.empty()) n.lines.push_back(t);
