@@ -282,16 +282,16 @@ void EmulatedCluster::build(const plan::ClusterSpec& spec) {
     const std::string port = "h" + std::to_string(k);
     must({ip, "netns", "add", ns}, "cannot create a network namespace");
     disable_ipv6(ns);
-    if (!use_cubic(ns) && k == 0)
-      log_warn("emulator: the kernel refuses TCP congestion control cubic inside a network namespace (not in "
-               "net.ipv4.tcp_allowed_congestion_control); the emulated hosts use " +
-               trim(read_small("/proc/sys/net/ipv4/tcp_congestion_control")) + ", as this machine does");
     must({ip, "-n", ns, "link", "set", "lo", "up"}, "cannot configure host " + hosts_[k]);
     must({ip, "-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns}, "needs veth support in the kernel (CONFIG_VETH)");
     must({ip, "-n", sw, "link", "set", port, "master", "br0"}, "cannot attach host " + hosts_[k] + " to the bridge");
     must({ip, "-n", sw, "link", "set", port, "up"}, "cannot configure host " + hosts_[k]);
     must({ip, "-n", ns, "addr", "add", std::string(kSubnet) + std::to_string(k + 1) + "/24", "dev", "eth0"}, "cannot configure host " + hosts_[k]);
     must({ip, "-n", ns, "link", "set", "eth0", "up"}, "cannot configure host " + hosts_[k]);
+    if (!use_cubic(ip, ns, std::string(kSubnet) + "0/24", "eth0") && k == 0)
+      log_warn("emulator: the kernel refuses TCP congestion control cubic inside a network namespace (as a route's "
+               "congctl and as the namespace's default); the emulated hosts use " +
+               trim(read_small("/proc/sys/net/ipv4/tcp_congestion_control")) + ", as this machine does");
   }
 
   bool latency_asked = false;

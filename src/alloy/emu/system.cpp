@@ -154,7 +154,11 @@ void disable_ipv6(const std::string& netns_name) {
       throw Error("emulator: cannot disable IPv6 in network namespace " + netns_name + " (" + f + ")");
 }
 
-bool use_cubic(const std::string& netns_name) {
+bool use_cubic(const std::string& ip_tool, const std::string& netns_name, const std::string& subnet, const std::string& dev) {
+  // A route's congctl is not limited to net.ipv4.tcp_allowed_congestion_control, as the namespace's
+  // sysctl is (a namespace may only choose from that list; this VM's holds reno and bbr), and it
+  // covers both ends: each host sends over its own route to the subnet.
+  if (run_tool({ip_tool, "-n", netns_name, "route", "replace", subnet, "dev", dev, "congctl", "cubic"}).rc == 0) return true;
   return write_in_netns(std::string(kNetnsDir) + "/" + netns_name, "/proc/sys/net/ipv4/tcp_congestion_control", "cubic");
 }
 

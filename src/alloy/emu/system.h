@@ -46,14 +46,15 @@ std::string read_small(const std::string& path);
 bool write_small(const std::string& path, const std::string& value);
 bool write_in_netns(const std::string& netns_path, const std::string& file, const std::string& value);
 void disable_ipv6(const std::string& netns_name);
-// TCP in the namespace uses cubic, Linux's default congestion control, whatever the machine that
-// runs the emulator uses (its namespaces start with the machine's choice). Measured on this VM,
-// whose default is BBR: uneven TP over the 3-device pool's 0.2 Gbit/s hop fell from 5.9 to
+// TCP between the emulated hosts uses cubic, Linux's default congestion control, whatever the
+// machine that runs the emulator uses (its namespaces start with the machine's choice). Measured on
+// a VM whose default is BBR: uneven TP over the 3-device pool's 0.2 Gbit/s hop fell from 5.9 to
 // 8.0-8.5 s per step part-way through 4 of 9 runs and stayed there (BBR's bandwidth estimate of
 // an application-limited flow through the htb shaper); under cubic 0 of 9, every step 5.6-7.5 s.
-// False where the kernel refuses it (cubic not in tcp_allowed_congestion_control, as on an earlier
-// VM of this project): the namespace keeps the machine's choice.
-bool use_cubic(const std::string& netns_name);
+// Set on the host's route to SUBNET over DEV, so that it holds where the kernel refuses cubic as a
+// namespace's default (not in tcp_allowed_congestion_control); the namespace's sysctl otherwise.
+// False where neither takes: the hosts keep the machine's choice.
+bool use_cubic(const std::string& ip_tool, const std::string& netns_name, const std::string& subnet, const std::string& dev);
 std::optional<unsigned long long> start_time_of(pid_t pid);
 bool owner_alive(pid_t pid, unsigned long long start);
 std::vector<std::string> list_dir(const std::string& dir);
