@@ -282,6 +282,50 @@ TEST(TensorParallelCost, MeasuredSumsReplaceTheFloorPairByPair) {
   EXPECT_EQ(ctx.tp_sum_s({1}, 4096), 0);
 }
 
+TEST(TensorParallelCost, TheSumsWaitForTheMembersWithinAMarginOfTheLatest) {
+  EXPECT_EQ(CostContext::tp_last_members({4, 5, 6}, {1.0, 0.9, 0.5}), (std::vector<int>{4, 5}));
+  EXPECT_EQ(CostContext::tp_last_members({4, 5, 6}, {0.5, 0.8, 1.0}), (std::vector<int>{6}));
+}
+
+TEST(TensorParallelCost, ASumWaitsForItsLastMembersCpu) {
+  // a0 fast (a quarter-free core), b slow under a 0.2-core quota: the a0+b pair's line holds b's
+  // CPU time for the sum at its quota's rate, since b arrived last when it was measured.
+  ClusterSpec c = pair_and_far(0);
+  Profile prof = pair_profile(4);
+  prof.devices["fast"].comm_cpu_s_per_byte = 1e-9;
+  prof.devices["slow"].comm_cpu_s_per_byte = 5e-9;
+  prof.devices["slow"].quota_fraction = 0.2, prof.devices["slow"].quota_burst_s = 3e-3;
+  prof.tp_sums = {{"a0", "b", 4096, 1e-3}, {"a0", "b", 8192, 1.5e-3}, {"a0", "a1", 4096, 0.1e-3}, {"a0", "a1", 8192, 0.2e-3},
+                  {"a1", "b", 4096, 1e-3}, {"a1", "b", 8192, 1.5e-3}};
+  const CostContext ctx(c, prof);
+  const double line = ctx.tp_sum_s({0, 2}, 8192);
+  EXPECT_NEAR(line, 1.5e-3, 1e-12);
+  // Waiting for b: as measured. Waiting for a0: b's burst moves its share at the core's speed
+  // (0.2 x 5e-9 = 1e-9 per byte), a0 at its own 1e-9; the pair moves 2 x 8192 bytes.
+  EXPECT_NEAR(ctx.tp_sum_s({0, 2}, 8192, {2}), line, 1e-12);
+  EXPECT_NEAR(ctx.tp_sum_s({0, 2}, 8192, {0, 2}), line, 1e-12);
+  EXPECT_NEAR(ctx.tp_sum_s({0, 2}, 8192, {0}), line - 2 * 8192 * (5e-9 - 1e-9), 1e-12);
+  // Never below the line's transfer part.
+  prof.devices["slow"].comm_cpu_s_per_byte = 5e-7;
+  EXPECT_NEAR(CostContext(c, prof).tp_sum_s({0, 2}, 8192, {0}), 8192 * (0.5e-3 / 4096), 1e-12);
+  prof.devices["slow"].comm_cpu_s_per_byte = 5e-9;
+
+  // In a plan: the trio's split decides whom the sums wait for. Sums of 20-25 ms over the thin
+  // link give b's quota a burst between them. At 1:1:2 (b with most heads) they wait for b, priced
+  // as the pairs measured; at 2:1:1 b's burst brings it early, a0 comes last, and the same sums
+  // cost less.
+  prof.devices["fast"].comm_cpu_s_per_byte = 1e-7;
+  prof.devices["slow"].comm_cpu_s_per_byte = 5e-7;
+  prof.tp_sums = {{"a0", "b", 4096, 20e-3}, {"a0", "b", 8192, 25e-3}, {"a1", "b", 4096, 20e-3}, {"a1", "b", 8192, 25e-3},
+                  {"a0", "a1", 4096, 0.1e-3}, {"a0", "a1", 8192, 0.2e-3}};
+  const Plan heavy_b = one_stage({0, 1, 2}, {"a0", "a1", "b"}, {1, 1, 2}, 4, 2, 4);
+  const Plan light_b = one_stage({0, 1, 2}, {"a0", "a1", "b"}, {2, 1, 1}, 4, 2, 4);
+  Profile no_cpu = prof;
+  no_cpu.devices["fast"].comm_cpu_s_per_byte = no_cpu.devices["slow"].comm_cpu_s_per_byte = 0;
+  EXPECT_NEAR(simulate_plan(heavy_b, c, prof).stages[0].tp_comm_s, simulate_plan(heavy_b, c, no_cpu).stages[0].tp_comm_s, 1e-9);
+  EXPECT_LT(simulate_plan(light_b, c, prof).stages[0].tp_comm_s, 0.9 * simulate_plan(light_b, c, no_cpu).stages[0].tp_comm_s);
+}
+
 namespace {
 // Four equal devices, a pair on one machine and two behind thin links; none holds the whole model
 // (2-3 blocks of 4 at most).

@@ -658,9 +658,33 @@ CostContext::Ring CostContext::ring(const std::vector<int>& d, const LinkLoads* 
   return r;
 }
 
-double CostContext::tp_sum_s(std::vector<int> devices, double bytes) const {
+std::vector<int> CostContext::tp_last_members(const std::vector<int>& devices, const std::vector<double>& arrival_s) {
+  const double latest = arrival_s.empty() ? 0.0 : *std::max_element(arrival_s.begin(), arrival_s.end());
+  std::vector<int> out;
+  for (size_t k = 0; k < devices.size(); ++k)
+    if (arrival_s[k] >= (1 - kTpLastMargin) * latest) out.push_back(devices[k]);
+  return out;
+}
+
+double CostContext::tp_sum_s(std::vector<int> devices, double bytes, const std::vector<int>& last) const {
   const size_t n = devices.size(), N = cluster_->devices.size();
   if (n < 2) return 0;
+  auto cpu_at_quota = [&](int d) { return type_profile_[static_cast<size_t>(type_of(d))]->comm_cpu_s_per_byte; };
+  double group_cpu = -1;  // s per byte moved by the member the sum waits for longest
+  if (!last.empty())
+    for (int d : devices) {
+      const DeviceProfile& p = *type_profile_[static_cast<size_t>(type_of(d))];
+      const bool waited_for = std::find(last.begin(), last.end(), d) != last.end();
+      group_cpu = std::max(group_cpu, p.comm_cpu_s_per_byte * (waited_for ? 1.0 : std::clamp(p.quota_fraction, 1e-3, 1.0)));
+    }
+  // The member of a pair that arrived last when the profile timed its sums: the slower at a block.
+  auto slower = [&](int a, int b) {
+    auto block = [&](int d) {
+      const DeviceProfile& p = *type_profile_[static_cast<size_t>(type_of(d))];
+      return p.block_fwd.at(1) + p.block_bwd.at(1);
+    };
+    return block(a) >= block(b) ? a : b;
+  };
   // A ring all-reduce moves 2(n-1)/n of the bytes over every hop (a pair: all of them once). The
   // group takes its slowest pair's line at those bytes: a fast pair's fixed wait overlaps a thin
   // pair's transfer rather than adding to it (adding the worst fixed part to the worst slope put
@@ -674,7 +698,10 @@ double CostContext::tp_sum_s(std::vector<int> devices, double bytes) const {
         std::sort(devices.begin(), devices.end(), [&](int a, int b) { return ring_less(a, a, b, b); });
         return std::max(kTpSumFloorS, allreduce_s(ring(devices), bytes, std::numeric_limits<double>::infinity()));
       }
-      t = std::max(t, f + s * ring_bytes);
+      double pair = f + s * ring_bytes;
+      if (group_cpu >= 0)
+        pair = std::max(s * ring_bytes, pair + 2 * ring_bytes * (group_cpu - cpu_at_quota(slower(devices[i], devices[j]))));
+      t = std::max(t, pair);
     }
   return t;
 }

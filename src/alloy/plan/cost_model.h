@@ -456,7 +456,19 @@ class CostContext {
   // link model: a ping-pong with a device under a small CPU quota measures its throttling as
   // latency (8.7 ms on a 1 Gbit/s veth once). A group with a pair nobody measured (older
   // profiles, pools over 8 devices): the ring's time, at least kTpSumFloorS.
-  double tp_sum_s(std::vector<int> devices, double bytes) const;
+  // LAST: the members the group may wait for at each sum (empty: as the pairs measured). A pair's
+  // line holds the CPU time its slower member, arriving last with its quota's burst spent, took to
+  // move the sum (comm_cpu_s_per_byte, twice the ring bytes: sent and received); in a group the sum
+  // waits instead for the LAST members at that rate and for the others at their cores' full speed,
+  // since they waited. Measured on the 3-device pool: uneven TP 3:2:1 (the fast device last)
+  // summed 23.6 ms per sum where the fast+quarter pair's line said 27.0 and its CPU terms 23.8;
+  // even TP (the members within 10% of each other, the quarter last) 26.3 ms.
+  double tp_sum_s(std::vector<int> devices, double bytes, const std::vector<int>& last = {}) const;
+  // Of DEVICES arriving at a sum after ARRIVAL_S (in the same order), those the sum may wait for:
+  // within kTpLastMargin of the latest, since the members' arrivals jitter and the burst model
+  // that orders them is itself off by 10-20% (bench/README, tensor parallelism).
+  static std::vector<int> tp_last_members(const std::vector<int>& devices, const std::vector<double>& arrival_s);
+  static constexpr double kTpLastMargin = 0.15;
 
   // Parameter units and their holders. A stage of a pipeline, seen by the sync computation.
   struct Holder {

@@ -42,27 +42,30 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
   std::vector<int> devs;
   for (int r : st.ranks) devs.push_back(dev_of[static_cast<size_t>(r)]);
   const double bytes = static_cast<double>(m * model.seq_len * model.hidden) * ctx.dtype_bytes();
-  const double one = ctx.tp_sum_s(devs, bytes);
-  const double small = ctx.tp_sum_s(devs, static_cast<double>(m * model.seq_len) * 4.0 * 2.0);
   const double units = static_cast<double>(ue - ub);
-  double fwd = units * one + (first ? one : 0.0) + (last ? 3 * small : 0.0), bwd = units * one + (last ? one : 0.0);
-  if (st.sequence_parallel) {
-    // Sequence parallelism: each sum becomes a reduce-scatter and the all-gather before the next
-    // column-parallel product, the pair moving a sum's bytes back to back; priced as the sum they
-    // replace (measured on the emulated cluster-tp pair: the pairs cost about what the sums did).
-    // What comes on top, each an all-gather of half a sum's bytes at the measured line's price:
-    // the backward's re-gather of every half block's released input, the stage's output gathered
-    // (for the next stage or the head), and in the backward the gradient of what the stage cut on
-    // entry (the embedding's lookups on the first stage, the received input on the others).
-    const double half = ctx.tp_sum_s(devs, bytes / 2);
-    fwd += half;
-    // Under recomputation nothing is released to re-gather (the recomputed forward's own
-    // exchanges are priced below, as without SP).
-    bwd += (st.recompute ? 0.0 : units * half) + half;  // + the embedding's gradient or the input's, gathered
-  }
-  // Recomputation runs each block's forward again in the backward, its sums with it.
-  if (st.recompute) bwd += units * one;
-  t.comm_s = fwd + bwd;
+  // The sums of one micro-batch, forward and backward, when the group waits for WAITS_FOR at each.
+  auto sums = [&](const std::vector<int>& waits_for) {
+    const double one = ctx.tp_sum_s(devs, bytes, waits_for);
+    const double small = ctx.tp_sum_s(devs, static_cast<double>(m * model.seq_len) * 4.0 * 2.0, waits_for);
+    double fwd = units * one + (first ? one : 0.0) + (last ? 3 * small : 0.0), bwd = units * one + (last ? one : 0.0);
+    if (st.sequence_parallel) {
+      // Sequence parallelism: each sum becomes a reduce-scatter and the all-gather before the next
+      // column-parallel product, the pair moving a sum's bytes back to back; priced as the sum they
+      // replace (measured on the emulated cluster-tp pair: the pairs cost about what the sums did).
+      // What comes on top, each an all-gather of half a sum's bytes at the measured line's price:
+      // the backward's re-gather of every half block's released input, the stage's output gathered
+      // (for the next stage or the head), and in the backward the gradient of what the stage cut on
+      // entry (the embedding's lookups on the first stage, the received input on the others).
+      const double half = ctx.tp_sum_s(devs, bytes / 2, waits_for);
+      fwd += half;
+      // Under recomputation nothing is released to re-gather (the recomputed forward's own
+      // exchanges are priced below, as without SP).
+      bwd += (st.recompute ? 0.0 : units * half) + half;  // + the embedding's gradient or the input's, gathered
+    }
+    // Recomputation runs each block's forward again in the backward, its sums with it.
+    if (st.recompute) bwd += units * one;
+    return std::pair<double, double>{fwd, bwd};
+  };
   // The slowest member sets the pace; each computes in stretches between the sums, faster than
   // its steady rate where a CPU quota refills in them (CostContext::tp_member_s). A stretch ends
   // at each half block's sum, the embedding's, the loss's (its three small sums come back to back)
@@ -70,6 +73,19 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
   const double fwd_chunks = units + (first ? 1 : 0) + (last ? 1 : 0);
   const double bwd_chunks = units * (st.recompute ? 2 : 1) + (last ? 1 : 0);
   const std::vector<TpMemberTime> members = tp_member_times(ctx, model, st, dev_of, first, last, m);
+  // The members the sums wait for: those whose compute, less what their quotas' bursts give back,
+  // takes longest at the pairs' measured price.
+  std::vector<int> waits_for;
+  {
+    const auto [fwd, bwd] = sums({});
+    std::vector<double> arrival;
+    for (size_t k = 0; k < members.size(); ++k)
+      arrival.push_back(ctx.tp_member_s(ctx.type_of(devs[k]), members[k].forward_s + members[k].backward_s, fwd + bwd, fwd_chunks + bwd_chunks) -
+                        (fwd + bwd));
+    waits_for = CostContext::tp_last_members(devs, arrival);
+  }
+  const auto [fwd, bwd] = sums(waits_for);
+  t.comm_s = fwd + bwd;
   for (size_t k = 0; k < members.size(); ++k) {
     const int type = ctx.type_of(devs[k]);
     t.forward_s = std::max(t.forward_s, ctx.tp_member_s(type, members[k].forward_s, fwd, fwd_chunks));

@@ -59,7 +59,7 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
     const bool blocks = f == &DeviceProfile::block_fwd || f == &DeviceProfile::block_bwd;
     std::vector<double> ts;
     for (double m : ms) {
-      const double comm = sums * ctx.tp_sum_s(g, m * static_cast<double>(prof.model.seq_len * prof.model.hidden) * ctx.dtype_bytes());
+      const double bytes = m * static_cast<double>(prof.model.seq_len * prof.model.hidden) * ctx.dtype_bytes();
       // Blocks: what every member computes whole (tp_whole_share) at the slowest member's pace,
       // the rest split by speed.
       double rate = 0, slowest = 0, whole = 0;
@@ -73,6 +73,12 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
       // Every member computes about as long (the split follows their speeds); each gains its own
       // quota's bursts between the sums, and the group waits for the one that gains least.
       const double compute = split ? whole + shared * (1 - (blocks ? max_whole : 0.0)) : slowest;
+      // The sums wait for the members that gain least from their quotas' bursts (CostContext::tp_sum_s).
+      std::vector<double> arrival;
+      const double measured = sums * ctx.tp_sum_s(g, bytes);
+      for (const auto* p : dp) arrival.push_back(CostContext::tp_member_s_at(p->quota_fraction, p->quota_burst_s, compute, measured, sums) - measured);
+      const std::vector<int> waits_for = CostContext::tp_last_members(g, arrival);
+      const double comm = sums * ctx.tp_sum_s(g, bytes, waits_for);
       double t = 0;
       for (const auto* p : dp) t = std::max(t, CostContext::tp_member_s_at(p->quota_fraction, p->quota_burst_s, compute, comm, sums));
       ts.push_back(t);
