@@ -666,6 +666,13 @@ std::vector<int> CostContext::tp_last_members(const std::vector<int>& devices, c
   return out;
 }
 
+std::vector<int> CostContext::tp_waited_for(const std::vector<int>& devices, const std::vector<double>& compute_s, double sums_s,
+                                            double chunks) const {
+  std::vector<double> arrival;
+  for (size_t k = 0; k < devices.size(); ++k) arrival.push_back(tp_member_s(type_of(devices[k]), compute_s[k], sums_s, chunks) - sums_s);
+  return tp_last_members(devices, arrival);
+}
+
 double CostContext::tp_sum_s(std::vector<int> devices, double bytes, const std::vector<int>& last) const {
   const size_t n = devices.size(), N = cluster_->devices.size();
   if (n < 2) return 0;

@@ -462,13 +462,17 @@ class CostContext {
   // waits instead for the LAST members at that rate and for the others at their cores' full speed,
   // since they waited. Measured on the 3-device pool: uneven TP 3:2:1 (the fast device last)
   // summed 23.6 ms per sum where the fast+quarter pair's line said 27.0 and its CPU terms 23.8;
-  // even TP (the members within 10% of each other, the quarter last) 26.3 ms.
+  // even TP (the members' arrivals within 8% of each other, the quarter last) 26.3 ms.
   double tp_sum_s(std::vector<int> devices, double bytes, const std::vector<int>& last = {}) const;
   // Of DEVICES arriving at a sum after ARRIVAL_S (in the same order), those the sum may wait for:
   // within kTpLastMargin of the latest, since the members' arrivals jitter and the burst model
   // that orders them is itself off by 10-20% (bench/README, tensor parallelism).
   static std::vector<int> tp_last_members(const std::vector<int>& devices, const std::vector<double>& arrival_s);
   static constexpr double kTpLastMargin = 0.15;
+  // The members of DEVICES a group's sums wait for (tp_last_members), member k computing
+  // COMPUTE_S[k] per pass in CHUNKS stretches between SUMS_S of sums at the pairs' measured price:
+  // each arrives after its compute less what its quota's burst gives back (tp_member_s).
+  std::vector<int> tp_waited_for(const std::vector<int>& devices, const std::vector<double>& compute_s, double sums_s, double chunks) const;
 
   // Parameter units and their holders. A stage of a pipeline, seen by the sync computation.
   struct Holder {

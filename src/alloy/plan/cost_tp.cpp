@@ -75,16 +75,10 @@ TpStageTime tp_stage_time(const CostContext& ctx, const ModelConfig& model, cons
   const std::vector<TpMemberTime> members = tp_member_times(ctx, model, st, dev_of, first, last, m);
   // The members the sums wait for: those whose compute, less what their quotas' bursts give back,
   // takes longest at the pairs' measured price.
-  std::vector<int> waits_for;
-  {
-    const auto [fwd, bwd] = sums({});
-    std::vector<double> arrival;
-    for (size_t k = 0; k < members.size(); ++k)
-      arrival.push_back(ctx.tp_member_s(ctx.type_of(devs[k]), members[k].forward_s + members[k].backward_s, fwd + bwd, fwd_chunks + bwd_chunks) -
-                        (fwd + bwd));
-    waits_for = CostContext::tp_last_members(devs, arrival);
-  }
-  const auto [fwd, bwd] = sums(waits_for);
+  std::vector<double> compute;
+  for (const auto& mt : members) compute.push_back(mt.forward_s + mt.backward_s);
+  const auto [fwd_measured, bwd_measured] = sums({});
+  const auto [fwd, bwd] = sums(ctx.tp_waited_for(devs, compute, fwd_measured + bwd_measured, fwd_chunks + bwd_chunks));
   t.comm_s = fwd + bwd;
   for (size_t k = 0; k < members.size(); ++k) {
     const int type = ctx.type_of(devs[k]);

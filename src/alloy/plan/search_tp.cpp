@@ -74,11 +74,8 @@ DeviceProfile composite_profile(const Profile& prof, const ClusterSpec& cluster,
       // quota's bursts between the sums, and the group waits for the one that gains least.
       const double compute = split ? whole + shared * (1 - (blocks ? max_whole : 0.0)) : slowest;
       // The sums wait for the members that gain least from their quotas' bursts (CostContext::tp_sum_s).
-      std::vector<double> arrival;
-      const double measured = sums * ctx.tp_sum_s(g, bytes);
-      for (const auto* p : dp) arrival.push_back(CostContext::tp_member_s_at(p->quota_fraction, p->quota_burst_s, compute, measured, sums) - measured);
-      const std::vector<int> waits_for = CostContext::tp_last_members(g, arrival);
-      const double comm = sums * ctx.tp_sum_s(g, bytes, waits_for);
+      const double comm =
+          sums * ctx.tp_sum_s(g, bytes, ctx.tp_waited_for(g, std::vector<double>(g.size(), compute), sums * ctx.tp_sum_s(g, bytes), sums));
       double t = 0;
       for (const auto* p : dp) t = std::max(t, CostContext::tp_member_s_at(p->quota_fraction, p->quota_burst_s, compute, comm, sums));
       ts.push_back(t);

@@ -116,14 +116,14 @@ std::string ranks_heading(const std::vector<int>& ranks) {
   return (ranks.size() == 1 ? "rank " : "ranks ") + rank_list(ranks);
 }
 
-// One predicted entry as text: a number is a time (or a size for memory), an object a list of
-// named figures whose unit its key's suffix gives.
 // "6 samples x 10 micro-batches", with a short last one's size.
 std::string micro_batches_text(const PipelinePlan& pl) {
   return std::to_string(pl.micro_batch_size) + " samples x " + std::to_string(pl.num_micro_batches) + " micro-batches" +
          (pl.short_last() ? " (the last of " + std::to_string(pl.last_size()) + ")" : "");
 }
 
+// One predicted entry as text: a number is a time (or a size for memory), an object a list of
+// named figures whose unit its key's suffix gives.
 std::string predicted_text(const json& v, bool memory) {
   auto one = [&](double x, const std::string& key) {
     auto ends = [&](const std::string& suf) {
