@@ -1845,3 +1845,42 @@ TEST(Planner, NotesADeviceThatOnlySlowsTheStep) {
   o.suggest_leaving_out = true;
   for (const auto& n : make_plan(fair, p, o, false).chosen.notes) EXPECT_EQ(n.rfind("device '", 0), std::string::npos) << n;
 }
+
+// A larger batch: a step's fixed costs (the gradient sum over a thin link here) are paid once per
+// step, so twice the batch trains more samples per second. The planner says by how much, from the
+// plan it would make for that batch, and keeps the batch it was given; nothing where the step is
+// all compute.
+TEST(Planner, NotesALargerBatchWhereTheStepsFixedCostsDominate) {
+  Profile p = base_profile(4);
+  p.devices["t"] = dev_profile(1);
+  SearchOptions o;
+  o.global_batch = 8;
+  o.max_micro_batch = 4;
+  o.suggest_leaving_out = false;
+  const ClusterSpec thin = two_hosts(0.05, 1);
+  const PlanReport r = make_plan(thin, p, o, false);
+  EXPECT_EQ(r.chosen.plan.global_batch, 8);
+  std::string note;
+  for (const auto& n : r.chosen.notes)
+    if (n.rfind("a global batch of", 0) == 0) note = n;
+  ASSERT_FALSE(note.empty()) << r.text();
+  SearchOptions twice = o;
+  twice.global_batch = 16;
+  twice.suggest_larger_batch = false;
+  const double step16 = make_plan(thin, p, twice, false).chosen.cost.step_s;
+  const double gain = 2 * r.chosen.cost.step_s / step16 - 1;
+  EXPECT_GE(gain, kLargerBatchMinGain);
+  char want[96];
+  std::snprintf(want, sizeof want, "a global batch of 16 (train.global_batch) is predicted %.1f ms per step: %.0f%% more", step16 * 1e3,
+                100 * gain);
+  EXPECT_EQ(note.rfind(want, 0), 0u) << note;
+  // Off: no note, no second search.
+  o.suggest_larger_batch = false;
+  for (const auto& n : make_plan(thin, p, o, false).chosen.notes) EXPECT_EQ(n.rfind("a global batch of", 0), std::string::npos) << n;
+  // One device, a large batch: the step is its compute, and twice the batch takes twice as long.
+  ClusterSpec one;
+  one.devices = {device("a", "h0", "t")};
+  o.suggest_larger_batch = true;
+  o.global_batch = 64;
+  for (const auto& n : make_plan(one, p, o, false).chosen.notes) EXPECT_EQ(n.rfind("a global batch of", 0), std::string::npos) << n;
+}

@@ -174,7 +174,11 @@ Replan replan(const Plan& current, const ClusterSpec& cluster, const Calibration
               double min_gain, const std::map<int, double>* measured_phase) {
   Replan r;
   r.current = simulate_plan(current, cluster, cal.profile);
-  PlanReport found = make_plan(cluster, cal.profile, options, false);
+  // The notes' extra searches (a device left out, a larger batch) would only lengthen the pause.
+  SearchOptions quiet = options;
+  quiet.suggest_leaving_out = false;
+  quiet.suggest_larger_batch = false;
+  PlanReport found = make_plan(cluster, cal.profile, quiet, false);
   r.best = found.chosen.cost;
   const bool same = layout(found.chosen.plan) == layout(current);
   r.change = !same && r.best.step_s < r.current.step_s * (1.0 - min_gain);

@@ -103,6 +103,33 @@ void note_device_left_out(SearchResult& chosen, const ClusterSpec& cluster, cons
                          "% less), for the same global batch. Every device of the cluster gets a rank, so leave it out of the "
                          "cluster file to train without it");
 }
+
+// Each step pays for its pipelines' fill and drain, its gradient sums and its optimizer whatever
+// its batch: on thin links or deep pipelines they are a large share of it, and a larger global
+// batch spreads them over more samples. Whether to take it is the user's (it changes the
+// optimisation: learning rate, steps), so the planner says what it would gain, once.
+template <typename Run>
+void note_larger_batch(SearchResult& chosen, const SearchOptions& options, Run&& run) {
+  if (!std::isfinite(chosen.cost.step_s) || options.global_batch < 1) return;
+  SearchOptions o = options;
+  o.global_batch = 2 * options.global_batch;
+  o.suggest_leaving_out = false;
+  o.suggest_larger_batch = false;
+  double step = 0;
+  try {
+    step = run(o).cost.step_s;
+  } catch (const std::exception&) {
+    return;  // it does not fit
+  }
+  // Samples per second at 2B over those at B.
+  const double gain = 2 * chosen.cost.step_s / step - 1;
+  if (!std::isfinite(step) || !(gain >= kLargerBatchMinGain)) return;
+  chosen.notes.push_back("a global batch of " + std::to_string(o.global_batch) + " (train.global_batch) is predicted " + ms(step) +
+                         " per step: " + fmt("%.0f", 100 * gain) + "% more samples per second than " +
+                         std::to_string(options.global_batch) + " at " + ms(chosen.cost.step_s) +
+                         " (pipeline fill and drain, gradient sums and the optimizer cost the same per step whatever the "
+                         "batch); the plan keeps the batch given, since the batch changes the optimisation");
+}
 }  // namespace
 
 PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const SearchOptions& in_options, bool compare) {
@@ -148,6 +175,7 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
     }
   }
   if (options.strategy == "alloy" && options.suggest_leaving_out) note_device_left_out(r.chosen, cluster, options, run_on);
+  if (options.strategy == "alloy" && options.suggest_larger_batch) note_larger_batch(r.chosen, options, run);
   if (compare) {
     for (const std::string s : {"alloy", "uniform", "proportional", "ptafm"}) {
       if (s == options.strategy) continue;

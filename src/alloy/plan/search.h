@@ -63,6 +63,9 @@ constexpr double kSplitScheduleMinGain = 0.05;
 // it is predicted at least this much faster, on pools of at most kLeaveOutMaxDevices (one search each).
 constexpr double kLeaveOutMinGain = 0.05;
 constexpr int kLeaveOutMaxDevices = 8;
+// The planner notes a larger global batch (SearchOptions::suggest_larger_batch) when twice the
+// batch is predicted to train at least this much more samples per second.
+constexpr double kLargerBatchMinGain = 0.05;
 
 struct SearchOptions {
   std::string strategy = "alloy";  // alloy | uniform | proportional | ptafm
@@ -104,6 +107,11 @@ struct SearchOptions {
   // each device in turn and notes the device whose absence is predicted at least kLeaveOutMinGain
   // faster: the run itself uses every device.
   bool suggest_leaving_out = true;
+  // make_plan (alloy strategy) also plans twice the global batch and notes it where the pool would
+  // train at least kLargerBatchMinGain more samples per second: the bubble, the gradient sums and
+  // the optimizer cost the same per step whatever the batch. The run keeps the batch it was given
+  // (a batch is an optimisation choice, not the planner's).
+  bool suggest_larger_batch = true;
   // train.sequence_parallel: every tensor-parallel stage the planner makes runs sequence parallel
   // (and is priced so). Without it, the planner turns it on for a group that fits memory only with it.
   bool sequence_parallel = false;
