@@ -149,3 +149,39 @@ TEST(Rendezvous, ByAddressNamesTheFileWhenAStageHasNoMachine) {
   EXPECT_EQ(rv.master_addr, "127.0.0.1");
   EXPECT_EQ(rv.master_port, 29500);
 }
+
+// mpirun / horovodrun (SAFusion's launchers): Open MPI's and MPICH's variables number the ranks;
+// the store's address must be given unless every rank runs on this machine.
+TEST(Rendezvous, MpiLaunchers) {
+  auto r = resolve_rendezvous({}, env_of({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                                          {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                                          {"MASTER_ADDR", "10.0.0.5"}, {"MASTER_PORT", "4321"}}));
+  EXPECT_EQ(r.source, "mpi");
+  EXPECT_EQ(r.rank, 3);
+  EXPECT_EQ(r.world_size, 4);
+  EXPECT_EQ(r.local_rank, 1);
+  EXPECT_EQ(r.master_addr, "10.0.0.5");
+  EXPECT_EQ(r.master_port, 4321);
+  // Every rank on this machine: the default store address holds.
+  r = resolve_rendezvous({}, env_of({{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"MPI_LOCALRANKID", "1"}, {"MPI_LOCALNRANKS", "2"}}));
+  EXPECT_EQ(r.rank, 1);
+  EXPECT_EQ(r.world_size, 2);
+  EXPECT_EQ(r.local_rank, 1);
+  EXPECT_EQ(r.master_addr, "127.0.0.1");
+  // Ranks on two machines and no MASTER_ADDR: the error says what to set and how.
+  const std::string e = error_of({}, {{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  EXPECT_NE(e.find("MASTER_ADDR"), std::string::npos) << e;
+  EXPECT_NE(e.find("mpirun -x MASTER_ADDR"), std::string::npos) << e;
+  EXPECT_NE(error_of({}, {{"OMPI_COMM_WORLD_RANK", "0"}}).find("OMPI_COMM_WORLD_SIZE"), std::string::npos);
+  // torchrun's variables come first where both are set (torchrun under mpirun).
+  EXPECT_EQ(resolve_rendezvous({}, env_of({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}})).source,
+            "torchrun");
+}
+
+TEST(Rendezvous, LocalRankFromEachLauncher) {
+  EXPECT_EQ(local_rank_from_env(env_of({})), -1);
+  EXPECT_EQ(local_rank_from_env(env_of({{"LOCAL_RANK", "2"}, {"SLURM_LOCALID", "5"}})), 2);
+  EXPECT_EQ(local_rank_from_env(env_of({{"SLURM_LOCALID", "5"}})), 5);
+  EXPECT_EQ(local_rank_from_env(env_of({{"OMPI_COMM_WORLD_LOCAL_RANK", "7"}})), 7);
+  EXPECT_EQ(local_rank_from_env(env_of({{"MPI_LOCALRANKID", "3"}})), 3);
+}

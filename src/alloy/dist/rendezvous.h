@@ -3,7 +3,11 @@
 //   1. flags: --rank --world-size --master-addr --master-port, or PTAFM's --dist-url tcp://HOST:PORT
 //   2. torchrun's variables: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (LOCAL_RANK)
 //   3. SLURM's: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, and the first host of SLURM_JOB_NODELIST
-//   4. none: a single process (rank 0 of 1)
+//   4. MPI launchers' (mpirun, horovodrun, as SAFusion's scripts start their ranks): Open MPI's
+//      OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK (_LOCAL_SIZE), or MPICH/Hydra's PMI_RANK, PMI_SIZE,
+//      MPI_LOCALRANKID; the store at MASTER_ADDR:MASTER_PORT (pass them with mpirun -x), which may
+//      default to this machine only when the launcher says every rank is on it
+//   5. none: a single process (rank 0 of 1)
 #include <functional>
 #include <optional>
 #include <string>
@@ -25,7 +29,7 @@ struct Rendezvous {
   int local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  std::string source;  // "flags", "torchrun", "slurm", "single process": for messages
+  std::string source;  // "flags", "torchrun", "slurm", "mpi", "single process": for messages
 };
 
 using EnvGetter = std::function<std::optional<std::string>(const std::string&)>;
@@ -53,6 +57,10 @@ int claim_rank_by_address(const std::vector<std::vector<std::string>>& addresses
 // coordinator or a stage has no address.
 Rendezvous rendezvous_by_address(const std::vector<std::vector<std::string>>& addresses, const std::string& coordinator,
                                  const std::string& file, int port_flag);
+
+// This process's rank on its machine as its launcher says it (LOCAL_RANK, SLURM_LOCALID,
+// OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, first match), or -1 when none does.
+int local_rank_from_env(const EnvGetter& env = process_env());
 
 // First host of a SLURM node list: "node[01-04,07],gpu5" -> "node01".
 std::string first_slurm_host(const std::string& nodelist);

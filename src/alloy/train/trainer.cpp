@@ -21,6 +21,7 @@
 #include "alloy/core/log.h"
 #include "alloy/dist/compress/comm.h"
 #include "alloy/dist/reducer.h"
+#include "alloy/dist/rendezvous.h"
 #include "alloy/dist/sharding.h"
 #include "alloy/dist/sync_layout.h"
 #include "alloy/dist/world.h"
@@ -58,10 +59,17 @@ at::Device parse_device(const std::string& spec, const std::string& field) {
   return d;
 }
 
+std::string device_for_local_rank(const std::string& spec, int local_rank, int num_gpus) {
+  if (spec != "cuda" || local_rank < 0 || num_gpus < 2) return spec;
+  return "cuda:" + std::to_string(local_rank % num_gpus);
+}
+
 std::string rank_device(const Config& cfg) {
   const char* env = std::getenv("ALLOY_DEVICE");
   if (env && *env) return parse_device(env, "ALLOY_DEVICE").str();
-  return parse_device(cfg.train.device, "train.device").str();
+  const at::Device d = parse_device(cfg.train.device, "train.device");
+  if (!d.is_cuda() || d.has_index()) return d.str();
+  return parse_device(device_for_local_rank("cuda", dist::local_rank_from_env(), static_cast<int>(at::getNumGPUs())), "train.device").str();
 }
 
 namespace {
