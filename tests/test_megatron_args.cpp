@@ -37,7 +37,7 @@ TEST(MegatronArgs, RunShsFlagsBecomeTheConfigTheyDescribe) {
       "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", "/data/tokenizer.model", "--swiglu", "--use-flash-attn",
       "--use-rotary-position-embeddings", "--no-position-embedding", "--disable-bias-linear",
       "--train-iters", "5", "--weight-decay", "1e-2", "--clip-grad", "1.0", "--attention-softmax-in-fp32",
-      "--lr", "0.00015", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".2",
+      "--lr", "0.00015", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".2", "--lr-decay-iters", "20",
       "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--attention-dropout", "0", "--hidden-dropout", "0",
       "--untie-embeddings-and-output-weights", "--distributed-backend", "nccl", "--initial-loss-scale", "65536",
       "--min-loss-scale", "1.0", "--loss-scale-window", "1024", "--transformer-impl", "transformer_engine",
@@ -56,6 +56,7 @@ TEST(MegatronArgs, RunShsFlagsBecomeTheConfigTheyDescribe) {
   EXPECT_EQ(c.train.steps, 5);
   EXPECT_DOUBLE_EQ(c.train.lr, 0.00015);
   EXPECT_DOUBLE_EQ(c.train.min_lr, 6.0e-6);
+  EXPECT_EQ(c.train.decay_steps, 20);
   EXPECT_DOUBLE_EQ(c.train.weight_decay, 1e-2);
   EXPECT_DOUBLE_EQ(c.train.grad_clip, 1.0);
   EXPECT_DOUBLE_EQ(c.train.beta2, 0.95);

@@ -521,3 +521,47 @@ TEST(HfWeights, AModelSplitIntoShardsLoadsAsFromOneFile) {
     }
   }
 }
+
+// A tied LLaMA checkpoint (tie_word_embeddings: no lm_head.weight in the file) loads with the head
+// as a copy of the embedding; an untied file's own head is kept as it is.
+TEST(HfWeights, ATiedLlamaStartsItsHeadAsTheEmbedding) {
+  const ModelConfig m = tiny("llama");
+  auto src = Transformer::full(m, 11);
+  std::vector<std::pair<std::string, alloy::model::TensorBlob>> blobs;
+  for (auto* p : src->parameters())
+    if (p->name != "lm_head.weight") blobs.emplace_back(p->name, alloy::model::to_blob(p->tensor));
+  const std::string path = ::testing::TempDir() + "/alloy-hf-tied.safetensors";
+  alloy::model::write_safetensors(path, blobs);
+  auto dst = Transformer::full(m, 12);
+  alloy::train::load_base_weights(*dst, path);
+  EXPECT_TRUE(at::equal(dst->find("lm_head.weight")->tensor, src->find("model.embed_tokens.weight")->tensor));
+  EXPECT_FALSE(at::equal(dst->find("lm_head.weight")->tensor, src->find("lm_head.weight")->tensor));
+  for (auto* p : src->parameters())
+    if (p->name != "lm_head.weight") EXPECT_TRUE(at::equal(dst->find(p->name)->tensor, p->tensor)) << p->name;
+}
+
+// config.json keys that would make Alloy's llama compute another model are refused by name.
+TEST(HfWeights, ConfigKeysAlloysLlamaDoesNotComputeAreRefused) {
+  const nlohmann::json base = {{"model_type", "llama"}, {"hidden_size", 64}, {"intermediate_size", 128}, {"num_hidden_layers", 2},
+                               {"num_attention_heads", 4}, {"max_position_embeddings", 32}, {"vocab_size", 50}};
+  EXPECT_EQ(alloy::model::model_config_from_hf(base, "c.json").hidden, 64);
+  auto error_of = [&](const char* key, const nlohmann::json& v) {
+    nlohmann::json j = base;
+    j[key] = v;
+    try {
+      alloy::model::model_config_from_hf(j, "c.json");
+    } catch (const alloy::InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(error_of("rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}}).find("rope_scaling:"), std::string::npos);
+  EXPECT_EQ(error_of("rope_scaling", nullptr), "");
+  EXPECT_NE(error_of("attention_bias", true).find("attention_bias: true is not supported"), std::string::npos);
+  EXPECT_EQ(error_of("attention_bias", false), "");
+  EXPECT_NE(error_of("mlp_bias", true).find("mlp_bias"), std::string::npos);
+  EXPECT_NE(error_of("hidden_act", "gelu").find("hidden_act: 'gelu'"), std::string::npos);
+  EXPECT_NE(error_of("head_dim", 32).find("head_dim: 32 x 4 heads is not hidden_size 64"), std::string::npos);
+  EXPECT_EQ(error_of("head_dim", 16), "");
+  EXPECT_NE(error_of("rope_scaling", {{"rope_type", "llama3"}}).find("c.json"), std::string::npos);
+}

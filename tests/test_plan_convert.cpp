@@ -732,3 +732,29 @@ TEST(HeteroShard, FileErrorsNameThePath) {
   }
   EXPECT_THROW(alloy::plan_from_hetero_config_file(t.write("x", "") + ".absent", 32, 16, 4), InputError);
 }
+
+// SynerFuse's run.sh also holds the switches `alloy train` reads itself (precision, the distributed
+// optimizer, sequence parallelism): a pasted argument list converts; the plan records sequence
+// parallelism on its tensor-parallel stages and names the others as not its business.
+TEST(SynerFuseArgs, RunShTrainingSwitchesConvert) {
+  std::vector<std::string> ignored;
+  SynerFuseArgs a = alloy::parse_synerfuse_args({"--num-layers", "4", "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
+                                                 "2", "--global-batch-size", "8", "--micro-batch-size", "2", "--bf16",
+                                                 "--use-distributed-optimizer", "--sequence-parallel", "--grad-reduce-in-bf16"},
+                                                &ignored);
+  EXPECT_TRUE(a.sequence_parallel);
+  EXPECT_EQ(ignored, (std::vector<std::string>{"--bf16", "--use-distributed-optimizer", "--grad-reduce-in-bf16"}));
+  a.num_attention_heads = 4;
+  Plan p = alloy::plan_from_synerfuse(a);
+  for (const auto& pl : p.pipelines)
+    for (const auto& st : pl.stages) EXPECT_TRUE(st.sequence_parallel);
+  a.sequence_parallel = false;
+  p = alloy::plan_from_synerfuse(a);
+  EXPECT_FALSE(p.pipelines[0].stages[0].sequence_parallel);
+  try {
+    alloy::parse_synerfuse_args({"--fp16=1"});
+    ADD_FAILURE() << "a switch took a value";
+  } catch (const InputError& e) {
+    EXPECT_HAS(std::string(e.what()), "--fp16 takes no value");
+  }
+}

@@ -216,3 +216,42 @@ TEST(Sweep, UniformParameterSplitCutsByParameters) {
   EXPECT_EQ(alloy::train::sweep_plan("ddp", 2, 12, 8, 2).pipelines.size(), 2u);          // the study's name for dp
   EXPECT_EQ(alloy::train::sweep_plan("fsdp2", 2, 12, 8, 2).sharding.at(0).stage, 3);
 }
+
+// torchrun --nproc_per_node 8 (or SLURM, mpirun) on an 8-GPU machine: train.device cuda puts each
+// rank on its local rank's GPU, not all on the first.
+TEST(Device, CudaWithoutAnIndexIsTheLocalRanksGpu) {
+  using alloy::train::device_for_local_rank;
+  EXPECT_EQ(device_for_local_rank("cuda", 3, 8), "cuda:3");
+  EXPECT_EQ(device_for_local_rank("cuda", 9, 8), "cuda:1");   // more ranks than GPUs: they share
+  EXPECT_EQ(device_for_local_rank("cuda", 3, 1), "cuda");     // one visible GPU (CUDA_VISIBLE_DEVICES per rank)
+  EXPECT_EQ(device_for_local_rank("cuda", -1, 8), "cuda");    // no launcher said
+  EXPECT_EQ(device_for_local_rank("cuda:5", 3, 8), "cuda:5"); // the user's index stands
+  EXPECT_EQ(device_for_local_rank("cpu", 3, 8), "cpu");
+}
+
+// Megatron's --lr-decay-iters (train.decay_steps): the cosine reaches min_lr there and stays;
+// 0 decays over train.steps as before.
+TEST(LearningRate, DecayEndsAtDecayStepsThenHoldsMinLr) {
+  alloy::TrainConfig t;
+  t.steps = 100;
+  t.warmup = 10;
+  t.lr = 1.0;
+  t.min_lr = 0.1;
+  EXPECT_DOUBLE_EQ(alloy::train::lr_at(t, 4), 0.5);                  // warm-up: (4 + 1) / 10
+  EXPECT_NEAR(alloy::train::lr_at(t, 55), 0.55, 1e-12);              // half way through 90 steps of decay
+  t.decay_steps = 50;
+  EXPECT_NEAR(alloy::train::lr_at(t, 30), 0.55, 1e-12);              // half way through 40
+  EXPECT_DOUBLE_EQ(alloy::train::lr_at(t, 50), 0.1);
+  EXPECT_DOUBLE_EQ(alloy::train::lr_at(t, 99), 0.1);
+  EXPECT_GT(alloy::train::lr_at(t, 49), 0.1);
+  EXPECT_DOUBLE_EQ(alloy::train::lr_at(t, 4), 0.5);
+  alloy::Config c;
+  c.train = t;
+  c.train.decay_steps = 10;
+  try {
+    c.validate();
+    ADD_FAILURE() << "decay_steps at the warm-up's end was accepted";
+  } catch (const alloy::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("train.decay_steps"), std::string::npos) << e.what();
+  }
+}

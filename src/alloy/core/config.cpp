@@ -97,6 +97,8 @@ const std::vector<Field>& schema() {
       ALLOY_FLOAT(train, lr, "peak learning rate"),
       ALLOY_FLOAT(train, min_lr, "learning rate at the end of the cosine decay"),
       ALLOY_INT(train, warmup, "linear warmup steps"),
+      ALLOY_INT(train, decay_steps, "the step where the cosine decay reaches min_lr, which then stays (Megatron's --lr-decay-iters); "
+                                    "0 = train.steps"),
       ALLOY_FLOAT(train, weight_decay, "AdamW decoupled weight decay (matrices only)"),
       ALLOY_FLOAT(train, beta1, "AdamW beta1"),
       ALLOY_FLOAT(train, beta2, "AdamW beta2"),
@@ -345,6 +347,9 @@ void Config::validate() const {
   if (!(t.lr >= 0)) fail("train.lr", "must be >= 0");
   if (t.min_lr < 0 || t.min_lr > t.lr) fail("train.min_lr", "must be between 0 and train.lr");
   if (t.warmup < 0) fail("train.warmup", "must be >= 0");
+  if (t.decay_steps < 0 || (t.decay_steps > 0 && t.decay_steps <= t.warmup))
+    fail("train.decay_steps", "must be 0 (train.steps) or more than train.warmup (" + std::to_string(t.warmup) + "), got " +
+                                  std::to_string(t.decay_steps));
   if (t.beta1 < 0 || t.beta1 >= 1) fail("train.beta1", "must be in [0, 1)");
   if (t.beta2 < 0 || t.beta2 >= 1) fail("train.beta2", "must be in [0, 1)");
   if (!(t.eps > 0)) fail("train.eps", "must be > 0");

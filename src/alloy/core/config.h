@@ -53,6 +53,7 @@ struct TrainConfig {
   double lr = 3e-4;
   double min_lr = 3e-5;
   int64_t warmup = 10;
+  int64_t decay_steps = 0;  // the cosine reaches min_lr here and stays (Megatron's --lr-decay-iters); 0 = steps
   double weight_decay = 0.1;
   double beta1 = 0.9;
   double beta2 = 0.95;

@@ -148,9 +148,9 @@ const std::map<std::string, Flag>& flags() {
                              [](const std::string& name, const std::string& v, MegatronTranslation&) {
                                if (v != "cosine")
                                  fail(name, "Alloy decays the learning rate by cosine from train.lr to train.min_lr over "
-                                            "train.steps; got '" + v + "'");
+                                            "train.decay_steps (--lr-decay-iters, else train.steps); got '" + v + "'");
                              }};
-    f["--lr-decay-iters"] = note_value("Alloy decays the learning rate over train.steps (--train-iters)");
+    f["--lr-decay-iters"] = to_key("train.decay_steps", true);
     f["--weight-decay"] = to_key("train.weight_decay", false);
     f["--clip-grad"] = to_key("train.grad_clip", false);
     f["--adam-beta1"] = to_key("train.beta1", false);

@@ -162,6 +162,11 @@ SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv, std::ve
       {"--tp-split", &a.tp_split},
   };
   const std::set<std::string> switches = {"--use-tp-pp-dp-mapping"};
+  // Switches of a SynerFuse run.sh that `alloy train` reads itself (cli/cmd_train.cpp) rather than
+  // through the Megatron table: the plan ignores them but for --sequence-parallel, which its
+  // tensor-parallel stages record.
+  const std::set<std::string> train_switches = {"--bf16", "--fp16", "--grad-reduce-in-bf16", "--use-distributed-optimizer",
+                                                "--sequence-parallel"};
 
   size_t i = 0;
   while (i < argv.size()) {
@@ -189,6 +194,10 @@ SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv, std::ve
     } else if (switches.count(name)) {
       if (inline_value) sf_fail(name + " takes no value, got '" + *inline_value + "'");
       a.tp_pp_dp_mapping = true;
+    } else if (train_switches.count(name)) {
+      if (inline_value) sf_fail(name + " takes no value, got '" + *inline_value + "'");
+      if (name == "--sequence-parallel") a.sequence_parallel = true;
+      else if (ignored) ignored->push_back(name);
     } else if (const int arity = megatron_flag_arity(name); arity >= 0) {
       // run.sh's model and training flags: a plan does not depend on them, but a pasted argument
       // list holds them. The heads do matter to a tensor-parallel split.
@@ -322,6 +331,7 @@ Plan plan_from_synerfuse(const SynerFuseArgs& a) {
     }
     plan.pipelines.push_back(std::move(pl));
   }
+  if (a.sequence_parallel) plan.set_sequence_parallel();
   ModelConfig model;
   model.layers = a.num_layers;
   // The heads' split is checked against the model where it is known (the trainer checks it again

@@ -51,6 +51,7 @@ struct SynerFuseArgs {
   std::vector<int64_t> micro_batch_size_per_dp;   // n0 mbs0 n1 mbs1 ...
   std::vector<int64_t> num_micro_batches_per_dp;  // n0 nmb0 n1 nmb1 ...
   bool tp_pp_dp_mapping = false;                  // --use-tp-pp-dp-mapping (the per-dp lists imply it)
+  bool sequence_parallel = false;                 // --sequence-parallel: its tensor-parallel stages run sequence parallel
   std::string schedule = "1f1b";                  // not a Megatron flag; set by the caller
 };
 

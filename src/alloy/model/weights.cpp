@@ -9,6 +9,7 @@
 
 #include "alloy/core/error.h"
 #include "alloy/core/fs.h"
+#include "alloy/core/log.h"
 
 namespace alloy::model {
 namespace {
@@ -106,6 +107,18 @@ void load_weights(Transformer& m, const std::vector<const SafetensorsFile*>& fil
     size_t k = 0;
     std::string fname;
     for (; k < files.size() && fname.empty(); ++k) fname = file_name_for(*files[k], p->name);
+    if (fname.empty() && p->name == "lm_head.weight" && m.config().arch == "llama") {
+      // A tied checkpoint (tie_word_embeddings: Llama 3.2 1B and 3B) stores the embedding once;
+      // Alloy's llama has a head of its own, which starts as that copy and trains apart from it.
+      bool tied = false;
+      for (const auto* f : files)
+        if (!tied && f->has("model.embed_tokens.weight") && at::IntArrayRef(f->info("model.embed_tokens.weight").shape) == p->tensor.sizes()) {
+          p->tensor.copy_(read_tensor(*f, "model.embed_tokens.weight"));
+          log_info(where + " ties lm_head to the embedding (no lm_head.weight): lm_head starts as its copy and trains apart from it");
+          tied = true;
+        }
+      if (tied) continue;
+    }
     if (fname.empty())
       throw InputError(where, "tensor '" + p->name + "' is missing (is this a checkpoint of another model?)");
     const SafetensorsFile& f = *files[k - 1];
@@ -225,6 +238,19 @@ ModelConfig model_config_from_hf(const nlohmann::json& j, const std::string& whe
       m.rope_theta = j.value("rope_theta", 10000.0);
       m.seq_len = need("max_position_embeddings").get<int64_t>();
       m.vocab_size = need("vocab_size").get<int64_t>();
+      // What Alloy's llama block does not compute is refused by its key rather than loaded into a
+      // model that would run other math (Llama 3.1's rope_scaling, Qwen-style biases, ...).
+      if (j.contains("rope_scaling") && !j["rope_scaling"].is_null())
+        throw InputError(where, "rope_scaling: " + j["rope_scaling"].dump() +
+                                    " is not supported (Alloy's RoPE uses rope_theta alone); a model trained with it would run "
+                                    "with other positions");
+      for (const char* key : {"attention_bias", "mlp_bias"})
+        if (j.value(key, false)) throw InputError(where, std::string(key) + ": true is not supported (Alloy's llama blocks have no biases)");
+      if (j.value("hidden_act", std::string("silu")) != "silu")
+        throw InputError(where, "hidden_act: '" + j["hidden_act"].get<std::string>() + "' is not supported (Alloy's llama MLP is SwiGLU, silu)");
+      if (j.contains("head_dim") && !j["head_dim"].is_null() && m.heads > 0 && j["head_dim"].get<int64_t>() * m.heads != m.hidden)
+        throw InputError(where, "head_dim: " + j["head_dim"].dump() + " x " + std::to_string(m.heads) +
+                                    " heads is not hidden_size " + std::to_string(m.hidden) + " (Alloy's heads split the hidden size)");
     } else {
       throw InputError(where, "model_type '" + type + "' is not supported (gpt2 or llama)");
     }

@@ -245,7 +245,7 @@ double clip_grad_norm(const std::vector<model::Param*>& params, double max_norm)
 
 double lr_at(const TrainConfig& t, int64_t step) {
   if (t.warmup > 0 && step < t.warmup) return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup);
-  int64_t decay_steps = t.steps - t.warmup;
+  int64_t decay_steps = (t.decay_steps > 0 ? t.decay_steps : t.steps) - t.warmup;
   if (decay_steps <= 0) return t.lr;
   double progress = static_cast<double>(step - t.warmup) / static_cast<double>(decay_steps);
   if (progress > 1) progress = 1;
