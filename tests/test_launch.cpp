@@ -8,6 +8,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "alloy/dist/launch.h"
 
@@ -93,4 +95,62 @@ TEST(Launch, ElasticWithNoDeviceLeftFailsNamingIt) {
     EXPECT_NE(std::string(e.what()).find("no device is available"), std::string::npos) << e.what();
   }
   fs::remove_all(dir);
+}
+
+// torchrun's --nnodes / --node_rank: two launchers (two "machines", here one) run the same command;
+// node 1's ranks come after node 0's, WORLD_SIZE counts both, LOCAL_RANK restarts at 0 per node.
+TEST(Launch, SeveralNodesNumberTheirRanksInTurn) {
+  const std::string dir = temp_dir("nodes");
+  std::vector<std::thread> nodes;
+  std::vector<int> codes(2, -1);
+  for (int k = 0; k < 2; ++k)
+    nodes.emplace_back([&, k]() {
+      LaunchOptions o;
+      o.nproc = 2;
+      o.nnodes = 2;
+      o.node_rank = k;
+      o.master_port = 29999;
+      o.prefix_output = false;
+      o.command = {"/bin/sh", "-c", "echo $RANK $LOCAL_RANK $WORLD_SIZE $MASTER_PORT > " + dir + "/r$RANK"};
+      codes[static_cast<size_t>(k)] = launch(o).exit_code;
+    });
+  for (auto& t : nodes) t.join();
+  EXPECT_EQ(codes, (std::vector<int>{0, 0}));
+  EXPECT_EQ(slurp(dir + "/r0"), "0 0 4 29999\n");
+  EXPECT_EQ(slurp(dir + "/r1"), "1 1 4 29999\n");
+  EXPECT_EQ(slurp(dir + "/r2"), "2 0 4 29999\n");
+  EXPECT_EQ(slurp(dir + "/r3"), "3 1 4 29999\n");
+  // A failing rank on node 1 is named by its number in the job.
+  LaunchOptions o;
+  o.nproc = 2;
+  o.nnodes = 2;
+  o.node_rank = 1;
+  o.master_port = 29999;
+  o.prefix_output = false;
+  o.grace_s = 0.1;
+  o.command = {"/bin/sh", "-c", "test $LOCAL_RANK = 0 || exit 3"};
+  const auto r = launch(o);
+  EXPECT_EQ(r.failed_rank, 3);
+  EXPECT_EQ(r.exit_code, 3);
+}
+
+TEST(Launch, SeveralNodesNeedAPortAndAValidNodeRank) {
+  auto error_of = [](LaunchOptions o) {
+    o.command = {"/bin/true"};
+    try {
+      launch(o);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  LaunchOptions o;
+  o.nnodes = 2;
+  EXPECT_NE(error_of(o).find("--master-port"), std::string::npos);
+  o.master_port = 29998;
+  o.node_rank = 2;
+  EXPECT_NE(error_of(o).find("--node-rank: 2 is outside 0..1"), std::string::npos) << error_of(o);
+  o.node_rank = 0;
+  o.max_restarts = 1;
+  EXPECT_NE(error_of(o).find("restarts and elasticity need one launcher"), std::string::npos);
 }

@@ -53,8 +53,15 @@ void add_dist_commands(CLI::App& app, Action& action) {
   launch->add_flag("--no-cpu-limit", *no_cpu, "With --emulate: no CPU quotas");
   launch->add_flag("--no-net-limit", *no_net, "With --emulate: no bandwidth limits");
   launch->add_flag("--no-pin", *no_pin, "With --emulate: do not pin each device to its own CPUs");
-  launch->add_option("--master-addr", lo->master_addr, "Rendezvous host")->capture_default_str();
-  launch->add_option("--master-port", lo->master_port, "Rendezvous port; 0 = a free one")->capture_default_str();
+  launch->add_option("--master-addr", lo->master_addr, "Rendezvous host (with --nnodes: node 0's address)")->capture_default_str();
+  launch->add_option("--master-port", lo->master_port, "Rendezvous port; 0 = a free one (with --nnodes: required, the same on every node)")
+      ->capture_default_str();
+  launch->add_option("--nnodes", lo->nnodes,
+                     "Machines in the job (torchrun's --nnodes): run the same command on each with its --node-rank; node K's "
+                     "ranks are K x nproc .. (K + 1) x nproc - 1")
+      ->capture_default_str();
+  launch->add_option("--node-rank,--node_rank", lo->node_rank, "This machine's number among --nnodes, 0 = the one at --master-addr")
+      ->capture_default_str();
   launch->add_option("--threads-per-rank", lo->threads_per_rank, "Intra-op threads per rank; 0 = cores / nproc")
       ->capture_default_str();
   // One comma-separated value: a multi-value option would swallow the `--` before the command.
@@ -90,6 +97,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
       if (!lo->command.empty() && lo->command[0] == "alloy" && !executable_path().empty()) lo->command[0] = executable_path();
       dist::LaunchResult r;
       if (!emu_path->empty()) {
+        if (lo->nnodes > 1) throw InputError("--nnodes", "is not for --emulate, which runs every device's rank on this machine");
         auto spec = plan::load_cluster(*emu_path);
         if (!nproc_given) lo->nproc = static_cast<int>(spec.devices.size());
         if (lo->nproc != static_cast<int>(spec.devices.size()))
@@ -106,8 +114,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         r = dist::launch(*lo);
       }
       if (r.failed_rank >= 0 && r.exit_code != 0)
-        std::fprintf(stderr, "alloy launch: rank %d failed first (exit code %d)%s\n", r.failed_rank,
-                     r.rank_exit_codes[static_cast<size_t>(r.failed_rank)],
+        std::fprintf(stderr, "alloy launch: rank %d failed first (exit code %d)%s\n", r.failed_rank, r.exit_code,
                      r.restarts > 0 ? (" after " + std::to_string(r.restarts) + " restart(s)").c_str() : "");
       else if (r.restarts > 0 || r.rejoins > 0)
         std::fprintf(stderr, "alloy launch: the job finished after %d restart(s)%s\n", r.restarts,

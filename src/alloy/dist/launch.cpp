@@ -171,6 +171,8 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt, const std::vector<
   const int threads = o.threads_per_rank > 0 ? o.threads_per_rank : std::max(1, cores / o.nproc);
   const bool elastic = o.rejoin_timeout_s > 0;
   const int n = static_cast<int>(members.size());
+  const int first_rank = o.node_rank * o.nproc;  // this node's ranks in the job (torchrun's numbering)
+  const int world = (o.nnodes - 1) * o.nproc + n;
   const std::string master_addr =
       o.slot_addr.empty() ? o.master_addr : o.slot_addr[static_cast<size_t>(members.front())];
   std::vector<int> missing;
@@ -204,9 +206,9 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt, const std::vector<
       ::close(fds[0]);
       ::close(fds[1]);
       std::string t = std::to_string(threads);
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("RANK", std::to_string(first_rank + r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
       ::setenv("MASTER_ADDR", master_addr.c_str(), 1);
       ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       ::setenv("OMP_NUM_THREADS", t.c_str(), 1);
@@ -237,7 +239,7 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt, const std::vector<
   }
 
   auto emit = [&](int r, const std::string& line) {
-    if (o.prefix_output) std::fprintf(stderr, "[rank %d] %s\n", r, line.c_str());
+    if (o.prefix_output) std::fprintf(stderr, "[rank %d] %s\n", first_rank + r, line.c_str());
     else std::fprintf(stderr, "%s\n", line.c_str());
     std::fflush(stderr);
   };
@@ -304,9 +306,10 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt, const std::vector<
         bool ok = WIFEXITED(st) && (WEXITSTATUS(st) == 0 || (rejoin_asked && WEXITSTATUS(st) == kExitRejoin));
         res.rank_exit_codes[static_cast<size_t>(r)] = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
         if (!ok && res.failed_rank < 0) {
-          res.failed_rank = r;
+          res.failed_rank = first_rank + r;
           failed_at = std::chrono::steady_clock::now();
-          log_error("launch: rank " + std::to_string(r) + " failed (" + describe_status(st) + "); stopping the other ranks");
+          log_error("launch: rank " + std::to_string(first_rank + r) + " failed (" + describe_status(st) + "); stopping the other ranks" +
+                    (o.nnodes > 1 ? " of this node" : ""));
         }
       }
     }
@@ -333,13 +336,28 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt, const std::vector<
     while (kids[static_cast<size_t>(r)].out >= 0) drain(r, false);
   res.stopped_for_rejoin = rejoin_asked && res.failed_rank < 0 &&
                            std::all_of(res.rank_exit_codes.begin(), res.rank_exit_codes.end(), [](int c) { return c == kExitRejoin; });
-  if (res.failed_rank >= 0) res.exit_code = res.rank_exit_codes[static_cast<size_t>(res.failed_rank)] ? res.rank_exit_codes[static_cast<size_t>(res.failed_rank)] : 1;
+  if (res.failed_rank >= 0) {
+    const int code = res.rank_exit_codes[static_cast<size_t>(res.failed_rank - first_rank)];
+    res.exit_code = code ? code : 1;
+  }
   return res;
 }
 }  // namespace
 
 LaunchResult launch(const LaunchOptions& o) {
   if (o.nproc < 1) throw InputError("--nproc", "must be >= 1");
+  if (o.nnodes < 1) throw InputError("--nnodes", "must be >= 1, got " + std::to_string(o.nnodes));
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes)
+    throw InputError("--node-rank", std::to_string(o.node_rank) + " is outside 0.." + std::to_string(o.nnodes - 1) + " (--nnodes " +
+                                        std::to_string(o.nnodes) + ")");
+  if (o.nnodes > 1) {
+    if (o.master_port <= 0) throw InputError("--master-port", "must be given, the same on every node, with --nnodes " + std::to_string(o.nnodes));
+    if (o.max_restarts > 0 || o.rejoin_timeout_s > 0)
+      throw InputError("--nnodes", "restarts and elasticity need one launcher that sees every rank; with several nodes use the "
+                                   "scheduler's restarts (ranks resume through ALLOY_RESTART, TORCHELASTIC_RESTART_COUNT or "
+                                   "SLURM_RESTART_COUNT)");
+    if (!o.slot_addr.empty()) throw InputError("--nnodes", "is not for an emulated cluster (--emulate runs every rank here)");
+  }
   if (o.max_restarts < 0) throw InputError("--max-restarts", "must be >= 0");
   if (o.rejoin_timeout_s < 0) throw InputError("--rejoin-timeout", "must be >= 0 seconds");
   if (!o.slot_addr.empty() && o.slot_addr.size() != static_cast<size_t>(o.nproc))

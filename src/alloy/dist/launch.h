@@ -23,7 +23,14 @@ struct RankPlacement {
 constexpr int kExitRejoin = 75;
 
 struct LaunchOptions {
-  int nproc = 1;
+  int nproc = 1;              // ranks on this machine
+  // Several machines, torchrun's --nnodes / --node_rank: the same command on each, node K's ranks
+  // numbered K x nproc .. (K + 1) x nproc - 1 of nnodes x nproc, meeting at master_addr:master_port
+  // (the same explicit port on every node). Each node's launcher watches its own ranks only: a rank
+  // that fails on another node reaches these through the collectives' timeouts. Not with restarts
+  // or elasticity, which need one launcher to see every rank.
+  int nnodes = 1;
+  int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;        // 0 = pick a free port
   int threads_per_rank = 0;   // 0 = cores / nproc, at least 1
@@ -65,7 +72,8 @@ struct LaunchOptions {
 
 struct LaunchResult {
   int exit_code = 0;      // 0 when every rank succeeded
-  int failed_rank = -1;   // first rank that failed (in the last attempt)
+  int failed_rank = -1;   // first rank that failed (in the last attempt), numbered in the job
+  // By this node's ranks (local rank order).
   int restarts = 0;       // attempts after the first that followed a failure
   int rejoins = 0;        // starts that took a device back (not failures)
   std::vector<int> members;  // slots of the last attempt's ranks
