@@ -582,3 +582,27 @@ TEST(Quantize, MatmulGradientFlowsThroughTheDequantizedWeight) {
     EXPECT_TRUE(at::allclose(x.grad(), x2.grad(), 1e-6, 1e-6)) << in_out;
   }
 }
+
+// Rank-stabilized LoRA (lora.rslora, PEFT's use_rslora): the adapters' output is scaled by
+// alpha / sqrt(rank). At rank 4, rsLoRA with alpha 8 (8 / 2) computes exactly what plain LoRA with
+// alpha 16 (16 / 4) does, and not what plain alpha 8 does; PEFT's config says which it was.
+TEST(Lora, RsLoraScalesByTheRootOfTheRank) {
+  LoraConfig rs = lora(4, "all");
+  rs.rslora = true;
+  EXPECT_DOUBLE_EQ(rs.scale(), 4.0);
+  EXPECT_DOUBLE_EQ(lora(4, "all").scale(), 2.0);
+  LoraConfig plain16 = lora(4, "all");
+  plain16.alpha = 16;
+  const ModelConfig c = tiny("llama");
+  auto forward = [&](const LoraConfig& l) {
+    auto t = Transformer::full(c, 5);
+    t->apply_lora(l, 5);
+    perturb_adapters(*t, 9);
+    return t->forward(tokens(c, 2, 3));
+  };
+  EXPECT_TRUE(at::equal(forward(rs), forward(plain16)));
+  EXPECT_FALSE(at::allclose(forward(rs), forward(lora(4, "all"))));
+  EXPECT_EQ(m::peft_adapter_config(c, rs, "base.safetensors")["use_rslora"], true);
+  EXPECT_EQ(m::peft_adapter_config(c, plain16, "base.safetensors")["use_rslora"], false);
+  EXPECT_TRUE(Config::from_yaml_string("lora: {rank: 4, rslora: true}\n", "t.yaml").lora.rslora);
+}

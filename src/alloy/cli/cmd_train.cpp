@@ -58,6 +58,7 @@ struct TrainArgs {
   // LoRA, PEFT's names.
   int64_t lora_rank = -1;
   double lora_alpha = 0, lora_dropout = -1;
+  bool rslora = false;
   std::vector<std::string> lora_targets;
   std::string base_dtype;
   // Megatron's precision flags.
@@ -68,6 +69,7 @@ struct TrainArgs {
 std::vector<std::string> lora_overrides(const TrainArgs& a) {
   std::vector<std::string> out;
   if (a.lora_rank >= 0) out.push_back("lora.rank=" + std::to_string(a.lora_rank));
+  if (a.rslora) out.push_back("lora.rslora=true");
   if (a.lora_alpha != 0) {
     std::ostringstream ss;
     ss << a.lora_alpha;
@@ -276,6 +278,8 @@ void add_train_commands(CLI::App& app, Action& action) {
   cmd->add_option("--lora-rank", a->lora_rank, "Rank of the adapters; 0 = off (lora.rank)")->group(g_lora);
   cmd->add_option("--lora-alpha", a->lora_alpha, "Adapters' output scaled by alpha / rank (lora.alpha)")->group(g_lora);
   cmd->add_option("--lora-dropout", a->lora_dropout, "Dropout on the adapters' input (lora.dropout)")->group(g_lora);
+  cmd->add_flag("--use-rslora", a->rslora, "Rank-stabilized LoRA: adapters scaled by alpha / sqrt(rank) (lora.rslora, PEFT's use_rslora)")
+      ->group(g_lora);
   cmd->add_option("--lora-targets", a->lora_targets,
                   "Projections to adapt: names, dotted suffixes or globs (c_attn q_proj mlp.* all); default the attention "
                   "projections (lora.targets)")

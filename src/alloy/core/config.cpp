@@ -158,6 +158,7 @@ const std::vector<Field>& schema() {
                                   "--grad-reduce-in-bf16; the same as compression bf16 / fp16, which it sets)"),
       ALLOY_INT(lora, rank, "LoRA: rank of the adapters; 0 = off (full fine-tuning / pretraining)"),
       ALLOY_FLOAT(lora, alpha, "LoRA: the adapters' output is scaled by alpha / rank"),
+      ALLOY_BOOL(lora, rslora, "LoRA: rank-stabilized scaling alpha / sqrt(rank) (PEFT's use_rslora), which keeps high ranks learning"),
       ALLOY_FLOAT(lora, dropout, "LoRA: dropout on the adapters' input while training"),
       ALLOY_STR(lora, targets, "LoRA: projections to adapt, comma-separated names or patterns (c_attn, attn.c_proj, "
                                "q_proj, mlp.*, all); empty = the attention projections"),
@@ -385,6 +386,11 @@ void Config::validate() const {
     fail("lora.base_dtype", "a quantized base is frozen, so it needs LoRA adapters to train (set lora.rank)");
   if (lora.double_quant && lora.base_dtype != "nf4") fail("lora.double_quant", "applies to lora.base_dtype nf4 only");
   if (output.dir.empty()) fail("output.dir", "must not be empty");
+}
+
+double LoraConfig::scale() const {
+  if (rank <= 0) return 0;
+  return rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / static_cast<double>(rank);
 }
 
 std::vector<std::string> LoraConfig::target_list(const std::string& arch) const {

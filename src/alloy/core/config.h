@@ -139,6 +139,7 @@ struct GradSyncConfig {
 struct LoraConfig {
   int64_t rank = 0;
   double alpha = 16.0;          // the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+  bool rslora = false;          // rank-stabilized LoRA (PEFT's use_rslora): alpha / sqrt(rank) instead
   double dropout = 0.0;         // on the adapters' input, training only
   std::string targets;          // projection names or patterns, comma-separated ("c_attn,q_proj", "mlp.*");
                                 // empty = the attention projections of the arch
@@ -146,6 +147,8 @@ struct LoraConfig {
   bool double_quant = false;    // nf4: quantize the blocks' scales too (8-bit, blocks of 256)
 
   bool enabled() const { return rank > 0; }
+  // What the adapters' output is multiplied by.
+  double scale() const;
   // A frozen base stored quantized (int8 / nf4).
   bool quantized_base() const { return enabled() && base_dtype != "fp32"; }
   // The target patterns, split and trimmed; the arch's attention projections when none are given.

@@ -612,6 +612,7 @@ HeteroShardRun hetero_run_settings(const nlohmann::json& j, const std::string& w
       if (!l[key].is_boolean()) hc_fail(where, std::string("lora.") + key, "must be true or false, got " + l[key].dump());
       return l[key].get<bool>();
     };
+    if (flag("use_rslora")) r.config_overrides.push_back("lora.rslora=true");
     const bool four = flag("load_in_4bit"), eight = flag("load_in_8bit");
     if (four && eight) hc_fail(where, "lora.load_in_8bit", "and load_in_4bit are both true; choose one");
     if (four) r.config_overrides.push_back("lora.base_dtype=nf4");

@@ -116,7 +116,7 @@ nlohmann::json peft_adapter_config(const ModelConfig& m, const LoraConfig& l, co
           {"modules_to_save", nullptr},
           {"init_lora_weights", true},
           {"inference_mode", true},
-          {"use_rslora", false},
+          {"use_rslora", l.rslora},
           {"use_dora", false},
           {"layers_to_transform", nullptr},
           {"layers_pattern", nullptr},

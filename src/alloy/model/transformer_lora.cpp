@@ -94,7 +94,7 @@ void Transformer::quantize_pieces(Layer& layer, const std::string& base, const s
 void Transformer::apply_lora(const LoraConfig& l, uint64_t seed) {
   if (!l.enabled() || lora_) return;
   const auto modules = lora_modules(cfg_, l);  // validates the targets
-  const double scale = l.alpha / static_cast<double>(l.rank);
+  const double scale = l.scale();
   const auto& projs = adaptable_projections(cfg_.arch);
   for (size_t i = 0; i < layers_.size(); ++i) {
     Layer& layer = *layers_[i];
