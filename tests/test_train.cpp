@@ -217,6 +217,25 @@ TEST(Sweep, UniformParameterSplitCutsByParameters) {
   EXPECT_EQ(alloy::train::sweep_plan("fsdp2", 2, 12, 8, 2).sharding.at(0).stage, 3);
 }
 
+// The study's activation-checkpointing axis: LAYOUT+ac is LAYOUT with every stage recomputing.
+TEST(Sweep, ActivationCheckpointingIsALayoutSuffix) {
+  for (const std::string layout : {"dp", "pp", "zero3", "pp:4"}) {
+    const alloy::Plan plain = alloy::train::sweep_plan(layout, 2, 12, 8, 2), ac = alloy::train::sweep_plan(layout + "+ac", 2, 12, 8, 2);
+    ASSERT_EQ(ac.pipelines.size(), plain.pipelines.size()) << layout;
+    EXPECT_EQ(ac.sharding.size(), plain.sharding.size()) << layout;
+    for (size_t q = 0; q < ac.pipelines.size(); ++q) {
+      ASSERT_EQ(ac.pipelines[q].stages.size(), plain.pipelines[q].stages.size()) << layout;
+      for (size_t s = 0; s < ac.pipelines[q].stages.size(); ++s) {
+        EXPECT_TRUE(ac.pipelines[q].stages[s].recompute) << layout;
+        EXPECT_FALSE(plain.pipelines[q].stages[s].recompute) << layout;
+        EXPECT_EQ(ac.pipelines[q].stages[s].layer_end, plain.pipelines[q].stages[s].layer_end) << layout;
+      }
+    }
+  }
+  EXPECT_THROW(alloy::train::sweep_plan("auto+ac", 2, 12, 8, 2), alloy::InputError);
+  EXPECT_THROW(alloy::train::sweep_plan("+ac", 2, 12, 8, 2), alloy::InputError);
+}
+
 // torchrun --nproc_per_node 8 (or SLURM, mpirun) on an 8-GPU machine: train.device cuda puts each
 // rank on its local rank's GPU, not all on the first.
 TEST(Device, CudaWithoutAnIndexIsTheLocalRanksGpu) {

@@ -176,7 +176,8 @@ bool bar_chart(const std::string& png, const std::string& title, const std::stri
 }  // namespace
 
 std::string sweep_layouts() {
-  return "dp (ddp), pp, pp-params, pp:C1,C2,..., zero1, zero2, zero3 (fsdp, fsdp2), auto, tp, tp:H1,H2,...";
+  return "dp (ddp), pp, pp-params, pp:C1,C2,..., zero1, zero2, zero3 (fsdp, fsdp2), auto, tp, tp:H1,H2,...; any but auto with "
+         "+ac (activation checkpointing: every stage recomputes), e.g. dp+ac";
 }
 
 namespace {
@@ -188,6 +189,9 @@ std::string canonical_layout(const std::string& layout) {
 }
 
 bool known_layout(const std::string& layout) {
+  const std::string ac = "+ac";
+  if (layout.size() > ac.size() && layout.compare(layout.size() - ac.size(), ac.size(), ac) == 0)
+    return layout != "auto+ac" && known_layout(layout.substr(0, layout.size() - ac.size()));
   const std::string l = canonical_layout(layout);
   return l == "dp" || l == "pp" || l == "pp-params" || l == "auto" || l == "tp" || l == "zero1" || l == "zero2" || l == "zero3" ||
          l.rfind("pp:", 0) == 0 || l.rfind("tp:", 0) == 0;
@@ -214,6 +218,17 @@ std::vector<int64_t> cuts_by_params(int n, int64_t layers, const PartParams& p) 
 
 Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global_batch, int64_t m, const PartParams& params) {
   const std::string where = "layout '" + layout + "'";
+  const std::string ac = "+ac";
+  if (layout.size() > ac.size() && layout.compare(layout.size() - ac.size(), ac.size(), ac) == 0) {
+    // The study's activation checkpointing (its "ac1" runs): every stage recomputes its blocks'
+    // activations in the backward instead of keeping them.
+    const std::string inner = layout.substr(0, layout.size() - ac.size());
+    if (inner == "auto") throw InputError(where, "+ac is for the layouts given by hand; auto recomputes where the planner finds it needs to");
+    Plan p = sweep_plan(inner, n, layers, global_batch, m, params);
+    for (auto& pl : p.pipelines)
+      for (auto& st : pl.stages) st.recompute = true;
+    return p;
+  }
   if (n < 1) throw InputError(where, "needs at least one rank");
   if (m < 1) throw InputError(where, "micro-batch size must be >= 1");
   Plan p;

@@ -14,6 +14,8 @@
 //   auto          the planner's own plan (its micro-batch size; one cell per sequence length)
 //   tp | tp:H,..  one tensor-parallel stage of all N ranks, the heads split evenly or H, ... per
 //                 rank (N numbers), G / m micro-batches of m (not with LoRA: skipped, with why)
+//   LAYOUT+ac     any of these but auto with activation checkpointing (the study's ac1): every
+//                 stage recomputes its blocks' activations in the backward
 #include <cstdint>
 #include <string>
 #include <vector>
