@@ -128,12 +128,38 @@ TEST_F(Fixture, StagesNamingHostsOrUnknownDevicesArePlacedHonestly) {
   plan.pipelines[0].stages[1].device = "h2";
   plan.pipelines[1].stages[0].device = "gpu-typo";
   std::string d = alloy::viz::to_dot(in);
-  EXPECT_TRUE(contains(d, "a device of host h2")) << d;
+  EXPECT_TRUE(contains(d, "a cpu device of host h2")) << d;
   EXPECT_TRUE(contains(d, "subgraph cluster_u")) << d;
   EXPECT_TRUE(contains(d, "gpu-typo (unknown device)")) << d;
   EXPECT_TRUE(contains(d, "0.1 Gbit/s")) << d;
   // Rank 2's host is unknown, so no sync link can be named for it.
   EXPECT_FALSE(contains(d, "10 Gbit/s")) << d;
+}
+
+// HeteroShard's diagram shows each stage's device and the network between machines. A
+// hetero_config.json names the machines and their devices but no links: the stage says its kind of
+// device, and the link between hosts says it is assumed, not given.
+TEST_F(Fixture, AFileWithoutANetworkSaysItsLinksAreAssumed) {
+  ClusterSpec hosts;
+  hosts.name = "hetero_config";
+  hosts.devices = {Device{"mac-0", "mac", "cpu", "cpu", 0, 1.0, 0}, Device{"gpu-box-0", "gpu-box", "cuda", "cuda", 0, 1.0, 0},
+                   Device{"gpu-box-1", "gpu-box", "cuda", "cuda", 0, 1.0, 0}};
+  hosts.links_described = false;
+  Plan p;
+  p.global_batch = 8;
+  PipelinePlan pl;
+  pl.micro_batch_size = 2;
+  pl.num_micro_batches = 4;
+  pl.stages = {StagePlan{{0}, 0, 2, "mac"}, StagePlan{{1}, 2, 6, "gpu-box"}, StagePlan{{2}, 6, 8, "gpu-box"}};
+  p.pipelines = {pl};
+  const std::string d = alloy::viz::to_mermaid({&p, &hosts, 8, nullptr});
+  EXPECT_TRUE(contains(d, "a cpu device of host mac")) << d;
+  EXPECT_TRUE(contains(d, "one of 2 cuda devices of host gpu-box")) << d;
+  EXPECT_TRUE(contains(d, "network link mac - gpu-box: 1 Gbit/s, 0.1 ms (assumed: hetero_config gives no network)")) << d;
+  EXPECT_TRUE(contains(d, "within: ")) << d;  // ranks 1 and 2 share gpu-box
+  // A described network is shown as given.
+  hosts.links_described = true;
+  EXPECT_FALSE(contains(alloy::viz::to_mermaid({&p, &hosts, 8, nullptr}), "assumed")) ;
 }
 
 TEST_F(Fixture, PredictedFiguresAnnotateStages) {

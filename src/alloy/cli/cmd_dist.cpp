@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <sstream>
 
 #include "alloy/cli/commands.h"
@@ -330,8 +331,13 @@ void add_dist_commands(CLI::App& app, Action& action) {
       }
       p.validate(cfg.model, where);
       std::printf("%s", p.describe().c_str());
-      if (!pa->diagram.empty()) {  // no cluster: stages grouped by pipeline, no predictions
-        viz::write_diagram({&p, nullptr, cfg.model.layers, {}}, pa->diagram);
+      if (!pa->diagram.empty()) {
+        // No predictions. A hetero_config.json names its machines and their devices: the stages
+        // are drawn in their hosts' boxes, as HeteroShard's own diagram shows devices and network
+        // (its links assumed, and said so); SynerFuse flags name no machine (a box per pipeline).
+        std::optional<plan::ClusterSpec> hosts;
+        if (!pa->shard_plan.empty()) hosts = plan::load_cluster(pa->shard_plan);
+        viz::write_diagram({&p, hosts ? &*hosts : nullptr, cfg.model.layers, {}}, pa->diagram);
         std::printf("wrote %s\n", pa->diagram.c_str());
       }
       if (!pa->output.empty()) {

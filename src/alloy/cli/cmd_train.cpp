@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <thread>
 #include <cstdio>
+#include <optional>
 #include <sstream>
 
 #include "alloy/cli/commands.h"
@@ -23,6 +24,7 @@
 #include "alloy/core/fs.h"
 #include "alloy/train/checkpoint.h"
 #include "alloy/train/run_plan.h"
+#include "alloy/plan/planner.h"
 #include "alloy/viz/diagram.h"
 #include "alloy/train/trainer.h"
 
@@ -402,7 +404,11 @@ void add_train_commands(CLI::App& app, Action& action) {
           }
           const std::string path = cfg.output.dir + "/architecture." + format;
           ensure_writable_dir(cfg.output.dir);
-          viz::write_diagram({rp.plan.get(), nullptr, cfg.model.layers, {}}, path);
+          // A hetero_config.json's machines and devices (its links assumed, and said so), as
+          // HeteroShard draws them; without one, a box per pipeline.
+          std::optional<plan::ClusterSpec> hosts;
+          if (!a->src.hetero_config.empty()) hosts = plan::load_cluster(a->src.hetero_config);
+          viz::write_diagram({rp.plan.get(), hosts ? &*hosts : nullptr, cfg.model.layers, {}}, path);
           log_info("wrote the plan's diagram to " + path + " (" + a->src.hetero_config + ": training.visualize)");
         }
         o.init_weights = a->init_weights.empty() ? load_weights_only : a->init_weights;

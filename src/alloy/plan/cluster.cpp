@@ -694,6 +694,7 @@ ClusterSpec import_hetero_config(const std::string& path) {
   ClusterSpec spec;
   spec.name = file_stem(path);
   spec.source = path;
+  spec.links_described = false;
   std::map<std::string, int> per_host;
   // Entries that share a hostname are processes on one machine (HeteroShard runs one per GPU),
   // so they become devices of one host and share its network interface.

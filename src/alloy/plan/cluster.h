@@ -60,6 +60,9 @@ struct ClusterSpec {
   std::vector<LinkRule> rules;
   Link default_link{1.0, 0.1};
   Link intra_host{100.0, 0.01};
+  // False for a file that names machines but no network (HeteroShard's hetero_config.json): its
+  // links are the defaults above, assumed, which a diagram says rather than showing them as given.
+  bool links_described = true;
   std::string source;  // file it came from, for messages
   // Line of each field as loaded ("devices[2].kind" -> 7), so validate() can point at it. Only
   // meaningful for the spec as read; a spec built or edited in code leaves it empty or stale.

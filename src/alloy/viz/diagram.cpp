@@ -265,7 +265,14 @@ Picture build(const DiagramInput& in) {
           // Plans converted from hetero_config.json name the worker's host, not a device.
           hosts_named.insert(st.device);
           n.group = host_group.at(st.device);
-          n.lines.push_back("a device of host " + st.device);
+          // Which kind, where the file says (num_gpus processes of one kind on the machine).
+          std::set<std::string> kinds;
+          int count = 0;
+          for (const auto& dev : cl->devices)
+            if (dev.host == st.device) kinds.insert(dev.kind), ++count;
+          const std::string kind = kinds.size() == 1 ? *kinds.begin() + " " : "";
+          n.lines.push_back((count > 1 ? "one of " + std::to_string(count) + " " + kind + "devices" : "a " + kind + "device") +
+                            " of host " + st.device);
         } else {
           if (unplaced < 0) {
             unplaced = static_cast<int>(pic.groups.size());
@@ -339,8 +346,13 @@ Picture build(const DiagramInput& in) {
           pairs.insert({std::min(ga, gb), std::max(ga, gb)});
       }
     auto host = [&](int g) { return pic.groups[static_cast<size_t>(g)].host; };
-    for (const auto& [a, b] : pairs) pic.links.push_back({a, b, link_label(cl->link(host(a), host(b)))});
-    for (int g : inside) pic.groups[static_cast<size_t>(g)].lines.push_back("within: " + link_label(cl->link(host(g), host(g))));
+    // A file that describes no network: its links are the planner's assumption, and say so.
+    auto label = [&](const std::string& a, const std::string& b) {
+      return link_label(cl->link(a, b)) + (cl->links_described ? "" : " (assumed: " + (cl->name.empty() ? std::string("the file") : cl->name) +
+                                                                          " gives no network)");
+    };
+    for (const auto& [a, b] : pairs) pic.links.push_back({a, b, label(host(a), host(b))});
+    for (int g : inside) pic.groups[static_cast<size_t>(g)].lines.push_back("within: " + label(host(g), host(g)));
   }
 
   // The note: what this is, who syncs what, how to read it.
