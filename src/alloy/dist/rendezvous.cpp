@@ -102,23 +102,23 @@ Rendezvous resolve_rendezvous(const RendezvousFlags& f, const EnvGetter& env) {
     if (auto a = get("MASTER_ADDR")) r.master_addr = *a;
     else if (auto nl = get("SLURM_JOB_NODELIST")) r.master_addr = first_slurm_host(*nl);
     if (auto p = get("MASTER_PORT")) r.master_port = parse_int(*p, "MASTER_PORT");
-  } else if (auto mpi_rank = get("OMPI_COMM_WORLD_RANK") ? get("OMPI_COMM_WORLD_RANK") : get("PMI_RANK")) {
+  } else if (get("OMPI_COMM_WORLD_RANK") || get("PMI_RANK")) {
     // mpirun / horovodrun: the launcher numbers the ranks but runs no store of c10d's kind.
     const bool ompi = get("OMPI_COMM_WORLD_RANK").has_value();
-    const std::string rank_var = ompi ? "OMPI_COMM_WORLD_RANK" : "PMI_RANK", size_var = ompi ? "OMPI_COMM_WORLD_SIZE" : "PMI_SIZE";
+    const std::string rank_var = ompi ? "OMPI_COMM_WORLD_RANK" : "PMI_RANK", size_var = ompi ? "OMPI_COMM_WORLD_SIZE" : "PMI_SIZE",
+                      local_size_var = ompi ? "OMPI_COMM_WORLD_LOCAL_SIZE" : "MPI_LOCALNRANKS";
     r.source = "mpi";
-    r.rank = parse_int(*mpi_rank, rank_var);
+    r.rank = parse_int(*get(rank_var), rank_var);
     auto ws = get(size_var);
     if (!ws) throw InputError(size_var, "is not set although " + rank_var + " is");
     r.world_size = parse_int(*ws, size_var);
-    const int local = local_rank_from_env(env);
-    if (local >= 0) r.local_rank = local;
+    if (const int local = local_rank_from_env(env); local >= 0) r.local_rank = local;
     if (auto a = get("MASTER_ADDR")) {
       r.master_addr = *a;
     } else {
       // The default store address (this machine) holds only when every rank runs here.
-      auto ls = get(ompi ? "OMPI_COMM_WORLD_LOCAL_SIZE" : "MPI_LOCALNRANKS");
-      if (!ls || parse_int(*ls, ompi ? "OMPI_COMM_WORLD_LOCAL_SIZE" : "MPI_LOCALNRANKS") != r.world_size)
+      auto ls = get(local_size_var);
+      if (!ls || parse_int(*ls, local_size_var) != r.world_size)
         throw InputError("MASTER_ADDR", "is not set, and the MPI launcher runs ranks on several machines: set it to the host of "
                                         "rank 0 for every rank (mpirun -x MASTER_ADDR=HOST, horovodrun: export it first)");
     }
