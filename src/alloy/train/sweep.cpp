@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -188,10 +189,15 @@ std::string canonical_layout(const std::string& layout) {
   return layout;
 }
 
-bool known_layout(const std::string& layout) {
+// LAYOUT without its "+ac" (activation checkpointing) suffix, or nullopt when it has none.
+std::optional<std::string> without_ac(const std::string& layout) {
   const std::string ac = "+ac";
-  if (layout.size() > ac.size() && layout.compare(layout.size() - ac.size(), ac.size(), ac) == 0)
-    return layout != "auto+ac" && known_layout(layout.substr(0, layout.size() - ac.size()));
+  if (layout.size() <= ac.size() || layout.compare(layout.size() - ac.size(), ac.size(), ac) != 0) return std::nullopt;
+  return layout.substr(0, layout.size() - ac.size());
+}
+
+bool known_layout(const std::string& layout) {
+  if (const auto inner = without_ac(layout)) return *inner != "auto" && known_layout(*inner);
   const std::string l = canonical_layout(layout);
   return l == "dp" || l == "pp" || l == "pp-params" || l == "auto" || l == "tp" || l == "zero1" || l == "zero2" || l == "zero3" ||
          l.rfind("pp:", 0) == 0 || l.rfind("tp:", 0) == 0;
@@ -218,11 +224,10 @@ std::vector<int64_t> cuts_by_params(int n, int64_t layers, const PartParams& p) 
 
 Plan sweep_plan(const std::string& layout, int n, int64_t layers, int64_t global_batch, int64_t m, const PartParams& params) {
   const std::string where = "layout '" + layout + "'";
-  const std::string ac = "+ac";
-  if (layout.size() > ac.size() && layout.compare(layout.size() - ac.size(), ac.size(), ac) == 0) {
+  if (const auto ac = without_ac(layout)) {
     // The study's activation checkpointing (its "ac1" runs): every stage recomputes its blocks'
     // activations in the backward instead of keeping them.
-    const std::string inner = layout.substr(0, layout.size() - ac.size());
+    const std::string inner = *ac;
     if (inner == "auto") throw InputError(where, "+ac is for the layouts given by hand; auto recomputes where the planner finds it needs to");
     Plan p = sweep_plan(inner, n, layers, global_batch, m, params);
     for (auto& pl : p.pipelines)
