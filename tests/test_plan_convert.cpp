@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "alloy/core/error.h"
+#include "alloy/core/log.h"
 #include "alloy/core/plan.h"
 #include "alloy/core/plan_convert.h"
 
@@ -731,6 +732,45 @@ TEST(HeteroShard, FileErrorsNameThePath) {
     EXPECT_HAS(std::string(e.what()), overlap + ": shard_plan[1].start: 12");
   }
   EXPECT_THROW(alloy::plan_from_hetero_config_file(t.write("x", "") + ".absent", 32, 16, 4), InputError);
+}
+
+// training.log_level takes Python's level names; the run then drops what is below it (progress
+// lines are info). A level Python's logging does not name is refused by its field.
+TEST(HeteroShard, LogLevelSetsWhatTheRunPrints) {
+  EXPECT_EQ(alloy::hetero_run_settings(json::parse(kConfig), "h.json").log_level, "INFO");
+  json j = json::parse(kConfig);
+  j["training"]["log_level"] = "LOUD";
+  try {
+    alloy::hetero_run_settings(j, "h.json");
+    FAIL() << "expected an error";
+  } catch (const InputError& e) {
+    EXPECT_HAS(std::string(e.what()), "h.json: training.log_level: 'LOUD' is not one of DEBUG, INFO, WARNING");
+  }
+  EXPECT_EQ(alloy::parse_log_level("WARNING"), alloy::LogLevel::Warning);
+  EXPECT_EQ(alloy::parse_log_level("critical"), alloy::LogLevel::Error);
+  EXPECT_THROW(alloy::parse_log_level("verbose"), std::invalid_argument);
+
+  const alloy::LogLevel before = alloy::log_level();
+  auto printed = [](alloy::LogLevel level) {
+    alloy::set_log_level(level);
+    testing::internal::CaptureStderr();
+    alloy::log_info("an info line");
+    alloy::log_warn("a warning line");
+    alloy::log_error("an error line");
+    alloy::Progress p("a progress line", 1, true);
+    p.update(1);
+    p.finish();
+    return testing::internal::GetCapturedStderr();
+  };
+  const std::string info = printed(alloy::LogLevel::Info), warning = printed(alloy::LogLevel::Warning),
+                    error = printed(alloy::LogLevel::Error);
+  alloy::set_log_level(before);
+  for (const char* line : {"an info line", "a warning line", "an error line", "a progress line"}) EXPECT_HAS(info, line);
+  EXPECT_EQ(warning.find("an info line"), std::string::npos);
+  EXPECT_EQ(warning.find("a progress line"), std::string::npos);
+  EXPECT_HAS(warning, "a warning line");
+  EXPECT_EQ(error.find("a warning line"), std::string::npos);
+  EXPECT_HAS(error, "an error line");
 }
 
 // SynerFuse's run.sh also holds the switches `alloy train` reads itself (precision, the distributed

@@ -1,8 +1,11 @@
 // `alloy`: thin command-line front end; all logic lives in the library.
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "alloy/cli/commands.h"
 #include "alloy/core/error.h"
+#include "alloy/core/log.h"
 #include "alloy/core/process.h"
 
 int main(int argc, char** argv) {
@@ -11,6 +14,21 @@ int main(int argc, char** argv) {
   CLI::App app{"Alloy: train transformer language models across unlike devices and links"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "alloy 0.1.0");
+  if (!alloy::apply_log_level_from_env())
+    std::fprintf(stderr, "alloy: warning: ALLOY_LOG_LEVEL=%s is not a log level (debug, info, warning, error); using info\n",
+                 std::getenv("ALLOY_LOG_LEVEL"));
+  std::string log_level;
+  app.add_option("--log-level", log_level,
+                 "Least severe messages to print: debug, info (default), warning or error (also ALLOY_LOG_LEVEL; "
+                 "HeteroShard's training.log_level when neither is given). Ranks that `alloy launch` starts inherit it")
+      ->check([](const std::string& v) {
+        try {
+          alloy::parse_log_level(v);
+          return std::string();
+        } catch (const std::invalid_argument& e) {
+          return std::string(e.what());
+        }
+      });
   alloy::cli::Action action;
   alloy::cli::add_train_commands(app, action);
   alloy::cli::add_data_commands(app, action);
@@ -21,6 +39,10 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  if (!log_level.empty()) {
+    alloy::set_log_level(alloy::parse_log_level(log_level));
+    ::setenv("ALLOY_LOG_LEVEL", log_level.c_str(), 1);
   }
   try {
     return action ? action() : 0;

@@ -2,14 +2,22 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <mutex>
+#include <stdexcept>
 
 namespace alloy {
 namespace {
 std::mutex g_mu;
 std::string g_prefix;
+std::atomic<int> g_level{static_cast<int>(LogLevel::Info)};
+
+bool shown(LogLevel level) { return static_cast<int>(level) >= g_level.load(std::memory_order_relaxed); }
 
 void emit(const char* level, const std::string& msg) {
   std::lock_guard<std::mutex> lk(g_mu);
@@ -21,9 +29,36 @@ void emit(const char* level, const std::string& msg) {
 }
 }  // namespace
 
-void log_info(const std::string& msg) { emit("", msg); }
-void log_warn(const std::string& msg) { emit("warning: ", msg); }
+void log_info(const std::string& msg) {
+  if (shown(LogLevel::Info)) emit("", msg);
+}
+void log_warn(const std::string& msg) {
+  if (shown(LogLevel::Warning)) emit("warning: ", msg);
+}
 void log_error(const std::string& msg) { emit("error: ", msg); }
+void set_log_level(LogLevel level) { g_level.store(static_cast<int>(level), std::memory_order_relaxed); }
+LogLevel log_level() { return static_cast<LogLevel>(g_level.load(std::memory_order_relaxed)); }
+
+LogLevel parse_log_level(const std::string& name) {
+  std::string n = name;
+  std::transform(n.begin(), n.end(), n.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (n == "debug") return LogLevel::Debug;
+  if (n == "info") return LogLevel::Info;
+  if (n == "warning" || n == "warn") return LogLevel::Warning;
+  if (n == "error" || n == "critical") return LogLevel::Error;
+  throw std::invalid_argument("unknown log level '" + name + "' (valid: debug, info, warning, error, critical)");
+}
+
+bool apply_log_level_from_env() {
+  const char* v = std::getenv("ALLOY_LOG_LEVEL");
+  if (!v || !*v) return true;
+  try {
+    set_log_level(parse_log_level(v));
+    return true;
+  } catch (const std::invalid_argument&) {
+    return false;
+  }
+}
 void set_log_prefix(const std::string& prefix) {
   std::lock_guard<std::mutex> lk(g_mu);
   g_prefix = prefix;
@@ -56,6 +91,7 @@ Progress::Progress(std::string label, uint64_t total, bool force_plain)
 }
 
 void Progress::update(uint64_t done, const std::string& extra) {
+  if (!shown(LogLevel::Info)) return;
   auto now = std::chrono::steady_clock::now();
   double since = std::chrono::duration<double>(now - last_print_).count();
   bool last = done >= total_;
@@ -85,6 +121,7 @@ void Progress::update(uint64_t done, const std::string& extra) {
 void Progress::finish(const std::string& extra) {
   if (finished_) return;
   finished_ = true;
+  if (!shown(LogLevel::Info)) return;
   auto now = std::chrono::steady_clock::now();
   double elapsed = std::chrono::duration<double>(now - start_).count();
   std::lock_guard<std::mutex> lk(g_mu);

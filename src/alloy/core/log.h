@@ -7,9 +7,20 @@
 
 namespace alloy {
 
+// Levels as Python's logging names them (HeteroShard's training.log_level): messages below the
+// process's level are dropped; progress lines count as info.
+enum class LogLevel { Debug = 10, Info = 20, Warning = 30, Error = 40 };
 void log_info(const std::string& msg);
 void log_warn(const std::string& msg);
 void log_error(const std::string& msg);
+void set_log_level(LogLevel level);
+LogLevel log_level();
+// debug | info | warning (warn) | error | critical (as error), any case; anything else throws
+// std::invalid_argument naming the valid names.
+LogLevel parse_log_level(const std::string& name);
+// The level ALLOY_LOG_LEVEL names, applied once at start (so ranks a launcher starts inherit the
+// launcher's); unset or empty leaves info. Returns false if it names no level (left at info).
+bool apply_log_level_from_env();
 // Prefix every log line (e.g. "[rank 2] "); set once per process.
 void set_log_prefix(const std::string& prefix);
 bool stderr_is_tty();

@@ -12,6 +12,7 @@
 #include "alloy/core/error.h"
 #include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
+#include "alloy/core/log.h"
 
 namespace alloy {
 namespace {
@@ -536,6 +537,14 @@ HeteroShardRun hetero_run_settings(const nlohmann::json& j, const std::string& w
       if (fmt != "png" && fmt != "svg" && fmt != "pdf" && fmt != "mmd")
         hc_fail(where, "training.visualization_format", "'" + fmt + "' is not one of png, svg, pdf, mmd");
       r.visualization_format = fmt;
+    }
+    r.log_level = string_of(t, "log_level", "training.log_level");
+    if (!r.log_level.empty()) {
+      try {
+        parse_log_level(r.log_level);
+      } catch (const std::invalid_argument&) {
+        hc_fail(where, "training.log_level", "'" + r.log_level + "' is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL");
+      }
     }
   }
   r.checkpoint_dir = string_of(j, "checkpoint_dir", "checkpoint_dir");

@@ -89,6 +89,7 @@ Plan plan_from_hetero_config_file(const std::string& path, int64_t num_layers, i
 
 // The rest of a HeteroShard hetero_config.json, what a run does besides the layout:
 //   training.visualize / visualization_format (png | svg | pdf | mmd): draw the plan when training starts
+//   training.log_level (Python's names: DEBUG, INFO, WARNING, ERROR, CRITICAL): the run's log level
 //   checkpoint_dir: the run directory (checkpoints under it); resume_step: resume from that step there
 //   coordinator.device / workers[i].device (auto | cuda | cuda:N | mps | cpu): each stage's device
 //   lora {r, lora_alpha, lora_dropout, target_modules, load_in_4bit, load_in_8bit,
@@ -97,6 +98,7 @@ Plan plan_from_hetero_config_file(const std::string& path, int64_t num_layers, i
 struct HeteroShardRun {
   bool visualize = true;  // HeteroShard draws architecture.png when training starts unless told not to
   std::string visualization_format = "png";
+  std::string log_level;  // "" = not given
   std::string checkpoint_dir;
   int64_t resume_step = -1;                 // -1: start fresh
   std::vector<std::string> stage_devices;   // per shard_plan entry (= rank); "" = not given
