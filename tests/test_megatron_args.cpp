@@ -98,6 +98,20 @@ TEST(MegatronArgs, QueryGroupsNeedGroupQueryAttention) {
   EXPECT_FALSE(translate_megatron_args({"--num-query-groups", "2"}).notes.empty());
 }
 
+// --add-qkv-bias (Qwen-style blocks) is model.qkv_bias; on a GPT model, whose projections always
+// have biases, the config refuses it by its key.
+TEST(MegatronArgs, AddQkvBiasIsTheLlamasQkvBias) {
+  const auto sets = translate_megatron_args({"--swiglu", "--add-qkv-bias"}).sets;
+  EXPECT_TRUE(Config::from_yaml_string("model: {arch: gpt2}\n", "test", sets).model.qkv_bias);
+  EXPECT_FALSE(Config::from_yaml_string("model: {arch: gpt2}\n", "test", translate_megatron_args({"--swiglu"}).sets).model.qkv_bias);
+  try {
+    Config::from_yaml_string("model: {arch: gpt2}\n", "test", translate_megatron_args({"--add-qkv-bias"}).sets);
+    FAIL() << "expected an error";
+  } catch (const InputError& e) {
+    EXPECT_HAS(e.what(), "model.qkv_bias");
+  }
+}
+
 TEST(MegatronArgs, CheckpointsLogsAndTheGpt2Tokenizer) {
   const MegatronTranslation t = translate_megatron_args({"--save", "runs/x", "--load=runs/y", "--save-interval", "50",
                                                           "--eval-interval", "25", "--eval-iters", "3",

@@ -70,8 +70,8 @@ TEST_P(ModelTest, HalfBlockSlicesHoldTheFullModelsWeightsAndChainToTheSameOutput
     }
   for (auto* q : full->parameters())  // GPT-2's head keeps its own copy of the tied wte when split
     EXPECT_EQ(holders[q->name], q->name == "wte.weight" ? 2 : 1) << q->name << ": every parameter in exactly one slice";
-  const std::string mlp_w = GetParam() == "llama" ? "model.layers.2.mlp.down_proj.weight" : "h.2.mlp.c_proj.weight";
-  const std::string attn_w = GetParam() == "llama" ? "model.layers.2.self_attn.o_proj.weight" : "h.2.attn.c_proj.weight";
+  const std::string mlp_w = GetParam() != "gpt2" ? "model.layers.2.mlp.down_proj.weight" : "h.2.mlp.c_proj.weight";
+  const std::string attn_w = GetParam() != "gpt2" ? "model.layers.2.self_attn.o_proj.weight" : "h.2.attn.c_proj.weight";
   EXPECT_NE(a.find(attn_w), nullptr);
   EXPECT_EQ(a.find(mlp_w), nullptr);
   EXPECT_NE(b.find(mlp_w), nullptr);
@@ -110,7 +110,7 @@ TEST_P(ModelTest, ForwardUnitsRunsAnyRangeOfAnOverlappingSlice) {
   EXPECT_TRUE(at::equal(y_full, y));
   y.pow(2).sum().backward();
   y_full.pow(2).sum().backward();
-  const std::string mlp_w = GetParam() == "llama" ? "model.layers.2.mlp.down_proj.weight" : "h.2.mlp.c_proj.weight";
+  const std::string mlp_w = GetParam() != "gpt2" ? "model.layers.2.mlp.down_proj.weight" : "h.2.mlp.c_proj.weight";
   EXPECT_TRUE(at::equal(b.find(mlp_w)->tensor.grad(), full->find(mlp_w)->tensor.grad()));
   EXPECT_THROW(a.forward_units(x, 0, 7), std::invalid_argument);  // unit 6 is not in [0,6)
   EXPECT_THROW(b.forward_units(h, 4, 8), std::invalid_argument);
@@ -140,7 +140,7 @@ TEST_P(ModelTest, ACutMlpSplitsItsColumnsAndChainsToTheFullModelsOutputAndGradie
   Transformer r(m, LayerRange::full(m), 42, &l0);
   Transformer a(m, LayerRange::for_units(0, 6, m.layers), 42, &la);
   Transformer b(m, LayerRange::for_units(5, 8, m.layers), 42, &lb);
-  const bool llama = GetParam() == "llama";
+  const bool llama = GetParam() != "gpt2";
   const std::string up = llama ? "model.layers.2.mlp.up_proj.weight" : "h.2.mlp.c_fc.weight";
   const std::string norm = llama ? "model.layers.2.post_attention_layernorm.weight" : "h.2.ln_2.weight";
   EXPECT_NE(a.find(up + "#h0-1"), nullptr);
@@ -433,7 +433,7 @@ TEST_P(ModelTest, LayersWhoseParametersAreFreedBetweenUsesGiveThePlainGradients)
   EXPECT_TRUE(hooks.grads_complete);
 }
 
-INSTANTIATE_TEST_SUITE_P(Arch, ModelTest, ::testing::Values("gpt2", "llama"));
+INSTANTIATE_TEST_SUITE_P(Arch, ModelTest, ::testing::Values("gpt2", "llama", "qwen2"));
 
 TEST(Model, TiedEmbeddingGradientIsTheSumOfBothStagesCopies) {
   ModelConfig m = tiny("gpt2");
@@ -458,7 +458,7 @@ TEST(Model, Float64ModelComputesInDouble) {
 }
 
 TEST(Model, ParamNamesMatchWhatSlicesHold) {
-  for (std::string arch : {"gpt2", "llama"}) {
+  for (std::string arch : {"gpt2", "llama", "qwen2"}) {
     ModelConfig m = tiny(arch);
     for (auto [b, e] : std::vector<std::pair<int64_t, int64_t>>{{0, 8}, {0, 2}, {2, 6}, {6, 8}, {0, 3}, {3, 4}, {3, 6}, {5, 8}, {1, 2}}) {
       auto range = LayerRange::for_units(b, e, m.layers);
@@ -564,4 +564,48 @@ TEST(HfWeights, ConfigKeysAlloysLlamaDoesNotComputeAreRefused) {
   EXPECT_NE(error_of("head_dim", 32).find("head_dim: 32 x 4 heads is not hidden_size 64"), std::string::npos);
   EXPECT_EQ(error_of("head_dim", 16), "");
   EXPECT_NE(error_of("rope_scaling", {{"rope_type", "llama3"}}).find("c.json"), std::string::npos);
+}
+
+// Qwen2's config.json is LLaMA's with biases on q, k and v: it imports as llama with
+// model.qkv_bias, writes back as qwen2, and refuses the sliding window. Its weights loaded into a
+// llama without the biases are refused rather than computed without them.
+TEST(HfWeights, Qwen2IsTheLlamaWithQkvBiases) {
+  const nlohmann::json qwen = {{"model_type", "qwen2"}, {"hidden_size", 32}, {"intermediate_size", 64}, {"num_hidden_layers", 3},
+                               {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"max_position_embeddings", 16},
+                               {"vocab_size", 61}, {"rope_theta", 1000000.0}, {"use_sliding_window", false}};
+  const ModelConfig m = alloy::model::model_config_from_hf(qwen, "c.json");
+  EXPECT_EQ(m.arch, "llama");
+  EXPECT_TRUE(m.qkv_bias);
+  EXPECT_EQ(m.rope_theta, 1e6);
+  EXPECT_FALSE(alloy::model::model_config_from_hf({{"model_type", "llama"}, {"hidden_size", 32}, {"intermediate_size", 64},
+                                                   {"num_hidden_layers", 3}, {"num_attention_heads", 4},
+                                                   {"max_position_embeddings", 16}, {"vocab_size", 61}},
+                                                  "c.json")
+                   .qkv_bias);
+  const nlohmann::json back = alloy::model::hf_config(m);
+  EXPECT_EQ(back["model_type"], "qwen2");
+  EXPECT_EQ(alloy::model::model_config_from_hf(back, "back.json").qkv_bias, true);
+  nlohmann::json sliding = qwen;
+  sliding["use_sliding_window"] = true;
+  EXPECT_THROW(alloy::model::model_config_from_hf(sliding, "c.json"), alloy::InputError);
+
+  auto src = Transformer::full(m, 5);
+  EXPECT_NE(src->find("model.layers.1.self_attn.k_proj.bias"), nullptr);
+  EXPECT_EQ(src->find("model.layers.1.self_attn.k_proj.bias")->tensor.numel(), 2 * m.head_dim());
+  const std::string path = ::testing::TempDir() + "/alloy-qwen2.safetensors";
+  alloy::model::save_weights(*src, path);
+  auto same = Transformer::full(m, 6);
+  alloy::train::load_base_weights(*same, path);
+  for (auto* p : src->parameters()) EXPECT_TRUE(at::equal(same->find(p->name)->tensor, p->tensor)) << p->name;
+  ModelConfig plain = m;
+  plain.qkv_bias = false;
+  auto without = Transformer::full(plain, 6);
+  try {
+    alloy::train::load_base_weights(*without, path);
+    FAIL() << "expected the biases to be refused";
+  } catch (const alloy::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("self_attn.q_proj.bias' is a query bias (a Qwen2 checkpoint): set model.qkv_bias: true"),
+              std::string::npos)
+        << e.what();
+  }
 }

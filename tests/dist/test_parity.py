@@ -212,6 +212,8 @@ LAYOUTS["tp2-even"] = ("gpt2", 24, _tp(24, [(4, 6, [([0, 1], 0, 8, None)])]), 2)
 LAYOUTS["tp2-3:1"] = ("gpt2", 24, _tp(24, [(4, 6, [([0, 1], 0, 8, [3, 1])])]), 2)
 LAYOUTS["tp3-2:1:1"] = ("gpt2", 24, _tp(24, [(4, 6, [([0, 1, 2], 0, 8, [2, 1, 1])])]), 3)
 LAYOUTS["tp2-llama-gqa-6:2"] = ("llama-gqa", 24, _tp(24, [(4, 6, [([0, 1], 0, 8, [6, 2])])]), 2)
+# Qwen2's block (biases on q, k and v): each member holds its heads' pieces of the biases too.
+LAYOUTS["tp2-qwen2-gqa-6:2"] = ("qwen2-gqa", 24, _tp(24, [(4, 6, [([0, 1], 0, 8, [6, 2])])]), 2)
 LAYOUTS["tp3-llama-gqa-even"] = ("llama-gqa", 24, _tp(24, [(4, 6, [([0, 1, 2], 0, 8, [4, 2, 2])])]), 3)
 LAYOUTS["tp2-in-pp2"] = ("gpt2", 24, _tp(24, [(4, 6, [([0, 1], 0, 5, [3, 1]), ([2], 5, 8, None)])]), 3)
 LAYOUTS["tp-pp-tp-llama"] = ("llama-gqa", 24, _tp(24, [(4, 6, [([0, 1], 0, 3, [2, 6]), ([2, 3], 3, 8, [4, 4])])]), 4)
@@ -266,9 +268,11 @@ RTOL_GPU = 1e-4
 def config(work, arch, gb, out):
     path = os.path.join(work, f"{arch}-{gb}.yaml")
     # llama-gqa: 8 heads reading 4 key/value heads (tensor-parallel splits keep whole groups)
-    heads = "heads: 8, kv_heads: 4" if arch == "llama-gqa" else "heads: 4"
+    heads = "heads: 8, kv_heads: 4" if arch.endswith("-gqa") else "heads: 4"
+    # qwen2: the llama with biases on q, k and v
+    model = arch.replace("-gqa", "").replace("qwen2", "llama") + (", qkv_bias: true" if arch.startswith("qwen2") else "")
     with open(path, "w") as f:
-        f.write(f"""model: {{arch: {arch.replace("-gqa", "")}, layers: 8, hidden: 32, {heads}, seq_len: 32, vocab_size: 257}}
+        f.write(f"""model: {{arch: {model}, layers: 8, hidden: 32, {heads}, seq_len: 32, vocab_size: 257}}
 data: {{prefix: {work}/data/corpus}}
 train: {{steps: {STEPS}, global_batch: {gb}, lr: 2e-3, warmup: 3, eval_interval: 10, eval_batches: 1, threads: 1}}
 output: {{dir: {out}, tensorboard: false}}

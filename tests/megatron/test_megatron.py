@@ -118,6 +118,9 @@ def to_megatron(cfg, p, tp, stages, code, vocab_padded, max_pos, global_numbers=
                     e = dict(ln1_w=p[pre + "input_layernorm.weight"], qkv_w=rows(qkv_w), proj_w=cols(p[pre + "self_attn.o_proj.weight"]),
                              ln2_w=p[pre + "post_attention_layernorm.weight"], fc1_w=torch.cat([rows(gate), rows(up)]),
                              fc2_w=cols(p[pre + "mlp.down_proj.weight"]))
+                    if cfg.qkv_bias:  # --add-qkv-bias: the fused bias's rows grouped as the weight's
+                        e["qkv_b"] = rows(qkv_rows(*(p[pre + f"self_attn.{x}_proj.bias"].reshape(-1, 1) for x in "qkv"),
+                                                   groups, hd)).reshape(-1)
                 for role, x in e.items():
                     layer_sd[f"layers.{num}.{names[role]}"] = x
                 if code == "core-te":  # Transformer Engine's fp8 metadata: not weights
@@ -203,7 +206,7 @@ def megatron_forward(cfg, shards, tp, stages, code, idx, global_numbers=False):
                 h = ref._rms_norm(x, L(0, "ln1_w"), cfg.eps)
             attn = 0
             for t in range(tp):
-                mixed = h @ L(t, "qkv_w").t() + (L(t, "qkv_b") if gpt2 else 0)
+                mixed = h @ L(t, "qkv_w").t() + (L(t, "qkv_b") if gpt2 or cfg.qkv_bias else 0)
                 g = mixed.shape[-1] // ((per + 2) * hd)  # this piece's query groups
                 mixed = mixed.view(B, T, g, (per + 2) * hd)
                 q, k, v = torch.split(mixed, [per * hd, hd, hd], dim=-1)
@@ -271,7 +274,8 @@ def megatron_args(cfg, tp, pp, seq, max_pos, vocab_padded, dtype):
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, micro_batch_size=2, global_batch_size=8,
         normalization="LayerNorm" if gpt2 else "RMSNorm", position_embedding_type="learned_absolute" if gpt2 else "rope",
         swiglu=not gpt2, group_query_attention=cfg.kv_heads != cfg.heads, num_query_groups=cfg.kv_heads,
-        untie_embeddings_and_output_weights=not gpt2, add_bias_linear=gpt2, norm_epsilon=cfg.eps, init_method_std=0.02,
+        untie_embeddings_and_output_weights=not gpt2, add_bias_linear=gpt2, add_qkv_bias=not gpt2 and cfg.qkv_bias,
+        norm_epsilon=cfg.eps, init_method_std=0.02,
         rotary_base=int(cfg.rope_theta or 10000), bias_gelu_fusion=True, openai_gelu=False, apply_residual_connection_post_layernorm=False,
         params_dtype=dtype, data_path=["1.0", "/data/corpus_text_document"], lr=1e-4, load=None, save="/ckpt", fp16=False,
         bf16=dtype == torch.bfloat16, consumed_train_samples=800, hetero_pipeline_stages=None)
@@ -291,10 +295,14 @@ def main():
         ("gpt2-core-local-tp2-pp3", "gpt2", 3, 32, 4, None, 64, 2, [1, 1, 1], "core-local", 512, 16, 16, torch.float32, 7, False, 3.0),
         # checkpoint_version 1 kept each piece's QKV rows as [heads, head_dim, 3]
         ("gpt2-legacy-version1-tp2", "gpt2", 2, 32, 4, None, 64, 2, [2], "legacy", 512, 16, 16, torch.float32, 5, False, 1.0),
+        # --add-qkv-bias (Qwen-style): the fused bias is split into q, k and v like the weight
+        ("qwen2-core-local-tp2", "qwen2", 2, 32, 4, 2, 48, 2, [2], "core-local", 512, 16, 16, torch.float32, 3, False, 3.0),
     ]
     for name, arch, layers, hidden, heads, kv, ffn, tp, stages, code, vpad, seq, max_pos, dtype, iteration, glob, version in cases:
         hf = ref.make_hf_config(arch, layers, hidden, heads, 300, max_pos if arch == "gpt2" else seq, kv_heads=kv, ffn=ffn)
         cfg = ref.parse_config(hf)
+        if cfg.arch == "gpt2":
+            cfg.qkv_bias = False
         p = ref.init_params(cfg, seed=len(name), norm_jitter=0.1)
         shards = to_megatron(cfg, p, tp, stages, code, vpad, max_pos, glob, version)
         if version >= 2:  # version 1's rows are what Megatron reorders on load; the arithmetic below is version 2's
@@ -334,8 +342,8 @@ def main():
         # Training starts from it: --init-from, and Megatron's own --load of the directory.
         yaml = os.path.join(work, name + ".yaml")
         with open(yaml, "w") as f:
-            f.write(f"model: {{arch: {arch}, layers: {layers}, hidden: {hidden}, heads: {heads}, kv_heads: {kv or 0}, ffn: {ffn}, "
-                    f"seq_len: {seq}, vocab_size: {vpad}, norm_eps: {cfg.eps}}}\n"
+            f.write(f"model: {{arch: {cfg.arch}, layers: {layers}, hidden: {hidden}, heads: {heads}, kv_heads: {kv or 0}, ffn: {ffn}, "
+                    f"seq_len: {seq}, vocab_size: {vpad}, norm_eps: {cfg.eps}, qkv_bias: {str(cfg.qkv_bias).lower()}}}\n"
                     f"data: {{prefix: {work}/data/corpus, tokenizer: byte}}\n"
                     "train: {steps: 2, global_batch: 4, eval_interval: 0, threads: 1, checkpoint_interval: 0}\n")
         if name.startswith("gpt2-legacy-tp2"):
@@ -355,7 +363,7 @@ def main():
             r = sh([alloy, "import", "--megatron", ckpt, "-o", run + "-missing"], expect_fail=True)
             check("lacks mp_rank_01_001" in r.stdout + r.stderr, f"{name}: a missing piece is named: {(r.stdout + r.stderr).strip()[-200:]}")
             shutil.move(piece + ".away", piece)
-        if name.startswith("llama"):
+        if name.startswith(("llama", "qwen2")):
             r = sh([alloy, "train", "-c", yaml, "--init-from", ckpt, "--set", f"output.dir={work}/{name}-train"])
             check("initial weights from " + ckpt in r.stdout + r.stderr, f"{name}: alloy train --init-from starts from the checkpoint")
 

@@ -1,6 +1,7 @@
 // Writes a random model, a token batch and Alloy's loss and gradients for that batch, in
 // HuggingFace names and layouts, so tests/parity/reference.py can check them against an
-// independent PyTorch implementation. Usage: parity_dump gpt2|llama float32|float64 OUTDIR
+// independent PyTorch implementation. Usage: parity_dump gpt2|llama|qwen2 float32|float64 OUTDIR
+// (qwen2: the llama block with biases on q, k and v, written as HF's Qwen2).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
@@ -17,7 +18,7 @@ using namespace alloy;
 
 int main(int argc, char** argv) {
   if (argc != 4) {
-    std::fprintf(stderr, "usage: parity_dump gpt2|llama float32|float64 OUTDIR\n");
+    std::fprintf(stderr, "usage: parity_dump gpt2|llama|qwen2 float32|float64 OUTDIR\n");
     return 2;
   }
   std::string arch = argv[1], dtype = argv[2], out = argv[3];
@@ -25,14 +26,15 @@ int main(int argc, char** argv) {
   at::set_num_threads(1);
 
   ModelConfig m;
-  m.arch = arch;
+  m.arch = arch == "qwen2" ? "llama" : arch;
+  m.qkv_bias = arch == "qwen2";
   m.layers = 3;
   m.hidden = 64;
   m.heads = 4;
   m.seq_len = 24;
   m.vocab_size = 97;
   m.dtype = dtype;
-  if (arch == "llama") {
+  if (m.arch == "llama") {
     m.kv_heads = 2;  // exercise grouped-query attention
     m.ffn = 112;
     m.norm_eps = 1e-6;

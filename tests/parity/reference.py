@@ -74,7 +74,9 @@ def parse_config(hf):
                       ffn=hf.get("n_inner") or 4 * H,
                       eps=hf.get("layer_norm_epsilon", 1e-5),
                       max_pos=hf["n_positions"], rope_theta=None)
-    if mt == "llama":
+    if mt in ("llama", "qwen2"):
+        # Qwen2: LLaMA's block with biases on q, k and v (HF's Qwen2Attention).
+        _reject(mt == "qwen2" and hf.get("use_sliding_window", False), "use_sliding_window")
         H, nh = hf["hidden_size"], hf["num_attention_heads"]
         nkv = hf.get("num_key_value_heads") or nh
         hd = hf.get("head_dim") or H // nh
@@ -91,7 +93,7 @@ def parse_config(hf):
                       layers=hf["num_hidden_layers"], heads=nh, kv_heads=nkv, head_dim=hd,
                       ffn=hf["intermediate_size"], eps=hf.get("rms_norm_eps", 1e-6),
                       max_pos=hf.get("max_position_embeddings"),
-                      rope_theta=float(hf.get("rope_theta", 10000.0)))
+                      rope_theta=float(hf.get("rope_theta", 10000.0)), qkv_bias=mt == "qwen2")
     raise ValueError(f"unsupported model_type {mt!r}")
 
 
@@ -110,6 +112,10 @@ def make_hf_config(arch, layers, hidden, heads, vocab, max_pos, kv_heads=None, f
                 "rms_norm_eps": 1e-6 if eps is None else eps, "rope_theta": rope_theta,
                 "max_position_embeddings": max_pos, "vocab_size": vocab,
                 "hidden_act": "silu", "tie_word_embeddings": False}
+    if arch == "qwen2":
+        hf = make_hf_config("llama", layers, hidden, heads, vocab, max_pos, kv_heads, ffn, eps, rope_theta)
+        hf.update(model_type="qwen2", use_sliding_window=False)
+        return hf
     raise ValueError(arch)
 
 
@@ -147,6 +153,10 @@ def param_shapes(cfg):
             s[p + "self_attn.k_proj.weight"] = [cfg.kv_heads * hd, H]
             s[p + "self_attn.v_proj.weight"] = [cfg.kv_heads * hd, H]
             s[p + "self_attn.o_proj.weight"] = [H, cfg.heads * hd]
+            if cfg.qkv_bias:
+                s[p + "self_attn.q_proj.bias"] = [cfg.heads * hd]
+                s[p + "self_attn.k_proj.bias"] = [cfg.kv_heads * hd]
+                s[p + "self_attn.v_proj.bias"] = [cfg.kv_heads * hd]
             s[p + "post_attention_layernorm.weight"] = [H]
             s[p + "mlp.gate_proj.weight"] = [F_, H]
             s[p + "mlp.up_proj.weight"] = [F_, H]
@@ -169,7 +179,7 @@ def init_params(cfg, dtype=torch.float32, seed=0, std=0.02, norm_jitter=0.0):
         if is_norm:
             base = 1.0 if name.endswith(".weight") else 0.0
             t = base + norm_jitter * torch.randn(shape, generator=g, dtype=torch.float64)
-        elif len(shape) == 1:  # GPT-2 linear biases
+        elif len(shape) == 1:  # linear biases (GPT-2's, Qwen2's q/k/v)
             t = norm_jitter * torch.randn(shape, generator=g, dtype=torch.float64)
         else:
             t = std * torch.randn(shape, generator=g, dtype=torch.float64)
@@ -245,9 +255,12 @@ def llama_logits(cfg, p, idx):
     for i in range(cfg.layers):
         pre = f"model.layers.{i}."
         h = _rms_norm(x, p[pre + "input_layernorm.weight"], cfg.eps)
-        q = (h @ p[pre + "self_attn.q_proj.weight"].t()).view(B, T, nh, hd).transpose(1, 2)
-        k = (h @ p[pre + "self_attn.k_proj.weight"].t()).view(B, T, nkv, hd).transpose(1, 2)
-        v = (h @ p[pre + "self_attn.v_proj.weight"].t()).view(B, T, nkv, hd).transpose(1, 2)
+        def lin(name):
+            y = h @ p[pre + f"self_attn.{name}.weight"].t()
+            return y + p[pre + f"self_attn.{name}.bias"] if cfg.qkv_bias else y
+        q = lin("q_proj").view(B, T, nh, hd).transpose(1, 2)
+        k = lin("k_proj").view(B, T, nkv, hd).transpose(1, 2)
+        v = lin("v_proj").view(B, T, nkv, hd).transpose(1, 2)
         # HF casts the tables to the projections' dtype (bf16 under autocast; a no-op in fp32).
         c, s = cos.to(q.dtype), sin.to(q.dtype)
         q = q * c + _rotate_half(q) * s
@@ -525,6 +538,8 @@ def self_test():
                                       max_pos=12, ffn=24)),
         ("llama", torch.float32, dict(layers=2, hidden=24, heads=6, kv_heads=1, vocab=31,
                                       max_pos=12, ffn=40)),
+        ("qwen2", torch.float64, dict(layers=2, hidden=16, heads=4, kv_heads=2, vocab=31,
+                                      max_pos=12, ffn=24)),
     ]
     with tempfile.TemporaryDirectory(prefix="alloy-parity-selftest-") as root:
         for ci, (arch, dtype, kw) in enumerate(cases):

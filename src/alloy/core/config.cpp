@@ -83,6 +83,7 @@ const std::vector<Field>& schema() {
       ALLOY_FLOAT(model, rope_theta, "RoPE base (llama)"),
       ALLOY_FLOAT(model, init_std, "standard deviation of the initial weights"),
       ALLOY_STR(model, dtype, "float32 | float64"),
+      ALLOY_BOOL(model, qkv_bias, "llama: biases on the query, key and value projections (Qwen2; Megatron's --add-qkv-bias)"),
       ALLOY_STR(data, prefix, "indexed dataset prefix (PREFIX.bin/.idx or PREFIX_train/_valid)"),
       ALLOY_STR(data, valid_prefix, "validation dataset prefix; empty = PREFIX_valid if present"),
       ALLOY_STR(data, tokenizer, "byte | gpt2 | sentencepiece (for data prepare, eval and generate)"),
@@ -328,6 +329,7 @@ void Config::validate() const {
   if (m.arch == "gpt2" && m.kv_heads != 0 && m.kv_heads != m.heads)
     fail("model.kv_heads", "gpt2 has no grouped-query attention; leave it 0");
   if (m.arch == "llama" && m.head_dim() % 2 != 0) fail("model.hidden", "llama needs an even head dimension for RoPE");
+  if (m.arch == "gpt2" && m.qkv_bias) fail("model.qkv_bias", "is for llama; gpt2's projections always have biases");
   if (m.ffn < 0) fail("model.ffn", "must be >= 0");
   if (m.seq_len < 1) fail("model.seq_len", "must be >= 1");
   if (m.vocab_size < 2) fail("model.vocab_size", "must be >= 2");

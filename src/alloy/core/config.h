@@ -25,6 +25,9 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   double init_std = 0.02;
   std::string dtype = "float32";  // float32 | float64
+  // llama: biases on the query, key and value projections (Qwen2's blocks; Megatron's
+  // --add-qkv-bias). Zero at the start, not decayed.
+  bool qkv_bias = false;
 
   int64_t kv_heads_resolved() const { return kv_heads > 0 ? kv_heads : heads; }
   int64_t ffn_resolved() const;

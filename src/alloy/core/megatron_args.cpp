@@ -107,6 +107,8 @@ const std::map<std::string, Flag>& flags() {
     f["--use-rotary-position-embeddings"] = llama_part("rotary positions");
     f["--no-position-embedding"] = llama_part("no learned positions");
     f["--disable-bias-linear"] = llama_part("no biases");
+    f["--add-qkv-bias"] = {Arity::Switch, "model.qkv_bias=true (llama: biases on q, k and v, as Qwen2)",
+                           [](const std::string&, const std::string&, MegatronTranslation& t) { t.sets.push_back("model.qkv_bias=true"); }};
     f["--untie-embeddings-and-output-weights"] = llama_part("an untied head");
     f["--position-embedding-type"] = {
         Arity::Value, "rope: " + std::string(kLlama) + "; learned_absolute: GPT-2's",

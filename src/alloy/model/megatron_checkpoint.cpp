@@ -242,6 +242,7 @@ ModelConfig model_config_from_megatron_args(const std::map<std::string, std::str
                                 ": Alloy's models are gpt2 (LayerNorm, learned_absolute, GELU) and llama (RMSNorm, rope, SwiGLU)");
   }
   if (flag("group_query_attention")) m.kv_heads = num("num_query_groups", 1);
+  m.qkv_bias = m.arch == "llama" && flag("add_qkv_bias");
   m.ffn = num("ffn_hidden_size", 0);
   m.seq_len = num("seq_length", num("max_position_embeddings", 0));
   m.vocab_size = num("padded_vocab_size", 0);
@@ -548,7 +549,17 @@ MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* w
     if (llama) {
       const std::string p = "model.layers." + std::to_string(l) + ".";
       for (const char* bias : {"qkv.b", "proj.b", "fc1.b", "fc2.b", "ln1.b", "ln2.b"})
-        if (roles.count(bias)) throw InputError(c.dir, "'" + roles[bias].name + "': Alloy's llama has no biases or LayerNorm shifts");
+        if (roles.count(bias) && !(m.qkv_bias && std::string(bias) == "qkv.b"))
+          throw InputError(c.dir, "'" + roles[bias].name + "': Alloy's llama has no biases or LayerNorm shifts" +
+                                      (std::string(bias) == "qkv.b" ? " but on q, k and v with args.add_qkv_bias" : ""));
+      if (m.qkv_bias) {  // --add-qkv-bias: the fused bias's rows are grouped as the weight's
+        const at::Tensor qkv_b = whole("qkv.b");
+        expect("qkv.b", qkv_b, {(heads + 2 * groups) * hd});
+        const auto b = split_qkv(qkv_b.reshape({-1, 1}));
+        put(p + "self_attn.q_proj.bias", b[0].reshape({-1}), need("qkv.b").name);
+        put(p + "self_attn.k_proj.bias", b[1].reshape({-1}), need("qkv.b").name);
+        put(p + "self_attn.v_proj.bias", b[2].reshape({-1}), need("qkv.b").name);
+      }
       put(p + "input_layernorm.weight", need("ln1.w").by_tp.front(), need("ln1.w").name);
       put(p + "self_attn.q_proj.weight", q_k_v[0], origin);
       put(p + "self_attn.k_proj.weight", q_k_v[1], origin);

@@ -562,11 +562,16 @@ class LlamaBlock : public BlockLayer {
     add(p + "self_attn.k_proj.weight", init.normal({nkv * hd, H}, c.init_std), true);
     add(p + "self_attn.v_proj.weight", init.normal({nkv * hd, H}, c.init_std), true);
     add(p + "self_attn.o_proj.weight", init.normal({H, nh * hd}, c.init_std), true);
+    if (c.qkv_bias) {  // the attention half's last three (5, 6, 7): its MLP indices stay relative
+      add(p + "self_attn.q_proj.bias", init.fill({nh * hd}, 0.0), false);
+      add(p + "self_attn.k_proj.bias", init.fill({nkv * hd}, 0.0), false);
+      add(p + "self_attn.v_proj.bias", init.fill({nkv * hd}, 0.0), false);
+    }
     add(p + "post_attention_layernorm.weight", init.fill({H}, 1.0), false);
     add(p + "mlp.gate_proj.weight", init.normal({F, H}, c.init_std), true);
     add(p + "mlp.up_proj.weight", init.normal({F, H}, c.init_std), true);
     add(p + "mlp.down_proj.weight", init.normal({H, F}, c.init_std), true);
-    keep_halves(attn, mlp, 5);
+    keep_halves(attn, mlp, c.qkv_bias ? 8 : 5);
     split_for_tp(tp, i, c);
   }
 
@@ -577,9 +582,11 @@ class LlamaBlock : public BlockLayer {
     auto h = enter(rms_norm(x, w(0), c_.norm_eps));
     const int64_t B = h.size(0), T = h.size(1);
     sh_->rope(T, x.device());
-    auto q = proj(1, h, nullptr).view({B, T, nh, hd}).transpose(1, 2);
-    auto k = proj(2, h, nullptr).view({B, T, nkv, hd}).transpose(1, 2);
-    auto v = proj(3, h, nullptr).view({B, T, nkv, hd}).transpose(1, 2);
+    at::Tensor bq, bk, bv;
+    if (c_.qkv_bias) bq = w(5), bk = w(6), bv = w(7);
+    auto q = proj(1, h, c_.qkv_bias ? &bq : nullptr).view({B, T, nh, hd}).transpose(1, 2);
+    auto k = proj(2, h, c_.qkv_bias ? &bk : nullptr).view({B, T, nkv, hd}).transpose(1, 2);
+    auto v = proj(3, h, c_.qkv_bias ? &bv : nullptr).view({B, T, nkv, hd}).transpose(1, 2);
     const auto [cos, sin] = sh_->rope_as(q.scalar_type());
     q = q * cos + rotate_half(q) * sin;
     k = k * cos + rotate_half(k) * sin;
@@ -801,11 +808,16 @@ std::vector<std::string> param_names(const ModelConfig& m, LayerRange range, con
           "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
           "self_attn.o_proj.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
           "mlp.down_proj.weight"};
+      // LlamaBlock's order with m.qkv_bias: the biases end the attention half.
+      static const std::vector<const char*> llama_bias_names = {
+          "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+          "self_attn.o_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+          "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"};
       static const std::vector<const char*> gpt2_names = {
           "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
           "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"};
-      const auto& names = llama ? llama_names : gpt2_names;
-      const size_t attn_params = llama ? 5 : 6;  // the attention half's names come first
+      const auto& names = !llama ? gpt2_names : m.qkv_bias ? llama_bias_names : llama_names;
+      const size_t attn_params = !llama ? 6 : m.qkv_bias ? 8 : 5;  // the attention half's names come first
       const std::string p = (llama ? "model.layers." : "h.") + std::to_string(pos - 1) + ".";
       // The sending side of a cut MLP leaves the output bias to the other (GPT-2's last name).
       const bool no_out_bias = !llama && tp && tp->cut_out.block == pos - 1;

@@ -103,6 +103,13 @@ void load_weights(Transformer& m, const std::vector<const SafetensorsFile*>& fil
   const std::string where = files.size() == 1 ? files.front()->path()
                                               : files.front()->path() + " and " + std::to_string(files.size() - 1) + " more shard(s)";
   std::vector<std::set<std::string>> used(files.size());
+  // Qwen2's biases are weights the model would compute without, not extras to pass over.
+  if (m.config().arch == "llama" && !m.config().qkv_bias)
+    for (const auto* f : files)
+      for (const auto& n : f->names())
+        if (n.size() > 21 && n.compare(n.size() - 21, 21, "self_attn.q_proj.bias") == 0)
+          throw InputError(f->path(), "tensor '" + n + "' is a query bias (a Qwen2 checkpoint): set model.qkv_bias: true, or import it "
+                                      "with `alloy import --weights` beside its config.json");
   for (auto* p : m.parameters()) {
     size_t k = 0;
     std::string fname;
@@ -205,6 +212,11 @@ nlohmann::json hf_config(const ModelConfig& m) {
          {"hidden_act", "silu"},
          {"initializer_range", m.init_std},
          {"tie_word_embeddings", false}};
+    if (m.qkv_bias) {  // HF's class for this block is Qwen2's
+      j["architectures"] = {"Qwen2ForCausalLM"};
+      j["model_type"] = "qwen2";
+      j["use_sliding_window"] = false;
+    }
   }
   j["torch_dtype"] = m.dtype;
   return j;
@@ -227,8 +239,13 @@ ModelConfig model_config_from_hf(const nlohmann::json& j, const std::string& whe
       m.vocab_size = need("vocab_size").get<int64_t>();
       m.norm_eps = j.value("layer_norm_epsilon", 1e-5);
       if (j.contains("n_inner") && !j["n_inner"].is_null()) m.ffn = j["n_inner"].get<int64_t>();
-    } else if (type == "llama") {
+    } else if (type == "llama" || type == "qwen2") {
+      // Qwen2 is LLaMA's block with biases on q, k and v (and no other key Alloy computes
+      // differently unless it turns on the sliding window, refused below).
       m.arch = "llama";
+      m.qkv_bias = type == "qwen2";
+      if (m.qkv_bias && j.value("use_sliding_window", false))
+        throw InputError(where, "use_sliding_window: true is not supported (Alloy's attention sees the whole sequence)");
       m.hidden = need("hidden_size").get<int64_t>();
       m.ffn = need("intermediate_size").get<int64_t>();
       m.layers = need("num_hidden_layers").get<int64_t>();
@@ -252,7 +269,7 @@ ModelConfig model_config_from_hf(const nlohmann::json& j, const std::string& whe
         throw InputError(where, "head_dim: " + j["head_dim"].dump() + " x " + std::to_string(m.heads) +
                                     " heads is not hidden_size " + std::to_string(m.hidden) + " (Alloy's heads split the hidden size)");
     } else {
-      throw InputError(where, "model_type '" + type + "' is not supported (gpt2 or llama)");
+      throw InputError(where, "model_type '" + type + "' is not supported (gpt2, llama or qwen2)");
     }
   } catch (const nlohmann::json::exception& e) {
     throw InputError(where, std::string("ill-typed value: ") + e.what());

@@ -149,7 +149,7 @@ CostContext::CostContext(const ClusterSpec& cluster, const Profile& profile) : c
     if (m.arch == "llama") {
       attn_flops = H * (2 * q + 2 * kv) + 2 * T * q;
       mlp_flops = 3 * H * F;
-      attn_params = H + H * (2 * q + 2 * kv);
+      attn_params = H + H * (2 * q + 2 * kv) + (m.qkv_bias ? q + 2 * kv : 0);
       mlp_params = H + 3 * H * F;
     } else {
       attn_flops = 4 * H * H + 2 * T * H;
