@@ -514,7 +514,7 @@ TEST(Quantize, APartKeepsTheWholesValuesOrSaysWhyItCannot) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, LoraArch, ::testing::Values("gpt2", "llama"));
+INSTANTIATE_TEST_SUITE_P(Archs, LoraArch, ::testing::Values("gpt2", "llama", "qwen2"));
 
 TEST(Quantize, Int8ErrorIsHalfAStepOfEachChannelsScale) {
   auto g = at::detail::createCPUGenerator(3);
