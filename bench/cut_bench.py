@@ -15,7 +15,7 @@ and what `alloy plan` itself chooses for the pool is printed beside them. Every 
 for --rounds rounds. Reports per plan the measured and predicted step, the per-device idle share
 (ranks.json: not computing), and per round the cut's gain against half blocks under each
 schedule and each later schedule's gain against the first, measured against predicted.
-Writes bench/results/cut-<cluster stem>.json.
+Writes bench/results/cut-<cluster stem>.json (-mb<N> added for a --micro-batch other than 4).
 
 usage: /usr/bin/python3 bench/cut_bench.py [--cluster examples/cluster-2dev-pipeline.yaml]
            [--config examples/demo-gpt2.yaml] [--global-batch 48] [--micro-batch 4] [--steps 12] [--rounds 3]
@@ -123,7 +123,9 @@ def main():
         for kind in ("halves", "cut"):
             gains[f"{sched}-vs-{first}-{kind}"] = gain((kind, sched), (kind, first), f"{sched} against {first} on {kind}")
     stem = os.path.splitext(os.path.basename(a.cluster))[0].replace("cluster-", "")
-    path = hb.write_fixed_plan_results(a, f"cut-{stem}", schedules=schedules, planner_choice=layout(auto), results=results,
+    # Another micro-batch size is another record, not a replacement of the default's.
+    name = f"cut-{stem}" + (f"-mb{a.micro_batch}" if a.micro_batch != 4 else "")
+    path = hb.write_fixed_plan_results(a, name, schedules=schedules, planner_choice=layout(auto), results=results,
                                        gains=gains)
     log(f"wrote {path}")
     return 0
