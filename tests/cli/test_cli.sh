@@ -87,6 +87,23 @@ e1=$("$alloy" eval --config tiny.yaml --weights hf/model.safetensors --text eval
 e2=$("$alloy" eval --config tiny.yaml --weights imported --text eval.txt 2>/dev/null)
 e3=$("$alloy" eval --config tiny.yaml --weights run --text eval.txt 2>/dev/null)
 [ -n "$e1" ] && [ "$e1" = "$e2" ] && [ "$e1" = "$e3" ] && ok "eval identical on exported/imported/original: $e1" || bad "eval differs: $e1 / $e2 / $e3"
+# A model directory whose weights are split into shards named by model.safetensors.index.json
+# (HuggingFace's layout for large models) imports as the one file did.
+mkdir -p hfshard && cp hf/config.json hfshard/
+/usr/bin/python3 - "$repo/tests/parity" <<'PY'
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import st
+w, _ = st.load("hf/model.safetensors")
+names = sorted(w)
+shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2], "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+for f, ns in shards.items():
+    st.save("hfshard/" + f, {n: w[n] for n in ns})
+json.dump({"metadata": {}, "weight_map": {n: f for f, ns in shards.items() for n in ns}}, open("hfshard/model.safetensors.index.json", "w"))
+PY
+expect_ok "import a sharded model directory" "$alloy" import --weights hfshard --output imported-shards
+e_shard=$("$alloy" eval --config tiny.yaml --weights imported-shards --text eval.txt 2>/dev/null)
+[ -n "$e_shard" ] && [ "$e_shard" = "$e1" ] && ok "eval identical on the sharded import" || bad "sharded import evals differently: $e_shard / $e1"
 # 20000 bytes -> floor(19999/32) = 624 windows of 32 predicted tokens
 grep -q '"tokens":19968' <<<"$e1" && ok "eval token count" || bad "eval token count: $e1"
 expect_fail "eval with another model's weights" "model.safetensors" "wte.weight" "[257, 64]" "[257, 128]" -- \

@@ -111,7 +111,10 @@ void add_model_commands(CLI::App& app, Action& action) {
 
   auto* im = app.add_subcommand("import", "Turn HuggingFace safetensors (+ config.json), or a Megatron-LM / SynerFuse checkpoint, "
                                            "into an Alloy checkpoint");
-  auto* w = im->add_option("-w,--weights", a->weights, "HuggingFace .safetensors file")->check(CLI::ExistingFile);
+  auto* w = im->add_option("-w,--weights", a->weights,
+                           "HuggingFace weights: a .safetensors file, a model directory (model.safetensors, or shards with "
+                           "model.safetensors.index.json), or that index file")
+                ->check(CLI::ExistingPath);
   auto* meg = im->add_option("--megatron", a->megatron,
                              "Megatron-LM checkpoint (--save's DIR, one iter_NNNNNNN directory in it, or a model_optim_rng.pt): every "
                              "tensor-parallel piece and pipeline stage joined; the model from its saved arguments")
@@ -142,15 +145,20 @@ void add_model_commands(CLI::App& app, Action& action) {
                     ck.tp, ck.pp);
         return 0;
       }
-      std::string hf = a->hf_config.empty() ? dir_of(a->weights) + "/config.json" : a->hf_config;
+      const bool is_dir = std::filesystem::is_directory(a->weights);
+      std::string hf = !a->hf_config.empty() ? a->hf_config : is_dir ? a->weights + "/config.json" : dir_of(a->weights) + "/config.json";
       nlohmann::json j = read_json_file(hf);
       Config cfg = a->config.empty() ? Config{} : Config::load(a->config);
       cfg.model = model::model_config_from_hf(j, hf);
       cfg.output.dir = a->output;
       cfg.validate();
       auto m = model::Transformer::full(cfg.model, 0);
-      auto f = model::SafetensorsFile::open(a->weights);
-      model::load_weights(*m, f, /*allow_extra=*/false);
+      // A large model comes as shards named by model.safetensors.index.json: one set of weights.
+      std::vector<model::SafetensorsFile> files;
+      for (const auto& f : model::hf_weight_files(a->weights)) files.push_back(model::SafetensorsFile::open(f));
+      std::vector<const model::SafetensorsFile*> ptrs;
+      for (const auto& f : files) ptrs.push_back(&f);
+      model::load_weights(*m, ptrs, /*allow_extra=*/false);
       std::string dir = train::save_checkpoint(a->output, {0, 0, 0, cfg}, *m, nullptr);
       std::printf("wrote %s (%s, %lld parameters)\n", dir.c_str(), cfg.model.arch.c_str(),
                   static_cast<long long>(m->num_parameters()));
