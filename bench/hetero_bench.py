@@ -44,6 +44,9 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import plot  # noqa: E402
 
+# These runs read Alloy's info lines; a log level the caller exported would hide them.
+os.environ.pop("ALLOY_LOG_LEVEL", None)
+
 
 def log(msg):
     print(f"[hetero] {msg}", flush=True)

@@ -45,6 +45,9 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import plot  # noqa: E402
 
+# These runs read Alloy's info lines; a log level the caller exported would hide them.
+os.environ.pop("ALLOY_LOG_LEVEL", None)
+
 FORTUNES = "/usr/share/games/fortunes"
 FINETUNE_DOMAIN = ["computers", "linux", "perl"]  # held out of pretraining; the fine-tuning data
 BASE_DTYPES = [("fp32", "fp32", []), ("int8", "int8", []), ("nf4", "nf4", []), ("nf4+dq", "nf4", ["lora.double_quant=true"])]

@@ -7,6 +7,7 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
+unset ALLOY_LOG_LEVEL  # the bench reads Alloy's info lines
 bash scripts/build.sh alloy_cli
 if [ ! -f data/fortunes_train.idx ]; then
   ./build/alloy data prepare --input /usr/share/games/fortunes --output data/fortunes

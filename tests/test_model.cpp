@@ -590,6 +590,11 @@ TEST(HfWeights, Qwen2IsTheLlamaWithQkvBiases) {
   EXPECT_THROW(alloy::model::model_config_from_hf(sliding, "c.json"), alloy::InputError);
 
   auto src = Transformer::full(m, 5);
+  {
+    at::NoGradGuard ng;  // biases start at zero in every model: give the file values of its own
+    for (auto* p : src->parameters())
+      if (p->name.find("_proj.bias") != std::string::npos) p->tensor.normal_(0, 0.1);
+  }
   EXPECT_NE(src->find("model.layers.1.self_attn.k_proj.bias"), nullptr);
   EXPECT_EQ(src->find("model.layers.1.self_attn.k_proj.bias")->tensor.numel(), 2 * m.head_dim());
   const std::string path = ::testing::TempDir() + "/alloy-qwen2.safetensors";
@@ -597,6 +602,20 @@ TEST(HfWeights, Qwen2IsTheLlamaWithQkvBiases) {
   auto same = Transformer::full(m, 6);
   alloy::train::load_base_weights(*same, path);
   for (auto* p : src->parameters()) EXPECT_TRUE(at::equal(same->find(p->name)->tensor, p->tensor)) << p->name;
+  EXPECT_GT(same->find("model.layers.2.self_attn.v_proj.bias")->tensor.abs().sum().item<double>(), 0.0);
+  // HF's attention_bias also puts one on o_proj, which Alloy's llama does not compute.
+  std::vector<std::pair<std::string, alloy::model::TensorBlob>> blobs;
+  for (auto* p : src->parameters()) blobs.emplace_back(p->name, alloy::model::to_blob(p->tensor));
+  blobs.emplace_back("model.layers.0.self_attn.o_proj.bias", alloy::model::to_blob(at::ones({m.hidden})));
+  const std::string with_o = ::testing::TempDir() + "/alloy-qwen2-o-bias.safetensors";
+  alloy::model::write_safetensors(with_o, blobs);
+  try {
+    alloy::train::load_base_weights(*same, with_o);
+    FAIL() << "expected the output projection's bias to be refused";
+  } catch (const alloy::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("'model.layers.0.self_attn.o_proj.bias' is a bias Alloy's llama does not compute"), std::string::npos)
+        << e.what();
+  }
   ModelConfig plain = m;
   plain.qkv_bias = false;
   auto without = Transformer::full(plain, 6);
@@ -604,7 +623,7 @@ TEST(HfWeights, Qwen2IsTheLlamaWithQkvBiases) {
     alloy::train::load_base_weights(*without, path);
     FAIL() << "expected the biases to be refused";
   } catch (const alloy::InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("self_attn.q_proj.bias' is a query bias (a Qwen2 checkpoint): set model.qkv_bias: true"),
+    EXPECT_NE(std::string(e.what()).find("_proj.bias' is a q/k/v bias (a Qwen2 checkpoint): set model.qkv_bias: true"),
               std::string::npos)
         << e.what();
   }

@@ -749,6 +749,18 @@ TEST(HeteroShard, LogLevelSetsWhatTheRunPrints) {
   EXPECT_EQ(alloy::parse_log_level("WARNING"), alloy::LogLevel::Warning);
   EXPECT_EQ(alloy::parse_log_level("critical"), alloy::LogLevel::Error);
   EXPECT_THROW(alloy::parse_log_level("verbose"), std::invalid_argument);
+  // On any side of the subcommand, not after "--" (another command's line).
+  std::vector<std::string> line = {"alloy", "launch", "--log-level", "warning", "--nproc", "2", "--", "alloy", "train", "--log-level", "debug"};
+  std::vector<char*> args;
+  for (auto& a : line) args.push_back(a.data());
+  EXPECT_EQ(alloy::take_log_level_option(&args), "warning");
+  std::vector<std::string> left(args.begin(), args.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"alloy", "launch", "--nproc", "2", "--", "alloy", "train", "--log-level", "debug"}));
+  std::vector<std::string> eq = {"alloy", "train", "--log-level=error", "-c", "x.yaml"};
+  args.clear();
+  for (auto& a : eq) args.push_back(a.data());
+  EXPECT_EQ(alloy::take_log_level_option(&args), "error");
+  EXPECT_EQ(args.size(), 4u);
 
   const alloy::LogLevel before = alloy::log_level();
   auto printed = [](alloy::LogLevel level) {

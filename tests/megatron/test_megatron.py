@@ -366,6 +366,11 @@ def main():
         if name.startswith(("llama", "qwen2")):
             r = sh([alloy, "train", "-c", yaml, "--init-from", ckpt, "--set", f"output.dir={work}/{name}-train"])
             check("initial weights from " + ckpt in r.stdout + r.stderr, f"{name}: alloy train --init-from starts from the checkpoint")
+        if name.startswith("qwen2"):  # a config without the biases is told which key disagrees
+            r = sh([alloy, "train", "-c", yaml, "--init-from", ckpt, "--set", "model.qkv_bias=false",
+                    "--set", f"output.dir={work}/{name}-nobias"], expect_fail=True)
+            check("args.add_qkv_bias is true, the model's config says model.qkv_bias: false" in r.stdout + r.stderr,
+                  f"{name}: a config without model.qkv_bias is refused by that key: {(r.stdout + r.stderr).strip()[-200:]}")
 
     # The pre-1.6 pickle format is refused with the way out.
     legacy = os.path.join(work, "legacy", "mp_rank_00")

@@ -145,8 +145,12 @@ void add_model_commands(CLI::App& app, Action& action) {
                     ck.tp, ck.pp);
         return 0;
       }
+      if (model::is_megatron_checkpoint(a->weights))
+        throw InputError(a->weights, "is a Megatron-LM checkpoint: import it with --megatron");
       const bool is_dir = std::filesystem::is_directory(a->weights);
       std::string hf = !a->hf_config.empty() ? a->hf_config : is_dir ? a->weights + "/config.json" : dir_of(a->weights) + "/config.json";
+      if (!file_exists(hf))
+        throw InputError(hf, "does not exist: the HuggingFace config.json describes the model (give its path with --hf-config)");
       nlohmann::json j = read_json_file(hf);
       Config cfg = a->config.empty() ? Config{} : Config::load(a->config);
       cfg.model = model::model_config_from_hf(j, hf);

@@ -1,7 +1,9 @@
 // `alloy`: thin command-line front end; all logic lives in the library.
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "alloy/cli/commands.h"
 #include "alloy/core/error.h"
@@ -14,21 +16,28 @@ int main(int argc, char** argv) {
   CLI::App app{"Alloy: train transformer language models across unlike devices and links"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "alloy 0.1.0");
-  if (!alloy::apply_log_level_from_env())
+  const bool env_level_ok = alloy::apply_log_level_from_env();
+  // A subcommand's parser would not pass --log-level up to this one (train keeps unknown flags as
+  // Megatron's), so it is taken out of the line first; the option below is for --help.
+  std::vector<char*> args(argv, argv + argc);
+  const std::string log_level = alloy::take_log_level_option(&args);
+  if (!log_level.empty()) {
+    try {
+      alloy::set_log_level(alloy::parse_log_level(log_level));
+    } catch (const std::invalid_argument& e) {
+      std::fprintf(stderr, "--log-level: %s\n", e.what());
+      return 2;
+    }
+    ::setenv("ALLOY_LOG_LEVEL", log_level.c_str(), 1);  // ranks alloy launch starts inherit it
+  } else if (!env_level_ok) {
     std::fprintf(stderr, "alloy: warning: ALLOY_LOG_LEVEL=%s is not a log level (debug, info, warning, error); using info\n",
                  std::getenv("ALLOY_LOG_LEVEL"));
-  std::string log_level;
-  app.add_option("--log-level", log_level,
-                 "Least severe messages to print: debug, info (default), warning or error (also ALLOY_LOG_LEVEL; "
-                 "HeteroShard's training.log_level when neither is given). Ranks that `alloy launch` starts inherit it")
-      ->check([](const std::string& v) {
-        try {
-          alloy::parse_log_level(v);
-          return std::string();
-        } catch (const std::invalid_argument& e) {
-          return std::string(e.what());
-        }
-      });
+  }
+  std::string unused;
+  app.add_option("--log-level", unused,
+                 "Least severe messages to print: debug, info (default), warning or error, anywhere on the line (also "
+                 "ALLOY_LOG_LEVEL; HeteroShard's training.log_level when neither is given). Ranks that `alloy launch` starts "
+                 "inherit it");
   alloy::cli::Action action;
   alloy::cli::add_train_commands(app, action);
   alloy::cli::add_data_commands(app, action);
@@ -36,13 +45,9 @@ int main(int argc, char** argv) {
   alloy::cli::add_dist_commands(app, action);
   alloy::cli::add_planner_commands(app, action);
   try {
-    app.parse(argc, argv);
+    app.parse(static_cast<int>(args.size()), args.data());
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
-  }
-  if (!log_level.empty()) {
-    alloy::set_log_level(alloy::parse_log_level(log_level));
-    ::setenv("ALLOY_LOG_LEVEL", log_level.c_str(), 1);
   }
   try {
     return action ? action() : 0;

@@ -7,6 +7,7 @@
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <mutex>
 #include <stdexcept>
@@ -47,6 +48,25 @@ LogLevel parse_log_level(const std::string& name) {
   if (n == "warning" || n == "warn") return LogLevel::Warning;
   if (n == "error" || n == "critical") return LogLevel::Error;
   throw std::invalid_argument("unknown log level '" + name + "' (valid: debug, info, warning, error, critical)");
+}
+
+std::string take_log_level_option(std::vector<char*>* args) {
+  std::string level;
+  std::vector<char*> kept;
+  bool after_dashes = false;
+  for (size_t i = 0; i < args->size(); ++i) {
+    const char* a = (*args)[i];
+    after_dashes = after_dashes || (i > 0 && std::strcmp(a, "--") == 0);
+    if (i > 0 && !after_dashes && std::strcmp(a, "--log-level") == 0 && i + 1 < args->size()) {
+      level = (*args)[++i];
+    } else if (i > 0 && !after_dashes && std::strncmp(a, "--log-level=", 12) == 0) {
+      level = a + 12;
+    } else {
+      kept.push_back((*args)[i]);
+    }
+  }
+  *args = std::move(kept);
+  return level;
 }
 
 bool apply_log_level_from_env() {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace alloy {
 
@@ -21,6 +22,10 @@ LogLevel parse_log_level(const std::string& name);
 // The level ALLOY_LOG_LEVEL names, applied once at start (so ranks a launcher starts inherit the
 // launcher's); unset or empty leaves info. Returns false if it names no level (left at info).
 bool apply_log_level_from_env();
+// Takes "--log-level X" or "--log-level=X" out of ARGS (a whole command line, ARGS[0] the
+// program) wherever it stands before a "--" (what follows is another command's: alloy launch --
+// alloy train ...); returns X, "" when absent (the last one given wins).
+std::string take_log_level_option(std::vector<char*>* args);
 // Prefix every log line (e.g. "[rank 2] "); set once per process.
 void set_log_prefix(const std::string& prefix);
 bool stderr_is_tty();

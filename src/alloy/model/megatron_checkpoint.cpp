@@ -437,6 +437,9 @@ MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* w
       differ("num_attention_heads", c.model.heads, want->heads);
       differ("number of key/value heads", c.model.kv_heads_resolved(), want->kv_heads_resolved());
       differ("ffn_hidden_size", c.model.ffn_resolved(), want->ffn_resolved());
+      if (c.model.qkv_bias != want->qkv_bias)
+        throw InputError(c.dir, std::string("the checkpoint's args.add_qkv_bias is ") + (c.model.qkv_bias ? "true" : "false") +
+                                    ", the model's config says model.qkv_bias: " + (want->qkv_bias ? "true" : "false"));
       if (c.model.vocab_size > 0 && c.model.vocab_size != want->vocab_size)
         throw InputError(c.dir, "the checkpoint's vocabulary is padded to " + std::to_string(c.model.vocab_size) +
                                     " rows (Megatron pads to a multiple of make-vocab-size-divisible-by x tensor-parallel size); set "
@@ -550,8 +553,8 @@ MegatronCheckpoint read_checkpoint(const std::string& path, const ModelConfig* w
       const std::string p = "model.layers." + std::to_string(l) + ".";
       for (const char* bias : {"qkv.b", "proj.b", "fc1.b", "fc2.b", "ln1.b", "ln2.b"})
         if (roles.count(bias) && !(m.qkv_bias && std::string(bias) == "qkv.b"))
-          throw InputError(c.dir, "'" + roles[bias].name + "': Alloy's llama has no biases or LayerNorm shifts" +
-                                      (std::string(bias) == "qkv.b" ? " but on q, k and v with args.add_qkv_bias" : ""));
+          throw InputError(c.dir, "'" + roles[bias].name + "': Alloy's llama has no LayerNorm shifts and no biases but on q, k and v "
+                                      "(args.add_qkv_bias, model.qkv_bias)");
       if (m.qkv_bias) {  // --add-qkv-bias: the fused bias's rows are grouped as the weight's
         const at::Tensor qkv_b = whole("qkv.b");
         expect("qkv.b", qkv_b, {(heads + 2 * groups) * hd});

@@ -103,13 +103,22 @@ void load_weights(Transformer& m, const std::vector<const SafetensorsFile*>& fil
   const std::string where = files.size() == 1 ? files.front()->path()
                                               : files.front()->path() + " and " + std::to_string(files.size() - 1) + " more shard(s)";
   std::vector<std::set<std::string>> used(files.size());
-  // Qwen2's biases are weights the model would compute without, not extras to pass over.
-  if (m.config().arch == "llama" && !m.config().qkv_bias)
+  // A projection's bias is a weight the model would compute without, not an extra to pass over:
+  // q, k and v's are Qwen2's (model.qkv_bias); o_proj's and the MLP's (HF's attention_bias,
+  // mlp_bias) Alloy's llama does not compute.
+  if (m.config().arch == "llama")
     for (const auto* f : files)
-      for (const auto& n : f->names())
-        if (n.size() > 21 && n.compare(n.size() - 21, 21, "self_attn.q_proj.bias") == 0)
-          throw InputError(f->path(), "tensor '" + n + "' is a query bias (a Qwen2 checkpoint): set model.qkv_bias: true, or import it "
+      for (const auto& n : f->names()) {
+        auto ends = [&](const std::string& s) { return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0; };
+        if (!ends("_proj.bias")) continue;
+        const bool qkv = ends("self_attn.q_proj.bias") || ends("self_attn.k_proj.bias") || ends("self_attn.v_proj.bias");
+        if (qkv && !m.config().qkv_bias)
+          throw InputError(f->path(), "tensor '" + n + "' is a q/k/v bias (a Qwen2 checkpoint): set model.qkv_bias: true, or import it "
                                       "with `alloy import --weights` beside its config.json");
+        if (!qkv)
+          throw InputError(f->path(), "tensor '" + n + "' is a bias Alloy's llama does not compute (HF's attention_bias or mlp_bias; "
+                                      "only q, k and v may have biases, model.qkv_bias)");
+      }
   for (auto* p : m.parameters()) {
     size_t k = 0;
     std::string fname;
@@ -262,7 +271,9 @@ ModelConfig model_config_from_hf(const nlohmann::json& j, const std::string& whe
                                     " is not supported (Alloy's RoPE uses rope_theta alone); a model trained with it would run "
                                     "with other positions");
       for (const char* key : {"attention_bias", "mlp_bias"})
-        if (j.value(key, false)) throw InputError(where, std::string(key) + ": true is not supported (Alloy's llama blocks have no biases)");
+        if (j.value(key, false))
+          throw InputError(where, std::string(key) + ": true is not supported (Alloy's llama blocks have biases only on q, k and v: "
+                                                      "Qwen2's, model.qkv_bias)");
       if (j.value("hidden_act", std::string("silu")) != "silu")
         throw InputError(where, "hidden_act: '" + j["hidden_act"].get<std::string>() + "' is not supported (Alloy's llama MLP is SwiGLU, silu)");
       if (j.contains("head_dim") && !j["head_dim"].is_null() && m.heads > 0 && j["head_dim"].get<int64_t>() * m.heads != m.hidden)
