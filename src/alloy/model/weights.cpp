@@ -90,10 +90,10 @@ std::string file_name_for(const SafetensorsFile& f, const std::string& name) {
   if (f.has("transformer." + name)) return "transformer." + name;
   return "";
 }
+bool ends_with(const std::string& n, const std::string& s) { return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0; }
 bool ignorable_extra(const std::string& arch, const std::string& n) {
-  auto ends = [&](const std::string& s) { return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0; };
-  if (arch == "gpt2") return ends(".attn.bias") || ends(".attn.masked_bias") || n == "lm_head.weight";
-  return ends("rotary_emb.inv_freq");
+  if (arch == "gpt2") return ends_with(n, ".attn.bias") || ends_with(n, ".attn.masked_bias") || n == "lm_head.weight";
+  return ends_with(n, "rotary_emb.inv_freq");
 }
 }  // namespace
 
@@ -109,9 +109,8 @@ void load_weights(Transformer& m, const std::vector<const SafetensorsFile*>& fil
   if (m.config().arch == "llama")
     for (const auto* f : files)
       for (const auto& n : f->names()) {
-        auto ends = [&](const std::string& s) { return n.size() >= s.size() && n.compare(n.size() - s.size(), s.size(), s) == 0; };
-        if (!ends("_proj.bias")) continue;
-        const bool qkv = ends("self_attn.q_proj.bias") || ends("self_attn.k_proj.bias") || ends("self_attn.v_proj.bias");
+        if (!ends_with(n, "_proj.bias")) continue;
+        const bool qkv = ends_with(n, "self_attn.q_proj.bias") || ends_with(n, "self_attn.k_proj.bias") || ends_with(n, "self_attn.v_proj.bias");
         if (qkv && !m.config().qkv_bias)
           throw InputError(f->path(), "tensor '" + n + "' is a q/k/v bias (a Qwen2 checkpoint): set model.qkv_bias: true, or import it "
                                       "with `alloy import --weights` beside its config.json");
