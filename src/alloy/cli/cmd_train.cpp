@@ -317,15 +317,7 @@ void add_train_commands(CLI::App& app, Action& action) {
       if (!a->src.hetero_config.empty()) hs = hetero_run_settings_file(a->src.hetero_config);
       // The file's level yields to --log-level and to a valid ALLOY_LOG_LEVEL (main sets the
       // variable for the flag).
-      if (!hs.log_level.empty()) {
-        bool env_level = false;
-        if (const char* env = std::getenv("ALLOY_LOG_LEVEL"); env && *env) try {
-            parse_log_level(env);
-            env_level = true;
-          } catch (const std::invalid_argument&) {
-          }
-        if (!env_level) set_log_level(parse_log_level(hs.log_level));
-      }
+      if (!hs.log_level.empty() && !log_level_from_env()) set_log_level(parse_log_level(hs.log_level));
       if (a->hs_resume_step >= 0) hs.resume_step = a->hs_resume_step;
       if (!a->hs_checkpoint_dir.empty()) hs.config_overrides.push_back("output.dir=" + a->hs_checkpoint_dir);
       std::vector<std::string> sets = hs.config_overrides;

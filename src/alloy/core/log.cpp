@@ -69,15 +69,21 @@ std::string take_log_level_option(std::vector<char*>* args) {
   return level;
 }
 
+std::optional<LogLevel> log_level_from_env() {
+  const char* v = std::getenv("ALLOY_LOG_LEVEL");
+  if (!v || !*v) return std::nullopt;
+  try {
+    return parse_log_level(v);
+  } catch (const std::invalid_argument&) {
+    return std::nullopt;
+  }
+}
+
 bool apply_log_level_from_env() {
   const char* v = std::getenv("ALLOY_LOG_LEVEL");
-  if (!v || !*v) return true;
-  try {
-    set_log_level(parse_log_level(v));
-    return true;
-  } catch (const std::invalid_argument&) {
-    return false;
-  }
+  if (const auto level = log_level_from_env()) set_log_level(*level);
+  else if (v && *v) return false;
+  return true;
 }
 void set_log_prefix(const std::string& prefix) {
   std::lock_guard<std::mutex> lk(g_mu);

@@ -3,6 +3,7 @@
 // files, `alloy launch` prefixes) plain log lines are printed at intervals so logs stay readable.
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,8 @@ LogLevel log_level();
 // debug | info | warning (warn) | error | critical (as error), any case; anything else throws
 // std::invalid_argument naming the valid names.
 LogLevel parse_log_level(const std::string& name);
+// The level ALLOY_LOG_LEVEL names when it names one (main sets it for --log-level), else none.
+std::optional<LogLevel> log_level_from_env();
 // The level ALLOY_LOG_LEVEL names, applied once at start (so ranks a launcher starts inherit the
 // launcher's); unset or empty leaves info. Returns false if it names no level (left at info).
 bool apply_log_level_from_env();
