@@ -30,6 +30,7 @@ overflows is reported as diverged: its timing does not count.
 usage: /usr/bin/python3 bench/compression_bench.py [--rounds 2] [--steps 28] [--skip 20] [--dense-steps 10]
                                                    [--pools 2host,two-region] [--cases SUBSTRING,...]
                                                    [--convergence] [--convergence-steps 300]
+                                                   [--link-gbps G] [--latency-ms L]  (2host's link replaced)
 """
 import argparse
 import json
@@ -283,6 +284,9 @@ def main():
     ap.add_argument("--reuse-runs", action="store_true", help="convergence: keep finished runs in --work instead of training again")
     ap.add_argument("--link-gbps", type=float, default=0,
                     help="2host: the link's bandwidth instead of the example's 0.1 Gbit/s (where the exchange cannot hide, fusion shows)")
+    ap.add_argument("--latency-ms", type=float, default=0,
+                    help="2host: the link's latency (one way) instead of the example's 0.1 ms; the emulator adds 1 ms "
+                         "or more (a delay line), where each message's start costs what fusing saves")
     a = ap.parse_args()
     if not os.path.exists(os.path.join(REPO, "data", "fortunes_train.idx")):
         log("preparing the fortunes corpus (data/fortunes)")
@@ -293,19 +297,25 @@ def main():
                             date=time.strftime("%Y-%m-%d")), pools={})
     pools = {"2host": ("examples/cluster-2host-100mbit.yaml", "examples/small-gpt2.yaml", [8, 8], 8, "all"),
              "two-region": ("examples/cluster-2region.yaml", "examples/demo-gpt2.yaml", [28, 28, 28, 12], 4, "slow-links")}
-    if a.link_gbps > 0:
-        # The same two hosts over another link (a copy of the example with its bandwidth replaced).
+    derived = ""
+    if a.link_gbps > 0 or a.latency_ms > 0:
+        # The same two hosts over another link (a copy of the example with its bandwidth or latency replaced).
+        derived = "2host" + (f"-{a.link_gbps:g}gbps" if a.link_gbps > 0 else "") + (f"-{a.latency_ms:g}ms" if a.latency_ms > 0 else "")
         os.makedirs(os.path.abspath(a.work), exist_ok=True)
-        path = os.path.join(os.path.abspath(a.work), f"cluster-2host-{a.link_gbps:g}gbps.yaml")
+        path = os.path.join(os.path.abspath(a.work), f"cluster-{derived}.yaml")
         with open(os.path.join(REPO, pools["2host"][0])) as f:
-            text = f.read().replace("bandwidth_gbps: 0.1,", f"bandwidth_gbps: {a.link_gbps:g},")
+            text = f.read()
+        if a.link_gbps > 0:
+            text = text.replace("bandwidth_gbps: 0.1,", f"bandwidth_gbps: {a.link_gbps:g},")
+        if a.latency_ms > 0:
+            text = text.replace("latency_ms: 0.1}", f"latency_ms: {a.latency_ms:g}}}")
         with open(path, "w") as f:
             f.write(text)
-        pools[f"2host-{a.link_gbps:g}gbps"] = (path,) + pools["2host"][1:]
+        pools[derived] = (path,) + pools["2host"][1:]
     for name in a.pools.split(","):
         if name:
-            if name == "2host" and a.link_gbps > 0:
-                name = f"2host-{a.link_gbps:g}gbps"
+            if name == "2host" and derived:
+                name = derived
             pool = Pool(name, *pools[name], a)
             res["pools"][pool.key] = bench_pool(pool, a.rounds)
     if a.convergence:

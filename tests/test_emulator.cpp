@@ -244,6 +244,67 @@ Transfer transfer(const EmulatedCluster& c, int from, int to, size_t bytes) {
   return t;
 }
 
+// The fastest of ROUNDS one-byte round trips over TCP from device FROM's host to device TO's (the
+// fastest, not the median: a delay line adds its latency to every frame, so the minimum is the
+// link's, and noise only adds). Seconds; negative with ERROR set on failure.
+double round_trip(const EmulatedCluster& c, int from, int to, std::string* error, int rounds = 10) {
+  const std::string to_ip = c.ip_of_device(to);
+  const uint16_t port = 5202;
+  std::promise<bool> ready;
+  auto ready_f = ready.get_future();
+  std::string server_err;
+  std::thread server([&] {
+    if (!enter_netns(c.netns_path_of_device(to))) return server_err = "setns (server)", ready.set_value(false);
+    int ls = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int one = 1;
+    ::setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    ::inet_pton(AF_INET, to_ip.c_str(), &a.sin_addr);
+    if (::bind(ls, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(ls, 1) != 0)
+      return ::close(ls), server_err = "bind " + to_ip, ready.set_value(false);
+    ready.set_value(true);
+    pollfd p{ls, POLLIN, 0};
+    int s = ::poll(&p, 1, 20000) == 1 ? ::accept(ls, nullptr, nullptr) : -1;
+    ::close(ls);
+    if (s < 0) return void(server_err = "no connection");
+    ::setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    char b;
+    while (::recv(s, &b, 1, 0) == 1 && ::send(s, &b, 1, MSG_NOSIGNAL) == 1) {
+    }
+    ::close(s);
+  });
+  double best = -1;
+  if (ready_f.get()) {
+    std::thread client([&] {
+      if (!enter_netns(c.netns_path_of_device(from))) return void(*error = "setns (client)");
+      int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_port = htons(port);
+      ::inet_pton(AF_INET, to_ip.c_str(), &a.sin_addr);
+      if (::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return ::close(s), void(*error = "connect " + to_ip);
+      int one = 1;
+      ::setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      timeval tv{10, 0};
+      ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+      for (int i = 0; i < rounds; ++i) {
+        char b = 'x';
+        const auto t0 = std::chrono::steady_clock::now();
+        if (::send(s, &b, 1, MSG_NOSIGNAL) != 1 || ::recv(s, &b, 1, 0) != 1) return ::close(s), void(*error = "ping-pong failed");
+        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (best < 0 || dt < best) best = dt;
+      }
+      ::close(s);
+    });
+    client.join();
+  }
+  server.join();
+  if (error->empty()) *error = server_err;
+  return error->empty() ? best : -1;
+}
+
 double cpu_seconds_now() {
   timespec ts{};
   ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
@@ -358,6 +419,66 @@ TEST(Emulator, SharedLinkIsOneLinkForAllItsPairs) {
     EXPECT_GT(back.mbit(), 70.0);
     EXPECT_LT(back.mbit(), 120.0);
   }
+}
+
+// A link of 1 ms or more carries its latency_ms each way (the delay line); a link below that, and a
+// link with none, keep the veth's own; a delayed link still carries its bandwidth.
+TEST(Emulator, LinkLatencyIsEmulatedEachWayPerPair) {
+  auto spec = spec_of({{"h0", 1.0}, {"h1", 1.0}, {"h2", 1.0}}, 0.2);
+  spec.rules.push_back(plan::LinkRule{"h0", "h1", plan::Link{0.1, 15.0}});
+  spec.rules.push_back(plan::LinkRule{"h1", "h2", plan::Link{0.2, 0.5}});
+  EmulatorOptions o;
+  o.id = uid("lat");
+  o.limit_cpu = false;
+  CREATE_OR_FAIL(c, spec, o);
+  std::string e01, e10, e02, e12;
+  const double rtt01 = round_trip(*c, 0, 1, &e01), rtt10 = round_trip(*c, 1, 0, &e10);
+  const double rtt02 = round_trip(*c, 0, 2, &e02), rtt12 = round_trip(*c, 1, 2, &e12);
+  for (const std::string* e : {&e01, &e10, &e02, &e12}) ASSERT_TRUE(e->empty()) << *e;
+  std::printf("round trips: h0-h1 (15 ms) %.2f / %.2f ms, h0-h2 (none) %.3f ms, h1-h2 (0.5 ms) %.3f ms\n", rtt01 * 1e3, rtt10 * 1e3,
+              rtt02 * 1e3, rtt12 * 1e3);
+  for (double rtt : {rtt01, rtt10}) {
+    EXPECT_GE(rtt, 0.030);  // 15 ms there and 15 back
+    EXPECT_LT(rtt, 0.045);  // the fastest of ten: not doubled, not held twice
+  }
+  EXPECT_LT(rtt02, 0.005);
+  EXPECT_LT(rtt12, 0.005);
+  Transfer t = transfer(*c, 0, 1, 16u << 20);
+  ASSERT_TRUE(t.error.empty()) << t.error;
+  std::printf("h0 -> h1, 100 Mbit/s and 15 ms: %.1f Mbit/s over %.2f s\n", t.mbit(), t.seconds);
+  EXPECT_GT(t.mbit(), 60.0);
+  EXPECT_LT(t.mbit(), 120.0);
+}
+
+// A shared line with latency: its frames are delayed, then shaped together.
+TEST(Emulator, SharedLinkWithLatencyIsDelayedAndShared) {
+  auto spec = spec_of({{"e1", 1.0}, {"e2", 1.0}, {"u1", 1.0}, {"u2", 1.0}}, 1.0);
+  spec.groups = {{"eu", {"e1", "e2"}}, {"us", {"u1", "u2"}}};
+  spec.rules.push_back(plan::LinkRule{"eu", "us", plan::Link{0.1, 10.0}, true});
+  EmulatorOptions o;
+  o.id = uid("sharedlat");
+  o.limit_cpu = false;
+  CREATE_OR_FAIL(c, spec, o);
+  std::string err, err_in;
+  const double across = round_trip(*c, 0, 3, &err), inside = round_trip(*c, 0, 1, &err_in);
+  ASSERT_TRUE(err.empty()) << err;
+  ASSERT_TRUE(err_in.empty()) << err_in;
+  std::printf("round trips: e1-u2 (10 ms) %.2f ms, e1-e2 %.3f ms\n", across * 1e3, inside * 1e3);
+  EXPECT_GE(across, 0.020);
+  EXPECT_LT(across, 0.030);
+  EXPECT_LT(inside, 0.005);
+  const size_t bytes = 8u << 20;
+  Transfer a, b;
+  {
+    std::thread ta([&] { a = transfer(*c, 0, 2, bytes); });  // e1 -> u1
+    std::thread tb([&] { b = transfer(*c, 1, 3, bytes); });  // e2 -> u2
+    ta.join(), tb.join();
+  }
+  ASSERT_TRUE(a.error.empty()) << a.error;
+  ASSERT_TRUE(b.error.empty()) << b.error;
+  std::printf("shared, 10 ms: e1 -> u1 %.1f, e2 -> u2 %.1f Mbit/s\n", a.mbit(), b.mbit());
+  EXPECT_LT(2.0 * bytes * 8 / 1e6 / std::max(a.seconds, b.seconds), 120.0);
+  EXPECT_LT(std::min(a.mbit(), b.mbit()), 70.0);
 }
 
 TEST(Emulator, CpuQuotaFollowsSpeed) {

@@ -45,15 +45,19 @@ void add_dist_commands(CLI::App& app, Action& action) {
   auto* launch = app.add_subcommand("launch", "Start N local ranks of a command (usually `alloy train`), torchrun style");
   auto emu_path = std::make_shared<std::string>();
   auto emu_opts = std::make_shared<emu::EmulatorOptions>();
-  auto no_cpu = std::make_shared<bool>(false), no_net = std::make_shared<bool>(false), no_pin = std::make_shared<bool>(false);
+  auto no_cpu = std::make_shared<bool>(false), no_net = std::make_shared<bool>(false), no_pin = std::make_shared<bool>(false),
+       no_latency = std::make_shared<bool>(false);
   launch->add_option("-n,--nproc", lo->nproc, "Number of ranks (default with --emulate: one per device)");
   launch->add_option("--emulate", *emu_path,
                      "Run rank i as device i of this ClusterSpec: each host in its own network namespace with tc-limited "
-                     "links, each rank under a CPU quota from its device's speed (root; latency is not emulated)")
+                     "links (latency too, from 1 ms), each rank under a CPU quota from its device's speed (root)")
       ->check(CLI::ExistingFile);
   launch->add_flag("--no-cpu-limit", *no_cpu, "With --emulate: no CPU quotas");
   launch->add_flag("--no-net-limit", *no_net, "With --emulate: no bandwidth limits");
   launch->add_flag("--no-pin", *no_pin, "With --emulate: do not pin each device to its own CPUs");
+  launch->add_flag("--no-latency", *no_latency,
+                   "With --emulate: links keep the veth's own latency instead of their latency_ms (which a delay line in "
+                   "user space adds to links of 1 ms or more, at a few microseconds of CPU per frame)");
   launch->add_option("--master-addr", lo->master_addr, "Rendezvous host (with --nnodes: node 0's address)")->capture_default_str();
   launch->add_option("--master-port", lo->master_port, "Rendezvous port; 0 = a free one (with --nnodes: required, the same on every node)")
       ->capture_default_str();
@@ -91,9 +95,9 @@ void add_dist_commands(CLI::App& app, Action& action) {
                      "`alloy emu down` counts as gone too");
   launch->add_option("command", lo->command, "Command to run, after --")->required();
   launch->footer("Example: alloy launch --nproc 3 -- alloy train --config examples/tiny-gpt2.yaml --plan plan.json");
-  launch->callback([lo, emu_path, emu_opts, no_cpu, no_net, no_pin, launch, &action]() {
+  launch->callback([lo, emu_path, emu_opts, no_cpu, no_net, no_pin, no_latency, launch, &action]() {
     bool nproc_given = launch->count("--nproc") > 0;
-    action = [lo, emu_path, emu_opts, no_cpu, no_net, no_pin, nproc_given]() {
+    action = [lo, emu_path, emu_opts, no_cpu, no_net, no_pin, no_latency, nproc_given]() {
       // `alloy` as the command means this very binary, wherever it is installed.
       if (!lo->command.empty() && lo->command[0] == "alloy" && !executable_path().empty()) lo->command[0] = executable_path();
       dist::LaunchResult r;
@@ -109,6 +113,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         emu_opts->limit_cpu = !*no_cpu;
         emu_opts->limit_network = !*no_net;
         emu_opts->pin_cpus = !*no_pin;
+        emu_opts->emulate_latency = !*no_latency;
         r = emu::launch_emulated(spec, *lo, *emu_opts);
       } else {
         if (!nproc_given) throw InputError("--nproc", "is required (or --emulate CLUSTER for one rank per device)");

@@ -75,6 +75,12 @@ void add_link_classes(const std::string& tc, const std::string& ns, const std::s
          "cannot shape " + what);
 }
 
+std::string fmt_ms(double ms) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%g ms", ms);
+  return b;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -218,7 +224,14 @@ std::unique_ptr<EmulatedCluster> EmulatedCluster::create(const plan::ClusterSpec
   return c;
 }
 
-void EmulatedCluster::shape_shared_links(const plan::ClusterSpec& spec, std::string* links) {
+void EmulatedCluster::add_ingress(size_t host) {
+  if (ingress_ports_.insert(host).second)
+    must({tc_tool_, "-n", switch_ns_, "qdisc", "add", "dev", "h" + std::to_string(host), "ingress"},
+         "needs the ingress qdisc (sch_ingress) to emulate a shared link or a link's latency");
+}
+
+std::map<std::pair<size_t, size_t>, std::string> EmulatedCluster::shape_shared_links(const plan::ClusterSpec& spec, std::string* links) {
+  std::map<std::pair<size_t, size_t>, std::string> dev_of_pair;
   // A shared rule is one link for every host pair it covers, so no host's own egress can shape
   // it: the switch does. Each host's packets for a peer across it are redirected, as they enter
   // the switch, through one IFB device per rule and way, whose htb class is the link's rate; the
@@ -226,7 +239,6 @@ void EmulatedCluster::shape_shared_links(const plan::ClusterSpec& spec, std::str
   // hosts (emu cut/restore works on those).
   const std::string& sw = switch_ns_;
   std::map<int, std::string> ifb_of;  // ClusterSpec::shared_link -> IFB device
-  std::set<size_t> ingress;           // switch ports with an ingress qdisc
   for (size_t k = 0; k < hosts_.size(); ++k)
     for (size_t j = 0; j < hosts_.size(); ++j) {
       if (j == k) continue;
@@ -249,13 +261,80 @@ void EmulatedCluster::shape_shared_links(const plan::ClusterSpec& spec, std::str
         std::snprintf(b, sizeof b, "%g", r.link.bandwidth_gbps);
         if (way % 2 == 0) *links += (links->empty() ? "" : ", ") + r.a + "-" + r.b + " " + b + " Gbit/s shared";
       }
-      const std::string port = "h" + std::to_string(k);
-      if (ingress.insert(k).second)
-        must({tc_tool_, "-n", sw, "qdisc", "add", "dev", port, "ingress"}, "needs the ingress qdisc (sch_ingress) to emulate a shared link");
-      must({tc_tool_, "-n", sw, "filter", "add", "dev", port, "parent", "ffff:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst",
-            std::string(kSubnet) + std::to_string(j + 1) + "/32", "action", "mirred", "egress", "redirect", "dev", it->second},
+      // Priority 2: a delayed pair's frames go to the delay line first (add_latency, priority 1),
+      // which sends them here after their delay.
+      add_ingress(k);
+      must({tc_tool_, "-n", sw, "filter", "add", "dev", "h" + std::to_string(k), "parent", "ffff:", "protocol", "ip", "prio", "2", "u32", "match",
+            "ip", "dst", std::string(kSubnet) + std::to_string(j + 1) + "/32", "action", "mirred", "egress", "redirect", "dev", it->second},
            "needs the mirred action (act_mirred) to emulate a shared link (" + hosts_[k] + " -> " + hosts_[j] + ")");
+      dev_of_pair[{k, j}] = it->second;
     }
+  return dev_of_pair;
+}
+
+void EmulatedCluster::add_latency(const plan::ClusterSpec& spec, const std::map<std::pair<size_t, size_t>, std::string>& shared_dev,
+                                  std::string* links) {
+  const std::string& sw = switch_ns_;
+  const size_t n = hosts_.size();
+  std::vector<std::vector<double>> delay_s(n, std::vector<double>(n, 0.0));
+  std::vector<std::pair<size_t, size_t>> delayed;
+  std::string fast;  // links that ask for latency below the threshold
+  for (size_t k = 0; k < n; ++k)
+    for (size_t j = 0; j < n; ++j) {
+      if (j == k) continue;
+      const double ms = spec.link(hosts_[k], hosts_[j]).latency_ms;
+      if (ms >= kMinEmulatedLatencyMs) {
+        delay_s[k][j] = ms / 1e3;
+        delayed.emplace_back(k, j);
+      } else if (ms > 0 && k < j) {
+        fast += (fast.empty() ? "" : ", ") + hosts_[k] + "-" + hosts_[j];
+      }
+    }
+  if (!fast.empty())
+    log_info("emulator: links under " + fmt_ms(kMinEmulatedLatencyMs) + " keep the veth's own latency (tens of microseconds): " + fast);
+  if (delayed.empty()) return;
+
+  // Linux restarts a connection's window after it idled for a retransmission timeout, and a
+  // gradient sum crosses its link once a step: over the 40 ms link of the two-region example a
+  // 2 MB message after 3 s idle took 657 ms against 245 ms without the restart. The hosts run TCP
+  // as a cluster tuned for distant links does (and as `alloy launch` advises real hosts to).
+  for (size_t k = 0; k < n; ++k)
+    if (!write_in_netns(std::string(kNetnsDir) + "/" + host_ns_[k], "/proc/sys/net/ipv4/tcp_slow_start_after_idle", "0"))
+      log_warn("emulator: cannot turn off TCP's slow start after idle on host " + hosts_[k] + "; sums across its distant links start slow");
+  const std::string dev = "dly0";
+  delay_ = DelayLine::start(std::string(kNetnsDir) + "/" + sw, dev, delay_s);
+  // A port of the bridge that neither learns (the hosts' addresses stay on their own ports) nor
+  // is flooded: only what the filters below redirect reaches it, and what it gives back is
+  // forwarded by the bridge as from any port.
+  must({ip_tool_, "-n", sw, "link", "set", dev, "txqueuelen", "10000"}, "cannot configure the delay line's tap");
+  must({ip_tool_, "-n", sw, "link", "set", dev, "master", "br0"}, "cannot attach the delay line to the bridge");
+  must({ip_tool_, "-n", sw, "link", "set", dev, "type", "bridge_slave", "learning", "off", "flood", "off", "mcast_flood", "off"},
+       "cannot keep the bridge from learning on or flooding to the delay line");
+  must({ip_tool_, "-n", sw, "link", "set", dev, "up"}, "cannot bring the delay line up");
+  bool tap_ingress = false;
+  for (const auto& [k, j] : delayed) {
+    add_ingress(k);
+    const std::string dst = std::string(kSubnet) + std::to_string(j + 1) + "/32";
+    const std::string what = "to delay " + hosts_[k] + " -> " + hosts_[j];
+    must({tc_tool_, "-n", sw, "filter", "add", "dev", "h" + std::to_string(k), "parent", "ffff:", "protocol", "ip", "prio", "1", "u32", "match",
+          "ip", "dst", dst, "action", "mirred", "egress", "redirect", "dev", dev},
+         "needs the mirred action (act_mirred) " + what);
+    // A shared link's frames, back from their delay, go through its IFB, which hands them to the
+    // bridge on the tap's port.
+    auto s = shared_dev.find({k, j});
+    if (s == shared_dev.end()) continue;
+    if (!tap_ingress)
+      must({tc_tool_, "-n", sw, "qdisc", "add", "dev", dev, "ingress"}, "needs the ingress qdisc (sch_ingress) " + what), tap_ingress = true;
+    must({tc_tool_, "-n", sw, "filter", "add", "dev", dev, "parent", "ffff:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "src",
+          std::string(kSubnet) + std::to_string(k + 1) + "/32", "match", "ip", "dst", dst, "action", "mirred", "egress", "redirect", "dev",
+          s->second},
+         "needs the mirred action (act_mirred) " + what);
+  }
+  std::string list;
+  for (const auto& [k, j] : delayed)
+    if (k < j || delay_s[j][k] != delay_s[k][j])
+      list += (list.empty() ? "" : ", ") + hosts_[k] + (delay_s[j][k] == delay_s[k][j] ? "-" : "->") + hosts_[j] + " " + fmt_ms(delay_s[k][j] * 1e3);
+  *links += (links->empty() ? "" : "; ") + std::string("latency ") + list + " (one way, a delay line in the switch)";
 }
 
 void EmulatedCluster::build(const plan::ClusterSpec& spec) {
@@ -329,7 +408,8 @@ void EmulatedCluster::build(const plan::ClusterSpec& spec) {
         }
       }
     }
-    shape_shared_links(spec, &links);
+    const auto shared_dev = shape_shared_links(spec, &links);
+    if (opts_.emulate_latency) add_latency(spec, shared_dev, &links);
   }
 
   std::string quotas;
@@ -372,8 +452,8 @@ void EmulatedCluster::build(const plan::ClusterSpec& spec) {
   std::string where;
   for (size_t k = 0; k < hosts_.size(); ++k) where += (where.empty() ? "" : ", ") + hosts_[k] + "=" + kSubnet + std::to_string(k + 1);
   log_info("emulator " + id_ + ": hosts " + where + (links.empty() ? "" : "; links " + links) + (quotas.empty() ? "" : "; CPU " + quotas));
-  if (latency_asked)
-    log_info("emulator: link latency is not emulated (no netem here); links have the veth's own latency");
+  if (latency_asked && !(opts_.limit_network && opts_.emulate_latency))
+    log_info("emulator: link latency is not emulated (asked not to); links have the veth's own latency");
 }
 
 EmulatedCluster::~EmulatedCluster() { teardown(); }
@@ -381,6 +461,14 @@ EmulatedCluster::~EmulatedCluster() { teardown(); }
 void EmulatedCluster::teardown() {
   if (torn_down_) return;
   torn_down_ = true;
+  if (delay_) {
+    const DelayLine::Stats s = delay_->stats();
+    char b[160];
+    std::snprintf(b, sizeof b, "emulator %s: the delay line passed %llu frames (%.1f MB) and dropped %llu", id_.c_str(),
+                  static_cast<unsigned long long>(s.frames), s.bytes / 1e6, static_cast<unsigned long long>(s.dropped));
+    log_info(b);
+    delay_.reset();  // its thread stops and its tap goes before the namespace does
+  }
   std::vector<std::string> netns = host_ns_;
   if (!switch_ns_.empty()) netns.push_back(switch_ns_);
   std::vector<std::string> cgroups;

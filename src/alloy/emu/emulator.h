@@ -30,9 +30,11 @@
 // 1514-byte frames is 95.6%), 20 Mbit/s -> 19.2, 200 -> 192, 1 Gbit/s -> 958 Mbit/s; unshaped veths
 // reach about 10 Gbit/s there, so links of several Gbit/s are not reached (create() cannot tell).
 //
-// Not emulated: latency. `netem` is not available on the machines this was built for, so links
-// have the veth's own latency (tens of microseconds) whatever latency_ms says; create() logs this
-// when a link between hosts asks for latency. Speeds are absolute core shares, not normalised: a
+// Latency: `netem` is not available on the machines this was built for, so a link of at least
+// kMinEmulatedLatencyMs gets its latency_ms (one way) from a delay line (delay_line.h): the switch
+// redirects the frames of such host pairs, as they enter it, into a tap whose owner holds them for
+// the latency and hands them back to the bridge. Faster links keep the veth's own latency (tens of
+// microseconds); create() logs both. Speeds are absolute core shares, not normalised: a
 // spec whose speeds add up to more than the machine's free cores gets less than it asks for, and
 // a quota only slows a rank that would use more than its share of each period.
 //
@@ -40,11 +42,14 @@
 // everything it will create) before creating anything, under a lock on /run/alloy-emu/.lock that
 // clean_leftovers() takes too, so a crashed launch's resources are told from a live one's and a
 // live owner's are never touched.
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "alloy/dist/launch.h"
+#include "alloy/emu/delay_line.h"
 #include "alloy/plan/cluster.h"
 
 namespace alloy::emu {
@@ -56,6 +61,7 @@ struct EmulatorOptions {
   bool limit_cpu = true;      // cgroup cpu quotas from the devices' speed
   bool limit_network = true;  // tc shaping from the links' bandwidth (namespaces are always created)
   bool pin_cpus = true;       // each device on its own CPUs (with limit_cpu only)
+  bool emulate_latency = true;  // with limit_network: links of kMinEmulatedLatencyMs or more delay their frames
 };
 
 // Packs devices of the given SPEEDS (cores' worth, > 0) onto CPUS (ids as sched_getaffinity gives
@@ -109,7 +115,12 @@ class EmulatedCluster {
   EmulatedCluster() = default;
   void build(const plan::ClusterSpec& spec);
   // The links of the spec's `shared` rules, at the switch; appends them to LINKS (the log line).
-  void shape_shared_links(const plan::ClusterSpec& spec, std::string* links);
+  // Returns, per ordered host pair on a shared link, the IFB device that shapes it.
+  std::map<std::pair<size_t, size_t>, std::string> shape_shared_links(const plan::ClusterSpec& spec, std::string* links);
+  // Delays the frames of host pairs whose link asks for kMinEmulatedLatencyMs or more (delay_line.h);
+  // SHARED_DEV: shape_shared_links' devices, which frames of those pairs go through after their delay.
+  void add_latency(const plan::ClusterSpec& spec, const std::map<std::pair<size_t, size_t>, std::string>& shared_dev, std::string* links);
+  void add_ingress(size_t host);  // the switch port's ingress qdisc, once
   void check_device(int device) const;
   int host_index(const std::string& host) const;
 
@@ -123,6 +134,8 @@ class EmulatedCluster {
   std::vector<std::string> device_names_;
   std::vector<std::string> cgroups_;    // by device; empty when CPU limits are off
   std::vector<std::vector<int>> cpus_;  // by device; empty when not pinned
+  std::set<size_t> ingress_ports_;     // switch ports (by host) with an ingress qdisc
+  std::unique_ptr<DelayLine> delay_;   // null when no link is delayed
   bool torn_down_ = true;  // until create() has recorded ownership: before that nothing is ours to remove
 };
 
