@@ -80,6 +80,7 @@ void Group::route_sums(std::shared_ptr<Group> p2p, const SyncTree& tree) {
 }
 
 const SyncTree* Group::sum_tree() const { return tree_ ? &tree_->tree() : nullptr; }
+void Group::clear_sum_route() { tree_.reset(); }
 
 c10::intrusive_ptr<c10d::Work> Group::allgather(std::vector<at::Tensor>& out, at::Tensor& in) {
   if (device_ && in.is_cuda()) return device_->allgather(out, in);

@@ -51,6 +51,7 @@ class Group {
   // nothing else. Every member calls it with the same tree.
   void route_sums(std::shared_ptr<Group> p2p, const SyncTree& tree);
   const SyncTree* sum_tree() const;  // the tree route_sums gave, or null
+  void clear_sum_route();            // back to Gloo's ring
   // Asynchronous all-gather of equal-sized tensors: OUT[i] receives group rank i's IN.
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<at::Tensor>& out, at::Tensor& in);
   // Asynchronous all-to-all along dimension 0: IN's first IN_ROWS[i] rows (after those for

@@ -1,6 +1,7 @@
 #include "alloy/plan/cost_model.h"
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -166,12 +167,41 @@ CostContext::CostContext(const ClusterSpec& cluster, const Profile& profile) : c
     if (attn_params > 0 && mlp_params > 0) attn_param_share_ = attn_params / (attn_params + mlp_params);
   }
 
-  std::vector<int> all(cluster.devices.size());
-  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
-  std::sort(all.begin(), all.end(), [&](int a, int b) { return ring_less(a, a, b, b); });
-  Ring r = ring(all);
-  world_allreduce_s_ = allreduce_s(r, 2 * 8.0, 0);
   set_grad_sync(GradSyncConfig{});
+}
+
+double CostContext::world_sum_s(const std::vector<int>& d) const {
+  // The trainer routes it along a tree where the plan's slow_links say (plan::needs_slow_links).
+  const SyncTree t = d.size() >= 3 && needs_slow_links(gs_)
+                         ? sync_tree(d.size(), [&](size_t a, size_t b) { return slow_pair(d[a], d[b]); })
+                         : SyncTree{};
+  if (t.empty()) {
+    std::vector<int> order(d.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return ring_less(d[static_cast<size_t>(a)], a, d[static_cast<size_t>(b)], b); });
+    std::vector<int> devs;
+    for (int i : order) devs.push_back(d[static_cast<size_t>(i)]);
+    return allreduce_s(ring(devs), kWorldSumBytes, 0);
+  }
+  // Every member's figures climb to the root and the total comes back down each edge: a path's
+  // latencies both ways. (A few bytes go out at once: measured over an emulated 20 ms link, a
+  // ping-pong took 40.9 ms whether the receive was posted before the send or after.)
+  auto hop = [&](int from, int to) {  // member FROM to member TO: latency and the figures' bytes
+    const size_t k = idx(host_of(d[static_cast<size_t>(from)]), host_of(d[static_cast<size_t>(to)]));
+    return lat_[k] + kWorldSumBytes / bw_[k];
+  };
+  std::function<double(int)> complete = [&](int x) {  // when member X's partial sum is complete
+    double at = 0;
+    for (int kid : t.children[static_cast<size_t>(x)])
+      at = std::max(at, complete(kid) + hop(kid, x));
+    return at;
+  };
+  std::function<double(int, double)> last_down = [&](int x, double at) {  // the total reaches X at AT
+    double worst = at;
+    for (int kid : t.children[static_cast<size_t>(x)]) worst = std::max(worst, last_down(kid, at + hop(x, kid)));
+    return worst;
+  };
+  return last_down(t.root, complete(t.root));
 }
 
 void CostContext::set_grad_sync(const GradSyncConfig& g) {
@@ -197,6 +227,11 @@ void CostContext::set_grad_sync(const GradSyncConfig& g) {
     total += a * b;
   }
   powersgd_ratio_ = total > 0 ? sent / total : 1.0;
+  // Every device as a rank, rank i on device i (what the search assumes); simulate_plan prices a
+  // plan's own ranks.
+  std::vector<int> all(cluster_->devices.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
+  world_allreduce_s_ = world_sum_s(all);
 }
 
 double CostContext::LinkLoads::factor(size_t i, double own) const {

@@ -450,6 +450,12 @@ class CostContext {
   // smallest share MIN_SHARE: the member receiving most).
   double shard_gather_s(const Ring& r, double bytes, double min_share) const;
   double world_allreduce_s() const { return world_allreduce_s_; }
+  // The step's one world sum of its figures (loss, gradient norm, sync figures: kWorldSumBytes)
+  // among DEVICES in rank order, routed as the trainer routes it: along sync_tree where three or
+  // more have a slow pair among them, Gloo's ring otherwise. Its cost is latency: on a 40 ms link
+  // between regions a ring of four crossed it six times a sum.
+  double world_sum_s(const std::vector<int>& devices_in_rank_order) const;
+  static constexpr double kWorldSumBytes = 8 * 8.0;
   // One tensor-parallel sum of BYTES among DEVICES (any order), from what the profile measured
   // each pair's sums to take under compute (TpSumProfile: a line in the bytes through the sizes
   // measured; the group takes its slowest pair's line, the bytes scaled as a ring moves them). Not the

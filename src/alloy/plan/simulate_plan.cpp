@@ -335,14 +335,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     own[static_cast<size_t>(r)] = std::max(own[static_cast<size_t>(r)], phase_end[static_cast<size_t>(r)] + encode_total[static_cast<size_t>(r)]);
   }
 
-  std::vector<int> world(static_cast<size_t>(W));
-  for (int r = 0; r < W; ++r) world[static_cast<size_t>(r)] = r;
-  std::sort(world.begin(), world.end(), [&](int a, int b) {
-    return ctx.ring_less(dev_of[static_cast<size_t>(a)], a, dev_of[static_cast<size_t>(b)], b);
-  });
-  std::vector<int> world_devs;
-  for (int r : world) world_devs.push_back(dev_of[static_cast<size_t>(r)]);
-  pc.world_allreduce_s = ctx.allreduce_s(ctx.ring(world_devs), 2 * 8.0, 0);
+  pc.world_allreduce_s = ctx.world_sum_s(dev_of);
 
   std::vector<std::string> overflow;
   for (auto& sc : pc.stages) {
