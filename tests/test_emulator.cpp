@@ -160,6 +160,25 @@ std::string expected_congestion_control() {
   return name;
 }
 
+sockaddr_in address_of(const std::string& ip, uint16_t port) {
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  ::inet_pton(AF_INET, ip.c_str(), &a.sin_addr);
+  return a;
+}
+
+// A TCP socket listening on IP:PORT in the calling thread's network namespace, or -1.
+int listen_on(const std::string& ip, uint16_t port) {
+  const int ls = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  ::setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  const sockaddr_in a = address_of(ip, port);
+  if (::bind(ls, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0 && ::listen(ls, 1) == 0) return ls;
+  ::close(ls);
+  return -1;
+}
+
 // Sends BYTES over TCP from device FROM's host to device TO's host; the receiver times first to
 // last byte, so connection setup and the sender's socket buffer do not count.
 Transfer transfer(const EmulatedCluster& c, int from, int to, size_t bytes) {
@@ -181,14 +200,8 @@ Transfer transfer(const EmulatedCluster& c, int from, int to, size_t bytes) {
       if (!signalled) ready.set_value(), signalled = true;
     };
     if (!enter_netns(c.netns_path_of_device(to))) return done("setns (server)"), signal_ready();
-    ls = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int one = 1;
-    ::setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(port);
-    ::inet_pton(AF_INET, to_ip.c_str(), &a.sin_addr);
-    if (::bind(ls, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(ls, 1) != 0) return done("bind " + to_ip), signal_ready();
+    ls = listen_on(to_ip, port);
+    if (ls < 0) return done("bind " + to_ip), signal_ready();
     signal_ready();
     pollfd p{ls, POLLIN, 0};
     if (::poll(&p, 1, 20000) != 1) return done("no connection");
@@ -216,11 +229,8 @@ Transfer transfer(const EmulatedCluster& c, int from, int to, size_t bytes) {
   std::thread client([&] {
     if (!enter_netns(c.netns_path_of_device(from))) return void(client_err = "setns (client)");
     int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(port);
-    ::inet_pton(AF_INET, to_ip.c_str(), &a.sin_addr);
-    if (::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    const sockaddr_in a = address_of(to_ip, port);
+    if (::connect(s, reinterpret_cast<const sockaddr*>(&a), sizeof a) != 0) {
       client_err = "connect " + to_ip + ": " + std::strerror(errno);
       ::close(s);
       return;
@@ -255,20 +265,14 @@ double round_trip(const EmulatedCluster& c, int from, int to, std::string* error
   std::string server_err;
   std::thread server([&] {
     if (!enter_netns(c.netns_path_of_device(to))) return server_err = "setns (server)", ready.set_value(false);
-    int ls = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int one = 1;
-    ::setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(port);
-    ::inet_pton(AF_INET, to_ip.c_str(), &a.sin_addr);
-    if (::bind(ls, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(ls, 1) != 0)
-      return ::close(ls), server_err = "bind " + to_ip, ready.set_value(false);
+    const int ls = listen_on(to_ip, port);
+    if (ls < 0) return server_err = "bind " + to_ip, ready.set_value(false);
     ready.set_value(true);
     pollfd p{ls, POLLIN, 0};
     int s = ::poll(&p, 1, 20000) == 1 ? ::accept(ls, nullptr, nullptr) : -1;
     ::close(ls);
     if (s < 0) return void(server_err = "no connection");
+    int one = 1;
     ::setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     char b;
     while (::recv(s, &b, 1, 0) == 1 && ::send(s, &b, 1, MSG_NOSIGNAL) == 1) {
@@ -280,11 +284,8 @@ double round_trip(const EmulatedCluster& c, int from, int to, std::string* error
     std::thread client([&] {
       if (!enter_netns(c.netns_path_of_device(from))) return void(*error = "setns (client)");
       int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-      sockaddr_in a{};
-      a.sin_family = AF_INET;
-      a.sin_port = htons(port);
-      ::inet_pton(AF_INET, to_ip.c_str(), &a.sin_addr);
-      if (::connect(s, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return ::close(s), void(*error = "connect " + to_ip);
+      const sockaddr_in a = address_of(to_ip, port);
+      if (::connect(s, reinterpret_cast<const sockaddr*>(&a), sizeof a) != 0) return ::close(s), void(*error = "connect " + to_ip);
       int one = 1;
       ::setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
       timeval tv{10, 0};
