@@ -63,8 +63,6 @@ SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model, const LoraCon
     if (r.size() > 1 && model::trains(lora, n)) distinct.insert(r);
   }
   const GradSyncConfig& g = plan.grad_sync;
-  const std::set<std::pair<int, int>> slow(plan.slow_links.begin(), plan.slow_links.end());
-  auto is_slow = [&](int a, int b) { return slow.count({std::min(a, b), std::max(a, b)}) > 0; };
   for (const auto& ranks : distinct) {
     HolderSet h;
     h.ranks = ranks;
@@ -74,9 +72,16 @@ SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model, const LoraCon
     h.compressed = g.lossy() && (!slow_only || h.regions.size() > 1);
     h.hierarchical = h.compressed && slow_only;
     if (!h.compressed && g.allreduce == "auto")
-      h.tree = sync_tree(ranks.size(), [&](size_t a, size_t b) { return is_slow(ranks[a], ranks[b]); });
+      h.tree = sum_tree_of(ranks, plan.slow_links);
     sets_.push_back(h);
   }
+}
+
+SyncTree sum_tree_of(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow_links) {
+  const std::set<std::pair<int, int>> slow(slow_links.begin(), slow_links.end());
+  return sync_tree(ranks.size(), [&](size_t a, size_t b) {
+    return slow.count({std::min(ranks[a], ranks[b]), std::max(ranks[a], ranks[b])}) > 0;
+  });
 }
 
 int64_t SyncLayout::model_order(const std::string& param) const {

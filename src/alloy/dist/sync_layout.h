@@ -57,6 +57,9 @@ class SyncLayout {
   std::vector<HolderSet> sets_;
 };
 
+// The tree an exact sum among RANKS takes around the SLOW pairs (a < b) among them, or empty (the ring).
+SyncTree sum_tree_of(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow);
+
 // Ranks split by slow links: connected components of the graph whose edges are the pairs of RANKS
 // not listed in SLOW (pairs a < b).
 std::vector<std::vector<int>> split_regions(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow);

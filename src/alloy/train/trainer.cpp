@@ -16,7 +16,6 @@
 
 #include "alloy/core/error.h"
 #include "alloy/core/fs.h"
-#include "alloy/core/sync_tree.h"
 #include "alloy/core/log.h"
 #include "alloy/dist/compress/comm.h"
 #include "alloy/dist/reducer.h"
@@ -330,11 +329,7 @@ void Trainer::build_groups() {
   {
     std::vector<int> ranks(static_cast<size_t>(world_->size()));
     for (int r = 0; r < world_->size(); ++r) ranks[static_cast<size_t>(r)] = r;
-    const std::set<std::pair<int, int>> slow(plan_->slow_links.begin(), plan_->slow_links.end());
-    const SyncTree tree = ranks.size() >= 3 ? sync_tree(ranks.size(), [&](size_t a, size_t b) {
-      return slow.count({static_cast<int>(std::min(a, b)), static_cast<int>(std::max(a, b))}) > 0;
-    })
-                                            : SyncTree{};
+    const SyncTree tree = dist::sum_tree_of(ranks, plan_->slow_links);
     if (tree.empty()) {
       world_->all().clear_sum_route();
     } else {
