@@ -140,7 +140,7 @@ TEST(Plan, NegativeAndEmptyRankListsAreRejected) {
 TEST(Plan, ScalarFieldsAreChecked) {
   Plan p = sample_plan();
   p.schedule = "zb";
-  EXPECT_HAS(validate_error(p, 8), "schedule: must be 1f1b, eager-1f1b, gpipe or zb-h1, got 'zb'");
+  EXPECT_HAS(validate_error(p, 8), "schedule: must be 1f1b, eager-1f1b, eager-1f1b-2, eager-1f1b-3, eager-1f1b-4, gpipe or zb-h1, got 'zb'");
   p = sample_plan();
   p.grad_sync.bucket_mb = 0;
   EXPECT_HAS(validate_error(p, 8), "key 'grad_sync.bucket_mb': must be > 0");
@@ -464,7 +464,7 @@ TEST(Plan, PipelineSchedulesRoundTripAsVersion6AndAreValidatedPerPipeline) {
   twins.pipelines[1].schedule = "gpipe";
   EXPECT_HAS(twins.schedule_mismatch({0, 2}), "on 1f1b, rank 2 runs units [0, 6) as stage 0 of 2 with 2 micro-batches on gpipe");
   p.pipelines[1].schedule = "zb";
-  EXPECT_HAS(validate_error(p, 8), "pipelines[1].schedule: must be 1f1b, eager-1f1b, gpipe or zb-h1, got 'zb'");
+  EXPECT_HAS(validate_error(p, 8), "pipelines[1].schedule: must be 1f1b, eager-1f1b, eager-1f1b-2, eager-1f1b-3, eager-1f1b-4, gpipe or zb-h1, got 'zb'");
   // A split backward runs tensor-parallel stages too (their pieces' weight passes).
   Plan tp = sample_plan();
   tp.pipelines[1].stages[0].ranks = {2, 3};

@@ -60,12 +60,15 @@ void expect_uses_every_device(const SearchResult& r, const ClusterSpec& c, const
 RC_GTEST_PROP(SimulateTimes, MatchesTheEventSimulator, ()) {
   const int64_t S = *rc::gen::inRange<int64_t>(1, 7);
   const int64_t M = *rc::gen::inRange<int64_t>(1, 12);
-  const std::string name = *rc::gen::element(std::string("1f1b"), std::string("gpipe"), std::string("eager-1f1b"));
+  const std::string name = *rc::gen::element(std::string("1f1b"), std::string("gpipe"), std::string("eager-1f1b"),
+                                              std::string("eager-1f1b-2"), std::string("eager-1f1b-4"));
   pipeline::SimCosts c;
   for (int64_t s = 0; s < S; ++s) {
     c.forward.push_back(*rc::gen::inRange(0, 1000) / 100.0);
     c.backward.push_back(*rc::gen::inRange(0, 1000) / 100.0);
     if (s + 1 < S) c.p2p_link.push_back(*rc::gen::inRange(0, 500) / 100.0);
+    // Some links distant: part of their message time is latency, in which messages overlap.
+    if (s + 1 < S) c.p2p_latency.push_back(c.p2p_link.back() * *rc::gen::inRange(0, 5) / 4.0);
   }
   std::vector<std::vector<pipeline::Action>> lists;
   for (int64_t s = 0; s < S; ++s) lists.push_back(pipeline::make_schedule(name, s, S, M));
@@ -79,7 +82,7 @@ RC_GTEST_PROP(SimulateTimes, MatchesTheEventSimulator, ()) {
     RC_ASSERT(fast.last_backward_start[static_cast<size_t>(s)] == start);
     RC_ASSERT(fast.last_backward_end[static_cast<size_t>(s)] == end);
     RC_ASSERT(fast.peak_in_flight[static_cast<size_t>(s)] == sim.peak_in_flight[static_cast<size_t>(s)]);
-    const int64_t expect_peak = name == "gpipe" ? M : std::min(S - s + (name == "eager-1f1b" && s + 1 < S ? 1 : 0), M);
+    const int64_t expect_peak = name == "gpipe" ? M : std::min(S - s + (s + 1 < S ? pipeline::eager_extra(name) : 0), M);
     RC_ASSERT(fast.peak_in_flight[static_cast<size_t>(s)] == expect_peak);
   }
 }
@@ -96,6 +99,32 @@ TEST(SimulateTimes, PerLinkP2pDelaysOnlyThatLink) {
   EXPECT_DOUBLE_EQ(pipeline::simulate_times("gpipe", 3, 1, c).makespan, 13.0);
   c.p2p_link = {0.5};
   EXPECT_THROW(pipeline::simulate(lists, c), std::invalid_argument);
+}
+
+// A distant link: messages of 1 s of bytes behind 4 s of latency (p2p 5). Messages overlap in the
+// latency (the link holds only their bytes), so stage 0's forwards (1 s each) reach stage 1 one
+// second apart, each 5 s after it was sent; a link that held each message for all 5 s would let
+// only one through every 5 s.
+TEST(SimulateTimes, MessagesOverlapInALinksLatency) {
+  pipeline::SimCosts c{{1, 1}, {1, 1}, 0, {5}};
+  c.p2p_latency = {4};
+  std::vector<std::vector<pipeline::Action>> lists;
+  for (int s = 0; s < 2; ++s) lists.push_back(pipeline::make_schedule("gpipe", s, 2, 3));
+  // F0..F2 on stage 0 end at 1, 2, 3 and land at 6, 7, 8; stage 1 forwards [6,7] [7,8] [8,9], then
+  // backwards [9,10] [10,11] [11,12], each gradient landing 5 s later: 15, 16, 17; stage 0's
+  // backwards [15,16] [16,17] [17,18].
+  const auto sim = pipeline::simulate(lists, c);
+  EXPECT_DOUBLE_EQ(sim.makespan, 18.0);
+  EXPECT_DOUBLE_EQ(pipeline::simulate_times("gpipe", 2, 3, c).makespan, 18.0);
+  // Without the latency split each message holds the link 5 s: activations land at 6, 11, 16, so
+  // stage 1 forwards [6,7] [11,12] [16,17] and backwards [17,18] [18,19] [19,20]; the gradients
+  // queue behind each other and land at 23, 28, 33; stage 0's last backward is [33,34].
+  c.p2p_latency.clear();
+  EXPECT_DOUBLE_EQ(pipeline::simulate(lists, c).makespan, 34.0);
+  EXPECT_DOUBLE_EQ(pipeline::simulate_times("gpipe", 2, 3, c).makespan, 34.0);
+  c.p2p_latency = {6};  // longer than the link's whole message time
+  EXPECT_THROW(pipeline::simulate(lists, c), std::invalid_argument);
+  EXPECT_THROW(pipeline::simulate_times("gpipe", 2, 3, c), std::invalid_argument);
 }
 
 // --- Cost model on hand-computed cases ----------------------------------------------------------

@@ -123,7 +123,7 @@ std::string check_structure(const std::string& name, int64_t S, int64_t M) {
 
 // Exhaustive over the whole range the brief names rather than sampled: it is only 256 cases.
 TEST(Schedule, StructureHoldsForAllSmallPipelines) {
-  for (const std::string name : {"gpipe", "1f1b", "eager-1f1b", "zb-h1"})
+  for (const std::string name : {"gpipe", "1f1b", "eager-1f1b", "eager-1f1b-3", "zb-h1"})
     for (int64_t S = 1; S <= 8; ++S)
       for (int64_t M = 1; M <= 16; ++M) {
         const std::string err = check_structure(name, S, M);
@@ -139,6 +139,8 @@ TEST(Schedule, NoDeadlockAndActivationMemoryBoundsForAllSmallPipelines) {
       ASSERT_NO_THROW(g = simulate(all_stages("gpipe", S, M), costs)) << "gpipe S=" << S << " M=" << M;
       ASSERT_NO_THROW(o = simulate(all_stages("1f1b", S, M), costs)) << "1f1b S=" << S << " M=" << M;
       ASSERT_NO_THROW(e = simulate(all_stages("eager-1f1b", S, M), costs)) << "eager-1f1b S=" << S << " M=" << M;
+      SimResult e3;
+      ASSERT_NO_THROW(e3 = simulate(all_stages("eager-1f1b-3", S, M), costs)) << "eager-1f1b-3 S=" << S << " M=" << M;
       ASSERT_EQ(g.peak_in_flight.size(), static_cast<size_t>(S));
       ASSERT_EQ(o.peak_in_flight.size(), static_cast<size_t>(S));
       for (int64_t s = 0; s < S; ++s) {
@@ -149,6 +151,9 @@ TEST(Schedule, NoDeadlockAndActivationMemoryBoundsForAllSmallPipelines) {
         // Eager: one more on every stage but the last.
         EXPECT_EQ(e.peak_in_flight[static_cast<size_t>(s)], std::min(S - s + (s + 1 < S ? 1 : 0), M))
             << "eager-1f1b S=" << S << " M=" << M << " stage " << s;
+        // eager-1f1b-3: three more.
+        EXPECT_EQ(e3.peak_in_flight[static_cast<size_t>(s)], std::min(S - s + (s + 1 < S ? 3 : 0), M))
+            << "eager-1f1b-3 S=" << S << " M=" << M << " stage " << s;
       }
     }
 }
@@ -160,7 +165,7 @@ TEST(Schedule, MakespanMatchesBubbleFormulaExactly) {
     for (double b : {1.0, 2.0, 5.0})
       for (int64_t S = 1; S <= 8; ++S)
         for (int64_t M = 1; M <= 16; ++M)
-          for (const std::string name : {"gpipe", "1f1b", "eager-1f1b"}) {
+          for (const std::string name : {"gpipe", "1f1b", "eager-1f1b", "eager-1f1b-2"}) {
             const SimResult r = simulate(all_stages(name, S, M), uniform(S, f, b));
             const double expect = static_cast<double>(M + S - 1) * (f + b);
             ASSERT_EQ(r.makespan, expect) << name << " S=" << S << " M=" << M << " f=" << f << " b=" << b;
@@ -263,6 +268,38 @@ TEST(Schedule, EagerOneFOneBShape) {
   // Capped at M like 1F1B's.
   EXPECT_EQ(to_string(eager_one_f_one_b(0, 3, 2)), "F0 sendA0 F1 sendA1 recvG0 B0 recvG1 B1");
   EXPECT_THROW(eager_one_f_one_b(2, 2, 4), std::invalid_argument);
+  // Three more: F0..F3 before the steady phase's first F4 B0 on stage 0 of 2; capped at M.
+  EXPECT_EQ(to_string(eager_one_f_one_b(0, 2, 6, 3)),
+            "F0 sendA0 F1 sendA1 F2 sendA2 F3 sendA3 F4 sendA4 recvG0 B0 F5 sendA5 recvG1 B1 recvG2 B2 recvG3 B3 recvG4 B4 recvG5 B5");
+  EXPECT_EQ(to_string(eager_one_f_one_b(0, 2, 2, 4)), "F0 sendA0 F1 sendA1 recvG0 B0 recvG1 B1");
+  EXPECT_EQ(to_string(eager_one_f_one_b(1, 2, 4, 4)), to_string(one_f_one_b(1, 2, 4)));
+  EXPECT_THROW(eager_one_f_one_b(0, 2, 4, 0), std::invalid_argument);
+  EXPECT_THROW(eager_one_f_one_b(0, 2, 4, kMaxEagerExtra + 1), std::invalid_argument);
+}
+
+// A distant link (f = 1, b = 2 on both stages, messages of 0.5 s of bytes behind 3 s of latency):
+// a micro-batch's round trip from stage 0 (its activation out, stage 1's 3 s, its gradient back)
+// is 10 s, during which eager 1F1B's stage 0 has only one more forward to run. Each extra forward
+// in flight fills one more second of it, until stage 0 never idles in its steady phase.
+TEST(Schedule, MoreForwardsInFlightHideALongRoundTrip) {
+  SimCosts c = uniform(2, 1, 2, 3.5);
+  c.p2p_latency = {3};
+  double before = simulate(all_stages("1f1b", 2, 12), c).makespan;
+  for (const std::string name : {"eager-1f1b", "eager-1f1b-2", "eager-1f1b-3"}) {
+    const double t = simulate(all_stages(name, 2, 12), c).makespan;
+    EXPECT_LT(t, before) << name;
+    EXPECT_EQ(simulate_times(name, 2, 12, c).makespan, t) << name;
+    before = t;
+  }
+  // With 3 more (46 s against 81 under 1F1B) stage 0 waits only for the first gradient and the last
+  // ones, which no schedule can hide: one more gains nothing.
+  EXPECT_EQ(simulate(all_stages("eager-1f1b-4", 2, 12), c).makespan, before);
+  EXPECT_EQ(eager_extra("1f1b"), 0);
+  EXPECT_EQ(eager_extra("eager-1f1b"), 1);
+  EXPECT_EQ(eager_extra("eager-1f1b-4"), 4);
+  EXPECT_EQ(eager_extra("eager-1f1b-1"), -1);
+  EXPECT_EQ(eager_extra("eager-1f1b-5"), -1);
+  EXPECT_EQ(eager_extra("gpipe"), -1);
 }
 
 // Two stages of equal forward + backward (f = 1, b = 2), messages of p = 0.5, 8 micro-batches.
@@ -295,7 +332,8 @@ TEST(Schedule, MakeScheduleDispatchesAndRejectsUnknownNames) {
   EXPECT_EQ(make_schedule("gpipe", 1, 3, 5), gpipe(1, 3, 5));
   EXPECT_EQ(make_schedule("zb-h1", 1, 3, 5), zb_h1(1, 3, 5));
   EXPECT_EQ(make_schedule("eager-1f1b", 1, 3, 5), eager_one_f_one_b(1, 3, 5));
-  for (const std::string bad : {"", "1F1B", "interleaved", "gpipe "}) {
+  EXPECT_EQ(make_schedule("eager-1f1b-3", 0, 3, 9), eager_one_f_one_b(0, 3, 9, 3));
+  for (const std::string bad : {"", "1F1B", "interleaved", "gpipe ", "eager-1f1b-1", "eager-1f1b-5", "eager-1f1b-22"}) {
     try {
       make_schedule(bad, 0, 2, 4);
       FAIL() << "accepted '" << bad << "'";
@@ -306,7 +344,7 @@ TEST(Schedule, MakeScheduleDispatchesAndRejectsUnknownNames) {
       EXPECT_NE(msg.find("'" + bad + "'"), std::string::npos) << msg;
     }
   }
-  EXPECT_EQ(schedule_names(), (std::vector<std::string>{"1f1b", "eager-1f1b", "gpipe", "zb-h1"}));
+  EXPECT_EQ(schedule_names(), (std::vector<std::string>{"1f1b", "eager-1f1b", "eager-1f1b-2", "eager-1f1b-3", "eager-1f1b-4", "gpipe", "zb-h1"}));
   EXPECT_TRUE(splits_backward("zb-h1"));
   EXPECT_FALSE(splits_backward("1f1b"));
   EXPECT_FALSE(splits_backward("gpipe"));

@@ -181,10 +181,10 @@ LAYOUTS["zb-mixed-llama"] = ("llama", 24, _schedule(LAYOUTS["mixed-llama"][2], "
 # Schedules per pipeline: two 2-stage pipelines of unlike micro-batch sizes, one on zb-h1 and
 # one on GPipe; their gradients meet in the same holder-set syncs.
 LAYOUTS["zb-per-pipeline"] = ("gpt2", 24, _per_pipeline(LAYOUTS["pp2x2-4x4-2x4"][2], ["zb-h1", "gpipe"]), 4)
-# Eager 1F1B (one more forward in flight per stage): GPT-2 on three stages, and the cut inside an
-# MLP (balanced stages, where it pays) beside a replica under ZeRO-1.
+# Eager 1F1B (one more forward in flight per stage): GPT-2 on three stages; and with three more
+# (eager-1f1b-3, for distant links) on the cut inside an MLP beside a replica under ZeRO-1.
 LAYOUTS["eager-pp3-1+5+2"] = ("gpt2", 24, _schedule(LAYOUTS["pp3-1+5+2-1f1b"][2], "eager-1f1b"), 3)
-LAYOUTS["eager-cut-zero1"] = ("gpt2", 24, _schedule(LAYOUTS["cut-mixed-12x11_and_16"][2], "eager-1f1b"), 3, ["--zero-stage", "1"])
+LAYOUTS["eager-cut-zero1"] = ("gpt2", 24, _schedule(LAYOUTS["cut-mixed-12x11_and_16"][2], "eager-1f1b-3"), 3, ["--zero-stage", "1"])
 LAYOUTS["zb-float-zero2-recompute"] = ("gpt2", 24, _schedule(LAYOUTS["float-mixed-12x11_and_16"][2], "zb-h1"), 3,
                                        ["--zero-stage", "2", "--shard-ratio", "3", "1", "2", "--recompute"])
 

@@ -217,7 +217,8 @@ void add_dist_commands(CLI::App& app, Action& action) {
       ->group(g)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   plan->add_option("--schedules", pa->schedules,
                    "Pipeline schedules the search may choose from: 1f1b, eager-1f1b (one more forward in flight per "
-                   "stage, hiding the messages between balanced stages; one more micro-batch of activations), gpipe, "
+                   "stage, hiding the messages between balanced stages; one more micro-batch of activations), "
+                   "eager-1f1b-2 to eager-1f1b-4 (2 to 4 more: a distant link's round trips), gpipe, "
                    "zb-h1 (zero-bubble: weight gradients held back to fill the drain; more activation memory), for the "
                    "whole plan and then per pipeline (each pipeline may keep its own; zb-h1 only where predicted at "
                    "least 5% faster)")

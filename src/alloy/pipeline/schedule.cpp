@@ -57,20 +57,31 @@ std::vector<Action> gpipe(int64_t stage, int64_t num_stages, int64_t num_micro_b
   return std::move(b.out);
 }
 
-int64_t one_f_one_b_warmup(bool eager, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+int64_t one_f_one_b_warmup(int64_t extra, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
   // Stage i must run ahead by the number of stages after it, so that (with messages that take no
   // time) the gradient of its oldest micro-batch arrives just as its steady phase starts. Eager
-  // runs one forward further ahead on every stage but the last (whose backward waits on nothing).
-  const int64_t ahead = num_stages - stage - 1 + (eager && stage + 1 < num_stages ? 1 : 0);
+  // runs EXTRA forwards further ahead on every stage but the last (whose backward waits on nothing).
+  const int64_t ahead = num_stages - stage - 1 + (stage + 1 < num_stages ? extra : 0);
   return std::min(ahead, num_micro_batches);
+}
+
+int64_t eager_extra(const std::string& name) {
+  if (name == "1f1b") return 0;
+  if (name == "eager-1f1b") return 1;
+  const std::string prefix = "eager-1f1b-";
+  if (name.size() == prefix.size() + 1 && name.compare(0, prefix.size(), prefix) == 0) {
+    const int64_t n = name.back() - '0';
+    if (n >= 2 && n <= kMaxEagerExtra) return n;
+  }
+  return -1;
 }
 
 namespace {
 
-std::vector<Action> one_f_one_b_with(const char* who, bool eager, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+std::vector<Action> one_f_one_b_with(const char* who, int64_t extra, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
   check_args(who, stage, num_stages, num_micro_batches);
   Builder b = builder(stage, num_stages, num_micro_batches);
-  const int64_t warmup = one_f_one_b_warmup(eager, stage, num_stages, num_micro_batches);
+  const int64_t warmup = one_f_one_b_warmup(extra, stage, num_stages, num_micro_batches);
   const int64_t steady = num_micro_batches - warmup;
   for (int64_t m = 0; m < warmup; ++m) b.forward(m);
   for (int64_t i = 0; i < steady; ++i) {
@@ -84,11 +95,13 @@ std::vector<Action> one_f_one_b_with(const char* who, bool eager, int64_t stage,
 }  // namespace
 
 std::vector<Action> one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
-  return one_f_one_b_with("one_f_one_b", false, stage, num_stages, num_micro_batches);
+  return one_f_one_b_with("one_f_one_b", 0, stage, num_stages, num_micro_batches);
 }
 
-std::vector<Action> eager_one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
-  return one_f_one_b_with("eager_one_f_one_b", true, stage, num_stages, num_micro_batches);
+std::vector<Action> eager_one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches, int64_t extra) {
+  if (extra < 1 || extra > kMaxEagerExtra)
+    throw std::invalid_argument("eager_one_f_one_b: " + std::to_string(extra) + " extra forwards (1 to " + std::to_string(kMaxEagerExtra) + ")");
+  return one_f_one_b_with("eager_one_f_one_b", extra, stage, num_stages, num_micro_batches);
 }
 
 std::vector<Action> zb_h1(int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
@@ -121,7 +134,7 @@ std::vector<Action> zb_h1(int64_t stage, int64_t num_stages, int64_t num_micro_b
 bool splits_backward(const std::string& name) { return name == "zb-h1"; }
 
 const std::vector<std::string>& schedule_names() {
-  static const std::vector<std::string> names = {"1f1b", "eager-1f1b", "gpipe", "zb-h1"};
+  static const std::vector<std::string> names = {"1f1b", "eager-1f1b", "eager-1f1b-2", "eager-1f1b-3", "eager-1f1b-4", "gpipe", "zb-h1"};
   return names;
 }
 
@@ -134,7 +147,7 @@ std::string schedule_names_text(const char* last_sep) {
 
 std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
   if (name == "1f1b") return one_f_one_b(stage, num_stages, num_micro_batches);
-  if (name == "eager-1f1b") return eager_one_f_one_b(stage, num_stages, num_micro_batches);
+  if (const int64_t extra = eager_extra(name); extra > 0) return eager_one_f_one_b(stage, num_stages, num_micro_batches, extra);
   if (name == "gpipe") return gpipe(stage, num_stages, num_micro_batches);
   if (name == "zb-h1") return zb_h1(stage, num_stages, num_micro_batches);
   throw std::invalid_argument("unknown pipeline schedule '" + name + "' (valid: " + schedule_names_text() + ")");
@@ -203,6 +216,12 @@ void SimCosts::check(const char* who, size_t num_stages, int64_t num_micro_batch
         throw std::invalid_argument(std::string(who) + ": stage " + std::to_string(s) + "'s weight pass (" + std::to_string(w) +
                                     " s) is negative or larger than its whole backward (" + std::to_string(backward_of(s, m)) + " s)");
     }
+  for (size_t link = 0; link < p2p_latency.size() && link + 1 < num_stages; ++link) {
+    const double whole = p2p_link.empty() ? p2p : link < p2p_link.size() ? p2p_link[link] : 0.0;
+    if (p2p_latency[link] < 0 || p2p_latency[link] > whole)
+      throw std::invalid_argument(std::string(who) + ": link " + std::to_string(link) + "'s latency (" + std::to_string(p2p_latency[link]) +
+                                  " s) is negative or longer than its message time (" + std::to_string(whole) + " s)");
+  }
 }
 
 SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimCosts& costs) {
@@ -227,7 +246,7 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
   costs.check("simulate", S, max_mb + 1);
 
   // act[s]: activations travelling s -> s+1; grad[s]: gradients travelling s+1 -> s; *_last: when
-  // the last message sent that way arrives (a link direction carries one message at a time).
+  // the last message sent that way has left (a link direction carries one message's bytes at a time).
   std::vector<std::deque<Message>> act(S), grad(S);
   std::vector<double> act_last(S, 0.0), grad_last(S, 0.0);
   std::vector<size_t> pc(S, 0);
@@ -261,10 +280,12 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
     events[s].push_back({static_cast<int64_t>(s), a, start, clock[s]});
     return true;
   };
+  // LAST: when the bytes of the last message sent that way have left.
   auto send = [&](size_t s, const Action& a, std::deque<Message>& box, size_t link, double& last) {
-    last = std::max(clock[s], last) + link_time(link);
-    box.push_back({a.micro_batch, last});
-    events[s].push_back({static_cast<int64_t>(s), a, clock[s], last});
+    const double latency = costs.latency_of(link);
+    last = std::max(clock[s], last) + (link_time(link) - latency);
+    box.push_back({a.micro_batch, last + latency});
+    events[s].push_back({static_cast<int64_t>(s), a, clock[s], last + latency});
   };
   auto compute = [&](size_t s, const Action& a, double cost) {
     events[s].push_back({static_cast<int64_t>(s), a, clock[s], clock[s] + cost});
@@ -370,8 +391,9 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
 }
 
 StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64_t num_micro_batches, const SimCosts& costs) {
-  const bool gp = schedule == "gpipe", zb = schedule == "zb-h1", eager = schedule == "eager-1f1b";
-  if (!gp && !zb && !eager && schedule != "1f1b") make_schedule(schedule, 0, 1, 1);  // throws, naming the valid schedules
+  const bool gp = schedule == "gpipe", zb = schedule == "zb-h1";
+  const int64_t extra = eager_extra(schedule);
+  if (!gp && !zb && extra < 0) make_schedule(schedule, 0, 1, 1);  // throws, naming the valid schedules
   check_args("simulate_times", 0, num_stages, num_micro_batches);
   const int64_t S = num_stages, M = num_micro_batches;
   const size_t Su = static_cast<size_t>(S);
@@ -400,7 +422,7 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
   // Scratch kept per thread: the planner calls this millions of times on small pipelines.
   thread_local std::vector<double> end_f, end_b, clock;
   thread_local std::vector<int64_t> pc, in_flight;
-  // When the last message on each link direction arrives: activations s -> s+1, gradients back.
+  // When the last message on each link direction has left: activations s -> s+1, gradients back.
   thread_local std::vector<double> last_a, last_g;
   last_a.assign(Su, 0.0);
   last_g.assign(Su, 0.0);
@@ -439,7 +461,7 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
       j = k < M ? k : k - M;
       return;
     }
-    const int64_t w = one_f_one_b_warmup(eager, s, S, M);
+    const int64_t w = one_f_one_b_warmup(extra < 0 ? 0 : extra, s, S, M);
     if (k < w) {
       kind = kF, j = k;
     } else if (k < 2 * M - w) {
@@ -471,8 +493,9 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
             const double a = end_f[static_cast<size_t>((s - 1) * M + j)];
             if (a < 0) break;
             double& last = last_a[su - 1];
-            last = std::max(a, last) + link_time(s - 1);
-            t = std::max(t, last);
+            const double latency = costs.latency_of(su - 1);
+            last = std::max(a, last) + (link_time(s - 1) - latency);
+            t = std::max(t, last + latency);
           }
           clock[su] = t + costs.forward_of(su, j);
           end_f[static_cast<size_t>(s * M + j)] = clock[su];
@@ -482,8 +505,9 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
             const double a = end_b[static_cast<size_t>((s + 1) * M + j)];
             if (a < 0) break;
             double& last = last_g[su];
-            last = std::max(a, last) + link_time(s);
-            t = std::max(t, last);
+            const double latency = costs.latency_of(su);
+            last = std::max(a, last) + (link_time(s) - latency);
+            t = std::max(t, last + latency);
           }
           const bool split = zb && s > 0;  // zb_h1's stage 0 runs whole backwards
           clock[su] = t + (costs.backward_of(su, j) - (split ? costs.weight_of(su, j) : 0.0));

@@ -45,16 +45,23 @@ std::vector<Action> gpipe(int64_t stage, int64_t num_stages, int64_t num_micro_b
 // Same argument checks as gpipe().
 std::vector<Action> one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches);
 
-// Eager 1F1B: 1F1B with one more warm-up forward on every stage but the last (stage i holds up to
-// min(S - i + 1, M) micro-batches; the last stage as in 1F1B). Under 1F1B, two stages of equal
-// forward+backward time wait in every steady slot for two messages (the activation going on and
-// the gradient coming back): the extra forward in flight fills that wait. Stages that differ
-// hide the messages in the slower one's slack anyway, so this pays only where they are balanced
-// (a cut inside an MLP, PipelinePlan::units_of) or the link is slow; it costs one micro-batch of
-// activations per stage. Same argument checks as gpipe().
-std::vector<Action> eager_one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches);
-// The warm-up forwards of stage STAGE under 1F1B (EAGER false) or eager 1F1B.
-int64_t one_f_one_b_warmup(bool eager, int64_t stage, int64_t num_stages, int64_t num_micro_batches);
+// Eager 1F1B: 1F1B with EXTRA more warm-up forwards on every stage but the last (stage i holds up
+// to min(S - i + EXTRA, M) micro-batches; the last stage as in 1F1B). Under 1F1B, two stages of
+// equal forward+backward time wait in every steady slot for two messages (the activation going on
+// and the gradient coming back): one extra forward in flight fills that wait. Stages that differ
+// hide the messages in the slower one's slack anyway, so this pays only where they are balanced (a
+// cut inside an MLP, PipelinePlan::units_of) or the link is slow. Across a distant link a round
+// trip (the activation out, the downstream stage's work, the gradient back) can span several of a
+// stage's forwards: more extra forwards keep it busy meanwhile. Each costs one micro-batch of
+// activations per stage. Named "eager-1f1b" (EXTRA 1) and "eager-1f1b-N" (EXTRA N, 2 to
+// kMaxEagerExtra). Same argument checks as gpipe(), and EXTRA in [1, kMaxEagerExtra].
+constexpr int64_t kMaxEagerExtra = 4;
+std::vector<Action> eager_one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches, int64_t extra = 1);
+// The warm-up forwards of stage STAGE under 1F1B (EXTRA 0) or eager 1F1B with EXTRA more.
+int64_t one_f_one_b_warmup(int64_t extra, int64_t stage, int64_t num_stages, int64_t num_micro_batches);
+// The extra forwards of schedule NAME: 0 for "1f1b", 1 for "eager-1f1b", N for "eager-1f1b-N";
+// -1 for a schedule outside the 1F1B family (gpipe, zb-h1) or an unknown name.
+int64_t eager_extra(const std::string& name);
 
 // Zero-bubble ZB-H1: 1F1B's forwards and (input-gradient) backwards, each followed by its send,
 // with stage i > 0 holding back its weight-gradient passes by i micro-batches and running the held
@@ -68,7 +75,7 @@ std::vector<Action> zb_h1(int64_t stage, int64_t num_stages, int64_t num_micro_b
 // Whether schedule NAME splits the backward (has BackwardWeight actions).
 bool splits_backward(const std::string& name);
 
-// "gpipe" | "1f1b" | "eager-1f1b" | "zb-h1"; anything else throws std::invalid_argument naming the valid names.
+// "gpipe" | "1f1b" | "eager-1f1b" | "eager-1f1b-N" (N 2..kMaxEagerExtra) | "zb-h1"; anything else throws std::invalid_argument naming the valid names.
 std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches);
 // The names make_schedule accepts, in the order error messages list them.
 const std::vector<std::string>& schedule_names();
@@ -88,9 +95,13 @@ size_t last_backward_index(const std::vector<Action>& actions);
 // --- Simulation -------------------------------------------------------------------------------
 // Runs all stages' action lists against each other: receives block until the message is there,
 // sends never block the sender. Each link direction is a FIFO, as with NCCL and Gloo's pair
-// connections, carrying one message at a time: a message leaves when it is sent or when the one
-// before it on that direction has arrived, whichever is later, and lands p2p seconds after (on a
-// thin link, messages sent faster than it carries them queue). A receive whose expected
+// connections, carrying one message's bytes at a time: a message leaves when it is sent or when
+// the bytes of the one before it on that direction have left, whichever is later, and lands its
+// link's p2p seconds after (on a thin link, messages sent faster than it carries them queue). The
+// latency part of p2p (SimCosts::p2p_latency) is not the link's to hold: messages queued on a
+// distant link are in flight together, each landing one latency after its last byte left, as over
+// one TCP connection whose receiver has posted its receives ahead (Gloo sends a message's bytes
+// once the receiver has said it is ready; the executor posts its receives several messages ahead). A receive whose expected
 // micro-batch is not at the head of its mailbox is an error, not a reordering.
 //
 // Besides deadlock, simulate() throws std::logic_error on schedules the executor could not run:
@@ -106,6 +117,11 @@ struct SimCosts {
   // Per link: p2p_link[s] is the message time between stages s and s+1, both directions (links
   // differ in a heterogeneous pool). When non-empty it must cover every link and replaces p2p.
   std::vector<double> p2p_link;
+  // Per link: the part of its message time (p2p_link[s]) that is the link's latency, in which
+  // messages overlap (see above). Empty, or shorter than the links: 0, every message holds its link
+  // direction for its whole time. Must not exceed the link's message time.
+  std::vector<double> p2p_latency;
+  double latency_of(size_t link) const { return link < p2p_latency.size() ? p2p_latency[link] : 0.0; }
   // Per stage and micro-batch, for stages whose work differs between micro-batches (a floating
   // boundary, PipelinePlan::units_of): a non-empty forward_mb[s] (backward_mb[s]) gives micro-batch
   // m's seconds as forward_mb[s][m] and replaces forward[s] (backward[s]); it must cover every

@@ -544,6 +544,8 @@ double CostContext::p2p_s(int host_a, int host_b, int64_t m, int share, double w
   return lat_[i] + static_cast<double>(share) * width * message_bytes(m) / bw_[i];
 }
 
+double CostContext::latency_s(int host_a, int host_b) const { return lat_[idx(host_a, host_b)]; }
+
 std::vector<std::vector<int>> CostContext::pipeline_link_shares(const std::vector<std::vector<int>>& pipeline_hosts) const {
   std::vector<std::vector<int>> out;
   pipeline_link_shares(pipeline_hosts, &out);

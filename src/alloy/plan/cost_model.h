@@ -281,6 +281,8 @@ class CostContext {
   // pipelines cross at once (pipeline_link_shares): its bytes take SHARE times as long.
   // WIDTH: the message in hidden states (2 across a cut MLP).
   double p2p_s(int host_a, int host_b, int64_t m, int share = 1, double width = 1) const;
+  // The part of p2p_s that is the link's latency (pipeline::SimCosts::p2p_latency: messages overlap in it).
+  double latency_s(int host_a, int host_b) const;
   // Pipelines sharing links: PIPELINE_HOSTS[p] are pipeline p's stages' hosts in stage order.
   // Returns, per pipeline and link s (between stages s and s+1), how many pipelines send their
   // messages over that link: 1 for a link within a host or one no other pipeline crosses, else

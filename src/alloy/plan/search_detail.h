@@ -71,7 +71,7 @@ struct ConfigTable {
   std::vector<char> h_done;
   std::vector<double> cheap;            // cheap[b]: a lower bound of h[b] without simulating
   std::vector<char> cheap_done;
-  std::vector<std::vector<double>> fbp;  // per candidate: forward[S], backward[S], p2p[S-1], weight[S] per micro-batch
+  std::vector<std::vector<double>> fbp;  // per candidate: forward[S], backward[S], p2p[S-1], weight[S], latency[S-1] per micro-batch
 };
 
 class Tables {

@@ -79,7 +79,8 @@ const PipeTiming& Tables::timing(ConfigTable& t, int64_t b, size_t ci) {
   sim_.forward.assign(x.begin(), x.begin() + static_cast<long>(S));
   sim_.backward.assign(x.begin() + static_cast<long>(S), x.begin() + static_cast<long>(2 * S));
   sim_.p2p_link.assign(x.begin() + static_cast<long>(2 * S), x.begin() + static_cast<long>(3 * S - 1));
-  sim_.weight.assign(x.begin() + static_cast<long>(3 * S - 1), x.end());
+  sim_.weight.assign(x.begin() + static_cast<long>(3 * S - 1), x.begin() + static_cast<long>(4 * S - 1));
+  sim_.p2p_latency.assign(x.begin() + static_cast<long>(4 * S - 1), x.end());
   pipeline::StageTimes st = pipeline::simulate_times(schedules_[static_cast<size_t>(t.sched)], t.S, M, sim_);
   timings_.push_back({st.makespan, std::move(st.last_backward_start), std::move(st.peak_in_flight)});
   ++simulations_;
@@ -93,14 +94,15 @@ const std::vector<double>& Tables::costs(ConfigTable& t, size_t ci) {
   if (!x.empty()) return x;
   const int64_t m = cands_[ci];
   const size_t S = static_cast<size_t>(t.S);
-  // Forward, backward, links, weight passes (zb-h1 reads them; the others ignore them).
-  x.resize(4 * S - 1);
+  // Forward, backward, links, weight passes (zb-h1 reads them; the others ignore them), the links' latencies.
+  x.resize(5 * S - 2);
   for (size_t s = 0; s < S; ++s) {
     const bool first = s == 0, last = s + 1 == S;
     const double p2p_cpu = ctx_.p2p_cpu_s(t.types[s], first, last, m);
     x[s] = ctx_.forward_s(t.types[s], t.blocks[s], first, last, m) + p2p_cpu;
     x[S + s] = ctx_.backward_s(t.types[s], t.blocks[s], first, last, m) + p2p_cpu;
     if (!last) x[2 * S + s] = ctx_.p2p_s(t.hosts[s], t.hosts[s + 1], m, t.shares[s]);
+    if (!last) x[4 * S - 1 + s] = ctx_.latency_s(t.hosts[s], t.hosts[s + 1]);
     x[3 * S - 1 + s] = ctx_.weight_s(t.types[s], t.blocks[s], m);
   }
   return x;

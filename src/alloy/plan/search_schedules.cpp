@@ -89,15 +89,16 @@ void refine_schedules(SearchResult& result, const ClusterSpec& cluster, const Pr
 
 void note_eager_schedule(SearchResult& result, const ClusterSpec& cluster, const Profile& profile) {
   Plan plain = result.plan;
-  bool eager = false;
+  int64_t most = 0;  // the most extra forwards any pipeline runs
   auto unroll = [&](std::string& schedule) {
-    if (schedule != "eager-1f1b") return;
+    const int64_t extra = pipeline::eager_extra(schedule);
+    if (extra < 1) return;
     schedule = "1f1b";
-    eager = true;
+    most = std::max(most, extra);
   };
   unroll(plain.schedule);
   for (auto& pl : plain.pipelines) unroll(pl.schedule);
-  if (!eager) return;
+  if (most == 0) return;
   PlanCost c;
   try {
     c = simulate_plan(plain, cluster, profile);
@@ -105,10 +106,10 @@ void note_eager_schedule(SearchResult& result, const ClusterSpec& cluster, const
     return;
   }
   std::ostringstream o;
-  o << std::fixed << std::setprecision(1)
-    << "schedule: eager-1f1b (one more micro-batch of activations on every stage but the last, hiding the messages between "
-       "stages), predicted "
-    << result.cost.step_s * 1e3 << " ms against " << c.step_s * 1e3 << " ms for the same plan on 1f1b";
+  o << std::fixed << std::setprecision(1) << "schedule: " << result.plan.schedules_text() << " ("
+    << (most == 1 ? "one more micro-batch" : "up to " + std::to_string(most) + " more micro-batches")
+    << " of activations on every stage but the last, hiding the messages between stages), predicted " << result.cost.step_s * 1e3
+    << " ms against " << c.step_s * 1e3 << " ms for the same plan on 1f1b";
   result.notes.push_back(o.str());
 }
 

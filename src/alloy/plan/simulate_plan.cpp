@@ -161,6 +161,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       if (!last) {
         const int next = dev_of[static_cast<size_t>(pl.stages[static_cast<size_t>(s + 1)].ranks[0])];
         costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m, link_share[p][static_cast<size_t>(s)], out_width));
+        costs.p2p_latency.push_back(ctx.latency_s(ctx.host_of(d), ctx.host_of(next)));
       }
       actions.push_back(pipeline::make_schedule(plan.schedule_of(p), s, S, M));
     }
