@@ -90,7 +90,7 @@ class Pool:
         self.plan = dp_plan(os.path.join(self.work, "dp.json"), batches, mbs, self.model["layers"])
         self.steps, self.skip, self.dense_steps = a.steps, a.skip, a.dense_steps
         self.only = [c for c in a.cases.split(",") if c]
-        self.key = name + ("-only-" + "-".join(o.replace(" ", "_") for o in self.only) if self.only else "")
+        self.key = name + ("-only-" + "-".join(o.replace(" ", "_").replace("=", "") for o in self.only) if self.only else "")
         self.env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
     def cases(self):
@@ -106,7 +106,7 @@ class Pool:
                 c.append((f"dgc 0.01 {f}", {"compression": "dgc", "density": 0.01, "fusion": f}))
         c += [("pytorch ddp", {"ddp": 0}), ("pytorch powersgd r1", {"ddp": 1}), ("pytorch powersgd r4", {"ddp": 4})]
         if self.only:
-            c = [x for x in c if any(o in x[0] for o in self.only)]
+            c = [x for x in c if any(x[0] == o[1:] if o.startswith("=") else o in x[0] for o in self.only)]
         return c
 
     def run(self, label, case, rnd):
@@ -277,7 +277,7 @@ def main():
     ap.add_argument("--steps", type=int, default=28)
     ap.add_argument("--skip", type=int, default=20, help="steps not timed (the exact ones and saf-adaptive's trials)")
     ap.add_argument("--dense-steps", type=int, default=10, help="exact steps before compressing (grad_sync.dense_steps)")
-    ap.add_argument("--cases", default="", help="only the cases whose label contains one of these (comma-separated)")
+    ap.add_argument("--cases", default="", help="only the cases whose label contains one of these (comma-separated; =LABEL: that label exactly)")
     ap.add_argument("--pools", default="2host,two-region")
     ap.add_argument("--convergence", action="store_true")
     ap.add_argument("--convergence-steps", type=int, default=300)
