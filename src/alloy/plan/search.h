@@ -185,7 +185,9 @@ PlanCost priced_rebalanced(Plan& cand, const ClusterSpec& cluster, const Profile
 // a replica's samples in steps of a micro-batch, so on the 3-device pool three replicas could take
 // only 60 / 24 / 12 samples in micro-batches of 6 (the quarter idle) or smaller, slower
 // micro-batches, and a half/quarter pipeline won by 0.1%; with 57 / 26 / 13 they are predicted
-// 2.8% faster than that pipeline. The re-split is kept for a gain over 0.2%, the other layout for kShortSplitLayoutMinGain.
+// 2.8% faster than that pipeline. The re-split is kept for a gain over 0.2%, the other layout for
+// kShortSplitLayoutMinGain, both layouts priced with their buckets tuned (tune_buckets, which
+// make_plan applies next).
 // Pools of up to kShortSplitUpTo pipelines (the rebalance's limit). Applied by make_plan after
 // refine_schedules, with SearchOptions::short_micro_batches.
 constexpr size_t kShortSplitUpTo = 4;
