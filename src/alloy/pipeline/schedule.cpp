@@ -68,6 +68,7 @@ int64_t one_f_one_b_warmup(int64_t extra, int64_t stage, int64_t num_stages, int
 int64_t eager_extra(const std::string& name) {
   if (name == "1f1b") return 0;
   if (name == "eager-1f1b") return 1;
+  static_assert(kMaxEagerExtra <= 9, "eager_extra reads the depth as one digit");
   const std::string prefix = "eager-1f1b-";
   if (name.size() == prefix.size() + 1 && name.compare(0, prefix.size(), prefix) == 0) {
     const int64_t n = name.back() - '0';
@@ -134,7 +135,12 @@ std::vector<Action> zb_h1(int64_t stage, int64_t num_stages, int64_t num_micro_b
 bool splits_backward(const std::string& name) { return name == "zb-h1"; }
 
 const std::vector<std::string>& schedule_names() {
-  static const std::vector<std::string> names = {"1f1b", "eager-1f1b", "eager-1f1b-2", "eager-1f1b-3", "eager-1f1b-4", "gpipe", "zb-h1"};
+  static const std::vector<std::string> names = [] {
+    std::vector<std::string> n = {"1f1b", "eager-1f1b"};
+    for (int64_t k = 2; k <= kMaxEagerExtra; ++k) n.push_back("eager-1f1b-" + std::to_string(k));
+    n.insert(n.end(), {"gpipe", "zb-h1"});
+    return n;
+  }();
   return names;
 }
 
@@ -238,8 +244,6 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
                                 std::to_string(S - 1));
   for (double p : costs.p2p_link)
     if (p < 0) throw std::invalid_argument("simulate: negative p2p cost on a link");
-  // Link s joins stages s and s+1.
-  auto link_time = [&](size_t link) { return costs.p2p_link.empty() ? costs.p2p : costs.p2p_link[link]; };
   int64_t max_mb = -1;
   for (const auto& acts : per_stage)
     for (const auto& a : acts) max_mb = std::max(max_mb, a.micro_batch);
@@ -281,11 +285,11 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
     return true;
   };
   // LAST: when the bytes of the last message sent that way have left.
+  // Link s joins stages s and s+1.
   auto send = [&](size_t s, const Action& a, std::deque<Message>& box, size_t link, double& last) {
-    const double latency = costs.latency_of(link);
-    last = std::max(clock[s], last) + (link_time(link) - latency);
-    box.push_back({a.micro_batch, last + latency});
-    events[s].push_back({static_cast<int64_t>(s), a, clock[s], last + latency});
+    const double arrival = costs.carry(link, clock[s], last);
+    box.push_back({a.micro_batch, arrival});
+    events[s].push_back({static_cast<int64_t>(s), a, clock[s], arrival});
   };
   auto compute = [&](size_t s, const Action& a, double cost) {
     events[s].push_back({static_cast<int64_t>(s), a, clock[s], clock[s] + cost});
@@ -409,7 +413,6 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
   if (costs.p2p < 0) throw std::invalid_argument("simulate_times: negative p2p cost");
   for (double p : costs.p2p_link)
     if (p < 0) throw std::invalid_argument("simulate_times: negative p2p cost on a link");
-  auto link_time = [&](int64_t link) { return costs.p2p_link.empty() ? costs.p2p : costs.p2p_link[static_cast<size_t>(link)]; };
   costs.check("simulate_times", Su, M);
 
   StageTimes r;
@@ -492,10 +495,7 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
           if (s > 0) {
             const double a = end_f[static_cast<size_t>((s - 1) * M + j)];
             if (a < 0) break;
-            double& last = last_a[su - 1];
-            const double latency = costs.latency_of(su - 1);
-            last = std::max(a, last) + (link_time(s - 1) - latency);
-            t = std::max(t, last + latency);
+            t = std::max(t, costs.carry(su - 1, a, last_a[su - 1]));
           }
           clock[su] = t + costs.forward_of(su, j);
           end_f[static_cast<size_t>(s * M + j)] = clock[su];
@@ -504,10 +504,7 @@ StageTimes simulate_times(const std::string& schedule, int64_t num_stages, int64
           if (s + 1 < S) {
             const double a = end_b[static_cast<size_t>((s + 1) * M + j)];
             if (a < 0) break;
-            double& last = last_g[su];
-            const double latency = costs.latency_of(su);
-            last = std::max(a, last) + (link_time(s) - latency);
-            t = std::max(t, last + latency);
+            t = std::max(t, costs.carry(su, a, last_g[su]));
           }
           const bool split = zb && s > 0;  // zb_h1's stage 0 runs whole backwards
           clock[su] = t + (costs.backward_of(su, j) - (split ? costs.weight_of(su, j) : 0.0));

@@ -122,6 +122,15 @@ struct SimCosts {
   // direction for its whole time. Must not exceed the link's message time.
   std::vector<double> p2p_latency;
   double latency_of(size_t link) const { return link < p2p_latency.size() ? p2p_latency[link] : 0.0; }
+  double link_time(size_t link) const { return p2p_link.empty() ? p2p : p2p_link[link]; }
+  // A message sent at SENT over LINK: its bytes leave after LEFT (when the previous message's bytes
+  // have left that way), which it updates; returns when it lands. Both simulators carry every
+  // message through this, so they agree to the bit.
+  double carry(size_t link, double sent, double& left) const {
+    const double latency = latency_of(link);
+    left = (sent > left ? sent : left) + (link_time(link) - latency);
+    return left + latency;
+  }
   // Per stage and micro-batch, for stages whose work differs between micro-batches (a floating
   // boundary, PipelinePlan::units_of): a non-empty forward_mb[s] (backward_mb[s]) gives micro-batch
   // m's seconds as forward_mb[s][m] and replaces forward[s] (backward[s]); it must cover every
