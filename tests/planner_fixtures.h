@@ -1,15 +1,20 @@
 #pragma once
-// Small pools and profiles for the planner's tests (test_planner.cpp, test_fit_memory.cpp).
+// Small pools and profiles for the planner's tests (test_cost_model.cpp, test_search.cpp,
+// test_planner.cpp, test_fit_memory.cpp and the others that include it).
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <iostream>
+#include <set>
 #include <sstream>
 #include <string>
 
 #include "alloy/core/plan.h"
 #include "alloy/plan/cluster.h"
 #include "alloy/plan/profile.h"
+#include "alloy/plan/search.h"
 
 namespace alloy::plan::testing {
 
@@ -76,5 +81,45 @@ inline Device device(const std::string& name, const std::string& host, const std
 }
 
 inline StagePlan stage(int rank, int64_t b, int64_t e, const std::string& dev) { return {{rank}, b, e, dev}; }
+
+inline bool near_rel(double a, double b, double rel = 1e-9) {
+  return std::fabs(a - b) <= rel * std::max({1e-300, std::fabs(a), std::fabs(b)});
+}
+
+// Devices a (host h0) and b (host h1), both of type "t", joined by one link.
+inline ClusterSpec two_hosts(double bandwidth_gbps, double latency_ms) {
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "t"), device("b", "h1", "t")};
+  c.rules.push_back({"h0", "h1", Link{bandwidth_gbps, latency_ms}});
+  return c;
+}
+
+inline void expect_uses_every_device(const SearchResult& r, const ClusterSpec& c, const Profile& p) {
+  EXPECT_NO_THROW(r.plan.validate(p.model));
+  std::set<int> seen;
+  for (const auto& pl : r.plan.pipelines)
+    for (const auto& st : pl.stages) {
+      ASSERT_EQ(st.ranks.size(), 1u);
+      const int rank = st.ranks[0];
+      EXPECT_TRUE(seen.insert(rank).second) << "rank " << rank << " twice";
+      ASSERT_GE(rank, 0);
+      ASSERT_LT(rank, static_cast<int>(c.devices.size()));
+      EXPECT_EQ(st.device, c.devices[static_cast<size_t>(rank)].name);
+    }
+  EXPECT_EQ(seen.size(), c.devices.size());
+  EXPECT_TRUE(r.cost.fits) << r.cost.explanation;
+  EXPECT_TRUE(near_rel(r.search_step_s, r.cost.step_s)) << r.search_step_s << " vs " << r.cost.step_s;
+}
+
+// Costs independent of the micro-batch size, so a test's arithmetic is easy to follow.
+inline DeviceProfile flat(double block_f, double block_b, double end_f, double end_b) {
+  DeviceProfile d;
+  d.block_fwd = {block_f, 0};
+  d.block_bwd = {block_b, 0};
+  d.embed_fwd = d.head_fwd = {end_f, 0};
+  d.embed_bwd = d.head_bwd = {end_b, 0};
+  d.optimizer_s_per_param = 0;
+  return d;
+}
 
 }  // namespace alloy::plan::testing

@@ -7,6 +7,7 @@
 #include "alloy/core/config.h"
 #include "alloy/core/error.h"
 #include "alloy/core/megatron_args.h"
+#include "expect_error.h"
 
 using alloy::Config;
 using alloy::InputError;
@@ -23,8 +24,6 @@ std::string error_of(const std::vector<std::string>& argv) {
   }
   return "";
 }
-
-#define EXPECT_HAS(text, part) EXPECT_NE(std::string(text).find(part), std::string::npos) << (text)
 
 }  // namespace
 

@@ -10,6 +10,7 @@
 
 #include "alloy/core/error.h"
 #include "alloy/data/mmidx.h"
+#include "temp_dir.h"
 
 namespace fs = std::filesystem;
 using alloy::InputError;
@@ -17,28 +18,9 @@ using alloy::data::choose_dtype;
 using alloy::data::DType;
 using alloy::data::IndexedDataset;
 using alloy::data::IndexedDatasetWriter;
+using alloy::testing::TempDir;
 
 namespace {
-
-std::string make_temp_dir() {
-  std::string tmpl = (fs::temp_directory_path() / "alloy_mmidx_XXXXXX").string();
-  if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-  return tmpl;
-}
-
-class TempDir {
- public:
-  TempDir() : path_(make_temp_dir()) {}
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 // Bytes are assembled by shifting, independently of the implementation's memcpy-based encoding,
 // so the expected files below follow FORMATS.md rather than the code under test.

@@ -8,7 +8,10 @@
 #include "alloy/core/error.h"
 #include "alloy/core/plan.h"
 #include "alloy/pipeline/schedule.h"
+#include "expect_error.h"
+#include "temp_dir.h"
 
+using alloy::testing::TempDir;
 using alloy::InputError;
 using alloy::PipelinePlan;
 using alloy::Plan;
@@ -46,25 +49,6 @@ Plan sample_plan() {
   p.pipelines = {a, b};
   return p;
 }
-
-#define EXPECT_HAS(haystack, needle) EXPECT_NE((haystack).find(needle), std::string::npos) << (haystack)
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "alloy_plan_XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 }  // namespace
 

@@ -9,15 +9,16 @@
 #include "alloy/core/log.h"
 #include "alloy/core/plan.h"
 #include "alloy/core/plan_convert.h"
+#include "expect_error.h"
+#include "temp_dir.h"
 
+using alloy::testing::TempDir;
 using alloy::InputError;
 using alloy::Plan;
 using alloy::SynerFuseArgs;
 using nlohmann::json;
 
 namespace {
-
-#define EXPECT_HAS(haystack, needle) EXPECT_NE((haystack).find(needle), std::string::npos) << (haystack)
 
 using Args = std::vector<std::string>;
 
@@ -525,27 +526,6 @@ RC_GTEST_PROP(SynerFuseProperty, ValidInputsAlwaysGiveValidPlans, ()) {
 
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "alloy_plan_convert_XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  std::string write(const std::string& name, const std::string& text) const {
-    std::string p = path_ + "/" + name;
-    std::ofstream(p) << text;
-    return p;
-  }
-
- private:
-  std::string path_;
-};
-
 // A Mac coordinator, an NVIDIA box with two GPUs (workers 1 and 2) and an AMD box ("amd"); the
 // shard_plan uses the AMD box before worker 1 and leaves worker 2 idle.
 const char* kConfig = R"({
@@ -765,14 +745,14 @@ TEST(HeteroShard, LogLevelSetsWhatTheRunPrints) {
   const alloy::LogLevel before = alloy::log_level();
   auto printed = [](alloy::LogLevel level) {
     alloy::set_log_level(level);
-    testing::internal::CaptureStderr();
+    ::testing::internal::CaptureStderr();
     alloy::log_info("an info line");
     alloy::log_warn("a warning line");
     alloy::log_error("an error line");
     alloy::Progress p("a progress line", 1, true);
     p.update(1);
     p.finish();
-    return testing::internal::GetCapturedStderr();
+    return ::testing::internal::GetCapturedStderr();
   };
   const std::string info = printed(alloy::LogLevel::Info), warning = printed(alloy::LogLevel::Warning),
                     error = printed(alloy::LogLevel::Error);

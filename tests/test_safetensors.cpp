@@ -11,6 +11,9 @@
 
 #include "alloy/core/error.h"
 #include "alloy/model/safetensors.h"
+#include "temp_dir.h"
+
+using alloy::testing::TempDir;
 
 namespace fs = std::filesystem;
 using alloy::InputError;
@@ -20,24 +23,6 @@ using alloy::model::write_safetensors;
 using Tensors = std::vector<std::pair<std::string, TensorBlob>>;
 
 namespace {
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "alloy_st_XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 std::string slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -16,6 +16,9 @@
 
 #include "alloy/core/error.h"
 #include "alloy/core/fs.h"
+#include "temp_dir.h"
+
+using alloy::testing::TempDir;
 
 namespace {
 
@@ -144,25 +147,6 @@ TEST(MakeTokenizer, MissingVocabDirNamesItAndTheFix) {
     EXPECT_NE(std::string(e.what()).find("fetch-gpt2-vocab.sh"), std::string::npos) << e.what();
   }
 }
-
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/alloy-tok-test-XXXXXX";
-    const char* p = ::mkdtemp(tmpl);
-    if (!p) throw std::runtime_error("mkdtemp failed");
-    path_ = p;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 // Builds a tiny but complete vocabulary: the 256 byte tokens in GPT-2's byte alphabet (printable
 // ASCII bytes stand for themselves, which is all these tests use), then the given merges.
