@@ -13,8 +13,8 @@ namespace alloy::testing {
 
 class TempDir {
  public:
-  explicit TempDir(const std::string& prefix = "alloy_test") {
-    std::string tmpl = (std::filesystem::temp_directory_path() / (prefix + "_XXXXXX")).string();
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "alloy_test_XXXXXX").string();
     if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed under " + tmpl);
     path_ = tmpl;
   }

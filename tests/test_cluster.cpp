@@ -1,7 +1,6 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
-#include <cstdlib>  // mkdtemp
 #include <filesystem>
 #include <fstream>
 #include <functional>

@@ -1,9 +1,5 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
-#include <cstdlib>  // mkdtemp
-
-#include <filesystem>
-#include <fstream>
 
 #include "alloy/core/error.h"
 #include "alloy/core/log.h"

@@ -1,6 +1,5 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
-#include <stdlib.h>
 
 #include <cstring>
 #include <filesystem>
