@@ -189,7 +189,11 @@ TEST_P(ModelTest, ACutMlpSplitsItsColumnsAndChainsToTheFullModelsOutputAndGradie
     } else {
       want = full->find(name)->tensor.grad();
     }
-    EXPECT_TRUE(at::allclose(g, want, 1e-4, 1e-6)) << name;
+    // Against the tensor's own scale: an entry near zero (a bias's gradient sums a whole batch of
+    // terms that cancel) carries the rounding of its larger neighbours (7.6e-6 beside 26 on an
+    // AMD EPYC's BLAS), which an elementwise relative tolerance reads as a mismatch.
+    const double diff = (g - want).abs().max().item<double>(), scale = want.abs().max().item<double>();
+    EXPECT_LE(diff, 1e-5 * scale + 1e-6) << name << ": max |diff| " << diff << ", max |want| " << scale;
   }
   EXPECT_EQ(pieces, 6);  // three split parameters (GPT-2: c_fc weight and bias, c_proj weight), two pieces each
 }
