@@ -197,10 +197,11 @@ TEST(CostModel, TwoStagePipelineExactStepTime) {
     // 1F1B: stage 1 F0 [1.5,2.5] B0 [2.5,4.5] F1 [4.5,5.5] B1 [5.5,7.5]; stage 0 B0 [5,7] B1 [8,10].
     EXPECT_NEAR(pc.phase_s, 10.0, 1e-9) << sched;
     EXPECT_TRUE(pc.sync_groups.empty()) << sched;  // LLaMA: nothing is shared inside one pipeline
-    // World all-reduce over 2 ranks: 2(n-1)/n = 1 times the ring's latencies (0.25 each way) + the figures' bytes.
+    // The world's figures over 2 ranks, all-gathered: (n-1)/n = 1/2 of the ring's latencies (0.25
+    // each way) + (n-1) members' figures.
     const double figures = CostContext::kWorldSumBytes / 512;
-    EXPECT_NEAR(pc.world_allreduce_s, 0.5 + figures, 1e-9);
-    EXPECT_NEAR(pc.step_s, 10.0 + 0.5 + figures, 1e-9) << sched;
+    EXPECT_NEAR(pc.world_allreduce_s, 0.25 + figures, 1e-9);
+    EXPECT_NEAR(pc.step_s, 10.0 + 0.25 + figures, 1e-9) << sched;
     ASSERT_EQ(pc.stages.size(), 2u);
     EXPECT_NEAR(pc.stages[0].p2p_s, 2 * 0.5, 1e-9);  // two activations
     EXPECT_NEAR(pc.stages[1].p2p_s, 2 * 0.5, 1e-9);  // two gradients
@@ -300,7 +301,7 @@ TEST(CostModel, DataParallelOverASlowLinkExposesSync) {
   EXPECT_NEAR(pc.stages[1].sync_exposed_s, 6.5 + sync - 9, 1e-9);
   EXPECT_GT(pc.stages[1].sync_exposed_s, 0);
   EXPECT_NEAR(pc.sync_done_s, 6.5 + sync, 1e-9);
-  EXPECT_NEAR(pc.world_allreduce_s, 2 * 0.010 + CostContext::kWorldSumBytes / 1e6, 1e-12);
+  EXPECT_NEAR(pc.world_allreduce_s, 0.010 + CostContext::kWorldSumBytes / 1e6, 1e-12);  // one hop: all-gathered
   EXPECT_NEAR(pc.step_s, 6.5 + sync + pc.world_allreduce_s, 1e-9);
   // Each rank keeps a bucket copy of the gradients it syncs.
   EXPECT_DOUBLE_EQ(pc.stages[0].bucket_bytes, 6e6);
@@ -541,10 +542,10 @@ TEST(CostModel, TheStepsWorldSumFollowsTheTree) {
   dp.global_batch = 4;
   for (int r = 0; r < 4; ++r) dp.pipelines.push_back({1, 1, {stage(r, 0, 4, c.devices[static_cast<size_t>(r)].name)}});
   EXPECT_NEAR(simulate_plan(dp, c, p).world_allreduce_s, ctx.world_allreduce_s(), 1e-12);
-  // Told to sum along rings, the trainer sends the figures around Gloo's ring too.
+  // Told to sum along rings, the trainer all-gathers the figures around Gloo's ring: 3 of its 4
+  // hops, each member's figures passed on 3 times.
   dp.grad_sync.allreduce = "ring";
-  const double f = 2.0 * 3 / 4;  // a ring's share of its latencies and bytes
-  EXPECT_NEAR(simulate_plan(dp, c, p).world_allreduce_s, f * (2 * 40e-3 + 2 * 0.1e-3) + f * CostContext::kWorldSumBytes / (0.1e9 / 8), 1e-9);
+  EXPECT_NEAR(simulate_plan(dp, c, p).world_allreduce_s, 3.0 / 4 * (2 * 40e-3 + 2 * 0.1e-3) + 3 * CostContext::kWorldSumBytes / (0.1e9 / 8), 1e-9);
 }
 
 // Sets whose rings cross the same link share it: a link carrying two equal sets gives each half.

@@ -6,7 +6,8 @@
 // one more, several chunks and a remainder, none at all), in float and double, several sums in
 // flight at once (the reducer launches a group's buckets back to back). With --die R, rank R exits
 // after the first round without a word and every other rank must fail its next sum with an error
-// naming the tree and a rank, not hang. Prints "tree-allreduce ok" (or "tree-allreduce failed
+// naming the tree and a rank, not hang. Without --die, Group::sum_small is checked too, with and
+// without the tree. Prints "tree-allreduce ok" (or "tree-allreduce failed
 // as expected: ...") per rank.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -19,6 +20,7 @@
 #include <cstdlib>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "alloy/core/sync_tree.h"
@@ -98,6 +100,25 @@ int main(int argc, char** argv) {
           }
         }
       }
+    if (die < 0) {
+      // Group::sum_small (a step's figures): without a tree, all-gathered and added in rank order
+      // on every rank; on the tree-routed group, the tree's total. Bit for bit either way.
+      auto plain = world->new_group("check-small", all);
+      for (int64_t n : {int64_t{1}, int64_t{8}, int64_t{1000}}) {
+        at::Tensor t = input(me, 100, n, at::kDouble);
+        plain->sum_small(t, "check small sum");
+        at::Tensor want = input(0, 100, n, at::kDouble);
+        for (int r = 1; r < W; ++r) want.add_(input(r, 100, n, at::kDouble));
+        at::Tensor u = input(me, 101, n, at::kDouble);
+        group->sum_small(u, "check small sum along the tree");
+        for (const auto& [got, exp, what] : {std::tuple{t, want, "in rank order"}, std::tuple{u, subtree(tree, tree.root, 101, n, at::kDouble), "along the tree"}})
+          if (!at::equal(got, exp)) {
+            ++bad;
+            std::fprintf(stderr, "rank %d: a small sum of %lld %s differs by up to %g\n", me, static_cast<long long>(n), what,
+                         (got - exp).abs().max().item<double>());
+          }
+      }
+    }
   } catch (const std::exception& e) {
     const std::string msg = e.what();
     if (die >= 0 && msg.find("(tree)") != std::string::npos && msg.find("rank") != std::string::npos) {

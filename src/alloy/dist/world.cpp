@@ -74,6 +74,21 @@ c10::intrusive_ptr<c10d::Work> Group::allreduce_sum(at::Tensor& t) {
   return gloo_->allreduce(v, o);
 }
 
+void Group::sum_small(at::Tensor& t, const std::string& what) {
+  if (size() == 1) return;
+  if (tree_ || !t.is_cpu()) {
+    wait_work(allreduce_sum(t), what);
+    return;
+  }
+  at::Tensor in = t.contiguous();
+  std::vector<at::Tensor> all;
+  for (int i = 0; i < size(); ++i) all.push_back(at::empty_like(in));
+  wait_work(allgather(all, in), what);
+  at::Tensor sum = all[0].clone();
+  for (size_t i = 1; i < all.size(); ++i) sum.add_(all[i]);
+  t.copy_(sum);
+}
+
 void Group::route_sums(std::shared_ptr<Group> p2p, const SyncTree& tree) {
   if (!p2p || p2p->ranks() != ranks_) throw Error("group " + name_ + ": its sum tree needs a group of the same members");
   tree_ = std::make_unique<TreeAllreduce>(std::move(p2p), tree);

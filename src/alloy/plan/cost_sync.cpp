@@ -29,7 +29,7 @@ double CostContext::world_sum_s(const std::vector<int>& d) const {
     std::sort(order.begin(), order.end(), [&](int a, int b) { return ring_less(d[static_cast<size_t>(a)], a, d[static_cast<size_t>(b)], b); });
     std::vector<int> devs;
     for (int i : order) devs.push_back(d[static_cast<size_t>(i)]);
-    return allreduce_s(ring(devs), kWorldSumBytes, 0);
+    return allgather_s(ring(devs), kWorldSumBytes);  // Group::sum_small: an all-gather, summed locally
   }
   // Every member's figures climb to the root and the total comes back down each edge: a path's
   // latencies both ways. (A few bytes go out at once: measured over an emulated 20 ms link, a

@@ -53,7 +53,7 @@ std::vector<pipeline::MicroBatch> Trainer::micro_batches(const data::TokenWindow
 double Trainer::all_sum(double v) {
   if (!world_) return v;
   at::Tensor t = at::full({1}, v, at::kDouble);
-  dist::wait_work(world_->all().allreduce_sum(t), "all-reduce of the step's loss");
+  world_->all().sum_small(t, "sum of the step's loss");
   return t.item<double>();
 }
 
@@ -257,7 +257,7 @@ TrainResult Trainer::run() {
                                      static_cast<double>(sync.bytes_sent + cs.bytes_sent + gather_bytes), static_cast<double>(cs.elements),
                                      static_cast<double>(cs.selected), cs.encode_s + cs.decode_s, cs.residual_sq},
                                     at::kDouble);
-    if (world_) dist::wait_work(world_->all().allreduce_sum(figures), "all-reduce of the step's loss, gradient norm and sync figures");
+    if (world_) world_->all().sum_small(figures, "sum of the step's loss, gradient norm and sync figures");
     double sums[3] = {figures[0].item<double>(), figures[1].item<double>(), figures[2].item<double>()};
     const at::Tensor sync_fig = figures.narrow(0, 3, 5);
     const std::vector<model::Param*>& clipped = split_clip ? dense_params : params;
