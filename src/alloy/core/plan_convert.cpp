@@ -13,6 +13,7 @@
 #include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
 #include "alloy/core/log.h"
+#include "alloy/core/text.h"
 
 namespace alloy {
 namespace {
@@ -22,12 +23,6 @@ const char* const kSynerFuse = "SynerFuse arguments";
 std::string str(int64_t v) { return std::to_string(v); }
 
 [[noreturn]] void sf_fail(const std::string& msg) { throw InputError(kSynerFuse, msg); }
-
-std::string join(const std::vector<int64_t>& v, const std::string& sep) {
-  std::string out;
-  for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + str(v[i]);
-  return out;
-}
 
 // Every number here is typed by a user, so a sum or product that wraps would turn a typo into a
 // plausible-looking plan; refuse instead.

@@ -5,18 +5,11 @@
 
 #include "alloy/core/components.h"
 #include "alloy/core/error.h"
+#include "alloy/core/text.h"
 #include "alloy/dist/tensor_parallel.h"
 #include "alloy/model/transformer.h"
 
 namespace alloy::dist {
-
-namespace {
-std::string join(const std::vector<int>& v, const char* sep) {
-  std::string s;
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + std::to_string(v[i]);
-  return s;
-}
-}  // namespace
 
 std::vector<std::vector<int>> split_regions(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow) {
   std::set<std::pair<int, int>> slow_set(slow.begin(), slow.end());

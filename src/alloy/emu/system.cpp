@@ -30,14 +30,9 @@
 #include "alloy/core/error.h"
 #include "alloy/core/fs.h"
 #include "alloy/core/log.h"
+#include "alloy/core/text.h"
 
 namespace alloy::emu::sys {
-
-std::string join(const std::vector<std::string>& v) {
-  std::string s;
-  for (const auto& x : v) s += (s.empty() ? "" : " ") + x;
-  return s;
-}
 
 std::string trim(std::string s) {
   while (!s.empty() && (s.back() == '\n' || s.back() == ' ' || s.back() == '\r')) s.pop_back();
@@ -105,7 +100,7 @@ ToolResult run_tool(const std::vector<std::string>& args) {
 // Runs a tool and throws naming WHAT the emulator needed when it fails.
 void must(const std::vector<std::string>& args, const std::string& what) {
   ToolResult r = run_tool(args);
-  if (r.rc != 0) throw Error("emulator: " + what + ": `" + join(args) + "` failed: " + (r.out.empty() ? "exit code " + std::to_string(r.rc) : r.out));
+  if (r.rc != 0) throw Error("emulator: " + what + ": `" + join(args, " ") + "` failed: " + (r.out.empty() ? "exit code " + std::to_string(r.rc) : r.out));
 }
 
 std::string read_small(const std::string& path) {

@@ -37,7 +37,6 @@ struct ToolResult {
   std::string out;  // stdout and stderr together
 };
 
-std::string join(const std::vector<std::string>& v);
 std::string trim(std::string s);
 std::string find_tool(const std::string& name);
 ToolResult run_tool(const std::vector<std::string>& args);

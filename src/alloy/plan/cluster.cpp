@@ -14,6 +14,7 @@
 #include "alloy/core/parse.h"
 #include "alloy/core/json_file.h"
 #include "alloy/core/fs.h"
+#include "alloy/core/text.h"
 
 namespace alloy::plan {
 
@@ -25,12 +26,6 @@ const std::vector<std::string> kTopKeys = {"name",  "devices",      "groups",
 const std::vector<std::string> kDeviceKeys = {"name", "host", "kind", "type", "memory_gb", "speed", "flops"};
 const std::vector<std::string> kRuleKeys = {"between", "within", "bandwidth_gbps", "latency_ms", "shared"};
 const std::vector<std::string> kLinkKeys = {"bandwidth_gbps", "latency_ms"};
-
-std::string join(const std::vector<std::string>& v, const std::string& sep = ", ") {
-  std::string s;
-  for (const auto& x : v) s += (s.empty() ? "" : sep) + x;
-  return s;
-}
 
 bool contains(const std::vector<std::string>& v, const std::string& x) {
   return std::find(v.begin(), v.end(), x) != v.end();
@@ -82,7 +77,7 @@ class YamlReader {
       if (!contains(allowed, key))
         fail(line_of(kv.first), "",
              "unknown key '" + key + "'" + (where.empty() ? "" : " in " + where) + " (expected one of " +
-                 join(allowed) + ")");
+                 join(allowed, ", ") + ")");
       if (!seen.insert(key).second) fail(line_of(kv.first), where, "key '" + key + "' is given twice");
     }
   }
@@ -106,7 +101,7 @@ class YamlReader {
 
   void read(const YAML::Node& root) {
     if (!root || root.IsNull()) fail(0, "", "the file is empty; a cluster needs at least 'devices'");
-    if (!root.IsMap()) fail(line_of(root), "", "top level must be a mapping with keys " + join(kTopKeys));
+    if (!root.IsMap()) fail(line_of(root), "", "top level must be a mapping with keys " + join(kTopKeys, ", "));
     check_keys(root, kTopKeys, "");
     if (root["name"]) spec_.name = string_of(root["name"], "name");
     if (root["devices"]) read_devices(root["devices"]);
@@ -298,7 +293,7 @@ void ClusterSpec::validate() const {
     names[d.name] = i;
     if (d.host.empty()) fail(f + ".host", "is missing" + who + "; every device belongs to a host");
     host_set.insert(d.host);
-    if (!contains(kKinds, d.kind)) fail(f + ".kind", "unknown kind '" + d.kind + "'" + who + " (expected " + join(kKinds) + ")");
+    if (!contains(kKinds, d.kind)) fail(f + ".kind", "unknown kind '" + d.kind + "'" + who + " (expected " + join(kKinds, ", ") + ")");
     if (d.type.empty()) fail(f + ".type", "must not be empty" + who);
     if (!(d.memory_gb >= 0) || !std::isfinite(d.memory_gb))
       fail(f + ".memory_gb", "must be >= 0" + who + ", got " + fmt_double(d.memory_gb));
@@ -316,7 +311,7 @@ void ClusterSpec::validate() const {
     for (size_t i = 0; i < hosts_in.size(); ++i) {
       const std::string hf = f + "[" + std::to_string(i) + "]";
       if (!host_set.count(hosts_in[i]))
-        fail(hf, "unknown host '" + hosts_in[i] + "' (no device has it; hosts: " + join(hosts()) + ")");
+        fail(hf, "unknown host '" + hosts_in[i] + "' (no device has it; hosts: " + join(hosts(), ", ") + ")");
       if (!seen.insert(hosts_in[i]).second) fail(hf, "host '" + hosts_in[i] + "' is listed twice");
     }
   }
@@ -327,11 +322,11 @@ void ClusterSpec::validate() const {
     const std::string f = "links[" + std::to_string(i) + "]";
     for (const std::string* end : {&r.a, &r.b}) {
       if (!host_set.count(*end) && !groups.count(*end)) {
-        std::string known = "hosts: " + join(hosts());
+        std::string known = "hosts: " + join(hosts(), ", ");
         if (!groups.empty()) {
           std::vector<std::string> gs;
           for (const auto& kv : groups) gs.push_back(kv.first);
-          known += "; groups: " + join(gs);
+          known += "; groups: " + join(gs, ", ");
         }
         fail(f + (r.a == r.b ? ".within" : ".between"), "unknown host or group '" + *end + "' (" + known + ")");
       }

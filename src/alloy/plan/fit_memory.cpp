@@ -1,3 +1,4 @@
+#include "alloy/core/text.h"
 #include "alloy/plan/fit_memory.h"
 
 #include "alloy/pipeline/schedule.h"
@@ -29,12 +30,6 @@ double overflow_of(const PlanCost& c) {
   for (const auto& s : c.stages)
     if (s.memory_capacity_bytes > 0) over += std::max(0.0, s.memory_bytes - s.memory_capacity_bytes);
   return over;
-}
-
-std::string join_ranks(const std::vector<int>& r) {
-  std::string s;
-  for (int x : r) s += (s.empty() ? "" : ",") + std::to_string(x);
-  return s;
 }
 
 class Fitter {
@@ -159,7 +154,7 @@ class Fitter {
     for (const auto& s : c.sets) {
       if (s.stage == 0) continue;
       std::ostringstream o;
-      o << "memory: ZeRO-" << s.stage << " among ranks " << join_ranks(s.ranks) << " (";
+      o << "memory: ZeRO-" << s.stage << " among ranks " << join(s.ranks) << " (";
       for (size_t j = 0; j < s.ranks.size(); ++j) o << (j ? ", " : "") << device(s.ranks[j]);
       o << "), shares " << (s.by_memory ? "by memory" : "even");
       out->push_back(o.str());

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "alloy/core/error.h"
+#include "alloy/core/text.h"
 #include "alloy/plan/cost_model.h"
 #include "alloy/pipeline/schedule.h"
 #include "alloy/plan/search.h"
@@ -22,12 +23,6 @@ namespace alloy::plan {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::string joined(const std::vector<std::string>& v, const char* sep) {
-  std::string s;
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + v[i];
-  return s;
-}
 
 // A line t = fixed + per_sample * m through (MS, TS) by least squares, and the points themselves.
 MicroBatchCost from_points(const std::vector<double>& ms, const std::vector<double>& ts) {
@@ -145,13 +140,13 @@ struct Tried {
 std::string group_names(const ClusterSpec& cluster, const std::vector<int>& g) {
   std::vector<std::string> names;
   for (int d : g) names.push_back(cluster.devices[static_cast<size_t>(d)].name);
-  return joined(names, "+");
+  return join(names, "+");
 }
 
 std::string groups_names(const ClusterSpec& cluster, const std::vector<std::vector<int>>& gs) {
   std::vector<std::string> out;
   for (const auto& g : gs) out.push_back(group_names(cluster, g));
-  return joined(out, " and ");
+  return join(out, " and ");
 }
 
 // The composite pool's plan (REDUCED: each group of GS one device), back on the real pool: the
@@ -329,7 +324,7 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
   // real pool (split_tensor_parallel_backward), tensor-parallel stages priced member by member.
   o.schedules.erase(std::remove_if(o.schedules.begin(), o.schedules.end(), pipeline::splits_backward), o.schedules.end());
   if (o.schedules.empty()) {
-    result.notes.push_back("tensor parallelism: not tried (the schedules allowed, " + joined(options.schedules, ", ") +
+    result.notes.push_back("tensor parallelism: not tried (the schedules allowed, " + join(options.schedules, ", ") +
                            ", run no tensor-parallel stage)");
     return;
   }
@@ -392,10 +387,10 @@ void consider_tensor_parallel(SearchResult& result, const ClusterSpec& cluster, 
       if (st.tp() > 1) {
         std::vector<std::string> h;
         for (int64_t x : st.tp_heads(profile.model.heads)) h.push_back(std::to_string(x));
-        if (std::find(splits.begin(), splits.end(), joined(h, ":")) == splits.end()) splits.push_back(joined(h, ":"));
+        if (std::find(splits.begin(), splits.end(), join(h, ":")) == splits.end()) splits.push_back(join(h, ":"));
         sequence_parallel = sequence_parallel || st.sequence_parallel;
       }
-  std::string split = joined(splits, " / ");
+  std::string split = join(splits, " / ");
   if (sequence_parallel)
     split += options.sequence_parallel ? ", sequence parallel (train.sequence_parallel)"
                                        : ", sequence parallel (the group fits memory only with its activations split by position)";

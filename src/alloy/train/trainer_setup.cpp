@@ -14,6 +14,7 @@
 
 #include "alloy/core/error.h"
 #include "alloy/core/log.h"
+#include "alloy/core/text.h"
 #include "alloy/dist/compress/comm.h"
 #include "alloy/dist/reducer.h"
 #include "alloy/dist/sharding.h"
@@ -29,11 +30,6 @@
 namespace alloy::train {
 
 namespace {
-std::string join(const std::vector<int>& v, const char* sep) {
-  std::string s;
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + std::to_string(v[i]);
-  return s;
-}
 // What every rank must agree on: the model, the data order, the optimisation and the plan. Thread
 // counts, devices and output paths may differ per rank.
 std::string job_fingerprint(const Config& c, const Plan& p) {
