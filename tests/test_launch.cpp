@@ -1,16 +1,21 @@
 // The launcher's elastic membership, with `sh` as the ranks: which slots start, how they are
 // numbered, and how a device that comes back is taken in at the job's checkpoint.
 #include <gtest/gtest.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "alloy/core/process.h"
 #include "alloy/dist/launch.h"
 
 namespace fs = std::filesystem;
@@ -153,4 +158,126 @@ TEST(Launch, SeveralNodesNeedAPortAndAValidNodeRank) {
   o.node_rank = 0;
   o.max_restarts = 1;
   EXPECT_NE(error_of(o).find("restarts and elasticity need one launcher"), std::string::npos);
+}
+
+// Only --help and --version skip the re-exec for passive OpenMP waits: `alloy launch` needs the
+// setting in the libraries it forks its ranks from, and every other command computes.
+TEST(ProcessStart, OnlyHelpAndVersionSkipTheReexec) {
+  auto computes_nothing = [](std::vector<std::string> words) {
+    std::vector<char*> argv;
+    for (auto& w : words) argv.push_back(w.data());
+    argv.push_back(nullptr);
+    return alloy::command_computes_nothing(static_cast<int>(words.size()), argv.data());
+  };
+  EXPECT_TRUE(computes_nothing({"alloy", "--help"}));
+  EXPECT_TRUE(computes_nothing({"alloy", "--log-level", "debug", "--version"}));
+  EXPECT_TRUE(computes_nothing({"alloy"}));
+  EXPECT_FALSE(computes_nothing({"alloy", "launch", "--nproc", "2", "--", "alloy", "train", "--help"}));
+  EXPECT_FALSE(computes_nothing({"alloy", "train", "--config", "c.yaml"}));
+  EXPECT_FALSE(computes_nothing({"alloy", "--log-level", "info", "plan", "--cluster", "c.yaml"}));
+}
+
+TEST(ProcessStart, KnowsItsOwnExecutableByPathAndByName) {
+  const std::string self = fs::canonical("/proc/self/exe").string();
+  EXPECT_TRUE(alloy::is_this_program(self));
+  EXPECT_TRUE(alloy::is_this_program("/proc/self/exe"));
+  EXPECT_FALSE(alloy::is_this_program("/bin/sh"));
+  EXPECT_FALSE(alloy::is_this_program(""));
+  EXPECT_FALSE(alloy::is_this_program("no-such-program-here"));
+  // By name, found in PATH as execvp would find it.
+  const char* old = std::getenv("PATH");
+  const std::string saved = old ? old : "";
+  ::setenv("PATH", ("/nonexistent:" + fs::path(self).parent_path().string()).c_str(), 1);
+  EXPECT_TRUE(alloy::is_this_program(fs::path(self).filename().string()));
+  ::setenv("PATH", saved.c_str(), 1);
+}
+
+namespace {
+// Sets the variables for the test's life and puts the old values back.
+struct ScopedEnv {
+  std::vector<std::pair<std::string, std::optional<std::string>>> old;
+  void set(const std::string& k, const char* v) {
+    const char* was = std::getenv(k.c_str());
+    old.emplace_back(k, was ? std::optional<std::string>(was) : std::nullopt);
+    if (v) ::setenv(k.c_str(), v, 1);
+    else ::unsetenv(k.c_str());
+  }
+  ~ScopedEnv() {
+    for (auto it = old.rbegin(); it != old.rend(); ++it)
+      if (it->second) ::setenv(it->first.c_str(), it->second->c_str(), 1);
+      else ::unsetenv(it->first.c_str());
+  }
+};
+
+
+// Two ranks of one thread, in an environment that serves such ranks.
+LaunchOptions forkable(ScopedEnv& env, std::vector<std::string> command) {
+  env.set("OMP_NUM_THREADS", "1");
+  env.set("OPENBLAS_NUM_THREADS", "1");
+  env.set("OMP_WAIT_POLICY", "PASSIVE");
+  LaunchOptions o;
+  o.nproc = 2;
+  o.threads_per_rank = 1;
+  o.prefix_output = false;
+  o.command = std::move(command);
+  return o;
+}
+}  // namespace
+
+TEST(Launch, RanksRunInForkedCopiesWhenTheEnvironmentServesThem) {
+  const std::string dir = temp_dir("forked");
+  ScopedEnv env;
+  LaunchOptions o = forkable(env, {"/bin/sh", "-c", "exit 3"});  // the command is what an exec would run
+  o.run_in_process = [dir](const std::vector<std::string>& argv) {
+    std::ofstream(dir + "/rank-" + std::getenv("RANK")) << argv.size() << " " << std::getenv("WORLD_SIZE") << " "
+                                                         << std::getenv("OMP_NUM_THREADS") << "\n";
+    return std::string(std::getenv("RANK")) == "1" ? 5 : 0;
+  };
+  auto r = launch(o);
+  EXPECT_EQ(slurp(dir + "/rank-0"), "3 2 1\n");
+  EXPECT_EQ(slurp(dir + "/rank-1"), "3 2 1\n");
+  EXPECT_EQ(r.exit_code, 5);  // the callee's return is the rank's exit code
+  EXPECT_EQ(r.failed_rank, 1);
+
+  // Libraries loaded with other thread settings than the ranks need: the command is exec'd.
+  env.set("OPENBLAS_NUM_THREADS", "2");
+  auto e = launch(o);
+  EXPECT_EQ(e.exit_code, 3);
+  fs::remove_all(dir);
+}
+
+TEST(Launch, AForkedRankDiesOfSigtermAsAnExecdOneWould) {
+  // The launcher's own SIGTERM handler must not survive into the rank: a rank still running when
+  // another failed is ended by the launcher's SIGTERM after the grace period.
+  ScopedEnv env;
+  LaunchOptions o = forkable(env, {"/bin/true"});
+  o.grace_s = 0.2;
+  o.run_in_process = [](const std::vector<std::string>&) {
+    if (std::string(std::getenv("RANK")) == "0") return 1;
+    for (int i = 0; i < 600; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    return 0;
+  };
+  auto r = launch(o);
+  EXPECT_EQ(r.failed_rank, 0);
+  EXPECT_EQ(r.exit_code, 1);
+  ASSERT_EQ(r.rank_exit_codes.size(), 2u);
+  EXPECT_EQ(r.rank_exit_codes[1], 128 + SIGTERM) << "the sleeping rank did not die of the launcher's SIGTERM";
+}
+
+TEST(ProcessStart, ATitleTakesTheArgumentsPlaceAndNeverOutgrowsIt) {
+  char area[] = "alloy\0launch\0--\0alloy\0train";  // as main() gets them: back to back
+  char* argv[] = {area, area + 6, area + 13, area + 16, area + 22, nullptr};
+  alloy::remember_arguments(5, argv);
+  char old_name[16] = {};
+  ::prctl(PR_GET_NAME, old_name, 0, 0, 0);
+  alloy::set_process_title({"alloy", "train"}, "alloy-rank1");
+  EXPECT_EQ(std::string(area, sizeof area), std::string("alloy\0train\0", 12) + std::string(sizeof area - 12, '\0'));
+  char name[16] = {};
+  ::prctl(PR_GET_NAME, name, 0, 0, 0);
+  EXPECT_STREQ(name, "alloy-rank1");
+  // Longer than the area: cut, still ending in a NUL.
+  alloy::set_process_title({"alloy", "train", "--config", "a-long-path.yaml"}, "alloy-rank1");
+  EXPECT_EQ(std::string(area, sizeof area), std::string("alloy\0train\0--config\0a-long\0", sizeof area));
+  ::prctl(PR_SET_NAME, old_name, 0, 0, 0);
+  alloy::remember_arguments(0, nullptr);
 }

@@ -88,6 +88,11 @@ def rank_pid(config_path, rank):
                 cmd = f.read().split(b"\0")
             if b"train" not in cmd or config_path.encode() not in cmd:
                 continue
+            # A rank that `alloy launch` forked is named after its rank (its environ, the
+            # launcher's, has no RANK); an exec'd one has RANK in its environment.
+            with open(f"/proc/{pid}/comm", "rb") as f:
+                if f.read().strip() == f"alloy-rank{rank}".encode():
+                    return int(pid)
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
             if env.get(b"RANK") == str(rank).encode():

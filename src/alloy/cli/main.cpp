@@ -10,9 +10,14 @@
 #include "alloy/core/log.h"
 #include "alloy/core/process.h"
 
-int main(int argc, char** argv) {
-  alloy::prefer_passive_openmp_waits(argv);
-  alloy::tune_allocator_for_training();
+namespace {
+std::vector<std::string> g_command_line;
+}  // namespace
+
+const std::vector<std::string>& alloy::cli::command_line() { return g_command_line; }
+
+int alloy::cli::run(int argc, char** argv) {
+  g_command_line.assign(argv, argv + argc);
   CLI::App app{"Alloy: train transformer language models across unlike devices and links"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "alloy 0.1.0");
@@ -58,4 +63,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "alloy: error: %s\n", e.what());
     return 1;
   }
+}
+
+int main(int argc, char** argv) {
+  alloy::prefer_passive_openmp_waits(argv, !alloy::command_computes_nothing(argc, argv));
+  alloy::tune_allocator_for_training();
+  alloy::remember_arguments(argc, argv);
+  return alloy::cli::run(argc, argv);
 }

@@ -1,5 +1,8 @@
 #pragma once
 // Process-wide settings for a training process, applied once at the start of main().
+#include <string>
+#include <vector>
+
 namespace alloy {
 
 // glibc serves allocations above 128 KiB-32 MiB (adaptive) with mmap and returns them with munmap,
@@ -18,6 +21,24 @@ void tune_allocator_for_training();
 // libgomp reads it when it is loaded, before main(), so when it is unset this sets it and re-execs
 // the program (/proc/self/exe, same arguments): call it first thing in main(). A value the user
 // set is kept. Returns only if no re-exec happened (or it failed).
-void prefer_passive_openmp_waits(char** argv);
+// A process that computes nothing itself (--help, --version) passes reexec = false: the second
+// load of LibTorch (about 0.7 s of CPU) would be most of its run.
+void prefer_passive_openmp_waits(char** argv, bool reexec = true);
+
+// Whether ARGV only asks `alloy` for --help or --version (before or without a subcommand; the
+// subcommand is the first argument that is not an option, --log-level's value skipped). `alloy
+// launch` does re-exec: its ranks are forked from it with the libraries as it loaded them.
+bool command_computes_nothing(int argc, char** argv);
+
+// What `ps` shows for a process that runs another command than it was started with (a rank forked
+// by `alloy launch`): remember_arguments() keeps where main()'s arguments lie, and
+// set_process_title() writes WORDS there (cut to the space the original arguments had; the kernel
+// reads /proc/PID/cmdline from it) and NAME (at most 15 characters) as the process's name
+// (/proc/PID/comm, what top shows).
+void remember_arguments(int argc, char** argv);
+void set_process_title(const std::vector<std::string>& words, const std::string& name);
+
+// Whether COMMAND (a path, or a name looked up in PATH) is the executable this process runs.
+bool is_this_program(const std::string& command);
 
 }  // namespace alloy

@@ -20,6 +20,7 @@
 #include "alloy/core/error.h"
 #include "alloy/core/fs.h"
 #include "alloy/core/log.h"
+#include "alloy/core/text.h"
 
 namespace alloy::dist {
 namespace {
@@ -62,6 +63,28 @@ void place_self(int rank, const RankPlacement& p) {
 }
 }  // namespace
 
+int rank_threads(const LaunchOptions& o) {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  return o.threads_per_rank > 0 ? o.threads_per_rank : std::max(1, cores / std::max(1, o.nproc));
+}
+
+bool environment_serves_ranks(int threads) {
+  auto is = [](const char* name, const std::string& want) {
+    const char* v = std::getenv(name);
+    return v && want == v;
+  };
+  const std::string t = std::to_string(threads);
+  return is("OMP_NUM_THREADS", t) && is("OPENBLAS_NUM_THREADS", t) && std::getenv("OMP_WAIT_POLICY");
+}
+
+void set_environment_for_ranks(int threads) {
+  const std::string t = std::to_string(threads);
+  ::setenv("OMP_NUM_THREADS", t.c_str(), 1);
+  ::setenv("OPENBLAS_NUM_THREADS", t.c_str(), 1);
+  ::setenv("MKL_NUM_THREADS", t.c_str(), 1);
+  if (!std::getenv("OMP_WAIT_POLICY")) ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+}
+
 int free_tcp_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return 29500;
@@ -81,12 +104,6 @@ namespace {
 std::string slot_label(const LaunchOptions& o, int slot) {
   std::string s = "slot " + std::to_string(slot);
   if (static_cast<size_t>(slot) < o.slot_names.size()) s += " (" + o.slot_names[static_cast<size_t>(slot)] + ")";
-  return s;
-}
-
-std::string join_ints(const std::vector<int>& v, const char* sep = ",") {
-  std::string s;
-  for (int x : v) s += (s.empty() ? "" : sep) + std::to_string(x);
   return s;
 }
 
@@ -155,7 +172,7 @@ std::vector<int> gather_members(const LaunchOptions& o, const std::vector<int>& 
     else
       log_warn("launch: " + who + " did not come back within " + seconds(o.rejoin_timeout_s) +
                ": continuing on " + std::to_string(members.size()) + " of " + std::to_string(o.nproc) + " devices (slots " +
-               join_ints(members) + " as ranks 0-" + std::to_string(members.size() - 1) +
+               join(members) + " as ranks 0-" + std::to_string(members.size() - 1) +
                "), re-planned; from the last complete checkpoint, if any");
   }
   return members;
@@ -167,8 +184,9 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt, const std::vector<
     throw InputError("--devices", std::to_string(o.devices.size()) + " devices for " + std::to_string(o.nproc) +
                                       " ranks: give one for all ranks or one per rank");
   const int port = o.master_port > 0 ? o.master_port : free_tcp_port();
-  int cores = static_cast<int>(std::thread::hardware_concurrency());
-  const int threads = o.threads_per_rank > 0 ? o.threads_per_rank : std::max(1, cores / o.nproc);
+  const int threads = rank_threads(o);
+  // Forked ranks keep what the libraries read from the launcher's environment when it started.
+  const bool in_process = o.run_in_process && o.rank_prefix.empty() && environment_serves_ranks(threads);
   const bool elastic = o.rejoin_timeout_s > 0;
   const int n = static_cast<int>(members.size());
   const int first_rank = o.node_rank * o.nproc;  // this node's ranks in the job (torchrun's numbering)
@@ -197,6 +215,7 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt, const std::vector<
     const int slot = members[static_cast<size_t>(r)];
     int fds[2];
     if (::pipe(fds) != 0) throw Error("launch: pipe failed");
+    std::fflush(nullptr);  // a forked rank would print the launcher's buffered output again
     pid_t pid = ::fork();
     if (pid < 0) throw Error("launch: fork failed");
     if (pid == 0) {
@@ -217,12 +236,28 @@ LaunchResult launch_once(const LaunchOptions& o, int attempt, const std::vector<
       ::setenv("ALLOY_RESTART", std::to_string(attempt).c_str(), 1);
       if (!o.devices.empty()) ::setenv("ALLOY_DEVICE", device_of_slot(o, slot).c_str(), 1);
       if (elastic) {
-        ::setenv("ALLOY_MEMBERS", join_ints(members).c_str(), 1);
+        ::setenv("ALLOY_MEMBERS", join(members).c_str(), 1);
         ::setenv("ALLOY_POOL_SIZE", std::to_string(o.nproc).c_str(), 1);
         ::setenv("ALLOY_REJOIN_FILE", rejoin_file.c_str(), 1);
       }
       if (o.prefix_output) ::setenv("ALLOY_OUTPUT_PREFIXED", "1", 1);  // the rank needs no prefix of its own
       if (static_cast<size_t>(slot) < o.placement.size()) place_self(r, o.placement[static_cast<size_t>(slot)]);
+      if (in_process) {
+        // exec would have reset the launcher's handlers: a rank must die of SIGTERM, not record it
+        ::signal(SIGINT, SIG_DFL);
+        ::signal(SIGTERM, SIG_DFL);
+        int code = 1;
+        try {
+          code = o.run_in_process(o.command);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "launch: rank %d: %s\n", first_rank + r, e.what());
+        }
+        // The callee has closed what it opened (its objects live inside the call). Static
+        // destructors are skipped: LibTorch's undo thousands of operator registrations in pages
+        // shared with the launcher, copying each (0.9 s of CPU measured per rank).
+        std::fflush(nullptr);
+        ::_exit(code);
+      }
       std::vector<std::string> argv_s;
       for (const auto& p : o.rank_prefix) argv_s.push_back(substitute(p, "{rank}", std::to_string(slot)));
       argv_s.insert(argv_s.end(), o.command.begin(), o.command.end());

@@ -68,6 +68,13 @@ struct LaunchOptions {
   // MASTER_ADDR by slot (the emulator: each device's host address), so the store follows rank 0
   // when the first slot is gone. Empty = master_addr for every membership.
   std::vector<std::string> slot_addr;
+  // When set (and there is no rank_prefix), each rank runs by calling this in the launcher's forked
+  // child with the command's arguments, once its output, environment and placement are set, and
+  // exits with what it returns, instead of exec'ing the command. For a command that is this very
+  // program: the rank starts with the libraries as the launcher loaded and initialized them
+  // (LibTorch alone: about 0.75 s of CPU per rank). What the environment set at load time (thread
+  // counts) the callee must apply itself.
+  std::function<int(const std::vector<std::string>& argv)> run_in_process;
 };
 
 struct LaunchResult {
@@ -82,6 +89,14 @@ struct LaunchResult {
 };
 
 LaunchResult launch(const LaunchOptions& o);
+// Intra-op threads each rank gets: threads_per_rank, or the cores shared among nproc (at least 1).
+int rank_threads(const LaunchOptions& o);
+// Whether this process's environment gives the thread settings a rank with THREADS threads starts
+// with (OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, OMP_WAIT_POLICY set), as the libraries read them
+// when they were loaded: only then may ranks run in forked copies of it (run_in_process).
+bool environment_serves_ranks(int threads);
+// Sets that environment (for a re-exec of the launcher).
+void set_environment_for_ranks(int threads);
 int free_tcp_port();
 
 }  // namespace alloy::dist
