@@ -9,9 +9,13 @@ With --devices (a CUDA build on a GPU machine, scripts/gpu-check.sh), the layout
 placed on CUDA, or on CUDA and the CPU together (`alloy launch --devices`), against the one-device
 CPU run: float32 on the GPU sums in another order, hence a looser tolerance there.
 """
+import concurrent.futures
+import contextlib
+import io
 import json
 import os
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from distlib import fresh_workdir_with_corpus, full, plan, sh  # noqa: E402
@@ -266,7 +270,7 @@ RTOL_GPU = 1e-4
 
 
 def config(work, arch, gb, out):
-    path = os.path.join(work, f"{arch}-{gb}.yaml")
+    path = os.path.join(work, os.path.basename(out) + ".yaml")  # one per run: runs go side by side
     # llama-gqa: 8 heads reading 4 key/value heads (tensor-parallel splits keep whole groups)
     heads = "heads: 8, kv_heads: 4" if arch.endswith("-gqa") else "heads: 4"
     # qwen2: the llama with biases on q, k and v
@@ -454,10 +458,10 @@ RESHARD_CHAINS = {
 }
 
 
-def exported_whole(alloy, work, run_dir, env):
+def exported_whole(alloy, work, run_dir, env, chain):
     """`alloy export` of a tensor-parallel run: every parameter under its own name, whole."""
     import struct
-    out = os.path.join(work, "tp-export", "model.safetensors")
+    out = os.path.join(work, chain + "-export", "model.safetensors")
     sh([alloy, "export", "--checkpoint", run_dir, "--output", out], env=env)
     with open(out, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
@@ -473,10 +477,6 @@ def reshard(alloy, work, env, baselines, chain):
     """A run resumed under other layouts, each from its predecessor's checkpoint: the losses follow
     the uninterrupted one-device run."""
     arch, gb = "gpt2", 24
-    if (arch, gb) not in baselines:
-        out = os.path.join(work, f"single-{arch}-{gb}")
-        sh([alloy, "train", "--config", config(work, arch, gb, out)], env=env)
-        baselines[(arch, gb)] = losses(out)
     base = baselines[(arch, gb)]
     got, resume, begin, what = [], None, 0, []
     for name, layout, flags, end in RESHARD_CHAINS[chain]:
@@ -496,58 +496,47 @@ def reshard(alloy, work, env, baselines, chain):
     ok = [r[0] for r in got] == list(range(1, STEPS + 1))
     worst = max(abs(l - bl) / abs(bl) for (_, l, _), (_, bl, _) in zip(got, base))
     ok = ok and worst <= RTOL
+    lines = []
     if chain in ("reshard-tp", "reshard-cut"):  # the last run's pieces export as whole HuggingFace tensors
-        ok = exported_whole(alloy, work, os.path.dirname(os.path.dirname(resume)), env) and ok
-    print(f"{'ok  ' if ok else 'FAIL'} {chain:<18} {' -> '.join(what)}: worst relative loss difference {worst:.2e}", flush=True)
-    return ok
+        with captured(lines):
+            ok = exported_whole(alloy, work, os.path.dirname(os.path.dirname(resume)), env, chain) and ok
+    head = f"{'ok  ' if ok else 'FAIL'} {chain:<18} {' -> '.join(what)}: worst relative loss difference {worst:.2e}"
+    return ok, "\n".join([head] + lines)
 
 
-def main():
-    alloy, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
-    args = sys.argv[3:]
-    on_devices = "--devices" in args
-    args = [a for a in args if a != "--devices"]
-    table = DEVICE_LAYOUTS if on_devices else LAYOUTS
-    wanted = args or list(table)
-    fresh_workdir_with_corpus(alloy, work)
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    baselines = {}
-    failures = 0
-    for name in [w for w in wanted if w not in RESHARD_CHAINS]:
-        devices, rtol, extra_flags = [], RTOL, []
-        if on_devices:
-            base_name, devices = DEVICE_LAYOUTS[name]
-            alone = base_name is None or base_name.startswith("@")
-            arch, gb, layout, world = LAYOUTS["dp2-equal" if alone else base_name][:4]
-            if alone:
-                arch = base_name[1:] if base_name else arch
-                layout, world = plan(gb, [(gb // 2, 2, full(0))]), 1
-            rtol = RTOL_GPU
-        else:
-            arch, gb, layout, world, *more = LAYOUTS[name]
-            extra_flags = more[0] if more else []
-        if (arch, gb) not in baselines:
-            out = os.path.join(work, f"single-{arch}-{gb}")
-            sh([alloy, "train", "--config", config(work, arch, gb, out)], env=env)
-            baselines[(arch, gb)] = losses(out)
-        base = baselines[(arch, gb)]
-        out = os.path.join(work, name)
-        cfg = config(work, arch, gb, out)
-        if isinstance(layout, dict):
-            plan_path = os.path.join(work, name + ".json")
-            with open(plan_path, "w") as f:
-                json.dump(layout, f)
-            extra = ["--plan", plan_path]
-        else:
-            extra = list(layout)
-        extra += extra_flags
-        placement = ["--devices", ",".join(devices)] if devices else []
-        run = sh([alloy, "launch", "--nproc", str(world), "--threads-per-rank", "1"] + placement + ["--",
-                  alloy, "train", "--config", cfg, "--timeout", "120"] + extra, env=env)
-        got = losses(out)
-        worst = 0.0
-        ok = len(got) == len(base) == STEPS
+def run_layout(alloy, work, env, on_devices, name, baselines):
+    """Runs layout NAME through `alloy launch` and checks it against its one-device run: (ok, report)."""
+    lines = []
+    devices, rtol, extra_flags = [], RTOL, []
+    if on_devices:
+        base_name, devices = DEVICE_LAYOUTS[name]
+        alone = base_name is None or base_name.startswith("@")
+        arch, gb, layout, world = LAYOUTS["dp2-equal" if alone else base_name][:4]
+        if alone:
+            arch = base_name[1:] if base_name else arch
+            layout, world = plan(gb, [(gb // 2, 2, full(0))]), 1
+        rtol = RTOL_GPU
+    else:
+        arch, gb, layout, world, *more = LAYOUTS[name]
+        extra_flags = more[0] if more else []
+    base = baselines[(arch, gb)]
+    out = os.path.join(work, name)
+    cfg = config(work, arch, gb, out)
+    if isinstance(layout, dict):
+        plan_path = os.path.join(work, name + ".json")
+        with open(plan_path, "w") as f:
+            json.dump(layout, f)
+        extra = ["--plan", plan_path]
+    else:
+        extra = list(layout)
+    extra += extra_flags
+    placement = ["--devices", ",".join(devices)] if devices else []
+    run = sh([alloy, "launch", "--nproc", str(world), "--threads-per-rank", "1"] + placement + ["--",
+              alloy, "train", "--config", cfg, "--timeout", "120"] + extra, env=env)
+    got = losses(out)
+    worst = 0.0
+    ok = len(got) == len(base) == STEPS
+    with captured(lines):
         if devices:  # each rank must have run where it was placed, not quietly on the CPU
             with open(os.path.join(out, "ranks.json")) as f:
                 ran_on = [r["device"] for r in sorted(json.load(f), key=lambda r: r["rank"])]
@@ -571,19 +560,109 @@ def main():
         if name.startswith("tree-") and "sums along a tree" not in run.stdout + run.stderr:
             print(f"     {name}: no holder set summed along a tree")
             ok = False
+    head = (f"{'ok  ' if ok else 'FAIL'} {name:<18} world {world}: {len(got)} steps, worst relative loss difference {worst:.2e}"
+            f" (first {got[0][1]:.4f}, last {got[-1][1]:.4f})")
+    return ok, "\n".join([head] + lines)
+
+
+def compared_to_base(work, name):
+    """The checks of what layout NAME is for against the layout it extends, once both ran: ok."""
+    lines, ok = [], True
+    out = os.path.join(work, name)
+    with captured(lines):
         if name in SHRINKS and os.path.exists(os.path.join(work, SHRINKS[name][0], "ranks.json")):
             base_name, key, at_most = SHRINKS[name]
             ok = shrank(os.path.join(work, base_name), out, key, at_most) and ok
         if name == "recompute-pp2" and os.path.exists(os.path.join(work, "pp2-6+2-1f1b", "ranks.json")):
             ok = activations_shrank(os.path.join(work, "pp2-6+2-1f1b"), out) and ok
-        failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {name:<18} world {world}: {len(got)} steps, worst relative loss difference {worst:.2e}"
-              f" (first {got[0][1]:.4f}, last {got[-1][1]:.4f})", flush=True)
-    for chain in RESHARD_CHAINS:
-        if not on_devices and (not args or chain in args):
-            failures += not reshard(alloy, work, env, baselines, chain)
-            wanted = wanted + [chain] if chain not in wanted else wanted
-    print(f"{len(wanted) - failures} passed, {failures} failed")
+    if lines:
+        print(f"{'ok  ' if ok else 'FAIL'} {name:<18} against the layout it extends", flush=True)
+        print("\n".join(lines), flush=True)
+    return ok
+
+
+class _PerThreadStdout:
+    """sys.stdout while layouts run side by side: a thread inside captured() writes to its own
+    buffer, every other write goes through."""
+
+    def __init__(self, real):
+        self.real, self.local = real, threading.local()
+
+    def write(self, text):
+        buf = getattr(self.local, "buf", None)
+        return (buf or self.real).write(text)
+
+    def flush(self):
+        if getattr(self.local, "buf", None) is None:
+            self.real.flush()
+
+
+@contextlib.contextmanager
+def captured(lines):
+    """The checks' own prints, kept in LINES so that a layout's report prints whole beside others'."""
+    out = sys.stdout
+    buf = io.StringIO()
+    if isinstance(out, _PerThreadStdout):
+        out.local.buf = buf
+    try:
+        yield
+    finally:
+        if isinstance(out, _PerThreadStdout):
+            out.local.buf = None
+        lines.extend(l for l in buf.getvalue().splitlines() if l)
+
+
+def main():
+    alloy, work = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+    args = sys.argv[3:]
+    on_devices = "--devices" in args
+    args = [a for a in args if a != "--devices"]
+    # Layouts run side by side: each is a few processes of one thread that wait on each other
+    # about half the time (measured: 1.1 cores busy on average), so two at a time keep two cores
+    # busy. One GPU runs one layout at a time.
+    jobs = int(os.environ.get("ALLOY_PARITY_JOBS", "1" if on_devices else str(min(4, os.cpu_count() or 1))))
+    table = DEVICE_LAYOUTS if on_devices else LAYOUTS
+    wanted = args or list(table)
+    fresh_workdir_with_corpus(alloy, work)
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    layouts = [w for w in wanted if w not in RESHARD_CHAINS]
+    chains = [] if on_devices else [c for c in RESHARD_CHAINS if not args or c in args]
+    # The one-device runs every layout is compared with, first.
+    baselines = {}
+    needed = {("gpt2", 24)} if chains else set()
+    for name in layouts:
+        if on_devices:
+            base_name = DEVICE_LAYOUTS[name][0]
+            alone = base_name is None or base_name.startswith("@")
+            arch, gb = LAYOUTS["dp2-equal" if alone else base_name][:2]
+            if alone and base_name:
+                arch = base_name[1:]
+        else:
+            arch, gb = LAYOUTS[name][:2]
+        needed.add((arch, gb))
+    for arch, gb in sorted(needed):
+        out = os.path.join(work, f"single-{arch}-{gb}")
+        sh([alloy, "train", "--config", config(work, arch, gb, out)], env=env)
+        baselines[(arch, gb)] = losses(out)
+    print(f"{len(layouts)} layouts and {len(chains)} resharding chains, {jobs} at a time", flush=True)
+
+    failures = 0
+    sys.stdout = _PerThreadStdout(sys.stdout)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        runs = {pool.submit(run_layout, alloy, work, env, on_devices, name, baselines): name for name in layouts}
+        runs.update({pool.submit(reshard, alloy, work, env, baselines, chain): chain for chain in chains})
+        for done in concurrent.futures.as_completed(runs):
+            try:
+                ok, report = done.result()
+            except SystemExit:  # sh() wrote the failed command and its output to stderr
+                ok, report = False, f"FAIL {runs[done]:<18} a command failed (above)"
+            failures += not ok
+            print(report, flush=True)
+    for name in layouts:
+        if not on_devices:
+            failures += not compared_to_base(work, name)
+    print(f"{len(layouts) + len(chains) - failures} passed, {failures} failed")
     return 1 if failures else 0
 
 
