@@ -195,6 +195,36 @@ TEST(Sparsify, ThresholdEstimatorsSelectWithinTwentyPercentOfK) {
         }
 }
 
+// DGC after its first step: the last step's k-th magnitude as the hint, one pass, exactly the k
+// largest (the set at::topk picks); a hint that no longer reaches k falls back to the sample.
+TEST(Sparsify, DgcHintedSelectionSendsTheKLargestInOnePass) {
+  const int64_t n = 50000, k = 500;
+  at::Tensor x = laplace(n, 3);
+  auto topk_set = [&](const at::Tensor& t) { return std::get<0>(std::get<1>(at::topk(t.abs(), k)).sort()); };
+  double hint = 0;
+  Selection first = select_dgc(x, k, true, 7, &hint);
+  EXPECT_GT(first.passes, 1);  // no hint yet: the sampled estimate
+  EXPECT_EQ(hint, first.values.narrow(0, 0, first.selected).abs().min().item<double>());
+  const double first_hint = hint;
+  // The next step's residual moves a little: one pass, the k largest, in ascending order.
+  at::Tensor x2 = x * 1.05 + laplace(n, 4) * 0.05;
+  for (bool exact : {true, false}) {
+    hint = first_hint;
+    Selection s = select_dgc(x2, k, exact, 8, &hint);
+    EXPECT_EQ(s.passes, 1);
+    EXPECT_EQ(s.selected, k);
+    EXPECT_TRUE(at::equal(s.indices, topk_set(x2)));
+    EXPECT_TRUE(at::equal(s.values, x2.index_select(0, s.indices)));
+    EXPECT_EQ(hint, x2.abs().index_select(0, s.indices).min().item<double>());
+  }
+  // Shrunk to a third: fewer than k reach 0.85 of the hint, so the sample decides again.
+  at::Tensor x3 = x2 / 3;
+  Selection s = select_dgc(x3, k, true, 9, &hint);
+  EXPECT_GT(s.passes, 1);
+  EXPECT_EQ(s.indices.numel(), k);
+  EXPECT_LT(hint, first_hint / 2);
+}
+
 // Momentum correction is DGC's by default; `on` gives every sparsifier its local velocity, which
 // then appears on the first encode; `off` takes it from DGC too.
 TEST(MomentumCorrection, LocalVelocityFollowsTheMode) {

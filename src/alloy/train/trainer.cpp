@@ -112,6 +112,13 @@ void Trainer::save(int64_t step) {
       if (st.residual.defined()) snap.sync.emplace_back("residual/" + cs->name(), model::to_blob(st.residual));
       if (st.velocity.defined()) snap.sync.emplace_back("velocity/" + cs->name(), model::to_blob(st.velocity));
       for (const auto& [off, q] : st.q) snap.sync.emplace_back("q/" + cs->name() + "/" + std::to_string(off), model::to_blob(q));
+      if (!st.dgc_hint.empty()) {
+        // (offset, hint) pairs: a resumed run selects from the same hints, so the same elements
+        at::Tensor hints = at::empty({static_cast<int64_t>(2 * st.dgc_hint.size())}, at::kDouble);
+        double* h = hints.data_ptr<double>();
+        for (const auto& [off, hint] : st.dgc_hint) *h++ = static_cast<double>(off), *h++ = hint;
+        snap.sync.emplace_back("dgc_hint/" + cs->name(), model::to_blob(hints));
+      }
     }
     snap.sync_key = sync_->state_key(rank_, plan_->grad_sync);
   }

@@ -462,6 +462,16 @@ void Trainer::load_sync_state(const std::string& dir) {
       auto it = saved.find("q/" + cs->name() + "/" + std::to_string(slot.offset));
       if (it != saved.end()) st.q[slot.offset] = it->second.clone();
     }
+    auto hints = saved.find("dgc_hint/" + cs->name());
+    if (hints != saved.end()) {
+      const at::Tensor h = hints->second.to(at::kDouble).contiguous();
+      if (h.numel() % 2 != 0)
+        throw InputError(dir, "gradient-compression state 'dgc_hint/" + cs->name() + "' has an odd number of entries (" +
+                                  std::to_string(h.numel()) + "); it holds (offset, hint) pairs");
+      const double* p = h.data_ptr<double>();
+      st.dgc_hint.clear();
+      for (int64_t i = 0; i < h.numel(); i += 2) st.dgc_hint[static_cast<int64_t>(p[i])] = p[i + 1];
+    }
   }
 }
 

@@ -69,6 +69,7 @@ class SparseCodec : public Codec {
     Selection s;
     if (opt_.method == "topk" || opt_.method == "oktopk") s = select_topk(acc, k);
     else if (opt_.method == "randomk") s = select_randomk(acc, k, seed);
+    else if (method_ == ThresholdMethod::Dgc) s = select_dgc(acc, k, opt_.aligned, seed, &st.dgc_hint[begin]);
     else s = select_threshold(method_, acc, k, opt_.aligned, seed, opt_.sidco_fit, opt_.sidco_stages);
     Encoded e;
     e.begin = begin;

@@ -79,6 +79,7 @@ struct CodecState {
   at::Tensor residual;                // error feedback
   at::Tensor velocity;                // DGC momentum correction
   std::map<int64_t, at::Tensor> q;    // PowerSGD warm start, by tensor offset
+  std::map<int64_t, double> dgc_hint; // DGC: the k-th magnitude each piece sent last, by offset
 };
 
 struct StepContext {

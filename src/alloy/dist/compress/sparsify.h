@@ -47,6 +47,17 @@ at::Tensor randomk_indices(int64_t n, int64_t k, uint64_t seed);
 Selection select_threshold(ThresholdMethod m, const at::Tensor& x, int64_t k, bool exact, uint64_t seed,
                            SidcoFit fit = SidcoFit::Exponential, int stages = 2);
 
+// DGC from the second step of a piece on: HINT holds the k-th largest magnitude the piece sent last
+// step (0: none yet). One pass collects every |x| >= kDgcHintFloor * hint and the k largest of
+// those are sent, in ascending index order, exactly k whether or not EXACT; the residual's
+// distribution moves little from one step to the next, so the candidates hold about 2k. Without a
+// hint, or when fewer than k reach it (the gradient shrank), the sampled estimate of
+// select_threshold. Either way HINT becomes this step's k-th largest magnitude sent. The sampled
+// path costs the sample's gather and top-k plus 2-4 counting and collecting passes over the
+// piece; this one pass. Selection::passes says which ran (1: the hint's).
+constexpr double kDgcHintFloor = 0.85;
+Selection select_dgc(const at::Tensor& x, int64_t k, bool exact, uint64_t seed, double* hint);
+
 // The first estimate of each method before refinement (for tests and the profiler's notes).
 // X: a contiguous float tensor; the thresholds apply to |x|.
 double dgc_threshold(const at::Tensor& x, int64_t k, uint64_t seed);
