@@ -6,27 +6,7 @@ set -uo pipefail
 alloy=$(realpath "$1") work=$2
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 rm -rf "$work"; mkdir -p "$work"; cd "$work"
-fails=0
-ok() { echo "ok   - $1"; }
-bad() { echo "FAIL - $1"; fails=$((fails + 1)); }
-# expect_fail NAME SUBSTRING... -- CMD...: CMD must exit non-zero and print every SUBSTRING.
-expect_fail() {
-  local name=$1; shift
-  local subs=()
-  while [ "$1" != "--" ]; do subs+=("$1"); shift; done; shift
-  local out rc
-  out=$("$@" 2>&1); rc=$?
-  if [ $rc -eq 0 ]; then bad "$name: exited 0"; echo "$out" | tail -5; return; fi
-  for s in "${subs[@]}"; do
-    if ! grep -qF -- "$s" <<<"$out"; then bad "$name: output lacks '$s'"; echo "$out" | tail -5; return; fi
-  done
-  ok "$name"
-}
-# expect_ok NAME CMD...
-expect_ok() {
-  local name=$1; shift
-  if out=$("$@" 2>&1); then ok "$name"; else bad "$name"; echo "$out" | tail -10; fi
-}
+source "$repo/tests/cli/common.sh"
 
 # --- help lists every command and the config keys
 out=$("$alloy" --help)
@@ -149,13 +129,7 @@ expect_fail "plan with a gap rejected before training" "gap.json" "a gap" -- "$a
 [ ! -e gaprun ] && ok "rejected plan started nothing" || bad "rejected plan created output"
 
 # --- profile on real ranks (all at once, and in turns), then --plan auto plans and trains
-cat > pool.yaml <<YAML
-name: two-types
-devices:
-  - {name: big, host: h0, kind: cpu, type: cpu-big, memory_gb: 2, speed: 1.0}
-  - {name: small, host: h1, kind: cpu, type: cpu-small, memory_gb: 2, speed: 0.5}
-default_link: {bandwidth_gbps: 1, latency_ms: 0.1}
-YAML
+cp "$repo/tests/cli/pool-two-types.yaml" pool.yaml
 check_profile() {  # FILE: both types timed (a micro-batch of 4 costs time), the h0-h1 link and the pair's TP sums measured
   /usr/bin/python3 - "$1" <<'PY'
 import json, sys

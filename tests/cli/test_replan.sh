@@ -6,25 +6,13 @@
 # usage: test_replan.sh ALLOY WORKDIR
 set -uo pipefail
 alloy=$(realpath "$1") work=$2
+here=$(cd "$(dirname "$0")" && pwd)
 rm -rf "$work"; mkdir -p "$work"; cd "$work"
-fails=0
-ok() { echo "ok   - $1"; }
-bad() { echo "FAIL - $1"; fails=$((fails + 1)); }
-# expect_ok NAME CMD...
-expect_ok() {
-  local name=$1; shift
-  if out=$("$@" 2>&1); then ok "$name"; else bad "$name"; echo "$out" | tail -10; fi
-}
+source "$here/common.sh"
 
 head -c 200000 /usr/share/games/fortunes/fortunes > corpus.txt
 expect_ok "data prepare" "$alloy" data prepare --input corpus.txt --output data/corpus --valid-fraction 0.1
-cat > pool.yaml <<YAML
-name: two-types
-devices:
-  - {name: big, host: h0, kind: cpu, type: cpu-big, memory_gb: 2, speed: 1.0}
-  - {name: small, host: h1, kind: cpu, type: cpu-small, memory_gb: 2, speed: 0.5}
-default_link: {bandwidth_gbps: 1, latency_ms: 0.1}
-YAML
+cp "$here/pool-two-types.yaml" pool.yaml
 # --- re-planning from measured speeds: a profile that puts the small device 8x slower than the
 # big one (both are the same here) gives it one sample in three; after step 3 the measured compute
 # corrects it, the job switches plans at a checkpoint, and the loss stays the one-device loss.
