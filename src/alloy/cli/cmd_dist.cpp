@@ -129,7 +129,10 @@ void add_dist_commands(CLI::App& app, Action& action) {
                      "rank as first launched, {device} = its --devices entry. Under --emulate a host taken down by "
                      "`alloy emu down` counts as gone too");
   launch->add_option("command", lo->command, "Command to run, after --")->required();
-  launch->footer("Example: alloy launch --nproc 3 -- alloy train --config examples/tiny-gpt2.yaml --plan plan.json");
+  launch->footer(
+      "Example: alloy launch --nproc 3 -- alloy train --config examples/tiny-gpt2.yaml --plan plan.json\n"
+      "Ranks of alloy itself start as forked copies of the launcher, named alloy-rankN (no second LibTorch load);\n"
+      "ALLOY_LAUNCH_EXEC=1 starts every rank by exec instead.");
   launch->callback([lo, emu_path, emu_opts, no_cpu, no_net, no_pin, no_latency, launch, &action]() {
     bool nproc_given = launch->count("--nproc") > 0;
     action = [lo, emu_path, emu_opts, no_cpu, no_net, no_pin, no_latency, nproc_given]() {
