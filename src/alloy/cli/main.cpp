@@ -66,7 +66,7 @@ int alloy::cli::run(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  alloy::prefer_passive_openmp_waits(argv, !alloy::command_computes_nothing(argc, argv));
+  if (!alloy::command_computes_nothing(argc, argv)) alloy::prefer_passive_openmp_waits(argv);
   alloy::tune_allocator_for_training();
   alloy::remember_arguments(argc, argv);
   return alloy::cli::run(argc, argv);

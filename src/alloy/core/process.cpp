@@ -18,10 +18,9 @@ void tune_allocator_for_training() {
   ::mallopt(M_TOP_PAD, 64 << 20);
 }
 
-void prefer_passive_openmp_waits(char** argv, bool reexec) {
+void prefer_passive_openmp_waits(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") || !argv || !argv[0]) return;
   ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
-  if (!reexec) return;
   ::execv("/proc/self/exe", argv);
   // Exec failed (no /proc?): carry on with the runtime's default waits.
 }
@@ -35,7 +34,7 @@ bool command_computes_nothing(int argc, char** argv) {
       continue;
     }
     if (a.rfind("-", 0) == 0) continue;
-    return false;  // a subcommand: its own --help comes after it, and costs nothing worth a rule
+    return a == "launch";  // another subcommand computes (its own --help costs nothing worth a rule)
   }
   return true;  // no subcommand: CLI11 prints what is missing
 }

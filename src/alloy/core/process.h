@@ -21,13 +21,12 @@ void tune_allocator_for_training();
 // libgomp reads it when it is loaded, before main(), so when it is unset this sets it and re-execs
 // the program (/proc/self/exe, same arguments): call it first thing in main(). A value the user
 // set is kept. Returns only if no re-exec happened (or it failed).
-// A process that computes nothing itself (--help, --version) passes reexec = false: the second
-// load of LibTorch (about 0.7 s of CPU) would be most of its run.
-void prefer_passive_openmp_waits(char** argv, bool reexec = true);
+void prefer_passive_openmp_waits(char** argv);
 
-// Whether ARGV only asks `alloy` for --help or --version (before or without a subcommand; the
-// subcommand is the first argument that is not an option, --log-level's value skipped). `alloy
-// launch` does re-exec: its ranks are forked from it with the libraries as it loaded them.
+// Whether ARGV asks `alloy` for --help, --version or `launch` (the subcommand is the first argument
+// that is not an option, --log-level's value skipped): main() then skips the re-exec above, whose
+// second LibTorch load would be most of the run. `launch` decides itself: it re-execs with the
+// ranks' settings only when it forks ranks (cli fork_ranks_when_possible), once, not twice.
 bool command_computes_nothing(int argc, char** argv);
 
 // What `ps` shows for a process that runs another command than it was started with (a rank forked
