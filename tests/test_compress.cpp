@@ -272,8 +272,8 @@ TEST(ErrorFeedback, SentPlusResidualEqualsInputPlusOldResidualExactly) {
     for (int step = 0; step < 3; ++step) {
       at::Tensor grad = normal(n, 20 + static_cast<uint64_t>(step));
       at::Tensor expected = st.residual.clone();
-      // DGC's input is its velocity g + momentum * v (computed as the codec does, one fused op).
-      if (st.velocity.defined()) expected.add_(at::add(grad, st.velocity, o.dgc_momentum));
+      // DGC's input is its velocity g + momentum * v, the product rounded before the sum (as the codec's loop does).
+      if (st.velocity.defined()) expected.add_(at::add(grad, at::mul(st.velocity, o.dgc_momentum)));
       else expected.add_(grad);
       StepContext ctx;
       ctx.step = step;
@@ -594,7 +594,7 @@ RC_GTEST_PROP(ErrorFeedbackProperty, ExactForEveryLossyMethodAndSize, ()) {
   if (g.local_velocity()) st.velocity = normal(n, 7);
   at::Tensor grad = normal(n, *rc::gen::inRange<uint64_t>(1000, 2000));
   at::Tensor expected = st.residual.clone();
-  if (st.velocity.defined()) expected.add_(at::add(grad, st.velocity, o.dgc_momentum));
+  if (st.velocity.defined()) expected.add_(at::add(grad, at::mul(st.velocity, o.dgc_momentum)));
   else expected.add_(grad);
   StepContext ctx;
   ctx.seed = *rc::gen::inRange<uint64_t>(0, 1u << 30);

@@ -158,6 +158,50 @@ TEST(Train, CheckpointWithoutStateIsRejectedClearly) {
   }
 }
 
+// On the CPU, fp32 parameters update in one fused loop (core/fused_loops.h); it follows
+// torch.optim.AdamW's operators (float64 parameters still run them) within float rounding, with
+// and without weight decay, across the chunks the loop is split into.
+TEST(AdamW, FusedCpuLoopFollowsTorchsOperators) {
+  using alloy::train::AdamW;
+  const std::vector<int64_t> sizes = {3, 70001};  // the second spans several parallel chunks
+  std::vector<alloy::model::Param> ps;
+  for (size_t i = 0; i < sizes.size(); ++i)
+    for (bool decay : {false, true})
+      ps.push_back({"p" + std::to_string(ps.size()), at::randn({sizes[i]}, at::kFloat), decay});
+  std::vector<at::Tensor> w, m, v;
+  std::vector<alloy::model::Param*> pp;
+  for (auto& p : ps) {
+    w.push_back(p.tensor.clone()), m.push_back(at::zeros_like(p.tensor)), v.push_back(at::zeros_like(p.tensor));
+    pp.push_back(&p);
+  }
+  const AdamW::Options o{0.9, 0.95, 1e-8, 0.1};
+  AdamW opt(pp, o);
+  const double lr = 1e-2;
+  for (int t = 1; t <= 4; ++t) {
+    for (size_t i = 0; i < ps.size(); ++i) {
+      at::Tensor g = at::randn_like(ps[i].tensor);
+      ps[i].tensor.mutable_grad() = g;
+      // torch.optim.AdamW, single-tensor: decay, both moments, the bias-corrected step.
+      if (ps[i].decay) w[i].mul_(1 - lr * o.weight_decay);
+      m[i].mul_(o.beta1).add_(g, 1 - o.beta1);
+      v[i].mul_(o.beta2).addcmul_(g, g, 1 - o.beta2);
+      at::Tensor denom = v[i].sqrt().div_(std::sqrt(1 - std::pow(o.beta2, t))).add_(o.eps);
+      w[i].addcdiv_(m[i], denom, -lr / (1 - std::pow(o.beta1, t)));
+    }
+    opt.step(lr);
+    opt.zero_grad();
+  }
+  const auto state = opt.state();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    EXPECT_TRUE(at::allclose(ps[i].tensor, w[i], 1e-6, 1e-7)) << ps[i].name << ": " << (ps[i].tensor - w[i]).abs().max();
+  }
+  for (const auto& [name, t] : state) {
+    const size_t i = static_cast<size_t>(std::stoi(name.substr(name.find(".p") + 2)));
+    const at::Tensor& want = name.rfind("exp_avg_sq.", 0) == 0 ? v[i] : m[i];
+    EXPECT_TRUE(at::allclose(t, want, 1e-5, 1e-6)) << name << ": " << (t - want).abs().max();
+  }
+}
+
 // Sparsely synced parameters: after the exact steps AdamW's second moment stays where it was (with
 // a floor for elements those steps never moved) and the update is linear in what arrives.
 TEST(AdamW, ReadsSparseArrivalsLinearlyAfterTheExactSteps) {

@@ -1,5 +1,6 @@
 #include "alloy/train/optimizer.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/version.h>
 
@@ -7,6 +8,7 @@
 #include <cmath>
 
 #include "alloy/core/error.h"
+#include "alloy/core/fused_loops.h"
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
 #define ALLOY_FUSED_ADAMW 1
@@ -49,6 +51,15 @@ bool AdamW::fusable(const Slot& s, const at::Tensor& w, const at::Tensor& g) con
 #endif
 }
 
+bool AdamW::cpu_fusable(const at::Tensor& w, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v) {
+  // The fused loop (core/fused_loops.h): plain fp32 arrays of one size on the CPU, none sharing memory.
+  auto plain = [&](const at::Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && !t.is_sparse() && t.numel() == w.numel();
+  };
+  return plain(w) && plain(g) && plain(m) && plain(v) && g.data_ptr() != w.data_ptr() &&
+         g.data_ptr() != m.data_ptr() && g.data_ptr() != v.data_ptr();
+}
+
 void AdamW::step(double lr) {
   at::NoGradGuard ng;
   ++t_;
@@ -70,8 +81,8 @@ void AdamW::step(double lr) {
       fused[s.p->decay && o_.weight_decay != 0.0 ? 1 : 0].push_back({&s, w, g});
       continue;
     }
-    if (s.p->decay && o_.weight_decay != 0.0) w.mul_(1.0 - lr * o_.weight_decay);
     if (s.linear_after >= 0 && t_ > s.linear_after) {
+      if (s.p->decay && o_.weight_decay != 0.0) w.mul_(1.0 - lr * o_.weight_decay);
       // Once, at the first linear step: a checkpoint after it holds the floored v.
       if (t_ == s.linear_after + 1) s.v.clamp_min_(0.01 * s.v.mean().item<double>());
       const double bc2_frozen = 1.0 - std::pow(o_.beta2, static_cast<double>(s.linear_after));
@@ -84,6 +95,19 @@ void AdamW::step(double lr) {
       }
       continue;
     }
+    if (cpu_fusable(w, g, s.m, s.v)) {
+      AdamWStep k;
+      k.decay_mul = s.p->decay && o_.weight_decay != 0.0 ? static_cast<float>(1.0 - lr * o_.weight_decay) : 1.0f;
+      k.beta1 = static_cast<float>(o_.beta1), k.one_minus_beta1 = static_cast<float>(1.0 - o_.beta1);
+      k.beta2 = static_cast<float>(o_.beta2), k.one_minus_beta2 = static_cast<float>(1.0 - o_.beta2);
+      k.bias_correction2_sqrt = static_cast<float>(bc2_sqrt), k.eps = static_cast<float>(o_.eps);
+      k.neg_step_size = static_cast<float>(-step_size);
+      float *pw = w.data_ptr<float>(), *pm = s.m.data_ptr<float>(), *pv = s.v.data_ptr<float>();
+      const float* pg = g.data_ptr<float>();
+      at::parallel_for(0, w.numel(), 1 << 15, [&](int64_t lo, int64_t hi) { adamw_update(pw + lo, pg + lo, pm + lo, pv + lo, hi - lo, k); });
+      continue;
+    }
+    if (s.p->decay && o_.weight_decay != 0.0) w.mul_(1.0 - lr * o_.weight_decay);
     s.m.mul_(o_.beta1).add_(g, 1.0 - o_.beta1);
     s.v.mul_(o_.beta2).addcmul_(g, g, 1.0 - o_.beta2);
     at::Tensor denom = s.v.sqrt().div_(bc2_sqrt).add_(o_.eps);

@@ -71,6 +71,7 @@ class AdamW {
     double momentum = 0;
   };
   bool fusable(const Slot& s, const at::Tensor& w, const at::Tensor& g) const;
+  static bool cpu_fusable(const at::Tensor& w, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v);
   std::vector<Slot> slots_;
   std::map<std::string, at::Tensor> fused_steps_;  // the fused kernel's step count, per device
   int64_t fused_last_ = 0;

@@ -112,6 +112,10 @@ class Codec {
   virtual Encoded encode(const at::Tensor& g, int64_t begin, int64_t numel, const std::vector<TensorSlot>& slots, CodecState& st,
                          const StepContext& ctx) = 0;
   virtual at::Tensor exchange(std::vector<Encoded>& parts, const BufferLayout& layout, Comm& comm, const StepContext& ctx) = 0;
+  // The elements (int32) exchange() will all-gather for LAYOUT at CTX's step, when known before
+  // encoding (aligned sparsifiers: exactly k per piece), so their receives can be posted at the
+  // step's start (Comm::post_allgather); -1 when not known or not an all-gather.
+  virtual int64_t gather_numel(const BufferLayout& /*layout*/, const StepContext& /*ctx*/) const { return -1; }
   // Writes the sum over contributors of the buffer's elements into OUT (the set's flat output).
   virtual void decode(const at::Tensor& wire, const BufferLayout& layout, at::Tensor& out, const StepContext& ctx) = 0;
   // The encoder, once OUT holds the decoded sum (PowerSGD keeps M - sum / contributors).

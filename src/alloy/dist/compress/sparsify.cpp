@@ -238,42 +238,52 @@ Selection select_threshold(ThresholdMethod m, const at::Tensor& xin, int64_t k, 
   return s;
 }
 
+namespace {
+// The smallest magnitude sent is the k-th largest (or, short of k, the threshold's neighbour).
+void remember_kth(const Selection& s, double* hint) {
+  *hint = s.selected > 0 ? s.values.narrow(0, 0, s.selected).abs().min().item<double>() : 0.0;
+}
+}  // namespace
+
+bool dgc_hint_usable(int64_t n, int64_t k, double hint) { return k < n && hint > 0 && std::isfinite(hint); }
+
+bool select_dgc_candidates(const at::Tensor& x, int64_t k, std::vector<int64_t>& cand, double* hint, Selection& s) {
+  if (static_cast<int64_t>(cand.size()) < k) return false;
+  const float* p = x.data_ptr<float>();
+  // The k largest: ties at the k-th magnitude go to the lower index, so every run picks the same.
+  auto larger = [p](int64_t a, int64_t b) {
+    const float fa = std::fabs(p[a]), fb = std::fabs(p[b]);
+    return fa > fb || (fa == fb && a < b);
+  };
+  std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), larger);
+  cand.resize(static_cast<size_t>(k));
+  std::sort(cand.begin(), cand.end());
+  s = Selection{};
+  s.indices = at::empty({k}, at::kLong);
+  std::copy(cand.begin(), cand.end(), s.indices.data_ptr<int64_t>());
+  s.values = x.index_select(0, s.indices);
+  s.selected = k;
+  s.passes = 1;
+  remember_kth(s, hint);
+  s.threshold = *hint;
+  return true;
+}
+
 Selection select_dgc(const at::Tensor& xin, int64_t k, bool exact, uint64_t seed, double* hint) {
   at::Tensor x = xin.contiguous();
   const int64_t n = x.numel();
-  auto remember = [&](const Selection& s) {
-    // The smallest magnitude sent is the k-th largest (or, short of k, the threshold's neighbour).
-    *hint = s.selected > 0 ? s.values.narrow(0, 0, s.selected).abs().min().item<double>() : 0.0;
-  };
-  if (k < n && *hint > 0 && std::isfinite(*hint)) {
+  if (dgc_hint_usable(n, k, *hint)) {
     const float* p = x.data_ptr<float>();
     const float floor = static_cast<float>(kDgcHintFloor * *hint);
     std::vector<int64_t> cand;
     cand.reserve(static_cast<size_t>(3 * k));
     for (int64_t i = 0; i < n; ++i)
       if (std::fabs(p[i]) >= floor) cand.push_back(i);
-    if (static_cast<int64_t>(cand.size()) >= k) {
-      // The k largest: ties at the k-th magnitude go to the lower index, so every run picks the same.
-      auto larger = [p](int64_t a, int64_t b) {
-        const float fa = std::fabs(p[a]), fb = std::fabs(p[b]);
-        return fa > fb || (fa == fb && a < b);
-      };
-      std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), larger);
-      cand.resize(static_cast<size_t>(k));
-      std::sort(cand.begin(), cand.end());
-      Selection s;
-      s.indices = at::empty({k}, at::kLong);
-      std::copy(cand.begin(), cand.end(), s.indices.data_ptr<int64_t>());
-      s.values = x.index_select(0, s.indices);
-      s.selected = k;
-      s.passes = 1;
-      remember(s);
-      s.threshold = *hint;
-      return s;
-    }
+    Selection s;
+    if (select_dgc_candidates(x, k, cand, hint, s)) return s;
   }
   Selection s = select_threshold(ThresholdMethod::Dgc, x, k, exact, seed);
-  remember(s);
+  remember_kth(s, hint);
   return s;
 }
 

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace alloy::dist::compress {
 
@@ -57,6 +58,12 @@ Selection select_threshold(ThresholdMethod m, const at::Tensor& x, int64_t k, bo
 // piece; this one pass. Selection::passes says which ran (1: the hint's).
 constexpr double kDgcHintFloor = 0.85;
 Selection select_dgc(const at::Tensor& x, int64_t k, bool exact, uint64_t seed, double* hint);
+// Its two halves, for a caller that scans for candidates in its own pass (codec.cpp fuses the scan
+// with the accumulation): whether HINT can start the selection of k of N, and the k largest of X
+// at CAND (every index with |x| >= kDgcHintFloor * hint, ascending), into S with HINT updated;
+// false (S and HINT untouched) when fewer than k reached the floor.
+bool dgc_hint_usable(int64_t n, int64_t k, double hint);
+bool select_dgc_candidates(const at::Tensor& x, int64_t k, std::vector<int64_t>& cand, double* hint, Selection& s);
 
 // The first estimate of each method before refinement (for tests and the profiler's notes).
 // X: a contiguous float tensor; the thresholds apply to |x|.
