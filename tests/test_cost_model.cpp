@@ -542,10 +542,11 @@ TEST(CostModel, TheStepsWorldSumFollowsTheTree) {
   dp.global_batch = 4;
   for (int r = 0; r < 4; ++r) dp.pipelines.push_back({1, 1, {stage(r, 0, 4, c.devices[static_cast<size_t>(r)].name)}});
   EXPECT_NEAR(simulate_plan(dp, c, p).world_allreduce_s, ctx.world_allreduce_s(), 1e-12);
-  // Told to sum along rings, the trainer all-gathers the figures around Gloo's ring: 3 of its 4
-  // hops, each member's figures passed on 3 times.
+  // Told to sum along rings, the trainer sends every member's figures straight to the others'
+  // receives posted at the step's start: the longest latency once (the ring's hop between the
+  // regions), and each member's uplink carries its figures 3 times.
   dp.grad_sync.allreduce = "ring";
-  EXPECT_NEAR(simulate_plan(dp, c, p).world_allreduce_s, 3.0 / 4 * (2 * 40e-3 + 2 * 0.1e-3) + 3 * CostContext::kWorldSumBytes / (0.1e9 / 8), 1e-9);
+  EXPECT_NEAR(simulate_plan(dp, c, p).world_allreduce_s, 40e-3 + 3 * CostContext::kWorldSumBytes / (0.1e9 / 8), 1e-9);
 }
 
 // Sets whose rings cross the same link share it: a link carrying two equal sets gives each half.

@@ -58,6 +58,14 @@ expect_fail "output dir not writable" "afile/run" -- "$alloy" train --config tin
 expect_fail "vocab too small for data" "model.vocab_size" -- "$alloy" train --config tiny.yaml --set model.vocab_size=100 --set output.dir=run2
 [ "$before" = "$(md5sum run/metrics.jsonl run/checkpoints/latest)" ] && ok "failed runs left the run untouched" || bad "run modified"
 
+# --- a Chrome trace of the step asked for, and a step outside the run named
+expect_ok "trace of step 3" "$alloy" train --config tiny.yaml --set output.dir=tracerun --set train.steps=4 --set train.eval_interval=0 \
+  --trace trace.json --trace-step 3
+/usr/bin/python3 -c "import json,sys; n={e['name'] for e in json.load(open('trace.json'))['traceEvents']}; sys.exit(0 if {'F0','B0','clip and optimizer'} <= n else 1)" \
+  && ok "the trace holds the step's forward, backward and optimizer" || bad "trace spans: $(head -c 300 trace.json)"
+expect_fail "trace step outside the run" "--trace-step" "step 9" "1 to 4" -- \
+  "$alloy" train --config tiny.yaml --set output.dir=tracerun2 --set train.steps=4 --trace t2.json --trace-step 9
+
 # --- export to HuggingFace names, import back, eval both the same
 expect_ok "export" "$alloy" export --checkpoint run --output hf/model.safetensors
 grep -q '"n_layer": 2' hf/config.json && ok "config.json" || bad "config.json"

@@ -116,7 +116,10 @@ def main():
 
     # Top-k at density 1.0 with error feedback = exact, across layouts, fusions and topologies.
     # Ok-Topk's split-and-reduce (an all-to-all over Gloo) over three ranks, exact at density 1 too.
-    for method, layout, fusion in [("topk", "dp2", "saf-adaptive"), ("topk", "dp3", "tensor"), ("topk", "pp2", "bucket"),
+    # Aligned fusions (saf-inter, saf-adaptive) gather through receives posted at the step's start
+    # (compress/comm.h), two and three members.
+    for method, layout, fusion in [("topk", "dp2", "saf-adaptive"), ("topk", "dp3", "tensor"), ("topk", "dp3", "saf-inter"),
+                                   ("topk", "pp2", "bucket"),
                                    ("topk", "mixed", "omgs"), ("topk", "mixed", "saf"), ("topk", "regions", "saf-adaptive"),
                                    ("oktopk", "dp3", "saf-adaptive")]:
         scope = "slow-links" if layout == "regions" else "all"

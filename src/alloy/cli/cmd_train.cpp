@@ -37,6 +37,7 @@ struct TrainArgs {
   std::vector<std::string> sets;
   bool resume = false, auto_resume = false;
   std::string resume_from, init_weights, trace;
+  int64_t trace_step = 0;
   train::PlanSources src;
   dist::RendezvousFlags rv;
   double timeout_s = 300;
@@ -220,6 +221,9 @@ void add_train_commands(CLI::App& app, Action& action) {
       ->group(g_plan);
   cmd->add_option("--trace", a->trace, "Write a Chrome trace (chrome://tracing, Perfetto) of one step's schedule, all ranks")
       ->group(g_plan);
+  cmd->add_option("--trace-step", a->trace_step,
+                  "The step --trace records (counted from 1 as in metrics.jsonl); default: the second step of this run")
+      ->group(g_plan)->check(CLI::PositiveNumber);
 
   auto* g_sf = "SynerFuse / Megatron flags (instead of a plan)";
   cmd->add_option("--num-layers", a->src.synerfuse.num_layers, "Transformer blocks (model.layers)")->group(g_sf);
@@ -417,6 +421,7 @@ void add_train_commands(CLI::App& app, Action& action) {
         }
         o.init_weights = a->init_weights.empty() ? load_weights_only : a->init_weights;
         o.trace = a->trace;
+        o.trace_step = a->trace_step;
         o.world = world;
         train::TrainResult all = train::train_with_replanning(cfg, o, rp);
         if (all.stopped_for_rejoin) exit_code = dist::kExitRejoin;

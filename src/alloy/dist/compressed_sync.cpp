@@ -314,6 +314,14 @@ void CompressedSync::run_step() {
   const size_t n = slots_.size();
   std::vector<std::pair<double, double>> exchanges;
   const int64_t bytes_before = wire_bytes();
+  // Every buffer's receives posted now, at the step's start, where their sizes are known: each
+  // exchange then crosses the link once instead of a round trip first (compress/comm.h).
+  compress::Comm* exchanging = topo_.hierarchical() ? topo_.leaders.get() : topo_.flat.get();
+  if (exchanging) {
+    exchanging->cancel_posted();  // a step that failed may have left some
+    for (size_t b = 0; b < fusion_.starts.size(); ++b)
+      if (const int64_t numel = codec_->gather_numel(layout_of(b), ctx); numel >= 0) exchanging->post_allgather(numel, at::kInt);
+  }
   for (size_t b = 0; b < fusion_.starts.size(); ++b) {
     const size_t lo = fusion_.starts[b], hi = fusion_.buffer_of_end(b, n);
     BufferLayout L = layout_of(b);
@@ -367,6 +375,8 @@ void CompressedSync::run_step() {
   }
   stats_.bytes_sent = wire_bytes() - bytes_before;
   stats_.buffers = static_cast<int64_t>(fusion_.starts.size());
+  if (exchanging && exchanging->cancel_posted() > 0)
+    throw Error("gradient sync " + name_ + ": receives posted for this step's exchanges were not all used (their sizes differed)");
   if (state_.residual.defined()) stats_.residual_sq = at::dot(state_.residual, state_.residual).item<double>();
   // What the measuring fusion strategies learn from this step (the hooks are all done: every
   // buffer was waited for).

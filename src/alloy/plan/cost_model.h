@@ -383,6 +383,7 @@ class CostContext {
   struct Ring {
     int n = 0;
     double slowest_bytes_per_s = 0, latency_sum_s = 0;
+    double max_latency_s = 0;  // the ring's longest hop
   };
   Ring ring(const std::vector<int>& devices_in_order, const LinkLoads* loads = nullptr, double own = 0) const;
 
@@ -448,6 +449,10 @@ class CostContext {
   }
   double allreduce_s(const Ring& r, double bytes, double bucket_bytes, int64_t* buckets = nullptr) const;
   double allgather_s(const Ring& r, double bytes_per_member) const;
+  // An all-gather into receives posted beforehand (Comm::post_allgather, Group::post_sum_small):
+  // every member sends straight to every other, so one latency, the longest, where Gloo's ring
+  // passes blocks on n - 1 times; the bytes are the ring's, n - 1 blocks through each member.
+  double posted_gather_s(const Ring& r, double bytes_per_member) const;
   // ZeRO's gather of a set of BYTES among ring R, each member receiving the others' ranges (the
   // smallest share MIN_SHARE: the member receiving most).
   double shard_gather_s(const Ring& r, double bytes, double min_share) const;

@@ -29,7 +29,7 @@ double CostContext::world_sum_s(const std::vector<int>& d) const {
     std::sort(order.begin(), order.end(), [&](int a, int b) { return ring_less(d[static_cast<size_t>(a)], a, d[static_cast<size_t>(b)], b); });
     std::vector<int> devs;
     for (int i : order) devs.push_back(d[static_cast<size_t>(i)]);
-    return allgather_s(ring(devs), kWorldSumBytes);  // Group::sum_small: an all-gather, summed locally
+    return posted_gather_s(ring(devs), kWorldSumBytes);  // PostedSum: sent straight to posted receives, summed locally
   }
   // Every member's figures climb to the root and the total comes back down each edge: a path's
   // latencies both ways. (A few bytes go out at once: measured over an emulated 20 ms link, a
@@ -292,6 +292,11 @@ double CostContext::allgather_s(const Ring& r, double per_member) const {
   return static_cast<double>(r.n - 1) / r.n * r.latency_sum_s + (r.n - 1) * per_member / r.slowest_bytes_per_s;
 }
 
+double CostContext::posted_gather_s(const Ring& r, double per_member) const {
+  if (r.n < 2) return 0;
+  return r.max_latency_s + (r.n - 1) * per_member / r.slowest_bytes_per_s;
+}
+
 double CostContext::bucket_s(const SyncShape& s, double bytes, int64_t* collectives) const {
   if (s.tree) {
     const double nb = std::max(1.0, std::ceil(bytes / bucket_bytes()));
@@ -304,8 +309,11 @@ double CostContext::bucket_s(const SyncShape& s, double bytes, int64_t* collecti
   const std::string& m = gs_.compression;
   auto exchange = [&](const Ring& r) {
     if (gathers(m)) {
-      // Without aligned fusion the members first exchange their sizes: one more round of latency.
-      const bool sizes = !(gs_.fusion == "saf-inter" || gs_.fusion == "saf-adaptive") && m != "bf16";
+      // Aligned fusion gathers into receives posted at the step's start (compress/comm.h);
+      // without it the members first exchange their sizes: one more round of latency.
+      const bool aligned = gs_.fusion == "saf-inter" || gs_.fusion == "saf-adaptive";
+      if (aligned && m != "bf16") return posted_gather_s(r, wire);
+      const bool sizes = m != "bf16";
       return allgather_s(r, wire) + (sizes && r.n > 1 ? static_cast<double>(r.n - 1) / r.n * r.latency_sum_s : 0.0);
     }
     const double t = allreduce_s(r, wire, 0);
@@ -348,6 +356,7 @@ CostContext::Ring CostContext::ring(const std::vector<int>& d, const LinkLoads* 
     const double share = loads ? loads->factor(hop_link_[k], own) : 1.0;
     r.slowest_bytes_per_s = std::min(r.slowest_bytes_per_s, ring_bw_[k] / share);
     r.latency_sum_s += lat_[k];
+    r.max_latency_s = std::max(r.max_latency_s, lat_[k]);
   }
   return r;
 }

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "alloy/core/error.h"
 #include "alloy/core/fs.h"
 #include "alloy/core/log.h"
 #include "alloy/dist/reducer.h"
@@ -24,6 +25,12 @@
 #include "alloy/train/metrics.h"
 
 namespace alloy::train {
+
+namespace {
+// Tags of the step's posted figure sums on the world group (two, alternating by step): the
+// world group's other point-to-point messages are the profiler's, in runs of their own.
+constexpr int kFiguresTag = 0x5f160000;
+}  // namespace
 
 std::vector<pipeline::MicroBatch> Trainer::micro_batches(const data::TokenWindows& src, const std::vector<uint64_t>& samples,
                                                          int64_t mbs, int64_t first_place) const {
@@ -214,7 +221,12 @@ TrainResult Trainer::run() {
   Progress progress("train", static_cast<uint64_t>(t.steps), opts_.quiet);
   auto run_start = std::chrono::steady_clock::now();
   double last_val = std::nan("");
-  const int64_t trace_step = opts_.trace.empty() ? -1 : std::min(start_step_ + 1, t.steps - 1);
+  if (!opts_.trace.empty() && opts_.trace_step > 0 && (opts_.trace_step <= start_step_ || opts_.trace_step > t.steps))
+    throw InputError("--trace-step", "step " + std::to_string(opts_.trace_step) + " is not among this run's steps (" +
+                                         std::to_string(start_step_ + 1) + " to " + std::to_string(t.steps) + ")");
+  const int64_t trace_step = opts_.trace.empty() ? -1
+                             : opts_.trace_step > 0 ? opts_.trace_step - 1
+                                                    : std::min(start_step_ + 1, t.steps - 1);
 
   for (int64_t step = start_step_; step < t.steps; ++step) {
     if (world_) world_->set_progress(step);
@@ -229,6 +241,10 @@ TrainResult Trainer::run() {
     // This pipeline's consecutive slice of the global batch, cut into its micro-batches.
     std::vector<uint64_t> samples = sampler_->take(static_cast<uint64_t>(step * gb + offset), static_cast<uint64_t>(mine));
     if (reducer_) reducer_->begin_step(step, t0);
+    // The receives of the step's figures (below) posted now: their sum then crosses each link once.
+    constexpr int64_t kFigures = 8;
+    dist::PostedSum figures_sum = world_ ? world_->all().post_sum_small(kFigures, at::kDouble, kFiguresTag + static_cast<int>(step % 2))
+                                         : dist::PostedSum{};
     pipeline::reset_memory_peak(device_);  // a CUDA allocator's exact peak over the step
     exec_->dropout_seed = static_cast<uint64_t>(cfg_.train.seed);
     exec_->step = step;
@@ -264,7 +280,9 @@ TrainResult Trainer::run() {
                                      static_cast<double>(sync.bytes_sent + cs.bytes_sent + gather_bytes), static_cast<double>(cs.elements),
                                      static_cast<double>(cs.selected), cs.encode_s + cs.decode_s, cs.residual_sq},
                                     at::kDouble);
-    if (world_) world_->all().sum_small(figures, "sum of the step's loss, gradient norm and sync figures");
+    const auto sum_t0 = std::chrono::steady_clock::now();
+    if (world_) figures_sum.finish(figures, "sum of the step's loss, gradient norm and sync figures");
+    const auto opt_t0 = std::chrono::steady_clock::now();
     double sums[3] = {figures[0].item<double>(), figures[1].item<double>(), figures[2].item<double>()};
     const at::Tensor sync_fig = figures.narrow(0, 3, 5);
     const std::vector<model::Param*>& clipped = split_clip ? dense_params : params;
@@ -296,6 +314,11 @@ TrainResult Trainer::run() {
         log_warn("step " + std::to_string(step + 1) + ": the gradients overflowed at loss scale 2^" +
                  std::to_string(static_cast<int>(std::log2(scale))) + ": step skipped, the scale is now 2^" +
                  std::to_string(static_cast<int>(std::log2(scaler_.scale()))));
+    }
+    if (tracing) {
+      auto us = [&](std::chrono::steady_clock::time_point a) { return std::chrono::duration<double, std::micro>(a - t0).count(); };
+      exec_->trace().push_back({"sum of the step's figures", "sync", us(sum_t0), us(opt_t0) - us(sum_t0)});
+      exec_->trace().push_back({"clip and optimizer", "compute", us(opt_t0), us(std::chrono::steady_clock::now()) - us(opt_t0)});
     }
     // AdamW's state exists from its first step; on CUDA the allocator saw every transient peak.
     step_peak_bytes = std::max({step_peak_bytes, pipeline::memory_in_use(device_), pipeline::memory_peak(device_)});

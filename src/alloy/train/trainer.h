@@ -44,6 +44,7 @@ struct TrainOptions {
   std::shared_ptr<Plan> plan; // null = one device, the whole model
   std::shared_ptr<dist::World> world;  // null = single process
   std::string trace;          // write a Chrome trace of the schedule of the first traced steps here
+  int64_t trace_step = 0;     // the step traced, from 1 (0: the run's second step)
   // Re-planning from measured speeds (with a world): after step REPLAN_AT (1-based) every rank
   // reports its median compute per step over the steps after its first, and rank 0 calls REPLAN
   // with them (rank -> seconds). When it returns a plan, every rank checkpoints and run() returns
