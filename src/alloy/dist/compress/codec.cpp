@@ -29,40 +29,33 @@ void ensure_state(CodecState& st, const at::Tensor& g, const Options& o) {
     st.velocity = at::zeros_like(g);
 }
 
-// DGC's accumulation and its hinted candidate scan as one pass over CPU float arrays
-// (core/fused_loops.h) once the piece has a hint: the velocity, residual and scan of 10.75M
-// elements are otherwise three passes of ATen (measured: about 1/3 of a step's encoding).
-bool dgc_fuses(const at::Tensor& g, int64_t begin, int64_t numel, int64_t k, CodecState& st, const Options& o) {
-  auto plain = [](const at::Tensor& t) { return t.defined() && t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(); };
-  auto it = st.dgc_hint.find(begin);
-  return o.error_feedback && plain(st.velocity) && plain(st.residual) && plain(g) && it != st.dgc_hint.end() &&
-         dgc_hint_usable(numel, k, it->second);
-}
+bool plain_cpu_float(const at::Tensor& t) { return t.defined() && t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(); }
 
-// What accumulate() computes (the residual, returned), with CAND every index of the piece (from 0)
-// whose accumulated magnitude reaches kDgcHintFloor times the hint, ascending.
-at::Tensor accumulate_dgc_scan(const at::Tensor& g, int64_t begin, int64_t numel, CodecState& st, const Options& o,
-                               std::vector<int64_t>& cand) {
+// accumulate() with the velocity as one pass over CPU float arrays (core/fused_loops.h); with CAND,
+// also DGC's hinted candidate scan in the same pass: every index of the piece (from 0) whose
+// accumulated magnitude reaches FLOOR, ascending. Fixed chunks, each with its own candidates joined
+// in order: the same list on any thread count.
+void accumulate_fused(const at::Tensor& g, int64_t begin, int64_t numel, CodecState& st, const Options& o, float floor,
+                      std::vector<int64_t>* cand) {
   const float* gp = g.data_ptr<float>() + begin;
   float* v = st.velocity.data_ptr<float>() + begin;
   float* r = st.residual.data_ptr<float>() + begin;
   const float momentum = static_cast<float>(o.dgc_momentum);
-  const float floor = static_cast<float>(kDgcHintFloor * st.dgc_hint.at(begin));
-  // Fixed chunks, each with its own candidates joined in order: the same list on any thread count.
   constexpr int64_t kChunk = int64_t(1) << 18;
   const int64_t chunks = (numel + kChunk - 1) / kChunk;
-  std::vector<std::vector<int64_t>> found(static_cast<size_t>(chunks));
+  std::vector<std::vector<int64_t>> found(cand ? static_cast<size_t>(chunks) : 0);
   at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t c = lo; c < hi; ++c) {
       const int64_t at = c * kChunk, len = std::min(kChunk, numel - at);
-      dgc_accumulate_scan(gp + at, v + at, r + at, len, momentum, floor, at, found[static_cast<size_t>(c)]);
+      if (cand) dgc_accumulate_scan(gp + at, v + at, r + at, len, momentum, floor, at, found[static_cast<size_t>(c)]);
+      else dgc_accumulate(gp + at, v + at, r + at, len, momentum);
     }
   });
+  if (!cand) return;
   size_t total = 0;
   for (const auto& f : found) total += f.size();
-  cand.reserve(total);
-  for (const auto& f : found) cand.insert(cand.end(), f.begin(), f.end());
-  return st.residual.narrow(0, begin, numel);
+  cand->reserve(total);
+  for (const auto& f : found) cand->insert(cand->end(), f.begin(), f.end());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -104,25 +97,23 @@ class SparseCodec : public Codec {
     const int64_t k = target_count(numel, opt_.density_at(ctx.step));
     const uint64_t seed = mix(ctx.seed, static_cast<uint64_t>(begin));
     Selection s;
-    bool selected = false;
-    at::Tensor acc;
-    if (method_ == ThresholdMethod::Dgc && dgc_fuses(g, begin, numel, k, st, opt_)) {
+    double* hint = opt_.method == "dgc" ? &st.dgc_hint[begin] : nullptr;  // 0 until its first selection
+    if (hint && opt_.error_feedback && plain_cpu_float(g) && plain_cpu_float(st.velocity) && plain_cpu_float(st.residual) &&
+        dgc_hint_usable(numel, k, *hint)) {
+      // The hinted candidates come out of the accumulation's own pass.
       std::vector<int64_t> cand;
-      acc = accumulate_dgc_scan(g, begin, numel, st, opt_, cand);
-      selected = select_dgc_candidates(acc, k, cand, &st.dgc_hint[begin], s);
+      accumulate_fused(g, begin, numel, st, opt_, static_cast<float>(kDgcHintFloor * *hint), &cand);
+      at::Tensor acc = st.residual.narrow(0, begin, numel);
+      if (!select_dgc_candidates(acc, k, cand, hint, s)) {
+        *hint = 0;  // fewer than k reached it: select_dgc would scan again for nothing
+        s = select_dgc(acc, k, opt_.aligned, seed, hint);
+      }
     } else {
-      acc = accumulate(g, begin, numel, st, opt_);
-    }
-    if (selected) {
-      // the fused pass's candidates held k
-    } else if (opt_.method == "topk" || opt_.method == "oktopk") {
-      s = select_topk(acc, k);
-    } else if (opt_.method == "randomk") {
-      s = select_randomk(acc, k, seed);
-    } else if (method_ == ThresholdMethod::Dgc) {
-      s = select_dgc(acc, k, opt_.aligned, seed, &st.dgc_hint[begin]);
-    } else {
-      s = select_threshold(method_, acc, k, opt_.aligned, seed, opt_.sidco_fit, opt_.sidco_stages);
+      at::Tensor acc = accumulate(g, begin, numel, st, opt_);
+      if (opt_.method == "topk" || opt_.method == "oktopk") s = select_topk(acc, k);
+      else if (opt_.method == "randomk") s = select_randomk(acc, k, seed);
+      else if (hint) s = select_dgc(acc, k, opt_.aligned, seed, hint);
+      else s = select_threshold(method_, acc, k, opt_.aligned, seed, opt_.sidco_fit, opt_.sidco_stages);
     }
     Encoded e;
     e.begin = begin;
@@ -433,14 +424,8 @@ at::Tensor accumulate(const at::Tensor& g, int64_t begin, int64_t numel, CodecSt
   at::Tensor grad = g.narrow(0, begin, numel);
   if (!o.error_feedback) return grad;
   at::Tensor res = st.residual.narrow(0, begin, numel);
-  auto plain = [](const at::Tensor& t) { return t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(); };
-  if (st.velocity.defined() && plain(grad) && plain(st.velocity) && plain(st.residual)) {
-    // v = g + momentum * v; r += v: one pass (core/fused_loops.h), the arithmetic of the fused scan below.
-    const float* gp = grad.data_ptr<float>();
-    float* v = st.velocity.data_ptr<float>() + begin;
-    float* r = res.data_ptr<float>();
-    const float momentum = static_cast<float>(o.dgc_momentum);
-    at::parallel_for(0, numel, 1 << 16, [&](int64_t lo, int64_t hi) { dgc_accumulate(gp + lo, v + lo, r + lo, hi - lo, momentum); });
+  if (st.velocity.defined() && plain_cpu_float(g) && plain_cpu_float(st.velocity) && plain_cpu_float(st.residual)) {
+    accumulate_fused(g, begin, numel, st, o, 0.0f, nullptr);  // v = g + momentum * v; r += v in one pass
   } else if (st.velocity.defined()) {
     at::Tensor v = st.velocity.narrow(0, begin, numel);
     v.mul_(o.dgc_momentum).add_(grad);  // rounded as the fused pass rounds: g + (momentum * v)
