@@ -89,68 +89,80 @@ void Group::sum_small(at::Tensor& t, const std::string& what) {
   t.copy_(sum);
 }
 
-struct PostedSum::Posted {
+struct PostedGather::Posted {
   Group* group = nullptr;
   int tag = 0;
   int64_t numel = 0;
   at::ScalarType dtype = at::kDouble;
-  std::vector<at::Tensor> in;  // by group rank; this member's undefined
+  std::vector<at::Tensor> in;  // by group rank; this member's filled by finish()
   std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> recvs;  // (group rank, receive)
   bool finished = false;
 };
 
-PostedSum::PostedSum() = default;
-PostedSum::PostedSum(PostedSum&&) noexcept = default;
-PostedSum& PostedSum::operator=(PostedSum&&) noexcept = default;
+PostedGather::PostedGather() = default;
+PostedGather::PostedGather(PostedGather&&) noexcept = default;
+PostedGather& PostedGather::operator=(PostedGather&&) noexcept = default;
 
-PostedSum::~PostedSum() {
+PostedGather::~PostedGather() {
   if (!p_ || p_->finished) return;
   for (auto& [from, w] : p_->recvs) {
     try {
-      w->abort();  // its buffer goes with this object: nothing may land in it later
+      if (!w->isCompleted()) w->abort();
     } catch (...) {
     }
   }
 }
 
-PostedSum Group::post_sum_small(int64_t numel, at::ScalarType dtype, int tag) {
-  PostedSum s;
-  s.p_ = std::make_unique<PostedSum::Posted>();
-  auto& p = *s.p_;
+bool PostedGather::posted() const { return p_ && !p_->recvs.empty(); }
+
+PostedGather Group::post_gather(int64_t numel, at::ScalarType dtype, int tag) {
+  PostedGather g;
+  g.p_ = std::make_unique<PostedGather::Posted>();
+  auto& p = *g.p_;
   p.group = this, p.tag = tag, p.numel = numel, p.dtype = dtype;
-  if (size() == 1 || tree_) return s;  // finish() sums as sum_small does
   p.in.resize(static_cast<size_t>(size()));
   for (int i = 0; i < size(); ++i) {
     if (i == my_rank_) continue;
     p.in[static_cast<size_t>(i)] = at::empty({numel}, at::TensorOptions().dtype(dtype));
     p.recvs.emplace_back(i, recv(p.in[static_cast<size_t>(i)], ranks_[static_cast<size_t>(i)], tag));
   }
+  return g;
+}
+
+std::vector<at::Tensor> PostedGather::finish(const at::Tensor& mine, const std::string& what) {
+  if (!p_ || p_->finished) throw Error(what + ": a posted all-gather finishes once");
+  Posted& p = *p_;
+  Group& g = *p.group;
+  if (!mine.is_cpu() || mine.numel() != p.numel || mine.scalar_type() != p.dtype)
+    throw Error(what + ": the values differ from the posted receives (" + std::to_string(mine.numel()) + " elements, " +
+                std::to_string(p.numel) + " posted)");
+  at::Tensor flat = mine.contiguous().view({-1});
+  std::vector<c10::intrusive_ptr<c10d::Work>> sends;
+  for (int i = 0; i < g.size(); ++i)
+    if (i != g.rank()) sends.push_back(g.send(flat, g.ranks()[static_cast<size_t>(i)], p.tag));
+  for (auto& [from, w] : p.recvs) wait_work(w, what + " (from rank " + std::to_string(g.ranks()[static_cast<size_t>(from)]) + ")");
+  p.finished = true;
+  for (auto& w : sends) wait_work(w, what + " (sending)");
+  p.in[static_cast<size_t>(g.rank())] = flat;
+  return std::move(p.in);
+}
+
+PostedSum Group::post_sum_small(int64_t numel, at::ScalarType dtype, int tag) {
+  PostedSum s;
+  s.group_ = this;
+  if (size() > 1 && !tree_) s.gather_ = post_gather(numel, dtype, tag);  // else finish() sums as sum_small does
   return s;
 }
 
 void PostedSum::finish(at::Tensor& t, const std::string& what) {
-  if (!p_ || p_->finished) throw Error(what + ": a posted sum finishes once");
-  Posted& p = *p_;
-  Group& g = *p.group;
-  if (p.recvs.empty()) {
-    p.finished = true;
-    g.sum_small(t, what);
+  if (!gather_.posted()) {
+    group_->sum_small(t, what);
     return;
   }
-  if (!t.is_cpu() || t.numel() != p.numel || t.scalar_type() != p.dtype)
-    throw Error(what + ": the values differ from the posted receives (" + std::to_string(t.numel()) + " elements, " +
-                std::to_string(p.numel) + " posted)");
-  at::Tensor mine = t.contiguous().view({-1});
-  std::vector<c10::intrusive_ptr<c10d::Work>> sends;
-  for (int i = 0; i < g.size(); ++i)
-    if (i != g.rank()) sends.push_back(g.send(mine, g.ranks()[static_cast<size_t>(i)], p.tag));
-  for (auto& [from, w] : p.recvs) wait_work(w, what + " (the values of rank " + std::to_string(g.ranks()[static_cast<size_t>(from)]) + ")");
-  p.finished = true;
-  for (auto& w : sends) wait_work(w, what + " (sending)");
+  const std::vector<at::Tensor> all = gather_.finish(t, what);
   // In rank order on every member, as sum_small adds: every member holds the same bits.
-  auto part = [&](int i) -> const at::Tensor& { return i == g.rank() ? mine : p.in[static_cast<size_t>(i)]; };
-  at::Tensor sum = part(0).clone();
-  for (int i = 1; i < g.size(); ++i) sum.add_(part(i));
+  at::Tensor sum = all[0].clone();
+  for (size_t i = 1; i < all.size(); ++i) sum.add_(all[i]);
   t.copy_(sum.view(t.sizes()));
 }
 

@@ -28,20 +28,34 @@ class DeviceCollectives;
 class TreeAllreduce;
 class Group;
 
-// The receives of one small sum posted ahead of it (Group::post_sum_small).
-class PostedSum {
+// The receives of one all-gather posted ahead of it (Group::post_gather).
+class PostedGather {
  public:
-  PostedSum();
-  PostedSum(PostedSum&&) noexcept;
-  PostedSum& operator=(PostedSum&&) noexcept;
-  ~PostedSum();  // receives never finished are aborted
-  // Sums T (of the size and type posted) over the group as sum_small does, to the same bits.
-  void finish(at::Tensor& t, const std::string& what);
+  PostedGather();
+  PostedGather(PostedGather&&) noexcept;
+  PostedGather& operator=(PostedGather&&) noexcept;
+  ~PostedGather();  // receives never finished are aborted: nothing may land in freed buffers
+  bool posted() const;  // false for a group of one
+  // Sends MINE (of the size and type posted) to every other member and returns every member's
+  // tensor by group rank (MINE's own place a flat view of it). Once.
+  std::vector<at::Tensor> finish(const at::Tensor& mine, const std::string& what);
 
  private:
   friend class Group;
   struct Posted;
   std::unique_ptr<Posted> p_;
+};
+
+// The receives of one small sum posted ahead of it (Group::post_sum_small).
+class PostedSum {
+ public:
+  // Sums T (of the size and type posted) over the group as sum_small does, to the same bits.
+  void finish(at::Tensor& t, const std::string& what);
+
+ private:
+  friend class Group;
+  Group* group_ = nullptr;
+  PostedGather gather_;  // not posted along a sum tree: finish() is sum_small
 };
 
 // A process group over a subset of the world's ranks, on Gloo, which moves host memory: callers
@@ -76,6 +90,9 @@ class Group {
   // 20. Each member sends its values to every other one (the bytes of the ring's all-gather, n - 1
   // messages). Along a sum tree, finish() is sum_small. TAG sets apart sums posted at once.
   PostedSum post_sum_small(int64_t numel, at::ScalarType dtype, int tag);
+  // The receives of an all-gather of NUMEL elements of DTYPE from every other member, posted now;
+  // PostedGather::finish sends this member's straight into the others' (point-to-point, TAG).
+  PostedGather post_gather(int64_t numel, at::ScalarType dtype, int tag);
   // From now on host tensors' SUM all-reduces travel along TREE (over this group's members in
   // rank order; dist/tree_allreduce.h), through P2P: a group of the same members used for
   // nothing else. Every member calls it with the same tree.

@@ -20,27 +20,18 @@ constexpr int kPostedTags = 4096;
 class GroupComm : public Comm {
  public:
   explicit GroupComm(Group& g) : g_(g) {}
-  ~GroupComm() override { cancel_posted(); }
 
   void post_allgather(int64_t numel, at::ScalarType dtype) override {
     if (size() == 1) return;
-    Posted p;
-    p.numel = numel, p.dtype = dtype, p.tag = kPostedTagBase + static_cast<int>(posted_seq_++ % kPostedTags);
-    p.out.resize(static_cast<size_t>(size()));
-    for (int i = 0; i < size(); ++i) {
-      if (i == rank()) continue;
-      p.out[static_cast<size_t>(i)] = at::empty({numel}, at::TensorOptions().dtype(dtype));
-      p.recvs.emplace_back(i, g_.recv(p.out[static_cast<size_t>(i)], g_.ranks()[static_cast<size_t>(i)], p.tag));
-    }
-    posted_.push_back(std::move(p));
+    posted_.push_back({numel, dtype, g_.post_gather(numel, dtype, kPostedTagBase + static_cast<int>(posted_seq_++ % kPostedTags))});
   }
 
   int cancel_posted() override {
     const int n = static_cast<int>(posted_.size());
-    for (auto& p : posted_) abort_all(p);
-    posted_.clear();
+    posted_.clear();  // PostedGather aborts what it posted
     return n;
   }
+
   int size() const override { return g_.size(); }
   int rank() const override { return g_.rank(); }
   std::string name() const override { return g_.name(); }
@@ -84,40 +75,17 @@ class GroupComm : public Comm {
   struct Posted {
     int64_t numel = 0;
     at::ScalarType dtype = at::kInt;
-    int tag = 0;
-    std::vector<at::Tensor> out;  // by member; this member's filled at the gather
-    std::vector<std::pair<int, c10::intrusive_ptr<c10d::Work>>> recvs;
+    PostedGather gather;
   };
-
-  static void abort_all(Posted& p) {
-    for (auto& [from, w] : p.recvs) {
-      try {
-        if (!w->isCompleted()) w->abort();
-      } catch (...) {
-      }
-    }
-  }
 
   std::vector<at::Tensor> gather_posted(const at::Tensor& t) {
     Posted p = std::move(posted_.front());
     posted_.pop_front();
-    at::Tensor in = t.contiguous().view({-1});
-    std::vector<c10::intrusive_ptr<c10d::Work>> sends;
-    for (int i = 0; i < size(); ++i)
-      if (i != rank()) sends.push_back(g_.send(in, g_.ranks()[static_cast<size_t>(i)], p.tag));
-    try {
-      for (auto& [from, w] : p.recvs)
-        wait_work(w, "compressed gradient all-gather in group " + g_.name() + " (from rank " +
-                         std::to_string(g_.ranks()[static_cast<size_t>(from)]) + ")");
-      for (auto& w : sends) wait_work(w, "compressed gradient all-gather in group " + g_.name() + " (sending)");
-    } catch (...) {
-      abort_all(p);  // their buffers go with P
-      throw;
-    }
-    p.out[static_cast<size_t>(rank())] = in.clone();
-    for (auto& o : p.out) o = o.view(t.sizes());
+    std::vector<at::Tensor> out = p.gather.finish(t, "compressed gradient all-gather in group " + g_.name());
+    for (auto& o : out) o = o.view(t.sizes());
+    out[static_cast<size_t>(rank())] = out[static_cast<size_t>(rank())].clone();  // the caller's tensor stays its own
     bytes_sent_ += (size() - 1) * nbytes(t);  // to each other member, as the ring forwards
-    return p.out;
+    return out;
   }
 
   Group& g_;
