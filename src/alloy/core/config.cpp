@@ -115,6 +115,10 @@ const std::vector<Field>& schema() {
       ALLOY_INT(train, replan_step, "--plan auto: after this step, scale the profile by each device's measured compute, "
                                     "search again and switch plans if 5% faster (or rebalance the batch if 2%); again after as many "
                                     "steps, once, whether it switched or not; 0 = never"),
+      ALLOY_BOOL(train, rebalance, "move samples of the global batch among data-parallel replicas (one stage each) as their "
+                                   "measured speeds drift, each step, once the re-plans are done: the plan's cut at the speeds "
+                                   "it was measured at, the slowest replica's predicted step 3% shorter or no change. The "
+                                   "gradient is the same up to the order of its sums, which then varies from run to run"),
       ALLOY_INT(train, log_interval, "steps between log lines when not on a terminal"),
       ALLOY_INT(train, threads, "intra-op threads; 0 = all cores"),
       ALLOY_STR(train, device, "cpu | cuda | cuda:N"),

@@ -69,6 +69,7 @@ struct TrainConfig {
   int64_t keep_checkpoints = 0;     // the newest K step directories are kept; 0 = all
   bool async_checkpoint = true;     // write checkpoint files off the training thread
   int64_t replan_step = 6;  // --plan auto: re-plan from the speeds measured up to this step; 0 = never
+  bool rebalance = false;   // data-parallel replicas' shares of the batch follow their measured speeds each step
   int64_t log_interval = 1;
   int64_t threads = 0;  // 0 = all cores (or what `alloy launch` assigns)
   std::string device = "cpu";  // cpu | cuda | cuda:N

@@ -172,13 +172,19 @@ TrainResult Trainer::run() {
   const auto& t = cfg_.train;
   const PipelinePlan& pl = plan_->pipelines[static_cast<size_t>(pos_.pipeline)];
   const int64_t T = cfg_.model.seq_len, gb = t.global_batch, S = static_cast<int64_t>(pl.stages.size());
-  const int64_t offset = plan_->sample_offset(pos_.pipeline), mine = pl.samples();
+  // This pipeline's slice of each global batch; train.rebalance moves it between steps.
+  int64_t offset = plan_->sample_offset(pos_.pipeline), mine = pl.samples();
   // Every micro-batch's loss is divided by the tokens of the whole global batch, so the summed
   // gradient is the gradient of the global-batch mean however the batch is cut.
   const double batch_tokens = static_cast<double>(gb * T);
   const bool lead = rank_ == 0;
   const bool quiet = opts_.quiet || !lead;
-  const auto actions = pipeline::make_schedule(plan_->schedule_of(static_cast<size_t>(pos_.pipeline)), pos_.stage, S, pl.num_micro_batches);
+  auto schedule_of = [&](int64_t samples) {
+    const int64_t count = (samples + pl.micro_batch_size - 1) / pl.micro_batch_size;  // the last may be short
+    return pipeline::make_schedule(plan_->schedule_of(static_cast<size_t>(pos_.pipeline)), pos_.stage, S, count);
+  };
+  auto actions = schedule_of(mine);
+  const int64_t num_pipelines = static_cast<int64_t>(plan_->pipelines.size());
 
   ensure_writable_dir(cfg_.output.dir);
   std::unique_ptr<Metrics> metrics;
@@ -242,8 +248,9 @@ TrainResult Trainer::run() {
     std::vector<uint64_t> samples = sampler_->take(static_cast<uint64_t>(step * gb + offset), static_cast<uint64_t>(mine));
     if (reducer_) reducer_->begin_step(step, t0);
     // The receives of the step's figures (below) posted now: their sum then crosses each link once.
-    constexpr int64_t kFigures = 8;
-    dist::PostedSum figures_sum = world_ ? world_->all().post_sum_small(kFigures, at::kDouble, kFiguresTag + static_cast<int>(step % 2))
+    // With train.rebalance, one more per pipeline: its compute seconds.
+    const int64_t num_figures = 8 + (balancer_ ? num_pipelines : 0);
+    dist::PostedSum figures_sum = world_ ? world_->all().post_sum_small(num_figures, at::kDouble, kFiguresTag + static_cast<int>(step % 2))
                                          : dist::PostedSum{};
     pipeline::reset_memory_peak(device_);  // a CUDA allocator's exact peak over the step
     exec_->dropout_seed = static_cast<uint64_t>(cfg_.train.seed);
@@ -280,11 +287,27 @@ TrainResult Trainer::run() {
                                      static_cast<double>(sync.bytes_sent + cs.bytes_sent + gather_bytes), static_cast<double>(cs.elements),
                                      static_cast<double>(cs.selected), cs.encode_s + cs.decode_s, cs.residual_sq},
                                     at::kDouble);
+    if (balancer_) {
+      figures = at::cat({figures, at::zeros({num_pipelines}, at::kDouble)});
+      figures[8 + pos_.pipeline] = exec_->compute_s();
+    }
     const auto sum_t0 = std::chrono::steady_clock::now();
     if (world_) figures_sum.finish(figures, "sum of the step's loss, gradient norm and sync figures");
     const auto opt_t0 = std::chrono::steady_clock::now();
     double sums[3] = {figures[0].item<double>(), figures[1].item<double>(), figures[2].item<double>()};
     const at::Tensor sync_fig = figures.narrow(0, 3, 5);
+    // The next step's cut of the global batch, the same on every rank (they all hold these sums).
+    bool reshared = false;
+    if (balancer_) {
+      const at::Tensor c = figures.narrow(0, 8, num_pipelines).contiguous();
+      reshared = balancer_->observe(std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + num_pipelines));
+      if (reshared) {
+        offset = balancer_->offset(static_cast<size_t>(pos_.pipeline));
+        mine = balancer_->shares()[static_cast<size_t>(pos_.pipeline)];
+        actions = schedule_of(mine);
+        if (lead) log_info("step " + std::to_string(step + 1) + ": " + balancer_->last_change());
+      }
+    }
     const std::vector<model::Param*>& clipped = split_clip ? dense_params : params;
     // Dynamic loss scaling: the gradients are SCALE times the true ones. A non-finite norm (the
     // same on every rank: it was all-reduced) skips the step; otherwise they are unscaled
@@ -379,6 +402,7 @@ TrainResult Trainer::run() {
       j["loss_scale"] = scale;
       if (!apply_step) j["skipped"] = true;
     }
+    if (reshared) j["samples_per_replica"] = balancer_->shares();  // from the next step on
     if (world_) j["grad_bytes"] = rec.grad_bytes;  // put on the wire by all ranks for gradient sync
     if (rec.grad_elements > 0) {
       j["grad_density"] = rec.grad_selected / rec.grad_elements;  // of the compressed sets' elements
@@ -398,6 +422,9 @@ TrainResult Trainer::run() {
       // Kept: once more, later, over the longer window (every rank decides the same from opts_).
       replan_at_ = !next_plan && replan_at_ == opts_.replan_at && opts_.remeasure_after > 0 ? replan_at_ + opts_.remeasure_after : 0;
     }
+    // The re-plans' measurements assume the plan's cut: samples move only once none is pending.
+    if (balancer_ && !next_plan && replan_at_ == 0 && !balancer_->armed() && balancer_->arm() && lead)
+      log_info("step " + std::to_string(rec.step) + ": train.rebalance follows the replicas' speeds from here");
     if (metrics) metrics->log(j);
 
     if (!quiet) {

@@ -23,6 +23,7 @@
 #include "alloy/train/checkpoint_writer.h"
 #include "alloy/train/optimizer.h"
 #include "alloy/train/rank_device.h"
+#include "alloy/train/share_balancer.h"
 
 namespace alloy::dist {
 class World;
@@ -167,6 +168,9 @@ class Trainer {
   std::unique_ptr<pipeline::StageExecutor> exec_;
   int64_t start_step_ = 0;
   int64_t replan_at_ = 0;  // the next step after which the ranks measure (TrainOptions::replan_at, remeasure_after)
+  // train.rebalance: the replicas' shares of the global batch, moved as their speeds drift; null
+  // when off or when the plan is not replicas of one stage each.
+  std::unique_ptr<ShareBalancer> balancer_;
   std::string base_;  // where the frozen base came from (LoRA checkpoints name it)
   int64_t memory_before_model_ = 0;  // the device's memory in use before this rank built its slice (model memory is measured above it)
   model::LossScaler scaler_{false, 1.0, 1};  // train.loss_scaling (set in the constructor)

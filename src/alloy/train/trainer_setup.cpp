@@ -199,6 +199,22 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     for (int64_t m = 0; m < pl.num_micro_batches; ++m) exec_->mb_units.push_back(pl.units_of(static_cast<size_t>(pos_.stage), m));
   if (!resume_dir.empty()) scaler_.restore(resumed.loss_scale, resumed.loss_scale_good_steps);
   if (world_) build_groups();
+  if (cfg_.train.rebalance && world_ && plan_->pipelines.size() > 1) {
+    // Samples move without state only among replicas of the whole model: a pipeline's stages or a
+    // tensor-parallel group would each need the schedule's and the cost model's view of a step.
+    std::string why_not;
+    for (size_t p = 0; p < plan_->pipelines.size() && why_not.empty(); ++p)
+      if (plan_->pipelines[p].stages.size() != 1)
+        why_not = "pipeline " + std::to_string(p) + " has " + std::to_string(plan_->pipelines[p].stages.size()) + " stages";
+    if (why_not.empty() && plan_->has_tensor_parallel()) why_not = "it has tensor-parallel groups";
+    if (why_not.empty()) {
+      std::vector<int64_t> base;
+      for (const auto& pl : plan_->pipelines) base.push_back(pl.samples());
+      balancer_ = std::make_unique<ShareBalancer>(base);
+    } else if (rank_ == 0) {
+      log_warn("train.rebalance: off under this plan (" + why_not + "); it moves samples among data-parallel replicas of one stage each");
+    }
+  }
   if (!resume_dir.empty() && reducer_ && !reducer_->compressed().empty()) load_sync_state(resume_dir);
 }
 
