@@ -88,6 +88,7 @@ class Pool:
         os.makedirs(self.work, exist_ok=True)
         self.model = model_of(self.config)
         self.plan = dp_plan(os.path.join(self.work, "dp.json"), batches, mbs, self.model["layers"])
+        self.a = a
         self.steps, self.skip, self.dense_steps = a.steps, a.skip, a.dense_steps
         self.only = [c for c in a.cases.split(",") if c]
         self.key = name + ("-only-" + "-".join(o.replace(" ", "_").replace("=", "") for o in self.only) if self.only else "")
@@ -131,6 +132,7 @@ class Pool:
                 f"grad_sync.scope={self.scope}", f"grad_sync.dense_steps={self.dense_steps}", "grad_sync.warmup_steps=0"]
         for k, v in case.items():
             sets.append(f"grad_sync.{k}={v}")
+        sets += self.a.set or []
         cmd = [self.alloy, "train", "--config", self.config, "--plan", self.plan]
         for s in sets:
             cmd += ["--set", s]
@@ -279,6 +281,8 @@ def main():
     ap.add_argument("--dense-steps", type=int, default=10, help="exact steps before compressing (grad_sync.dense_steps)")
     ap.add_argument("--cases", default="", help="only the cases whose label contains one of these (comma-separated; =LABEL: that label exactly)")
     ap.add_argument("--pools", default="2host,two-region")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="config override for every Alloy run, baselines and compressors alike, e.g. train.rebalance=true")
     ap.add_argument("--convergence", action="store_true")
     ap.add_argument("--convergence-steps", type=int, default=300)
     ap.add_argument("--reuse-runs", action="store_true", help="convergence: keep finished runs in --work instead of training again")
