@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "alloy/core/error.h"
+#include "alloy/core/text.h"
 
 namespace alloy::train {
 
@@ -41,12 +42,7 @@ bool ShareBalancer::observe(const std::vector<double>& compute_s) {
   if (best == shares_ || !(then < now * (1 - o_.min_gain))) return false;
   std::ostringstream why;
   why.precision(3);
-  auto list = [](const std::vector<int64_t>& v) {
-    std::string s;
-    for (size_t i = 0; i < v.size(); ++i) s += (i ? "/" : "") + std::to_string(v[i]);
-    return s;
-  };
-  why << "samples per replica " << list(shares_) << " -> " << list(best) << " (speeds against the reference:";
+  why << "samples per replica " << join(shares_, "/") << " -> " << join(best, "/") << " (speeds against the reference:";
   for (size_t i = 0; i < speed_.size(); ++i) why << (i ? ", " : " ") << ref_[i] / speed_[i];
   why << "; predicted step " << now * 1e3 << " -> " << then * 1e3 << " ms)";
   last_change_ = why.str();

@@ -248,8 +248,9 @@ TrainResult Trainer::run() {
     std::vector<uint64_t> samples = sampler_->take(static_cast<uint64_t>(step * gb + offset), static_cast<uint64_t>(mine));
     if (reducer_) reducer_->begin_step(step, t0);
     // The receives of the step's figures (below) posted now: their sum then crosses each link once.
-    // With train.rebalance, one more per pipeline: its compute seconds.
-    const int64_t num_figures = 8 + (balancer_ ? num_pipelines : 0);
+    // With train.rebalance, one more per pipeline after the kFigures: its compute seconds.
+    constexpr int64_t kFigures = 8;
+    const int64_t num_figures = kFigures + (balancer_ ? num_pipelines : 0);
     dist::PostedSum figures_sum = world_ ? world_->all().post_sum_small(num_figures, at::kDouble, kFiguresTag + static_cast<int>(step % 2))
                                          : dist::PostedSum{};
     pipeline::reset_memory_peak(device_);  // a CUDA allocator's exact peak over the step
@@ -289,7 +290,7 @@ TrainResult Trainer::run() {
                                     at::kDouble);
     if (balancer_) {
       figures = at::cat({figures, at::zeros({num_pipelines}, at::kDouble)});
-      figures[8 + pos_.pipeline] = exec_->compute_s();
+      figures[kFigures + pos_.pipeline] = exec_->compute_s();
     }
     const auto sum_t0 = std::chrono::steady_clock::now();
     if (world_) figures_sum.finish(figures, "sum of the step's loss, gradient norm and sync figures");
@@ -299,7 +300,7 @@ TrainResult Trainer::run() {
     // The next step's cut of the global batch, the same on every rank (they all hold these sums).
     bool reshared = false;
     if (balancer_) {
-      const at::Tensor c = figures.narrow(0, 8, num_pipelines).contiguous();
+      const at::Tensor c = figures.narrow(0, kFigures, num_pipelines).contiguous();
       reshared = balancer_->observe(std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + num_pipelines));
       if (reshared) {
         offset = balancer_->offset(static_cast<size_t>(pos_.pipeline));
