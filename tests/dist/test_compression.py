@@ -143,7 +143,10 @@ def main():
         # random-k learns slowest: its values are a random 5%, not the largest
         ok = last < first - (0.1 if method == "randomk" else 0.3) and "compress_s" in m[-1] and "residual_norm" in m[-1]
         if sparse:
-            ok = ok and 0.04 <= dens <= 0.06
+            # Each row carries its own step's sync figures (the replicas sum them ahead of the next
+            # step's sync, train/step_figures.h): the two exact steps' rows read density 1.
+            ok = ok and 0.04 <= dens <= 0.06 and [r["grad_density"] for r in m[:2]] == [1.0, 1.0] and \
+                0.04 <= m[2]["grad_density"] <= 0.06 and [r["step"] for r in m] == list(range(1, len(m) + 1))
         R.check(ok, f"{method}: loss {first:.3f} -> {last:.3f}, density {dens:.4f}, {m[-1]['grad_bytes']:.0f} bytes/step "
                     f"(mixed layout dense: {dense_bytes:.0f})")
 

@@ -189,6 +189,7 @@ struct PlanCost {
   double sync_done_s = 0;       // every rank has its gradients (the largest mean)
   double straggler_s = 0;       // what waiting for the slowest draw adds to sync_done_s (5 above)
   double world_allreduce_s = 0;
+  double world_allreduce_exposed_s = 0;  // of it, past the sync (replicas sum it ahead of the sync)
   double optimizer_s = 0;       // slowest rank's optimizer step
   double param_gather_s = 0;    // ZeRO-1/2: slowest all-gather of updated parameters
   std::vector<StageCost> stages;  // pipelines in order, their stages in order
@@ -457,6 +458,10 @@ class CostContext {
   // smallest share MIN_SHARE: the member receiving most).
   double shard_gather_s(const Ring& r, double bytes, double min_share) const;
   double world_allreduce_s() const { return world_allreduce_s_; }
+  // What the step's figures sum adds to a step: nothing where every replica is one stage of one
+  // rank, unsharded (they sum it ahead of the gradient sync, which crosses the same links after
+  // the slowest backward too: train/step_figures.h), all of it otherwise.
+  double world_sum_exposed_s(bool replicas_of_one_stage) const { return replicas_of_one_stage ? 0.0 : world_allreduce_s_; }
   // The step's one world sum of its figures (loss, gradient norm, sync figures: kWorldSumBytes)
   // among DEVICES in rank order, routed as the trainer routes it: along sync_tree where three or
   // more have a slow pair among them, Gloo's ring otherwise. Its cost is latency: on a 40 ms link

@@ -162,7 +162,9 @@ double Evaluator::evaluate(Layout& L, Batch mode, bool stragglers) {
     best = greedy_allocate(L);
     if (!(best < kInf)) return kInf;
   }
-  return ((best + (stragglers ? straggler_s(L, best) : 0.0)) + ctx_.world_allreduce_s()) + maxopt;
+  bool one_stage = true;
+  for (const auto& rep : L.reps) one_stage = one_stage && rep.dev.size() == 1;
+  return ((best + (stragglers ? straggler_s(L, best) : 0.0)) + ctx_.world_sum_exposed_s(one_stage)) + maxopt;
 }
 
 double Evaluator::straggler_s(Layout& L, double latest) {

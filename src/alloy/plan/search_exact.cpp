@@ -13,6 +13,15 @@
 
 namespace alloy::plan::detail {
 
+namespace {
+// Every replica of the partition is one device: the step's figures sum is hidden (cost_model.h).
+bool one_stage(const std::vector<std::vector<int>>& blocks) {
+  for (const auto& b : blocks)
+    if (b.size() != 1) return false;
+  return true;
+}
+}  // namespace
+
 Exact::Exact(Problem& P, bool symmetric, bool bounded) : P_(P), symmetric_(symmetric), bounded_(bounded) {
   std::map<std::tuple<int, int, double>, int> ids;
   for (int d = 0; d < P.N; ++d) {
@@ -171,7 +180,7 @@ double Exact::partition_bound(const std::vector<std::vector<int>>& blocks) {
     ensure_bounds(b, bi);
     rows.push_back(bi.H.data());
   }
-  return minmax_allocate(rows, P_.G, nullptr) + P_.ctx.world_allreduce_s();
+  return minmax_allocate(rows, P_.G, nullptr) + P_.ctx.world_sum_exposed_s(one_stage(blocks));
 }
 
 void Exact::walk(const std::vector<std::vector<int>>& blocks) {
@@ -193,7 +202,7 @@ void Exact::walk(const std::vector<std::vector<int>>& blocks) {
   // Rows 0..i-1 from the chosen configurations, the rest from their blocks' bounds.
   auto bound_ok = [&](size_t i) {
     for (size_t j = 0; j < R; ++j) rows[j] = j < i ? hrow[j].data() : bis[j]->H.data();
-    return minmax_allocate(rows, P_.G, nullptr) + P_.ctx.world_allreduce_s() < best_step;
+    return minmax_allocate(rows, P_.G, nullptr) + P_.ctx.world_sum_exposed_s(one_stage(blocks)) < best_step;
   };
   std::function<void(size_t)> rec = [&](size_t i) {
     if (bounded_ && i > 0 && !bound_ok(i)) return;
@@ -234,7 +243,9 @@ void Exact::leaf(Layout& l) {
   }
   const double v = minmax_allocate(rows, G, nullptr);
   if (!(v < kInf)) return;
-  const double step = (v + P_.ctx.world_allreduce_s()) + maxopt;
+  bool single = true;
+  for (const auto& rep : l.reps) single = single && rep.dev.size() == 1;
+  const double step = (v + P_.ctx.world_sum_exposed_s(single)) + maxopt;
   if (step < best_step) {
     Layout copy = l;
     best_step = eval(P_, copy, Batch::Optimize);  // fills the batch split; same value

@@ -379,7 +379,11 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     draws.push_back({pc.pipelines[p].own_done_s, pc.pipelines[p].noise_s});
   }
   pc.straggler_s = std::max(0.0, expected_max(draws) - pc.sync_done_s);
-  pc.step_s = ((pc.sync_done_s + pc.straggler_s) + pc.world_allreduce_s) + pc.optimizer_s + pc.param_gather_s;
+  bool one_stage = true;  // replicas of one stage of one rank, unsharded
+  for (const auto& sc : pc.stages) one_stage = one_stage && sc.zero_stage == 0;
+  for (const auto& pl : plan.pipelines) one_stage = one_stage && pl.stages.size() == 1 && pl.stages[0].ranks.size() == 1;
+  pc.world_allreduce_exposed_s = ctx.world_sum_exposed_s(one_stage);
+  pc.step_s = ((pc.sync_done_s + pc.straggler_s) + pc.world_allreduce_exposed_s) + pc.optimizer_s + pc.param_gather_s;
   pc.fits = overflow.empty();
   for (size_t i = 0; i < overflow.size(); ++i) pc.explanation += (i ? "; " : "") + overflow[i];
   return pc;
@@ -392,6 +396,7 @@ nlohmann::json PlanCost::to_json() const {
             {"sync_done_s", sync_done_s},
             {"straggler_s", straggler_s},
             {"world_allreduce_s", world_allreduce_s},
+            {"world_allreduce_exposed_s", world_allreduce_exposed_s},
             {"optimizer_s", optimizer_s},
             {"param_gather_s", param_gather_s},
             {"fits", fits}};

@@ -23,14 +23,9 @@
 #include "alloy/train/checkpoint.h"
 #include "alloy/train/finetune.h"
 #include "alloy/train/metrics.h"
+#include "alloy/train/step_figures.h"
 
 namespace alloy::train {
-
-namespace {
-// Tags of the step's posted figure sums on the world group (two, alternating by step): the
-// world group's other point-to-point messages are the profiler's, in runs of their own.
-constexpr int kFiguresTag = 0x5f160000;
-}  // namespace
 
 std::vector<pipeline::MicroBatch> Trainer::micro_batches(const data::TokenWindows& src, const std::vector<uint64_t>& samples,
                                                          int64_t mbs, int64_t first_place) const {
@@ -224,6 +219,7 @@ TrainResult Trainer::run() {
     if (!sparse_params_.count(p->name)) dense_params.push_back(p);
   for (const auto& sl : counted_)
     if (!sparse_params_.count(sl.p->name)) counted_dense.push_back(sl);
+  StepFigures figures(world_ ? &world_->all() : nullptr, figures_ahead_, balancer_ ? num_pipelines : 0, metrics.get());
   Progress progress("train", static_cast<uint64_t>(t.steps), opts_.quiet);
   auto run_start = std::chrono::steady_clock::now();
   double last_val = std::nan("");
@@ -247,19 +243,19 @@ TrainResult Trainer::run() {
     // This pipeline's consecutive slice of the global batch, cut into its micro-batches.
     std::vector<uint64_t> samples = sampler_->take(static_cast<uint64_t>(step * gb + offset), static_cast<uint64_t>(mine));
     if (reducer_) reducer_->begin_step(step, t0);
-    // The receives of the step's figures (below) posted now: their sum then crosses each link once.
-    // With train.rebalance, one more per pipeline after the kFigures: its compute seconds.
-    constexpr int64_t kFigures = 8;
-    const int64_t num_figures = kFigures + (balancer_ ? num_pipelines : 0);
-    dist::PostedSum figures_sum = world_ ? world_->all().post_sum_small(num_figures, at::kDouble, kFiguresTag + static_cast<int>(step % 2))
-                                         : dist::PostedSum{};
+    figures.begin(step);  // its receives posted now: the sum then crosses each link once
     pipeline::reset_memory_peak(device_);  // a CUDA allocator's exact peak over the step
     exec_->dropout_seed = static_cast<uint64_t>(cfg_.train.seed);
     exec_->step = step;
     double loss_local =
         exec_->run(actions, micro_batches(*train_, samples, pl.micro_batch_size, offset), batch_tokens / scaler_.scale(), reducer_.get());
+    const auto sum_t0 = std::chrono::steady_clock::now();
+    figures.after_backward(loss_local, pos_.pipeline, exec_->compute_s());
     auto sync_t0 = std::chrono::steady_clock::now();
-    const double phase_s = std::chrono::duration<double>(sync_t0 - t0).count();
+    if (tracing && figures.ahead())
+      exec_->trace().push_back({"sum of the step's figures", "sync", std::chrono::duration<double, std::micro>(sum_t0 - t0).count(),
+                                std::chrono::duration<double, std::micro>(sync_t0 - sum_t0).count()});
+    const double phase_s = std::chrono::duration<double>(sum_t0 - t0).count();
     const dist::ReducerStats sync = reducer_ ? reducer_->finish() : dist::ReducerStats{};
     int64_t step_peak_bytes = std::max(exec_->peak_memory_bytes(), pipeline::memory_in_use(device_));  // the sync's buffers are still held
     if (zero3_) zero3_->end_step();
@@ -279,29 +275,20 @@ TrainResult Trainer::run() {
     // Decided from the plan, the same on every rank (the reduction below must match in size).
     const bool split_clip = any_sparse_set_ && step >= plan_->grad_sync.dense_steps;
     const double norm_sq = global_grad_norm_sq(counted_);
-    // One world sum for the step's figures, clipping's and the record's: where links are far
-    // apart each sum costs round trips (plan::CostContext::world_sum_s).
+    // The world's sums of the step's figures: clipping's norm, the loss, the record's.
     const auto& cs = sync.compressed;
     const int64_t gather_bytes = (sharding_ ? sharding_->gather_bytes_sent() : 0) +  // ZeRO's parameter all-gathers
                                  (zero3_ ? zero3_->take_bytes_sent() : 0);
-    at::Tensor figures = at::tensor({loss_local, norm_sq, split_clip ? global_grad_norm_sq(counted_dense) : norm_sq,
-                                     static_cast<double>(sync.bytes_sent + cs.bytes_sent + gather_bytes), static_cast<double>(cs.elements),
-                                     static_cast<double>(cs.selected), cs.encode_s + cs.decode_s, cs.residual_sq},
-                                    at::kDouble);
-    if (balancer_) {
-      figures = at::cat({figures, at::zeros({num_pipelines}, at::kDouble)});
-      figures[kFigures + pos_.pipeline] = exec_->compute_s();
-    }
-    const auto sum_t0 = std::chrono::steady_clock::now();
-    if (world_) figures_sum.finish(figures, "sum of the step's loss, gradient norm and sync figures");
+    const auto late_t0 = std::chrono::steady_clock::now();
+    StepFigures::Sums sums = figures.after_sync(
+        norm_sq, split_clip ? global_grad_norm_sq(counted_dense) : norm_sq,
+        {static_cast<double>(sync.bytes_sent + cs.bytes_sent + gather_bytes), static_cast<double>(cs.elements),
+         static_cast<double>(cs.selected), cs.encode_s + cs.decode_s, cs.residual_sq});
     const auto opt_t0 = std::chrono::steady_clock::now();
-    double sums[3] = {figures[0].item<double>(), figures[1].item<double>(), figures[2].item<double>()};
-    const at::Tensor sync_fig = figures.narrow(0, 3, 5);
     // The next step's cut of the global batch, the same on every rank (they all hold these sums).
     bool reshared = false;
     if (balancer_) {
-      const at::Tensor c = figures.narrow(0, kFigures, num_pipelines).contiguous();
-      reshared = balancer_->observe(std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + num_pipelines));
+      reshared = balancer_->observe(sums.compute_s);
       if (reshared) {
         offset = balancer_->offset(static_cast<size_t>(pos_.pipeline));
         mine = balancer_->shares()[static_cast<size_t>(pos_.pipeline)];
@@ -311,23 +298,23 @@ TrainResult Trainer::run() {
     }
     const std::vector<model::Param*>& clipped = split_clip ? dense_params : params;
     // Dynamic loss scaling: the gradients are SCALE times the true ones. A non-finite norm (the
-    // same on every rank: it was all-reduced) skips the step; otherwise they are unscaled
+    // same on every rank: summed, or of the same whole gradient) skips the step; otherwise they are unscaled
     // exactly (a power of two) before clipping.
     const double scale = scaler_.scale();
-    const bool apply_step = scaler_.update(std::sqrt(sums[1]));
+    const bool apply_step = scaler_.update(std::sqrt(sums.norm_sq));
     if (scale != 1.0 && apply_step) {
       const double inv = 1.0 / scale;
       for (auto* p : params)
         if (p->tensor.grad().defined()) p->tensor.mutable_grad().mul_(inv);
       for (auto& spec : shard_specs_)
         if (spec.grads.defined()) spec.grads.mul_(inv);
-      sums[1] *= inv * inv;
-      sums[2] *= inv * inv;
+      sums.norm_sq *= inv * inv;
+      sums.clip_norm_sq *= inv * inv;
     }
-    const double grad_norm = std::sqrt(sums[1]);
+    const double grad_norm = std::sqrt(sums.norm_sq);
     if (apply_step) {
-      clip_to(clipped, std::sqrt(sums[2]), t.grad_clip);
-      if (const double coef = clip_coef(std::sqrt(sums[2]), t.grad_clip); coef != 1.0)
+      clip_to(clipped, std::sqrt(sums.clip_norm_sq), t.grad_clip);
+      if (const double coef = clip_coef(std::sqrt(sums.clip_norm_sq), t.grad_clip); coef != 1.0)
         for (auto& spec : shard_specs_)
           if (spec.grads.defined()) spec.grads.mul_(coef);  // ZeRO-3's gradients live in the shards
       opt_->step(lr);
@@ -341,7 +328,7 @@ TrainResult Trainer::run() {
     }
     if (tracing) {
       auto us = [&](std::chrono::steady_clock::time_point a) { return std::chrono::duration<double, std::micro>(a - t0).count(); };
-      exec_->trace().push_back({"sum of the step's figures", "sync", us(sum_t0), us(opt_t0) - us(sum_t0)});
+      if (!figures.ahead()) exec_->trace().push_back({"sum of the step's figures", "sync", us(late_t0), us(opt_t0) - us(late_t0)});
       exec_->trace().push_back({"clip and optimizer", "compute", us(opt_t0), us(std::chrono::steady_clock::now()) - us(opt_t0)});
     }
     // AdamW's state exists from its first step; on CUDA the allocator saw every transient peak.
@@ -353,14 +340,9 @@ TrainResult Trainer::run() {
     if (sharding_) sharding_->gather_params();  // ZeRO: each owner's updated range to every holder
 
     const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    StepRecord rec{step + 1, sums[0] / batch_tokens, lr, grad_norm, step_s, batch_tokens / step_s, exec_->compute_s(), sync.wait_s,
+    StepRecord rec{step + 1, sums.loss / batch_tokens, lr, grad_norm, step_s, batch_tokens / step_s, exec_->compute_s(), sync.wait_s,
                    phase_s};
     if (tp_comm_) rec.tp_comm_s = tp_comm_->take_busy().seconds;
-    rec.grad_bytes = sync_fig[0].item<double>();
-    rec.grad_elements = sync_fig[1].item<double>();
-    rec.grad_selected = sync_fig[2].item<double>();
-    rec.compress_s = sync_fig[3].item<double>();
-    rec.residual_norm = std::sqrt(sync_fig[4].item<double>());
     result.steps.push_back(rec);
     result.peak_activation_bytes = std::max(result.peak_activation_bytes, exec_->peak_activation_bytes());
     result.peak_in_flight = std::max(result.peak_in_flight, exec_->peak_in_flight());
@@ -404,12 +386,6 @@ TrainResult Trainer::run() {
       if (!apply_step) j["skipped"] = true;
     }
     if (reshared) j["samples_per_replica"] = balancer_->shares();  // from the next step on
-    if (world_) j["grad_bytes"] = rec.grad_bytes;  // put on the wire by all ranks for gradient sync
-    if (rec.grad_elements > 0) {
-      j["grad_density"] = rec.grad_selected / rec.grad_elements;  // of the compressed sets' elements
-      j["compress_s"] = rec.compress_s;                          // compressing + decompressing, all ranks
-      j["residual_norm"] = rec.residual_norm;                    // what error feedback holds back
-    }
     const bool last = step + 1 == t.steps;
     if (valid_ && ((t.eval_interval > 0 && rec.step % t.eval_interval == 0) || last)) {
       last_val = validation_loss();
@@ -426,7 +402,9 @@ TrainResult Trainer::run() {
     // The re-plans' measurements assume the plan's cut: samples move only once none is pending.
     if (balancer_ && !next_plan && replan_at_ == 0 && !balancer_->armed() && balancer_->arm() && lead)
       log_info("step " + std::to_string(rec.step) + ": train.rebalance follows the replicas' speeds from here");
-    if (metrics) metrics->log(j);
+    // The row, its sync figures once summed (StepFigures): every row is on disk before a save.
+    const bool saves = (t.checkpoint_interval > 0 && rec.step % t.checkpoint_interval == 0) || last;
+    figures.record(std::move(j), saves || next_plan != nullptr);
 
     if (!quiet) {
       std::ostringstream extra;

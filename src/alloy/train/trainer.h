@@ -78,9 +78,6 @@ struct StepRecord {
   double compute_s = 0, sync_wait_s = 0;  // this rank's share
   double phase_s = 0;  // from the step's start to this rank's last schedule action
   double tp_comm_s = 0;  // inside compute_s: the tensor-parallel group's exchanges (0 without TP)
-  // Gradient sync, summed over ranks: bytes put on the wire, elements synced and sent (density),
-  // seconds spent compressing and decompressing, and the error-feedback residuals' norm.
-  double grad_bytes = 0, grad_elements = 0, grad_selected = 0, compress_s = 0, residual_norm = 0;
 };
 
 struct TrainResult {
@@ -171,6 +168,9 @@ class Trainer {
   // train.rebalance: the replicas' shares of the global batch, moved as their speeds drift; null
   // when off or when the plan is not replicas of one stage each.
   std::unique_ptr<ShareBalancer> balancer_;
+  // Every rank holds the whole model and its whole summed gradient (replicas of one stage, neither
+  // sharded nor split): the step's figures are summed ahead of the sync (train/step_figures.h).
+  bool figures_ahead_ = false;
   std::string base_;  // where the frozen base came from (LoRA checkpoints name it)
   int64_t memory_before_model_ = 0;  // the device's memory in use before this rank built its slice (model memory is measured above it)
   model::LossScaler scaler_{false, 1.0, 1};  // train.loss_scaling (set in the constructor)

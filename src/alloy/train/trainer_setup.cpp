@@ -199,6 +199,20 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     for (int64_t m = 0; m < pl.num_micro_batches; ++m) exec_->mb_units.push_back(pl.units_of(static_cast<size_t>(pos_.stage), m));
   if (!resume_dir.empty()) scaler_.restore(resumed.loss_scale, resumed.loss_scale_good_steps);
   if (world_) build_groups();
+  if (world_ && world_->size() > 1 && shard_specs_.empty() && !plan_->has_tensor_parallel()) {
+    // Replicas of the whole model, unsharded: every rank ends the sync with the whole summed
+    // gradient, so its norm is the same everywhere and the step's figures go ahead of the sync
+    // (train/step_figures.h). The norm then counts every parameter on every rank, in the order
+    // the lowest rank counted them for the sum: the same bits as before.
+    const auto trainable = model_->trainable();
+    bool whole = true;
+    for (const auto* p : trainable) whole = whole && static_cast<int>(sync_->holders(p->name).size()) == world_->size();
+    if (whole) {
+      figures_ahead_ = true;
+      counted_.clear();
+      for (auto* p : trainable) counted_.push_back({p});
+    }
+  }
   if (cfg_.train.rebalance && world_ && plan_->pipelines.size() > 1) {
     // Samples move without state only among replicas of the whole model: a pipeline's stages or a
     // tensor-parallel group would each need the schedule's and the cost model's view of a step.
