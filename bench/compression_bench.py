@@ -151,7 +151,7 @@ class Pool:
         return res
 
     def launch(self, cmd, may_fail=False):
-        full = [self.alloy, "launch", "--emulate", self.cluster, "--"] + cmd
+        full = [self.alloy, "launch", "--emulate", self.cluster] + (["--no-pin"] if self.a.no_pin else []) + ["--"] + cmd
         r = subprocess.run(full, capture_output=True, text=True, env=self.env, cwd=REPO)
         if r.returncode != 0 and may_fail:
             log(f"{self.name}: failed ({r.returncode}): {' '.join(cmd[:3])} ...: {(r.stdout + r.stderr).strip()[-300:]}")
@@ -209,7 +209,7 @@ def bench_pool(pool, rounds):
               {"step": [1e3 * med[c]["step_s"] for c in cats]})
     return dict(cluster=os.path.relpath(pool.cluster, REPO), config=os.path.relpath(pool.config, REPO), batches=pool.batches,
                 scope=pool.scope, steps=pool.steps, timed_after=pool.skip, dense_steps=pool.dense_steps, rounds=rounds,
-                cases=med, ratios=ratios)
+                pinned=not pool.a.no_pin, cases=med, ratios=ratios)
 
 
 def convergence(a):
@@ -283,6 +283,9 @@ def main():
     ap.add_argument("--pools", default="2host,two-region")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="config override for every Alloy run, baselines and compressors alike, e.g. train.rebalance=true")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="leave the emulated devices' ranks unpinned (`alloy launch --no-pin`): on a host whose CPUs "
+                         "run at unlike speeds for minutes, pinning gives one device the slow CPU for the whole run")
     ap.add_argument("--convergence", action="store_true")
     ap.add_argument("--convergence-steps", type=int, default=300)
     ap.add_argument("--reuse-runs", action="store_true", help="convergence: keep finished runs in --work instead of training again")

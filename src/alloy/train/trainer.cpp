@@ -340,7 +340,10 @@ TrainResult Trainer::run() {
     if (sharding_) sharding_->gather_params();  // ZeRO: each owner's updated range to every holder
 
     const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    StepRecord rec{step + 1, sums.loss / batch_tokens, lr, grad_norm, step_s, batch_tokens / step_s, exec_->compute_s(), sync.wait_s,
+    // Waiting for the other ranks after the backward: in the sync, and where the figures go ahead
+    // of it, in their sum (which waits for the slowest backward as the sync did).
+    const double wait_s = sync.wait_s + (figures.ahead() ? std::chrono::duration<double>(sync_t0 - sum_t0).count() : 0.0);
+    StepRecord rec{step + 1, sums.loss / batch_tokens, lr, grad_norm, step_s, batch_tokens / step_s, exec_->compute_s(), wait_s,
                    phase_s};
     if (tp_comm_) rec.tp_comm_s = tp_comm_->take_busy().seconds;
     result.steps.push_back(rec);
