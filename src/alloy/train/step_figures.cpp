@@ -49,12 +49,10 @@ void StepFigures::after_backward(double loss, int64_t pipeline, double compute_s
 
 StepFigures::Sums StepFigures::after_sync(double norm_sq, double clip_norm_sq, const Sync& sync) {
   sync_ = sync;
-  if (ahead_) {
-    summed_[kNorm] = norm_sq;  // every rank's is the whole gradient's, the same bits everywhere
-    summed_[kClipNorm] = clip_norm_sq;
-  } else {
-    summed_[kNorm] = norm_sq;
-    summed_[kClipNorm] = clip_norm_sq;
+  // Ahead, every rank's norm is the whole gradient's, the same bits everywhere: not summed.
+  summed_[kNorm] = norm_sq;
+  summed_[kClipNorm] = clip_norm_sq;
+  if (!ahead_) {
     summed_.narrow(0, kSync, kSyncCount).copy_(sync_tensor(sync));
     if (posted_) posted_->finish(summed_, "sum of the step's loss, gradient norm and sync figures");
     posted_.reset();
