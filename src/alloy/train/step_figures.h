@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
