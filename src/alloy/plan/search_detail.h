@@ -46,6 +46,12 @@ struct Replica {
 struct Layout {
   int sched = 0;  // index into SearchOptions::schedules
   std::vector<Replica> reps;
+  // Every replica one device: the step's figures sum is hidden (CostContext::world_sum_exposed_s).
+  bool one_device_replicas() const {
+    for (const auto& r : reps)
+      if (r.dev.size() != 1) return false;
+    return true;
+  }
 };
 
 // ---------------------------------------------------------------------------------------------

@@ -162,9 +162,7 @@ double Evaluator::evaluate(Layout& L, Batch mode, bool stragglers) {
     best = greedy_allocate(L);
     if (!(best < kInf)) return kInf;
   }
-  bool one_stage = true;
-  for (const auto& rep : L.reps) one_stage = one_stage && rep.dev.size() == 1;
-  return ((best + (stragglers ? straggler_s(L, best) : 0.0)) + ctx_.world_sum_exposed_s(one_stage)) + maxopt;
+  return ((best + (stragglers ? straggler_s(L, best) : 0.0)) + ctx_.world_sum_exposed_s(L.one_device_replicas())) + maxopt;
 }
 
 double Evaluator::straggler_s(Layout& L, double latest) {

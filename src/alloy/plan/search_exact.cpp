@@ -243,9 +243,7 @@ void Exact::leaf(Layout& l) {
   }
   const double v = minmax_allocate(rows, G, nullptr);
   if (!(v < kInf)) return;
-  bool single = true;
-  for (const auto& rep : l.reps) single = single && rep.dev.size() == 1;
-  const double step = (v + P_.ctx.world_sum_exposed_s(single)) + maxopt;
+  const double step = (v + P_.ctx.world_sum_exposed_s(l.one_device_replicas())) + maxopt;
   if (step < best_step) {
     Layout copy = l;
     best_step = eval(P_, copy, Batch::Optimize);  // fills the batch split; same value

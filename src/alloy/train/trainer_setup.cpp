@@ -199,34 +199,30 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     for (int64_t m = 0; m < pl.num_micro_batches; ++m) exec_->mb_units.push_back(pl.units_of(static_cast<size_t>(pos_.stage), m));
   if (!resume_dir.empty()) scaler_.restore(resumed.loss_scale, resumed.loss_scale_good_steps);
   if (world_) build_groups();
-  if (world_ && world_->size() > 1 && shard_specs_.empty() && !plan_->has_tensor_parallel()) {
-    // Replicas of the whole model, unsharded: every rank ends the sync with the whole summed
-    // gradient, so its norm is the same everywhere and the step's figures go ahead of the sync
-    // (train/step_figures.h). The norm then counts every parameter on every rank, in the order
-    // the lowest rank counted them for the sum: the same bits as before.
-    const auto trainable = model_->trainable();
-    bool whole = true;
-    for (const auto* p : trainable) whole = whole && static_cast<int>(sync_->holders(p->name).size()) == world_->size();
-    if (whole) {
-      figures_ahead_ = true;
-      counted_.clear();
-      for (auto* p : trainable) counted_.push_back({p});
-    }
+  // Replicas of the whole model, one stage of one rank each, or why not: samples move among them
+  // without state (train.rebalance), and each ends the sync with the whole summed gradient.
+  std::string not_replicas;
+  for (size_t p = 0; p < plan_->pipelines.size() && not_replicas.empty(); ++p)
+    if (plan_->pipelines[p].stages.size() != 1)
+      not_replicas = "pipeline " + std::to_string(p) + " has " + std::to_string(plan_->pipelines[p].stages.size()) + " stages";
+  if (not_replicas.empty() && plan_->has_tensor_parallel()) not_replicas = "it has tensor-parallel groups";
+  if (world_ && world_->size() > 1 && not_replicas.empty() && shard_specs_.empty()) {
+    // Unsharded too: the gradient norm is the same on every rank and the step's figures go ahead
+    // of the sync (train/step_figures.h). The norm then counts every parameter on every rank, in
+    // the order the lowest rank counted them for the sum: the same bits as before.
+    figures_ahead_ = true;
+    counted_.clear();
+    for (auto* p : model_->trainable()) counted_.push_back({p});
   }
   if (cfg_.train.rebalance && world_ && plan_->pipelines.size() > 1) {
-    // Samples move without state only among replicas of the whole model: a pipeline's stages or a
-    // tensor-parallel group would each need the schedule's and the cost model's view of a step.
-    std::string why_not;
-    for (size_t p = 0; p < plan_->pipelines.size() && why_not.empty(); ++p)
-      if (plan_->pipelines[p].stages.size() != 1)
-        why_not = "pipeline " + std::to_string(p) + " has " + std::to_string(plan_->pipelines[p].stages.size()) + " stages";
-    if (why_not.empty() && plan_->has_tensor_parallel()) why_not = "it has tensor-parallel groups";
-    if (why_not.empty()) {
+    // A pipeline's stages or a tensor-parallel group would each need the schedule's and the cost
+    // model's view of a step.
+    if (not_replicas.empty()) {
       std::vector<int64_t> base;
       for (const auto& pl : plan_->pipelines) base.push_back(pl.samples());
       balancer_ = std::make_unique<ShareBalancer>(base);
     } else if (rank_ == 0) {
-      log_warn("train.rebalance: off under this plan (" + why_not + "); it moves samples among data-parallel replicas of one stage each");
+      log_warn("train.rebalance: off under this plan (" + not_replicas + "); it moves samples among data-parallel replicas of one stage each");
     }
   }
   if (!resume_dir.empty() && reducer_ && !reducer_->compressed().empty()) load_sync_state(resume_dir);
