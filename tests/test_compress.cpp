@@ -540,7 +540,7 @@ TEST(SyncLayout, RegionsFromSlowLinksDecideWhatIsCompressed) {
   for (const auto& s : all.sets()) {
     EXPECT_TRUE(s.compressed) << s.name;
     EXPECT_FALSE(s.hierarchical) << s.name;
-    EXPECT_TRUE(s.tree.empty()) << s.name;  // compressed sets have their own routes
+    EXPECT_TRUE(s.trees.empty()) << s.name;  // compressed sets have their own routes
   }
 }
 
@@ -556,25 +556,45 @@ TEST(SyncLayout, ExactSetsAroundASlowLinkSumAlongATree) {
   {
     alloy::dist::SyncLayout l(p, m);
     ASSERT_EQ(l.sets().size(), 1u);
-    const auto& t = l.sets()[0].tree;
-    ASSERT_FALSE(t.empty());
+    ASSERT_EQ(l.sets()[0].trees.size(), 1u);  // its tree crosses no slow pair: nothing to stripe
+    const auto& t = l.sets()[0].trees[0];
     EXPECT_EQ(t.root, 1);
     EXPECT_EQ(t.parent, (std::vector<int>{1, -1, 1}));
   }
   p.grad_sync.allreduce = "ring";
-  EXPECT_TRUE(alloy::dist::SyncLayout(p, m).sets()[0].tree.empty());
+  EXPECT_TRUE(alloy::dist::SyncLayout(p, m).sets()[0].trees.empty());
   p.grad_sync.allreduce = "auto";
   p.slow_links.clear();
-  EXPECT_TRUE(alloy::dist::SyncLayout(p, m).sets()[0].tree.empty());
+  EXPECT_TRUE(alloy::dist::SyncLayout(p, m).sets()[0].trees.empty());
   // A pipeline beside a replica: the pair sets {0, 2} and {1, 2} keep the ring; the tied
   // embedding's set {0, 1, 2} has the slow pair 1-2 and goes around it through rank 0.
   p.pipelines = {{2, 2, {{{0}, 0, 2, ""}, {{1}, 2, 4, ""}}}, {2, 1, {{{2}, 0, 4, ""}}}};
   p.slow_links = {{1, 2}};
   alloy::dist::SyncLayout mixed(p, m);
-  EXPECT_TRUE(mixed.set_of({0, 2})->tree.empty());
-  EXPECT_TRUE(mixed.set_of({1, 2})->tree.empty());
-  ASSERT_FALSE(mixed.set_of({0, 1, 2})->tree.empty());
-  EXPECT_EQ(mixed.set_of({0, 1, 2})->tree.root, 0);
+  EXPECT_TRUE(mixed.set_of({0, 2})->trees.empty());
+  EXPECT_TRUE(mixed.set_of({1, 2})->trees.empty());
+  ASSERT_EQ(mixed.set_of({0, 1, 2})->trees.size(), 1u);
+  EXPECT_EQ(mixed.set_of({0, 1, 2})->trees[0].root, 0);
+}
+
+// Four replicas in two regions of two, every cross pair slow (examples/cluster-2region.yaml): the
+// sum is striped over two trees that cross at different pairs, 1-2 and 0-3, so each of the two
+// lines carries half of every bucket; tree_stripes 1 keeps one tree.
+TEST(SyncLayout, TwoRegionsStripeTheSumOverSeparateSlowPairs) {
+  alloy::ModelConfig m;
+  m.layers = 4;
+  alloy::Plan p;
+  p.global_batch = 8;
+  p.pipelines = {{2, 1, {{{0}, 0, 4, ""}}}, {2, 1, {{{1}, 0, 4, ""}}}, {2, 1, {{{2}, 0, 4, ""}}}, {2, 1, {{{3}, 0, 4, ""}}}};
+  p.slow_links = {{0, 2}, {0, 3}, {1, 2}, {1, 3}};
+  alloy::dist::SyncLayout l(p, m);
+  ASSERT_EQ(l.sets().size(), 1u);
+  const auto& trees = l.sets()[0].trees;
+  ASSERT_EQ(trees.size(), 2u);
+  EXPECT_EQ(trees[0].parent, (std::vector<int>{1, -1, 1, 2}));  // crosses at 1-2
+  EXPECT_EQ(trees[1].parent, (std::vector<int>{-1, 0, 3, 0}));  // crosses at 0-3
+  p.grad_sync.tree_stripes = 1;
+  EXPECT_EQ(alloy::dist::SyncLayout(p, m).sets()[0].trees.size(), 1u);
 }
 
 #include <rapidcheck/gtest.h>

@@ -446,16 +446,23 @@ TEST(CostModel, HierarchicalSyncCompressesOnlyBetweenRegions) {
   ASSERT_EQ(pc.sync_groups.size(), 1u);
   EXPECT_TRUE(pc.sync_groups[0].hierarchical);
   EXPECT_EQ(pc.sync_groups[0].regions, 2);
-  // Dense: along a tree that crosses the slow links once, 6 MB each way over a 12.5 MB/s hop (a
-  // ring would cross two hops with 2 * 3/4 of it). Compressed: 6 MB inside each region at 1.25
-  // GB/s, then 2% of it between the two leaders.
+  // Dense: along two trees (stripes), each crossing the slow links once at a pair of its own, so
+  // each of the two 12.5 MB/s hops carries 3 MB each way (a ring would cross two hops with 2 * 3/4
+  // of 6 MB). Compressed: 6 MB inside each region at 1.25 GB/s, then 2% of it between the two
+  // leaders.
   EXPECT_TRUE(dense.sync_groups[0].tree);
-  // The tree a0 - a1 - b0 - b1 (one slow edge), rooted at a1: the bytes behind the first chunk at
-  // 12.5 MB/s, and the first chunk from b1 up to a1 and back (two fast hops, two slow, with their
-  // latencies).
+  EXPECT_EQ(dense.sync_groups[0].stripes, 2);
+  // The trees a0 - a1 - b0 - b1 rooted at a1 and a1 - a0 - b1 - b0 rooted at a0: a slice's bytes
+  // behind its first chunk at 12.5 MB/s, and the first chunk from the farthest member up to its
+  // root and back (two fast hops, two slow, with their latencies).
   const double chunk = 256.0 * 1024;
-  EXPECT_NEAR(dense.sync_groups[0].time_s, (6e6 - chunk) / 1.25e7 + chunk * (2 / 1.25e9 + 2 / 1.25e7) + 2 * 0.0001 + 2 * 0.010,
+  EXPECT_NEAR(dense.sync_groups[0].time_s, (6e6 / 2 - chunk) / 1.25e7 + chunk * (2 / 1.25e9 + 2 / 1.25e7) + 2 * 0.0001 + 2 * 0.010,
               1e-9);
+  Plan one = plan;
+  one.grad_sync = GradSyncConfig{};
+  one.grad_sync.tree_stripes = 1;  // one tree: all 6 MB over one slow hop
+  EXPECT_NEAR(simulate_plan(one, c, p).sync_groups[0].time_s,
+              (6e6 - chunk) / 1.25e7 + chunk * (2 / 1.25e9 + 2 / 1.25e7) + 2 * 0.0001 + 2 * 0.010, 1e-9);
   EXPECT_LT(pc.sync_groups[0].time_s, 0.1);
   EXPECT_LT(pc.step_s, dense.step_s);
   // A set inside one region stays exact: a pipeline whose both stages sit in region A.
@@ -468,6 +475,45 @@ TEST(CostModel, HierarchicalSyncCompressesOnlyBetweenRegions) {
     const bool crosses = g.ranks != std::vector<int>{0, 1} && g.ranks != std::vector<int>{2, 3};
     EXPECT_EQ(g.compressed, crosses);
   }
+}
+
+// Four replicas in two regions joined by slow links (10 ms, 12.5 MB/s a pair): the exact sum goes
+// along two striped trees, and its buckets pipeline, so it can hide behind the backward that
+// produces them. A replica's gradient is final only after its last micro-batch: in 4 micro-batches
+// of 2 the sum hides behind the last quarter of the backward, in one micro-batch of 8 behind all of
+// it. Same compute (per-sample costs), a shorter step.
+TEST(CostModel, AReplicaOfOneMicroBatchHidesItsTreeSumBehindTheWholeBackward) {
+  Profile p = base_profile(2);
+  DeviceProfile d;
+  d.block_fwd = {0, 0.01};
+  d.block_bwd = {0, 0.02};
+  d.embed_fwd = d.head_fwd = {0, 0.005};
+  d.embed_bwd = d.head_bwd = {0, 0.005};
+  d.optimizer_s_per_param = 0;
+  p.devices["t"] = d;
+  ClusterSpec c;
+  c.devices = {device("a0", "h0", "t"), device("a1", "h1", "t"), device("b0", "h2", "t"), device("b1", "h3", "t")};
+  c.groups = {{"A", {"h0", "h1"}}, {"B", {"h2", "h3"}}};
+  c.rules.push_back({"A", "A", Link{10, 0.1}});
+  c.rules.push_back({"B", "B", Link{10, 0.1}});
+  c.rules.push_back({"A", "B", Link{0.1, 10}});
+  auto replicas = [&](int64_t m, int64_t count) {
+    Plan plan;
+    plan.global_batch = 32;
+    plan.grad_sync.bucket_mb = 1;
+    for (int r = 0; r < 4; ++r) plan.pipelines.push_back({m, count, {stage(r, 0, 2, c.devices[static_cast<size_t>(r)].name)}});
+    return simulate_plan(plan, c, p);
+  };
+  const PlanCost four = replicas(2, 4), one = replicas(8, 1);
+  ASSERT_EQ(four.sync_groups.size(), 1u);
+  EXPECT_EQ(one.sync_groups[0].stripes, 2);
+  EXPECT_NEAR(four.phase_s, one.phase_s, 1e-12);  // 8 samples of 0.07 s, 0.56 s
+  EXPECT_NEAR(four.sync_groups[0].time_s, one.sync_groups[0].time_s, 1e-12);
+  // The sum takes about 0.26 s: in one micro-batch all but its last buckets overlap the 0.4 s
+  // backward; in four, only the last 0.1 s of it.
+  EXPECT_GT(one.sync_groups[0].time_s, 0.2);
+  EXPECT_LT(one.step_s + 0.05, four.step_s);
+  EXPECT_LT(one.sync_done_s - one.phase_s + 0.05, four.sync_done_s - four.phase_s);
 }
 
 // The 3-device pool's shape: a - b and b - c fast (1 GB/s), a - c slow (10 MB/s). A ring of all three
@@ -493,6 +539,13 @@ TEST(CostModel, AnExactSetAroundASlowLinkSumsAlongATree) {
   EXPECT_DOUBLE_EQ(g.bytes, 6e6);
   EXPECT_NEAR(g.slowest_bytes_per_s, 1e9, 1e-3);
   EXPECT_NEAR(g.time_s, (6e6 + 256.0 * 1024) / 1e9, 1e-12);
+  // Smaller buckets pipeline along the tree (dist/tree_allreduce.h): the chain pays the round trip
+  // once, each bucket its bytes.
+  Plan small = plan;
+  small.grad_sync.bucket_mb = 1;
+  const SyncGroupCost gs = simulate_plan(small, c, p).sync_groups[0];
+  EXPECT_GT(gs.buckets, 2);
+  EXPECT_NEAR(gs.time_s, g.time_s, 1e-12);
   Plan ring = plan;
   ring.grad_sync.allreduce = "ring";
   const PlanCost r = simulate_plan(ring, c, p);

@@ -98,3 +98,58 @@ RC_GTEST_PROP(SyncTree, EveryTreeSpansWithTheFewestSlowEdgesFromACentre, ()) {
   RC_ASSERT(h == t.depth);
   for (size_t m = 0; m < n; ++m) RC_ASSERT(height_from(m) >= h);
 }
+
+// Stripes (sync_trees): two regions of two joined by four slow pairs stripe over two trees that
+// cross at pairs with no member in common (1-2, then 0-3); the 3-device pool's tree crosses no
+// slow pair and stays alone; a cap of one keeps sync_tree's tree.
+TEST(SyncTree, TwoRegionsStripeOverSlowPairsOfTheirOwn) {
+  const auto slow = slow_pairs({{0, 2}, {0, 3}, {1, 2}, {1, 3}});
+  const auto trees = alloy::sync_trees(4, slow, 4);
+  ASSERT_EQ(trees.size(), 2u);  // a third would cross where a member already sends a stripe
+  EXPECT_EQ(trees[0].parent, sync_tree(4, slow).parent);
+  EXPECT_EQ(alloy::slow_edges(trees[0], slow), (std::vector<std::pair<size_t, size_t>>{{1, 2}}));
+  EXPECT_EQ(alloy::slow_edges(trees[1], slow), (std::vector<std::pair<size_t, size_t>>{{0, 3}}));
+  EXPECT_EQ(trees[1].root, 0);
+  EXPECT_EQ(alloy::sync_trees(4, slow, 1).size(), 1u);
+  EXPECT_EQ(alloy::sync_trees(3, slow_pairs({{0, 2}}), 4).size(), 1u);
+  EXPECT_TRUE(alloy::sync_trees(4, slow_pairs({}), 4).empty());
+}
+
+// Any members and slow pairs: every stripe is a tree as sync_tree's are (spanning, N - 1 edges, the
+// fewest slow ones), no member is an end of two stripes' slow pairs, and the first stripe is
+// sync_tree's.
+RC_GTEST_PROP(SyncTree, StripesSpanAndNeverShareASlowPair, ()) {
+  const size_t n = *rc::gen::inRange<size_t>(3, 10);
+  std::set<std::pair<size_t, size_t>> slow;
+  for (size_t a = 0; a < n; ++a)
+    for (size_t b = a + 1; b < n; ++b)
+      if (*rc::gen::inRange(0, 2) == 0) slow.insert({a, b});
+  const auto is_slow = slow_pairs(slow);
+  const int cap = *rc::gen::inRange(1, 5);
+  const auto trees = alloy::sync_trees(n, is_slow, cap);
+  RC_ASSERT(trees.empty() == slow.empty());
+  if (trees.empty()) return;
+  RC_ASSERT(static_cast<int>(trees.size()) <= cap);
+  RC_ASSERT(trees[0].parent == sync_tree(n, is_slow).parent);
+  const size_t regions = alloy::components(n, [&](size_t a, size_t b) { return a != b && !is_slow(a, b); }).size();
+  std::set<size_t> ends;
+  for (const SyncTree& t : trees) {
+    RC_ASSERT(t.parent.size() == n);
+    size_t edges = 0;
+    for (size_t m = 0; m < n; ++m) {
+      if (t.parent[m] < 0) continue;
+      ++edges;
+      // Every member reaches the root.
+      size_t x = m, hops = 0;
+      while (t.parent[x] >= 0 && hops <= n) x = static_cast<size_t>(t.parent[x]), ++hops;
+      RC_ASSERT(static_cast<int>(x) == t.root);
+    }
+    RC_ASSERT(edges == n - 1);
+    const auto se = alloy::slow_edges(t, is_slow);
+    RC_ASSERT(se.size() == regions - 1);
+    std::set<size_t> mine;
+    for (const auto& e : se) mine.insert(e.first), mine.insert(e.second);
+    for (size_t x : mine) RC_ASSERT(ends.insert(x).second);
+  }
+  if (trees.size() > 1) RC_ASSERT(regions > 1);
+}

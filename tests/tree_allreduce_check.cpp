@@ -1,12 +1,14 @@
 // The tree all-reduce (dist/tree_allreduce.h) across real processes. Run as N ranks:
-//   alloy launch --nproc N -- tree_allreduce_check --slow 0:2[,A:B...] [--die R]
+//   alloy launch --nproc N -- tree_allreduce_check --slow 0:2[,A:B...] [--stripes K] [--die R]
 // Every rank sums inputs it can regenerate for every other rank (seeded by rank and round), so
 // each checks its result bit for bit against the tree's own order of additions computed locally:
 // every member must end with the root's total. Sizes straddle the chunk (one element less, equal,
 // one more, several chunks and a remainder, none at all), in float and double, several sums in
 // flight at once (the reducer launches a group's buckets back to back). With --die R, rank R exits
 // after the first round without a word and every other rank must fail its next sum with an error
-// naming the tree and a rank, not hang. Without --die, Group::sum_small is checked too, with and
+// naming the tree and a rank, not hang. With --stripes K the sums go along up to K trees
+// (core/sync_tree.h, sync_trees), each summing its slice, and slice s is checked against tree s's
+// order. Without --die, Group::sum_small is checked too, with and
 // without the tree. Prints "tree-allreduce ok" (or "tree-allreduce failed
 // as expected: ...") per rank.
 #include <ATen/ATen.h>
@@ -42,14 +44,29 @@ at::Tensor subtree(const alloy::SyncTree& t, int m, int round, int64_t n, at::Sc
   for (int c : t.children[static_cast<size_t>(m)]) s.add_(subtree(t, c, round, n, dtype));
   return s;
 }
+
+// The striped total: slice s (of as many near-equal contiguous slices as there are trees, fewer
+// when N has fewer elements) added in tree s's order.
+at::Tensor total(const std::vector<alloy::SyncTree>& trees, int round, int64_t n, at::ScalarType dtype) {
+  const int64_t S = std::min<int64_t>(static_cast<int64_t>(trees.size()), n);
+  if (S <= 1) return subtree(trees[0], trees[0].root, round, n, dtype);
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(dtype));
+  for (int64_t s = 0; s < S; ++s) {
+    const alloy::SyncTree& t = trees[static_cast<size_t>(s)];
+    const int64_t begin = s * n / S, end = (s + 1) * n / S;
+    out.narrow(0, begin, end - begin).copy_(subtree(t, t.root, round, n, dtype).narrow(0, begin, end - begin));
+  }
+  return out;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   std::set<std::pair<int, int>> slow;
-  int die = -1;
+  int die = -1, stripes = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], v = argv[i + 1];
     if (flag == "--die") die = std::atoi(v.c_str());
+    if (flag == "--stripes") stripes = std::atoi(v.c_str());
     if (flag == "--slow")
       for (size_t p = 0; p < v.size();) {
         const size_t comma = v.find(',', p), colon = v.find(':', p);
@@ -62,16 +79,17 @@ int main(int argc, char** argv) {
   const auto rv = dist::resolve_rendezvous({});
   auto world = dist::World::create(rv, std::chrono::milliseconds(die >= 0 ? 20000 : 60000));
   const int W = world->size(), me = world->rank();
-  const alloy::SyncTree tree =
-      alloy::sync_tree(static_cast<size_t>(W), [&](size_t a, size_t b) { return slow.count({static_cast<int>(a), static_cast<int>(b)}) > 0; });
-  if (tree.empty()) {
-    std::fprintf(stderr, "rank %d: no tree for %d ranks with these slow pairs\n", me, W);
+  const std::vector<alloy::SyncTree> trees = alloy::sync_trees(
+      static_cast<size_t>(W), [&](size_t a, size_t b) { return slow.count({static_cast<int>(a), static_cast<int>(b)}) > 0; }, stripes);
+  if (trees.empty() || static_cast<int>(trees.size()) != stripes) {
+    std::fprintf(stderr, "rank %d: %zu trees for %d ranks with these slow pairs, not %d\n", me, trees.size(), W, stripes);
     return 2;
   }
   std::vector<int> all;
   for (int r = 0; r < W; ++r) all.push_back(r);
   auto group = world->new_group("check", all);
-  group->route_sums(world->new_group("check-tree", all), tree);
+  const alloy::SyncTree& tree = trees[0];
+  group->route_sums(world->new_group("check-tree", all), trees);
 
   const int64_t chunk = dist::TreeAllreduce::kChunkBytes / 4;
   const std::vector<int64_t> sizes = {1, 7, chunk - 1, chunk, chunk + 1, 3 * chunk + 5, 0, (1 << 20) + 3};
@@ -92,7 +110,7 @@ int main(int argc, char** argv) {
         }
         for (size_t k = 0; k < sizes.size(); ++k) {
           dist::wait_work(works[k], "check sum " + std::to_string(k));
-          const at::Tensor want = subtree(tree, tree.root, round, sizes[k], dtype);
+          const at::Tensor want = total(trees, round, sizes[k], dtype);
           if (!at::equal(bufs[k], want)) {
             ++bad;
             std::fprintf(stderr, "rank %d round %d size %lld: differs from the tree's total by up to %g\n", me, round,
@@ -111,7 +129,7 @@ int main(int argc, char** argv) {
         for (int r = 1; r < W; ++r) want.add_(input(r, 100, n, at::kDouble));
         at::Tensor u = input(me, 101, n, at::kDouble);
         group->sum_small(u, "check small sum along the tree");
-        for (const auto& [got, exp, what] : {std::tuple{t, want, "in rank order"}, std::tuple{u, subtree(tree, tree.root, 101, n, at::kDouble), "along the tree"}})
+        for (const auto& [got, exp, what] : {std::tuple{t, want, "in rank order"}, std::tuple{u, total(trees, 101, n, at::kDouble), "along the tree"}})
           if (!at::equal(got, exp)) {
             ++bad;
             std::fprintf(stderr, "rank %d: a small sum of %lld %s differs by up to %g\n", me, static_cast<long long>(n), what,
@@ -134,6 +152,7 @@ int main(int argc, char** argv) {
     _exit(1);
   }
   if (bad) return 1;
-  std::printf("tree-allreduce ok: rank %d of %d, root %d, %d rounds of %zu sums\n", me, W, tree.root, round, sizes.size());
+  std::printf("tree-allreduce ok: rank %d of %d, root %d, %zu tree(s), %d rounds of %zu sums\n", me, W, tree.root, trees.size(), round,
+              sizes.size());
   return 0;
 }

@@ -10,25 +10,28 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from distlib import Checks  # noqa: E402
 
-# (ranks, slow pairs, the rank that leaves or None)
+# (ranks, slow pairs, stripes, the rank that leaves or None)
 CASES = [
-    (3, "0:2", None),            # the 3-device pool: a chain through rank 1
-    (4, "0:2,0:3,1:2,1:3", None),  # two regions of two: one slow edge
-    (5, "0:4,1:3,2:4", None),
-    (3, "0:2", 2),               # a leaf leaves
-    (3, "0:2", 1),               # the root leaves
+    (3, "0:2", 1, None),            # the 3-device pool: a chain through rank 1
+    (4, "0:2,0:3,1:2,1:3", 1, None),  # two regions of two: one slow edge
+    (4, "0:2,0:3,1:2,1:3", 2, None),  # the same striped: slices along 1-2 and 0-3 at once
+    (5, "0:4,1:3,2:4", 1, None),
+    (3, "0:2", 1, 2),               # a leaf leaves
+    (3, "0:2", 1, 1),               # the root leaves
+    (4, "0:2,0:3,1:2,1:3", 2, 3),   # a member of both stripes leaves
 ]
 
 
 def main():
     alloy, check = sys.argv[1], sys.argv[2]
     ok = Checks()
-    for n, slow, die in CASES:
-        cmd = [alloy, "launch", "--nproc", str(n), "--", check, "--slow", slow] + (["--die", str(die)] if die is not None else [])
+    for n, slow, stripes, die in CASES:
+        cmd = [alloy, "launch", "--nproc", str(n), "--", check, "--slow", slow, "--stripes", str(stripes)]
+        cmd += ["--die", str(die)] if die is not None else []
         # A hang guard, not a speed check: the failing cases wait at most a 20 s collective timeout.
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         out = r.stdout + r.stderr
-        what = f"{n} ranks, slow {slow}" + (f", rank {die} leaves" if die is not None else "")
+        what = f"{n} ranks, slow {slow}, {stripes} stripe(s)" + (f", rank {die} leaves" if die is not None else "")
         if die is None:
             good = r.returncode == 0 and out.count("tree-allreduce ok") == n
             ok(good, f"{what}: every rank has the tree's total bit for bit")

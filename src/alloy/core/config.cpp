@@ -154,6 +154,8 @@ const std::vector<Field>& schema() {
                                              "fastest link"),
       ALLOY_STR(grad_sync, allreduce, "auto (exact sums of three or more holders go along a tree of their fast links where a "
                                       "ring would cross a slow one) | ring (Gloo's ring always)"),
+      ALLOY_INT(grad_sync, tree_stripes, "tree sums (allreduce auto): at most this many trees, each summing its slice of every "
+                                         "bucket over slow pairs of its own, side by side (1..4; 1 = one tree)"),
       ALLOY_FLOAT(grad_sync, dgc_momentum, "momentum correction's factor (local velocity); 0 = plain accumulation"),
       ALLOY_STR(grad_sync, momentum_correction, "auto (dgc only) | on (every sparsifier: a local velocity, as DGC's) | off"),
       ALLOY_STR(grad_sync, sidco_fit, "sidco: exponential | gamma | gpd"),
@@ -478,6 +480,7 @@ void GradSyncConfig::validate(const std::string& where, const std::string& prefi
   if (powersgd_rank < 1) fail("powersgd_rank", "must be >= 1, got " + std::to_string(powersgd_rank));
   one_of("scope", scope, {"all", "slow-links"});
   one_of("allreduce", allreduce, {"auto", "ring"});
+  if (tree_stripes < 1 || tree_stripes > 4) fail("tree_stripes", "must be in 1..4, got " + std::to_string(tree_stripes));
   if (!(slow_link_gbps >= 0)) fail("slow_link_gbps", "must be >= 0");
   if (!(dgc_momentum >= 0 && dgc_momentum < 1)) fail("dgc_momentum", "must be in [0, 1)");
   one_of("momentum_correction", momentum_correction, {"auto", "on", "off"});

@@ -114,6 +114,10 @@ struct GradSyncConfig {
   // How exact sync sums a holder set: auto = along a tree of its fast links where a ring of three or
   // more members would cross a slow link (core/sync_tree.h), Gloo's ring elsewhere; ring = always.
   std::string allreduce = "auto";
+  // A tree sum's stripes: up to this many trees, each summing its own slice of every bucket at once
+  // over slow pairs no other stripe takes (core/sync_tree.h, sync_trees), so two regions joined by
+  // several slow lines use them side by side. 1 = one tree.
+  int64_t tree_stripes = 4;
 
   bool lossy() const { return compression != "none"; }
   static bool sparse_method(const std::string& m) {

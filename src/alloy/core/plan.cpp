@@ -484,6 +484,7 @@ nlohmann::json Plan::to_json() const {
                            {"sidco_stages", g.sidco_stages}});
   }
   if (g.allreduce != "auto") j["grad_sync"]["allreduce"] = g.allreduce;
+  if (g.tree_stripes != GradSyncConfig{}.tree_stripes) j["grad_sync"]["tree_stripes"] = g.tree_stripes;
   if (!slow_links.empty()) {
     nlohmann::json sl = nlohmann::json::array();
     for (const auto& [a, b] : slow_links) sl.push_back({a, b});
@@ -623,6 +624,8 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
       o.sidco_stages = whole_or(g, "sidco_stages", o.sidco_stages);
       field = "grad_sync.allreduce";
       o.allreduce = g.value("allreduce", o.allreduce);
+      field = "grad_sync.tree_stripes";
+      o.tree_stripes = whole_or(g, "tree_stripes", o.tree_stripes);
       field = "grad_sync.slow_links";
       if (g.contains("slow_links"))
         for (const auto& e : g.at("slow_links")) {

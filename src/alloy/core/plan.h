@@ -18,6 +18,7 @@
 //  - grad_sync's fields are valid (GradSyncConfig::validate); slow_links name ranks of the plan
 // Layer indices count transformer blocks; the embedding lives with the stage holding block 0 and
 // the head (final norm, logits, loss) with the stage holding the last block, as in Megatron.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -112,6 +113,11 @@ struct PipelinePlan {
   // "6 x 10", or "6 x 10 (the last of 3)".
   std::string batch_text() const;
   int64_t samples() const { return micro_batch_size * (num_micro_batches - 1) + last_size(); }
+  // The micro-batch size for SAMPLES when train.rebalance moves samples: a pipeline planned as one
+  // micro-batch stays one (a replica's buckets then sum during its whole backward, not only its last
+  // micro-batch's: 28 samples becoming 28 + 1 would leave the sum almost nothing to hide behind);
+  // the others keep their size, the last micro-batch short.
+  int64_t micro_batch_for(int64_t samples) const { return num_micro_batches == 1 ? std::max<int64_t>(samples, 1) : micro_batch_size; }
   bool has_tensor_parallel() const;  // a stage with several ranks
   // The unit where micro-batch MB passes from stage S to S + 1: the stages' own boundary, or, for
   // a floating one, the shared unit's end in round(float_share x M) of the M micro-batches (those

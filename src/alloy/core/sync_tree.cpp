@@ -2,15 +2,20 @@
 
 #include <algorithm>
 #include <numeric>
+#include <set>
 #include <tuple>
 
 namespace alloy {
 
-SyncTree sync_tree(size_t n, const std::function<bool(size_t, size_t)>& slow) {
+namespace {
+// Kruskal over every pair, fast ones first, then slow ones by AVOID(a, b) (lower first), each kind
+// by the members' distance in the order and then by the first member; rooted at a centre.
+SyncTree build_tree(size_t n, const std::function<bool(size_t, size_t)>& slow, const std::function<int(size_t, size_t)>& avoid) {
   SyncTree t;
   if (n < 3) return t;
   struct Edge {
     bool slow;
+    int avoid;
     size_t gap, a, b;
   };
   std::vector<Edge> edges;
@@ -19,11 +24,12 @@ SyncTree sync_tree(size_t n, const std::function<bool(size_t, size_t)>& slow) {
     for (size_t b = a + 1; b < n; ++b) {
       const bool s = slow(a, b);
       any_slow |= s;
-      edges.push_back({s, b - a, a, b});
+      edges.push_back({s, s ? avoid(a, b) : 0, b - a, a, b});
     }
   if (!any_slow) return t;
-  std::sort(edges.begin(), edges.end(),
-            [](const Edge& x, const Edge& y) { return std::tie(x.slow, x.gap, x.a) < std::tie(y.slow, y.gap, y.a); });
+  std::sort(edges.begin(), edges.end(), [](const Edge& x, const Edge& y) {
+    return std::tie(x.slow, x.avoid, x.gap, x.a) < std::tie(y.slow, y.avoid, y.gap, y.a);
+  });
   std::vector<size_t> comp(n);
   std::iota(comp.begin(), comp.end(), size_t{0});
   auto find = [&](size_t x) {
@@ -64,6 +70,46 @@ SyncTree sync_tree(size_t n, const std::function<bool(size_t, size_t)>& slow) {
   for (size_t m = 0; m < n; ++m)
     if (t.parent[m] >= 0) t.children[static_cast<size_t>(t.parent[m])].push_back(static_cast<int>(m));
   return t;
+}
+}  // namespace
+
+SyncTree sync_tree(size_t n, const std::function<bool(size_t, size_t)>& slow) {
+  return build_tree(n, slow, [](size_t, size_t) { return 0; });
+}
+
+std::vector<std::pair<size_t, size_t>> slow_edges(const SyncTree& t, const std::function<bool(size_t, size_t)>& slow) {
+  std::vector<std::pair<size_t, size_t>> out;
+  for (size_t m = 0; m < t.parent.size(); ++m) {
+    if (t.parent[m] < 0) continue;
+    const size_t p = static_cast<size_t>(t.parent[m]), a = std::min(m, p), b = std::max(m, p);
+    if (slow(a, b)) out.emplace_back(a, b);  // SLOW is asked with a < b, as sync_tree asks
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<SyncTree> sync_trees(size_t n, const std::function<bool(size_t, size_t)>& slow, int max_trees) {
+  std::vector<SyncTree> out;
+  SyncTree first = sync_tree(n, slow);
+  if (first.empty()) return out;
+  std::set<std::pair<size_t, size_t>> taken;
+  std::set<size_t> ends;  // members an earlier stripe's slow edges touch
+  auto take = [&](const SyncTree& t) {
+    for (const auto& e : slow_edges(t, slow)) taken.insert(e), ends.insert(e.first), ends.insert(e.second);
+    out.push_back(t);
+  };
+  const bool crosses = !slow_edges(first, slow).empty();
+  take(first);
+  while (crosses && static_cast<int>(out.size()) < max_trees) {
+    SyncTree t = build_tree(n, slow, [&](size_t a, size_t b) {
+      if (taken.count({a, b})) return 3;
+      return static_cast<int>(ends.count(a)) + static_cast<int>(ends.count(b));
+    });
+    const auto edges = slow_edges(t, slow);
+    if (std::any_of(edges.begin(), edges.end(), [&](const auto& e) { return ends.count(e.first) || ends.count(e.second); })) break;
+    take(t);
+  }
+  return out;
 }
 
 }  // namespace alloy

@@ -11,6 +11,7 @@
 // plan/cost_model) alike, so the tree priced is the tree run.
 #include <cstddef>
 #include <functional>
+#include <utility>
 #include <vector>
 
 namespace alloy {
@@ -39,5 +40,20 @@ struct SyncTree {
 // host's or a region's, in host order) chain; the root is the member with the shortest longest
 // path to the others (the lowest index among equals).
 SyncTree sync_tree(size_t n, const std::function<bool(size_t, size_t)>& slow);
+
+// The slow edges of T as (lower, higher) member pairs, ascending (SLOW asked with a < b).
+std::vector<std::pair<size_t, size_t>> slow_edges(const SyncTree& t, const std::function<bool(size_t, size_t)>& slow);
+
+// Stripes of one sum: up to MAX_TREES trees, each summing its own slice of every buffer at once.
+// Where the fast links leave regions apart, sync_tree's tree crosses one slow pair per region
+// boundary and every byte of the sum crosses those pairs; regions joined by several slow pairs can
+// carry the sum side by side. The first stripe is sync_tree's; each next one is built the same way
+// but prefers slow pairs whose members no earlier stripe's slow pairs touch, and the list ends at
+// the first tree that cannot avoid them: a host sends each stripe over a line of its own, never
+// two stripes over one host's line (a host's own uplink is what a distant link usually is). A tree
+// that crosses no slow pair is the only stripe. Empty where sync_tree is. Whether the pairs are
+// separate lines is for the caller to know (the planner's links): on one shared line stripes
+// gain nothing.
+std::vector<SyncTree> sync_trees(size_t n, const std::function<bool(size_t, size_t)>& slow, int max_trees);
 
 }  // namespace alloy

@@ -222,10 +222,10 @@ ReducerStats Reducer::finish() {
     const int64_t n = b->group->size();
     st.bytes += bytes;
     // A ring all-reduce sends 2(n-1)/n of the bucket; its reduce-scatter half, (n-1)/n; a tree's
-    // member the bucket once over each of its tree edges.
-    if (const SyncTree* t = b->group->sum_tree(); t && b->reduce_to.empty())
-      st.bytes_sent += t->degree(b->group->rank()) * bytes;
-    else
+    // member its stripe's slice once over each of that stripe's tree edges.
+    if (const auto* trees = b->group->sum_trees(); trees && b->reduce_to.empty()) {
+      for (const SyncTree& t : *trees) st.bytes_sent += t.degree(b->group->rank()) * bytes / static_cast<int64_t>(trees->size());
+    } else
       st.bytes_sent += (b->reduce_to.empty() ? 2 : 1) * (n - 1) * bytes / n;
   }
   for (auto& c : compressed_) {

@@ -1,6 +1,8 @@
 #include "alloy/dist/sync_layout.h"
 
 #include <algorithm>
+#include <functional>
+#include <memory>
 #include <set>
 
 #include "alloy/core/components.h"
@@ -65,16 +67,24 @@ SyncLayout::SyncLayout(const Plan& plan, const ModelConfig& model, const LoraCon
     h.compressed = g.lossy() && (!slow_only || h.regions.size() > 1);
     h.hierarchical = h.compressed && slow_only;
     if (!h.compressed && g.allreduce == "auto")
-      h.tree = sum_tree_of(ranks, plan.slow_links);
+      h.trees = sum_trees_of(ranks, plan.slow_links, static_cast<int>(g.tree_stripes));
     sets_.push_back(h);
   }
 }
 
+namespace {
+std::function<bool(size_t, size_t)> slow_members(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow_links) {
+  auto slow = std::make_shared<std::set<std::pair<int, int>>>(slow_links.begin(), slow_links.end());
+  return [slow, &ranks](size_t a, size_t b) { return slow->count({std::min(ranks[a], ranks[b]), std::max(ranks[a], ranks[b])}) > 0; };
+}
+}  // namespace
+
 SyncTree sum_tree_of(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow_links) {
-  const std::set<std::pair<int, int>> slow(slow_links.begin(), slow_links.end());
-  return sync_tree(ranks.size(), [&](size_t a, size_t b) {
-    return slow.count({std::min(ranks[a], ranks[b]), std::max(ranks[a], ranks[b])}) > 0;
-  });
+  return sync_tree(ranks.size(), slow_members(ranks, slow_links));
+}
+
+std::vector<SyncTree> sum_trees_of(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow_links, int max_trees) {
+  return sync_trees(ranks.size(), slow_members(ranks, slow_links), max_trees);
 }
 
 int64_t SyncLayout::model_order(const std::string& param) const {

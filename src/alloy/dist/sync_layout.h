@@ -25,7 +25,7 @@ struct HolderSet {
   std::vector<std::vector<int>> regions;  // sorted by first rank; each sorted
   bool compressed = false;
   bool hierarchical = false;              // compressed between regions only (scope slow-links)
-  SyncTree tree;                          // exact sum along this tree over RANKS' order; empty: ring
+  std::vector<SyncTree> trees;            // exact sum along these trees (stripes) over RANKS' order; none: ring
   std::string name;                       // "grad-0-2": also the stem of its process groups
   const std::vector<int>* region_of(int rank) const;
   std::vector<int> leaders() const;       // the lowest rank of every region
@@ -59,6 +59,8 @@ class SyncLayout {
 
 // The tree an exact sum among RANKS takes around the SLOW pairs (a < b) among them, or empty (the ring).
 SyncTree sum_tree_of(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow);
+// The same sum's stripes (core/sync_tree.h, sync_trees): at most MAX_TREES trees; none: the ring.
+std::vector<SyncTree> sum_trees_of(const std::vector<int>& ranks, const std::vector<std::pair<int, int>>& slow, int max_trees);
 
 // Ranks split by slow links: connected components of the graph whose edges are the pairs of RANKS
 // not listed in SLOW (pairs a < b).

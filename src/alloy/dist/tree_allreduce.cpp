@@ -36,10 +36,26 @@ void wait_step(const c10::intrusive_ptr<c10d::Work>& w, const std::string& what)
   step(what, [&] { return w->wait(); });  // bounded by the group's timeout
 }
 
-int tag_of(int64_t seq, int64_t chunk, int dir) {
+int tag_of(int64_t seq, int stripe, int64_t chunk, int dir) {
   // The sum's sequence number keeps two sums' chunks apart should a late one linger; Gloo matches
   // a pair's messages of one tag in order anyway.
-  return static_cast<int>(((seq & 0x3FFF) << 16) | (chunk << 1) | dir);
+  return static_cast<int>(((seq & 0xFFF) << 18) | (static_cast<int64_t>(stripe) << 16) | (chunk << 1) | dir);
+}
+
+// One stripe of a sum on this member: its slice of the buffer and its messages.
+struct Slice {
+  const SyncTree* tree = nullptr;
+  at::Tensor flat;  // the slice of the caller's buffer
+  int64_t chunk = 0, chunks = 0;
+  std::vector<at::Tensor> from_kid;
+  std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> kid_recv;
+  at::Tensor total;  // what comes down from the parent
+  std::vector<c10::intrusive_ptr<c10d::Work>> parent_recv;
+  at::Tensor part(const at::Tensor& t, int64_t k) const { return t.narrow(0, k * chunk, std::min(chunk, t.numel() - k * chunk)); }
+};
+
+std::string what_of(const Group& g, const char* dir, int member) {
+  return "gradient sum (tree) in group " + g.name() + ": " + dir + " rank " + std::to_string(g.ranks()[static_cast<size_t>(member)]);
 }
 }  // namespace
 
@@ -47,13 +63,20 @@ struct TreeAllreduce::Job {
   at::Tensor flat;
   c10::intrusive_ptr<TreeWork> work;
   int64_t seq = 0;
+  std::vector<Slice> slices;
+  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, std::string>> sends;
 };
 
-TreeAllreduce::TreeAllreduce(std::shared_ptr<Group> group, SyncTree tree, int64_t chunk_bytes)
-    : group_(std::move(group)), tree_(std::move(tree)), chunk_bytes_(std::max<int64_t>(chunk_bytes, 1)), me_(group_->rank()) {
-  if (tree_.empty() || tree_.parent.size() != static_cast<size_t>(group_->size()))
-    throw Error("group " + group_->name() + ": a sum tree needs one node per member (" + std::to_string(group_->size()) + ")");
-  worker_ = std::thread([this] { run(); });
+TreeAllreduce::TreeAllreduce(std::shared_ptr<Group> group, std::vector<SyncTree> stripes, int64_t chunk_bytes)
+    : group_(std::move(group)), stripes_(std::move(stripes)), chunk_bytes_(std::max<int64_t>(chunk_bytes, 1)), me_(group_->rank()) {
+  if (stripes_.empty() || static_cast<int>(stripes_.size()) > kMaxStripes)
+    throw Error("group " + group_->name() + ": a tree sum takes 1 to " + std::to_string(kMaxStripes) + " trees, not " +
+                std::to_string(stripes_.size()));
+  for (const SyncTree& t : stripes_)
+    if (t.empty() || t.parent.size() != static_cast<size_t>(group_->size()))
+      throw Error("group " + group_->name() + ": a sum tree needs one node per member (" + std::to_string(group_->size()) + ")");
+  up_worker_ = std::thread([this] { run_up(); });
+  down_worker_ = std::thread([this] { run_down(); });
 }
 
 TreeAllreduce::~TreeAllreduce() {
@@ -62,7 +85,8 @@ TreeAllreduce::~TreeAllreduce() {
     stop_ = true;
   }
   cv_.notify_all();
-  worker_.join();
+  up_worker_.join();
+  down_worker_.join();
 }
 
 c10::intrusive_ptr<c10d::Work> TreeAllreduce::allreduce_sum(at::Tensor& t) {
@@ -75,24 +99,52 @@ c10::intrusive_ptr<c10d::Work> TreeAllreduce::allreduce_sum(at::Tensor& t) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     job->seq = seq_++;
-    queue_.push_back(std::move(job));
+    up_queue_.push_back(std::move(job));
   }
-  cv_.notify_one();
+  cv_.notify_all();
   return handle;
 }
 
-void TreeAllreduce::run() {
+void TreeAllreduce::run_up() {
   for (;;) {
     std::unique_ptr<Job> job;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, nothing left
-      job = std::move(queue_.front());
-      queue_.pop_front();
+      cv_.wait(lk, [&] { return stop_ || !up_queue_.empty(); });
+      if (up_queue_.empty()) {  // stopping, nothing left
+        up_done_ = true;
+        cv_.notify_all();
+        return;
+      }
+      job = std::move(up_queue_.front());
+      up_queue_.pop_front();
     }
     try {
-      sum(job->flat, job->seq);
+      up(*job);
+    } catch (...) {
+      job->work->complete(std::current_exception());
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      down_queue_.push_back(std::move(job));
+    }
+    cv_.notify_all();
+  }
+}
+
+void TreeAllreduce::run_down() {
+  for (;;) {
+    std::unique_ptr<Job> job;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return up_done_ || !down_queue_.empty(); });
+      if (down_queue_.empty()) return;  // the up thread has ended and handed over everything
+      job = std::move(down_queue_.front());
+      down_queue_.pop_front();
+    }
+    try {
+      down(*job);
       job->work->complete(nullptr);
     } catch (...) {
       job->work->complete(std::current_exception());
@@ -100,71 +152,89 @@ void TreeAllreduce::run() {
   }
 }
 
-void TreeAllreduce::sum(at::Tensor& flat, int64_t seq) {
+void TreeAllreduce::up(Job& job) {
   at::NoGradGuard no_grad;
-  const int64_t n = flat.numel();
+  const int64_t n = job.flat.numel();
   if (n == 0) return;
-  const int64_t elem = static_cast<int64_t>(flat.element_size());
-  const int64_t chunk = std::max((chunk_bytes_ + elem - 1) / elem, (n + kMaxChunks - 1) / kMaxChunks);
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  auto part = [&](const at::Tensor& t, int64_t k) { return t.narrow(0, k * chunk, std::min(chunk, n - k * chunk)); };
-  const auto& kids = tree_.children[static_cast<size_t>(me_)];
-  const int up = tree_.parent[static_cast<size_t>(me_)];
+  const int64_t elem = static_cast<int64_t>(job.flat.element_size());
+  const int64_t S = std::min<int64_t>(static_cast<int64_t>(stripes_.size()), n);
   auto global = [&](int member) { return group_->ranks()[static_cast<size_t>(member)]; };
-  auto what = [&](const char* dir, int member) {
-    return "gradient sum (tree) in group " + group_->name() + ": " + dir + " rank " + std::to_string(global(member));
-  };
-
   // Every receive is posted before anything is waited for: Gloo moves a payload only once its
   // receive is posted, so a late post would put a whole transfer on the critical path.
-  std::vector<at::Tensor> from_kid;
-  std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> kid_recv(kids.size());
-  for (size_t c = 0; c < kids.size(); ++c) {
-    from_kid.push_back(at::empty({n}, flat.options()));
-    for (int64_t k = 0; k < chunks; ++k) {
-      at::Tensor p = part(from_kid[c], k);
-      kid_recv[c].push_back(step(what("receiving a partial sum from", kids[c]), [&] { return group_->recv(p, global(kids[c]), tag_of(seq, k, kUp)); }));
-    }
-  }
-  at::Tensor total;  // what comes down from the parent
-  std::vector<c10::intrusive_ptr<c10d::Work>> parent_recv;
-  if (up >= 0) {
-    total = at::empty({n}, flat.options());
-    for (int64_t k = 0; k < chunks; ++k) {
-      at::Tensor p = part(total, k);
-      parent_recv.push_back(step(what("receiving the total from", up), [&] { return group_->recv(p, global(up), tag_of(seq, k, kDown)); }));
-    }
-  }
-  std::vector<std::pair<c10::intrusive_ptr<c10d::Work>, std::string>> sends;
-  auto send_down = [&](const at::Tensor& src, int64_t k) {
-    for (int kid : kids) {
-      at::Tensor p = part(src, k);
-      const std::string text = what("sending the total to", kid);
-      sends.emplace_back(step(text, [&] { return group_->send(p, global(kid), tag_of(seq, k, kDown)); }), text);
-    }
-  };
-  // Up: this member's chunk plus its children's, in ascending member order.
-  for (int64_t k = 0; k < chunks; ++k) {
-    at::Tensor mine = part(flat, k);
+  int64_t most = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    Slice sl;
+    sl.tree = &stripes_[static_cast<size_t>(s)];
+    const int64_t begin = s * n / S, end = (s + 1) * n / S;
+    sl.flat = job.flat.narrow(0, begin, end - begin);
+    const int64_t len = end - begin;
+    sl.chunk = std::max((chunk_bytes_ + elem - 1) / elem, (len + kMaxChunks - 1) / kMaxChunks);
+    sl.chunks = (len + sl.chunk - 1) / sl.chunk;
+    most = std::max(most, sl.chunks);
+    const auto& kids = sl.tree->children[static_cast<size_t>(me_)];
+    sl.kid_recv.resize(kids.size());
     for (size_t c = 0; c < kids.size(); ++c) {
-      wait_step(kid_recv[c][static_cast<size_t>(k)], what("receiving a partial sum from", kids[c]));
-      mine.add_(part(from_kid[c], k));
+      sl.from_kid.push_back(at::empty({len}, job.flat.options()));
+      const std::string text = what_of(*group_, "receiving a partial sum from", kids[c]);
+      for (int64_t k = 0; k < sl.chunks; ++k) {
+        at::Tensor p = sl.part(sl.from_kid[c], k);
+        sl.kid_recv[c].push_back(step(text, [&] { return group_->recv(p, global(kids[c]), tag_of(job.seq, static_cast<int>(s), k, kUp)); }));
+      }
     }
+    const int up = sl.tree->parent[static_cast<size_t>(me_)];
     if (up >= 0) {
-      const std::string text = what("sending a partial sum to", up);
-      sends.emplace_back(step(text, [&] { return group_->send(mine, global(up), tag_of(seq, k, kUp)); }), text);
-    } else {
-      send_down(flat, k);
+      sl.total = at::empty({len}, job.flat.options());
+      const std::string text = what_of(*group_, "receiving the total from", up);
+      for (int64_t k = 0; k < sl.chunks; ++k) {
+        at::Tensor p = sl.part(sl.total, k);
+        sl.parent_recv.push_back(step(text, [&] { return group_->recv(p, global(up), tag_of(job.seq, static_cast<int>(s), k, kDown)); }));
+      }
     }
+    job.slices.push_back(std::move(sl));
   }
-  // Down: the total, passed on to the children as it arrives.
-  if (up >= 0)
-    for (int64_t k = 0; k < chunks; ++k) {
-      wait_step(parent_recv[static_cast<size_t>(k)], what("receiving the total from", up));
-      send_down(total, k);
+  // Up: this member's chunk plus its children's, in ascending member order; the stripes' chunks
+  // taken in turn so every stripe's line carries its share at once.
+  for (int64_t k = 0; k < most; ++k)
+    for (size_t s = 0; s < job.slices.size(); ++s) {
+      Slice& sl = job.slices[s];
+      if (k >= sl.chunks) continue;
+      const auto& kids = sl.tree->children[static_cast<size_t>(me_)];
+      at::Tensor mine = sl.part(sl.flat, k);
+      for (size_t c = 0; c < kids.size(); ++c) {
+        wait_step(sl.kid_recv[c][static_cast<size_t>(k)], what_of(*group_, "receiving a partial sum from", kids[c]));
+        mine.add_(sl.part(sl.from_kid[c], k));
+      }
+      const int up = sl.tree->parent[static_cast<size_t>(me_)];
+      const bool root = up < 0;
+      for (int to : root ? kids : std::vector<int>{up}) {
+        const std::string text = what_of(*group_, root ? "sending the total to" : "sending a partial sum to", to);
+        job.sends.emplace_back(
+            step(text, [&] { return group_->send(mine, global(to), tag_of(job.seq, static_cast<int>(s), k, root ? kDown : kUp)); }), text);
+      }
     }
-  for (auto& [w, text] : sends) wait_step(w, text);
-  if (up >= 0) flat.copy_(total);
+}
+
+void TreeAllreduce::down(Job& job) {
+  at::NoGradGuard no_grad;
+  auto global = [&](int member) { return group_->ranks()[static_cast<size_t>(member)]; };
+  int64_t most = 0;
+  for (const Slice& sl : job.slices) most = std::max(most, sl.chunks);
+  // Down: the totals, passed on to the children as they arrive.
+  for (int64_t k = 0; k < most; ++k)
+    for (size_t s = 0; s < job.slices.size(); ++s) {
+      Slice& sl = job.slices[s];
+      const int up = sl.tree->parent[static_cast<size_t>(me_)];
+      if (k >= sl.chunks || up < 0) continue;
+      wait_step(sl.parent_recv[static_cast<size_t>(k)], what_of(*group_, "receiving the total from", up));
+      at::Tensor p = sl.part(sl.total, k);
+      for (int kid : sl.tree->children[static_cast<size_t>(me_)]) {
+        const std::string text = what_of(*group_, "sending the total to", kid);
+        job.sends.emplace_back(step(text, [&] { return group_->send(p, global(kid), tag_of(job.seq, static_cast<int>(s), k, kDown)); }), text);
+      }
+    }
+  for (auto& [w, text] : job.sends) wait_step(w, text);
+  for (Slice& sl : job.slices)
+    if (sl.tree->parent[static_cast<size_t>(me_)] >= 0) sl.flat.copy_(sl.total);
 }
 
 }  // namespace alloy::dist

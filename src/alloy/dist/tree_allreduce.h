@@ -10,11 +10,20 @@
 // does, so a run is reproducible. The order differs from Gloo's ring, which is why a set routes by
 // tree only where the plan says a slow pair is among its members (SyncTree is empty otherwise).
 //
-// The sums run on a thread of their own, one after another in the order they were asked for (the
-// order every member asks in: the reducer launches a group's buckets in bucket order), over a
-// group used for nothing else. Every receive is bounded by the group's timeout; a failure ends
-// the sum's Work with the error, which wait_work turns into a report naming the dead or stalled
-// ranks.
+// Stripes (core/sync_tree.h, sync_trees): with several trees, a buffer is cut into as many
+// contiguous slices and slice s is summed along tree s, all at once, so two regions joined by
+// several slow lines use them side by side. Each element still follows one fixed tree, so the bits
+// are the same on every member and in every run.
+//
+// The sums are taken in the order they were asked for (the order every member asks in: the
+// reducer launches a group's buckets in bucket order), over a group used for nothing else, on two
+// threads: one sends a sum's partials up (and, at a root, its total down) and then starts the next
+// sum, the other passes totals down as they arrive and completes the sums. So a bucket's partial
+// sums climb while the bucket before it is still coming down, and a run of buckets pays the
+// tree's round trip once, not once a bucket: over a distant link (40 ms each way) that round trip
+// was most of a megabyte bucket's time. Every receive is bounded by the group's timeout; a failure
+// ends the sum's Work with the error, which wait_work turns into a report naming the dead or
+// stalled ranks.
 #include <ATen/ATen.h>
 
 #include <condition_variable>
@@ -22,6 +31,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "alloy/core/sync_tree.h"
 
@@ -36,31 +46,35 @@ class Group;
 class TreeAllreduce {
  public:
   static constexpr int64_t kChunkBytes = kSyncTreeChunkBytes;
-  // GROUP's ranks (ascending) are the tree's members in order.
-  TreeAllreduce(std::shared_ptr<Group> group, SyncTree tree, int64_t chunk_bytes = kChunkBytes);
+  static constexpr int kMaxStripes = 4;  // a stripe takes two bits of a message's tag
+  // GROUP's ranks (ascending) are the trees' members in order; one tree or several (stripes).
+  TreeAllreduce(std::shared_ptr<Group> group, std::vector<SyncTree> stripes, int64_t chunk_bytes = kChunkBytes);
   ~TreeAllreduce();
   TreeAllreduce(const TreeAllreduce&) = delete;
   TreeAllreduce& operator=(const TreeAllreduce&) = delete;
 
   // Asynchronous SUM in place of a contiguous host tensor; wait() on the handle.
   c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor& t);
-  const SyncTree& tree() const { return tree_; }
+  const SyncTree& tree() const { return stripes_.front(); }
+  const std::vector<SyncTree>& stripes() const { return stripes_; }
 
  private:
   struct Job;
-  void run();
-  void sum(at::Tensor& flat, int64_t seq);
+  void run_up();
+  void run_down();
+  void up(Job& job);    // posts every receive, sends the partial sums up (a root: the totals down)
+  void down(Job& job);  // passes the totals down, waits for every send, leaves the total in place
 
   std::shared_ptr<Group> group_;
-  SyncTree tree_;
+  std::vector<SyncTree> stripes_;
   int64_t chunk_bytes_;
   int me_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::unique_ptr<Job>> queue_;
-  bool stop_ = false;
+  std::deque<std::unique_ptr<Job>> up_queue_, down_queue_;
+  bool stop_ = false, up_done_ = false;
   int64_t seq_ = 0;
-  std::thread worker_;
+  std::thread up_worker_, down_worker_;
 };
 
 }  // namespace alloy::dist

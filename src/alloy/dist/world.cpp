@@ -166,12 +166,12 @@ void PostedSum::finish(at::Tensor& t, const std::string& what) {
   t.copy_(sum.view(t.sizes()));
 }
 
-void Group::route_sums(std::shared_ptr<Group> p2p, const SyncTree& tree) {
+void Group::route_sums(std::shared_ptr<Group> p2p, std::vector<SyncTree> stripes) {
   if (!p2p || p2p->ranks() != ranks_) throw Error("group " + name_ + ": its sum tree needs a group of the same members");
-  tree_ = std::make_unique<TreeAllreduce>(std::move(p2p), tree);
+  tree_ = std::make_unique<TreeAllreduce>(std::move(p2p), std::move(stripes));
 }
 
-const SyncTree* Group::sum_tree() const { return tree_ ? &tree_->tree() : nullptr; }
+const std::vector<SyncTree>* Group::sum_trees() const { return tree_ ? &tree_->stripes() : nullptr; }
 void Group::clear_sum_route() { tree_.reset(); }
 
 c10::intrusive_ptr<c10d::Work> Group::allgather(std::vector<at::Tensor>& out, at::Tensor& in) {

@@ -93,11 +93,12 @@ class Group {
   // The receives of an all-gather of NUMEL elements of DTYPE from every other member, posted now;
   // PostedGather::finish sends this member's straight into the others' (point-to-point, TAG).
   PostedGather post_gather(int64_t numel, at::ScalarType dtype, int tag);
-  // From now on host tensors' SUM all-reduces travel along TREE (over this group's members in
-  // rank order; dist/tree_allreduce.h), through P2P: a group of the same members used for
-  // nothing else. Every member calls it with the same tree.
-  void route_sums(std::shared_ptr<Group> p2p, const SyncTree& tree);
-  const SyncTree* sum_tree() const;  // the tree route_sums gave, or null
+  // From now on host tensors' SUM all-reduces travel along STRIPES (one tree, or several each
+  // summing a slice; over this group's members in rank order; dist/tree_allreduce.h), through
+  // P2P: a group of the same members used for nothing else. Every member calls it with the same
+  // trees.
+  void route_sums(std::shared_ptr<Group> p2p, std::vector<SyncTree> stripes);
+  const std::vector<SyncTree>* sum_trees() const;  // the trees route_sums gave, or null
   void clear_sum_route();            // back to Gloo's ring
   // Asynchronous all-gather of equal-sized tensors: OUT[i] receives group rank i's IN.
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<at::Tensor>& out, at::Tensor& in);

@@ -172,12 +172,13 @@ struct SyncGroupCost {
   std::vector<int> ranks;  // in ring order
   bool compressed = false, hierarchical = false;
   bool tree = false;       // exact, summed along a tree around slow links
+  int stripes = 1;         // tree: trees each summing a slice at once (core/sync_tree.h, sync_trees)
   int regions = 1;
   double wire_bytes = 0;   // compressed: what one member puts in the exchange
   double encode_s = 0;     // compressed: encode + decode time of all buckets
   double bytes = 0;
   int64_t buckets = 0;
-  double slowest_bytes_per_s = 0;
+  double slowest_bytes_per_s = 0;  // a tree's: the set's bytes over its most loaded link, stripes together
   double ready_s = 0;  // the first bucket can start (all holders have it)
   double time_s = 0;   // all buckets' collectives back to back
   double done_s = 0;   // the last bucket is reduced
@@ -394,13 +395,18 @@ class CostContext {
   // once each way, chunk by chunk, so a bucket takes its bytes over the slowest tree edge, plus
   // the first chunk's way from the farthest member up to the root and back (each hop at its own
   // link's speed and latency), less the one chunk time already counted.
+  // With stripes (core/sync_tree.h, sync_trees) every tree carries its slice of each bucket at
+  // once: a link that K of the S stripes cross (a fast one they share, or one shared line) carries
+  // K/S of the bytes, and the slowest rate is over the links so loaded.
   struct Tree {
-    int depth = 0;
-    double slowest_bytes_per_s = 0;          // over the tree's edges, either way
-    std::vector<int> devices, degree, parent;  // the members (the shape's order), their tree edges, parents (-1: root)
-    // Per member, over the hops between it and the root, both ways: seconds per byte, latency.
+    int depth = 0, stripes = 1;
+    double slowest_bytes_per_s = 0;  // the set's bytes over the most loaded link, either way
+    std::vector<int> devices, parent;  // the members (the shape's order), the first stripe's parents (-1: root)
+    std::vector<double> degree;        // per member: tree edges, averaged over the stripes (bytes sent per set byte, each way)
+    // Per member and stripe, over the hops between it and its stripe's root, both ways: seconds
+    // per byte, latency.
     std::vector<double> path_s_per_byte, path_latency_s;
-    int degree_of(int device) const;  // the most of any member for a device not among them
+    double degree_of(int device) const;  // the most of any member for a device not among them
   };
   struct SyncShape {
     bool compressed = false, hierarchical = false, tree = false;
@@ -442,6 +448,14 @@ class CostContext {
   double sync_cpu_s(int type, const SyncShape& shape, double bytes, size_t n, int device = -1) const;
   // A bucket of BYTES summed along TREE (chunks of dist/tree_allreduce's kChunkBytes).
   double tree_allreduce_s(const Tree& tree, double bytes) const;
+  // What a run of buckets along TREE pays once (dist/tree_allreduce.h pipelines them): the first
+  // chunk's way up to the root and back beyond its bytes at the slowest rate. A bucket's own time
+  // is then its bytes at the slowest rate (Bucket::time_s); the chain is priced by chain_latency_s.
+  double tree_latency_s(const Tree& tree, double bytes) const;
+  // The once-per-set term of SHAPE's bucket chain (SET_BYTES in all): a tree's latency, else 0.
+  double chain_latency_s(const SyncShape& shape, double set_bytes) const {
+    return shape.tree ? tree_latency_s(shape.sum_tree, set_bytes) : 0.0;
+  }
   // Memory the set's sync keeps on each member: the reducer's bucket copy (exact), or staging,
   // output, residual and DGC velocity buffers (compressed).
   double sync_buffer_bytes(const SyncShape& shape, double set_bytes) const;

@@ -152,32 +152,47 @@ CostContext::SyncShape CostContext::sync_shape(const std::vector<int>& d, const 
     if (gs_.allreduce == "auto") {
       // D is in host order, the runtime's members in rank order: the same where rank i runs device
       // i of a cluster listed host by host (the emulator's, the planner's plans).
-      const SyncTree t = sync_tree(d.size(), [&](size_t a, size_t b) { return slow_pair(d[a], d[b]); });
-      if (!t.empty()) {
+      const std::vector<SyncTree> trees =
+          sync_trees(d.size(), [&](size_t a, size_t b) { return slow_pair(d[a], d[b]); }, static_cast<int>(gs_.tree_stripes));
+      if (!trees.empty()) {
         s.tree = true;
         Tree& tr = s.sum_tree;
-        tr.depth = t.depth;
+        const double S = static_cast<double>(trees.size());
+        tr.stripes = static_cast<int>(trees.size());
+        tr.depth = trees[0].depth;
         tr.devices = d;
-        tr.parent = t.parent;
-        tr.slowest_bytes_per_s = std::numeric_limits<double>::infinity();
-        std::vector<double> edge_s_per_byte(d.size(), 0), edge_latency(d.size(), 0);  // member -> parent, both ways
-        for (size_t m = 0; m < d.size(); ++m) {
-          tr.degree.push_back(t.degree(static_cast<int>(m)));
-          if (t.parent[m] < 0) continue;
-          const int hm = host_of(d[m]), hp = host_of(d[static_cast<size_t>(t.parent[m])]);
-          for (const size_t k : {idx(hm, hp), idx(hp, hm)}) {  // the partial sum up, the total down
-            const double share = loads ? loads->factor(hop_link_[k], set_bytes) : 1.0;
-            tr.slowest_bytes_per_s = std::min(tr.slowest_bytes_per_s, bw_[k] / share);
-            edge_s_per_byte[m] += share / bw_[k];
-            edge_latency[m] += lat_[k];
+        tr.parent = trees[0].parent;
+        tr.degree.assign(d.size(), 0);
+        // How many stripes cross each link, either way (a shared line counts once per stripe).
+        std::map<size_t, int> crossing;
+        for (const SyncTree& t : trees)
+          for (size_t m = 0; m < d.size(); ++m) {
+            if (t.parent[m] < 0) continue;
+            const int hm = host_of(d[m]), hp = host_of(d[static_cast<size_t>(t.parent[m])]);
+            for (const size_t k : {idx(hm, hp), idx(hp, hm)}) ++crossing[hop_link_[k]];
           }
-        }
-        for (size_t m = 0; m < d.size(); ++m) {
-          double spb = 0, lat = 0;
-          for (int x = static_cast<int>(m); t.parent[static_cast<size_t>(x)] >= 0; x = t.parent[static_cast<size_t>(x)])
-            spb += edge_s_per_byte[static_cast<size_t>(x)], lat += edge_latency[static_cast<size_t>(x)];
-          tr.path_s_per_byte.push_back(spb);
-          tr.path_latency_s.push_back(lat);
+        tr.slowest_bytes_per_s = std::numeric_limits<double>::infinity();
+        for (const SyncTree& t : trees) {
+          std::vector<double> edge_s_per_byte(d.size(), 0), edge_latency(d.size(), 0);  // member -> parent, both ways
+          for (size_t m = 0; m < d.size(); ++m) {
+            tr.degree[m] += t.degree(static_cast<int>(m)) / S;
+            if (t.parent[m] < 0) continue;
+            const int hm = host_of(d[m]), hp = host_of(d[static_cast<size_t>(t.parent[m])]);
+            for (const size_t k : {idx(hm, hp), idx(hp, hm)}) {  // the partial sum up, the total down
+              const double share = loads ? loads->factor(hop_link_[k], set_bytes) : 1.0;
+              const double load = static_cast<double>(crossing[hop_link_[k]]) / S;  // of the set's bytes
+              tr.slowest_bytes_per_s = std::min(tr.slowest_bytes_per_s, bw_[k] / (share * load));
+              edge_s_per_byte[m] += share / bw_[k];
+              edge_latency[m] += lat_[k];
+            }
+          }
+          for (size_t m = 0; m < d.size(); ++m) {
+            double spb = 0, lat = 0;
+            for (int x = static_cast<int>(m); t.parent[static_cast<size_t>(x)] >= 0; x = t.parent[static_cast<size_t>(x)])
+              spb += edge_s_per_byte[static_cast<size_t>(x)], lat += edge_latency[static_cast<size_t>(x)];
+            tr.path_s_per_byte.push_back(spb);
+            tr.path_latency_s.push_back(lat);
+          }
         }
       }
     }
@@ -224,14 +239,17 @@ void CostContext::add_load(const std::vector<int>& d, double set_bytes, LinkLoad
       loads->hop[hop_link_[idx(host_of(ring_devs[i]), host_of(ring_devs[(i + 1) % ring_devs.size()]))]].push_back(per_hop);
   };
   const int n = static_cast<int>(d.size());
-  if (s.tree) {  // every tree edge, both ways
-    const Tree& t = s.sum_tree;
-    for (size_t m = 0; m < t.devices.size(); ++m) {
-      if (t.parent[m] < 0) continue;
-      const int hm = host_of(t.devices[m]), hp = host_of(t.devices[static_cast<size_t>(t.parent[m])]);
-      loads->hop[hop_link_[idx(hm, hp)]].push_back(set_bytes);
-      loads->hop[hop_link_[idx(hp, hm)]].push_back(set_bytes);
-    }
+  if (s.tree) {  // every stripe's tree edges, both ways, each with its slice
+    const std::vector<SyncTree> trees =
+        sync_trees(d.size(), [&](size_t a, size_t b) { return slow_pair(d[a], d[b]); }, static_cast<int>(gs_.tree_stripes));
+    const double slice = set_bytes / static_cast<double>(trees.size());
+    for (const SyncTree& t : trees)
+      for (size_t m = 0; m < d.size(); ++m) {
+        if (t.parent[m] < 0) continue;
+        const int hm = host_of(d[m]), hp = host_of(d[static_cast<size_t>(t.parent[m])]);
+        loads->hop[hop_link_[idx(hm, hp)]].push_back(slice);
+        loads->hop[hop_link_[idx(hp, hm)]].push_back(slice);
+      }
     return;
   }
   if (!s.compressed) {
@@ -257,22 +275,27 @@ void CostContext::add_load(const std::vector<int>& d, double set_bytes, LinkLoad
   put(leaders, exchange(static_cast<int>(leaders.size())));
 }
 
-int CostContext::Tree::degree_of(int device) const {
+double CostContext::Tree::degree_of(int device) const {
   for (size_t m = 0; m < devices.size(); ++m)
     if (devices[m] == device) return degree[m];
   return degree.empty() ? 0 : *std::max_element(degree.begin(), degree.end());
 }
 
-double CostContext::tree_allreduce_s(const Tree& t, double bytes) const {
+double CostContext::tree_latency_s(const Tree& t, double bytes) const {
   if (!(bytes > 0) || t.devices.size() < 2) return 0;
-  // The first chunk climbs from the farthest member to the root and its total comes back down;
-  // the chunks behind it follow one per chunk time on the slowest edge (up and down are different
-  // ways of a link, so they overlap).
-  const double chunk = std::min(bytes, static_cast<double>(kSyncTreeChunkBytes));
+  // The first chunk climbs from the farthest member to its stripe's root and the total comes back
+  // down; the chunks behind it follow one per chunk time on the slowest link (up and down are
+  // different ways of a link, so they overlap).
+  const double chunk = std::min(bytes / t.stripes, static_cast<double>(kSyncTreeChunkBytes));
   double first = 0;
   for (size_t m = 0; m < t.path_s_per_byte.size(); ++m)
     first = std::max(first, chunk * t.path_s_per_byte[m] + t.path_latency_s[m]);
-  return (bytes - chunk) / t.slowest_bytes_per_s + first;
+  return std::max(0.0, first - chunk * t.stripes / t.slowest_bytes_per_s);
+}
+
+double CostContext::tree_allreduce_s(const Tree& t, double bytes) const {
+  if (!(bytes > 0) || t.devices.size() < 2) return 0;
+  return bytes / t.slowest_bytes_per_s + tree_latency_s(t, bytes);
 }
 
 double CostContext::sync_buffer_bytes(const SyncShape& s, double set_bytes) const {
@@ -298,10 +321,10 @@ double CostContext::posted_gather_s(const Ring& r, double per_member) const {
 }
 
 double CostContext::bucket_s(const SyncShape& s, double bytes, int64_t* collectives) const {
-  if (s.tree) {
+  if (s.tree) {  // the buckets pipeline: the tree's round trip once
     const double nb = std::max(1.0, std::ceil(bytes / bucket_bytes()));
     if (collectives) *collectives = static_cast<int64_t>(nb);
-    return nb * tree_allreduce_s(s.sum_tree, bytes / nb);
+    return tree_allreduce_s(s.sum_tree, bytes);
   }
   if (!s.compressed) return allreduce_s(s.ring, bytes, bucket_bytes(), collectives);
   if (collectives) *collectives = 1;
@@ -473,7 +496,9 @@ void CostContext::buckets(const SyncShape& s, const std::vector<std::pair<int, d
   auto close = [&](Bucket& b) {
     if (!s.compressed) {
       b.collectives = cap > 0 ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(b.bytes / cap))) : 1;
-      b.time_s = s.ring.n < 2 ? 0 : s.tree ? tree_allreduce_s(s.sum_tree, b.bytes) : allreduce_s(s.ring, b.bytes, cap);
+      // A tree's buckets pipeline (dist/tree_allreduce.h): each its bytes, the chain its latency once
+      // (chain_latency_s).
+      b.time_s = s.ring.n < 2 ? 0 : s.tree ? b.bytes / s.sum_tree.slowest_bytes_per_s : allreduce_s(s.ring, b.bytes, cap);
     } else {
       b.time_s = bucket_s(s, b.bytes, &b.collectives);
     }

@@ -242,8 +242,10 @@ std::string PlanReport::text() const {
   for (const auto& n : chosen.notes) o << "  note: " << n << "\n";
   for (const auto& g : c.sync_groups)
     if (g.tree)
-      o << "  note: ranks " << ranks_text(g.ranks) << " sum their gradients along a tree of their fast links (a ring would cross a slow one): slowest tree edge "
-        << fmt("%.0f Mbit/s", g.slowest_bytes_per_s * 8 / 1e6) << ", " << mib(g.bytes) << " in " << ms(g.time_s) << "\n";
+      o << "  note: ranks " << ranks_text(g.ranks) << " sum their gradients along "
+        << (g.stripes > 1 ? std::to_string(g.stripes) + " trees, each a slice over slow links of its own," : std::string("a tree"))
+        << " of their fast links (a ring would cross a slow one): " << fmt("%.0f Mbit/s", g.slowest_bytes_per_s * 8 / 1e6)
+        << " at the most loaded link, " << mib(g.bytes) << " in " << ms(g.time_s) << "\n";
   auto sync_name = [](const GradSyncConfig& g) {
     if (!g.lossy()) return std::string("exact sync");
     std::string s = g.compression;

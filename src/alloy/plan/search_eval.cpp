@@ -280,7 +280,7 @@ void Evaluator::compute_sync(const Layout& L, bool fixed_mbs) {
 void Evaluator::add_set(const CostContext::SyncShape& shape, const int* members, size_t n,
                         const std::vector<std::pair<int, double>>& units, double bytes) {
   ctx_.buckets(shape, units, bucket_bytes_, &bks_);
-  tail_.assign(bks_.size() + 1, 0);
+  tail_.assign(bks_.size() + 1, ctx_.chain_latency_s(shape, bytes));  // a tree's round trip, once a chain
   for (size_t k = bks_.size(); k-- > 0;) tail_[k] = tail_[k + 1] + bks_[k].time_s;
   const double buffers = ctx_.sync_buffer_bytes(shape, bytes);
   const double enc = shape.compressed && !shape.hierarchical ? ctx_.encode_s(shape, bytes) : 0.0;

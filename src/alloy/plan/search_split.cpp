@@ -57,25 +57,42 @@ void consider_short_micro_batches(SearchResult& result, const ClusterSpec& clust
   // micro-batch, so a pipeline may have won by a few percent that a short last micro-batch takes back.
   const bool has_pipeline = std::any_of(chosen.pipelines.begin(), chosen.pipelines.end(), [](const PipelinePlan& p) { return p.stages.size() > 1; });
   const bool one_rank_each = chosen.world_size() == static_cast<int>(cluster.devices.size());
-  if (has_pipeline && one_rank_each && chosen.sharding.empty() && cluster.devices.size() <= kShortSplitUpTo) {
+  // Compared as each will run: make_plan tunes the buckets next, which gains replicas (whose
+  // whole gradient waits for the backward's end) more than a pipeline. Compared before tuning, a
+  // pipeline 0.9% ahead of the replicas was kept on the 3-device pool and ran 1.1% behind them
+  // once both had their buckets.
+  auto tuned_s = [&](const Plan& p, const PlanCost& pc) {
+    SearchResult t;
+    t.plan = p;
+    t.cost = pc;
+    tune_buckets(t, cluster, profile);
+    return t.cost.step_s;
+  };
+  if (one_rank_each && chosen.sharding.empty() && cluster.devices.size() <= kShortSplitUpTo) {
     int64_t m = 1;
     for (const auto& pl : chosen.pipelines) m = std::max(m, pl.micro_batch_size);
-    Plan cand = all_replicas(chosen, cluster, profile, m);
-    if (!cand.pipelines.empty()) {
-      const PlanCost c = priced_rebalanced(cand, cluster, profile, options);
-      // Compared as each will run: make_plan tunes the buckets next, which gains replicas (whose
-      // whole gradient waits for the backward's end) more than a pipeline. Compared before tuning,
-      // a pipeline 0.9% ahead of the replicas was kept on the 3-device pool and ran 1.1% behind
-      // them once both had their buckets.
-      auto tuned_s = [&](const Plan& p, const PlanCost& pc) {
-        SearchResult t;
-        t.plan = p;
-        t.cost = pc;
-        tune_buckets(t, cluster, profile);
-        return t.cost.step_s;
-      };
+    // Every device a replica in micro-batches of the pipelines' size (where a pipeline was chosen),
+    // and, where the replicas' sum must cross a slow link (the devices fall into regions apart),
+    // every device a replica of one micro-batch: a replica's gradient is final only after its last
+    // micro-batch, so its buckets sum during that micro-batch's backward alone; in one micro-batch
+    // they sum during the whole backward. Across a distant link the sum is a large part of the step
+    // (examples/cluster-2region.yaml: 7.1 MiB at 0.1 Gbit/s and 40 ms). Elsewhere the sum is short
+    // and such micro-batches lie far beyond the profile's sizes (its per-sample cost at 8 samples
+    // stands for 50), so they are not tried.
+    std::vector<std::pair<int64_t, const char*>> tries;
+    if (has_pipeline) tries.push_back({m, "every device a replica"});
+    std::vector<int> every(cluster.devices.size());
+    for (size_t d = 0; d < every.size(); ++d) every[d] = static_cast<int>(d);
+    CostContext ctx(cluster, profile);
+    ctx.set_grad_sync(chosen.grad_sync);
+    if (ctx.regions_of(every).size() > 1)
+      tries.push_back({chosen.global_batch, "every device a replica of one micro-batch"});
+    for (const auto& [size, name] : tries) {
+      Plan cand = all_replicas(chosen, cluster, profile, size);
+      if (cand.pipelines.empty()) continue;
+      const PlanCost c = size == m ? priced_rebalanced(cand, cluster, profile, options) : simulate_plan(cand, cluster, profile);
       if (c.fits && tuned_s(cand, c) < tuned_s(best, best_cost) * (1 - kShortSplitLayoutMinGain))
-        best = cand, best_cost = c, what = "every device a replica";
+        best = cand, best_cost = c, what = name;
     }
   }
   if (what.empty()) return;

@@ -293,6 +293,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     g.hierarchical = shape.hierarchical;
     g.regions = shape.num_regions;
     g.tree = shape.tree;
+    g.stripes = shape.tree ? shape.sum_tree.stripes : 1;
     g.slowest_bytes_per_s = shape.tree           ? shape.sum_tree.slowest_bytes_per_s
                             : shape.hierarchical ? shape.leaders.slowest_bytes_per_s
                                                  : shape.ring.slowest_bytes_per_s;
@@ -301,7 +302,8 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       g.encode_s = (shape.encode_s_per_elem + shape.decode_s_per_elem) * set.bytes / ctx.dtype_bytes();
     }
     ctx.buckets(shape, set.units, bucket_bytes, &bks);
-    tail.assign(bks.size() + 1, 0);
+    const double once = ctx.chain_latency_s(shape, set.bytes);  // a tree's round trip, once a chain
+    tail.assign(bks.size() + 1, once);
     for (size_t k = bks.size(); k-- > 0;) tail[k] = tail[k + 1] + bks[k].time_s;
     double end = 0;
     for (size_t k = 0; k < bks.size(); ++k) {
@@ -313,8 +315,8 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
         ready = std::max(ready, mine);
         own[static_cast<size_t>(r)] = std::max(own[static_cast<size_t>(r)], mine + tail[k]);
       }
-      if (k == 0) g.ready_s = ready;
-      end = std::max(ready, end) + bks[k].time_s;
+      if (k == 0) g.ready_s = ready, g.time_s = once;
+      end = std::max(ready + once, end) + bks[k].time_s;
       g.time_s += bks[k].time_s;
       g.buckets += bks[k].collectives;
     }
@@ -457,7 +459,7 @@ nlohmann::json PlanCost::to_json() const {
                {"ready_s", g.ready_s},
                {"time_s", g.time_s},
                {"done_s", g.done_s}};
-    if (g.tree) gj["route"] = "tree";
+    if (g.tree) gj["route"] = "tree", gj["stripes"] = g.stripes;
     if (g.compressed) {
       gj["compressed"] = g.hierarchical ? "hierarchical" : "flat";
       gj["regions"] = g.regions;

@@ -70,6 +70,7 @@ void apply_grad_sync(Plan& plan, const Config& cfg, bool plan_from_file, const s
   take("sidco_stages", &GradSyncConfig::sidco_stages);
   take("allow_lossy", &GradSyncConfig::allow_lossy);
   take("allreduce", &GradSyncConfig::allreduce);
+  take("tree_stripes", &GradSyncConfig::tree_stripes);
   plan.validate(cfg.model, where);
 }
 

@@ -175,7 +175,8 @@ TrainResult Trainer::run() {
   const bool lead = rank_ == 0;
   const bool quiet = opts_.quiet || !lead;
   auto schedule_of = [&](int64_t samples) {
-    const int64_t count = (samples + pl.micro_batch_size - 1) / pl.micro_batch_size;  // the last may be short
+    const int64_t m = pl.micro_batch_for(samples);
+    const int64_t count = (samples + m - 1) / m;  // the last may be short
     return pipeline::make_schedule(plan_->schedule_of(static_cast<size_t>(pos_.pipeline)), pos_.stage, S, count);
   };
   auto actions = schedule_of(mine);
@@ -248,7 +249,7 @@ TrainResult Trainer::run() {
     exec_->dropout_seed = static_cast<uint64_t>(cfg_.train.seed);
     exec_->step = step;
     double loss_local =
-        exec_->run(actions, micro_batches(*train_, samples, pl.micro_batch_size, offset), batch_tokens / scaler_.scale(), reducer_.get());
+        exec_->run(actions, micro_batches(*train_, samples, pl.micro_batch_for(mine), offset), batch_tokens / scaler_.scale(), reducer_.get());
     const auto sum_t0 = std::chrono::steady_clock::now();
     figures.after_backward(loss_local, pos_.pipeline, exec_->compute_s());
     auto sync_t0 = std::chrono::steady_clock::now();

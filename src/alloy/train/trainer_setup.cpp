@@ -350,7 +350,7 @@ void Trainer::build_groups() {
     } else {
       auto p2p = world_->new_group(gen + "world-tree", ranks);
       groups_.push_back(p2p);
-      world_->all().route_sums(p2p, tree);
+      world_->all().route_sums(p2p, {tree});
     }
   }
   for (const auto& set : sync_->sets()) {
@@ -359,11 +359,11 @@ void Trainer::build_groups() {
     if (!set.hierarchical) {
       g.all = world_->new_group(gen + set.name, set.ranks);
       groups_.push_back(g.all);
-      if (!set.tree.empty()) {
+      if (!set.trees.empty()) {
         // Its sums go along the tree, point to point over a group of their own.
         auto p2p = world_->new_group(gen + set.name + "-tree", set.ranks);
         groups_.push_back(p2p);
-        g.all->route_sums(p2p, set.tree);
+        g.all->route_sums(p2p, set.trees);
       }
       continue;
     }
@@ -445,14 +445,19 @@ void Trainer::build_groups() {
   }
   if (rank_ == 0 && !opts_.quiet)
     for (const auto& set : sync_->sets()) {
-      if (set.tree.empty()) continue;
-      std::string edges;
-      for (size_t m = 0; m < set.ranks.size(); ++m)
-        if (set.tree.parent[m] >= 0)
-          edges += (edges.empty() ? "" : ", ") + std::to_string(set.ranks[static_cast<size_t>(set.tree.parent[m])]) + "-" +
-                   std::to_string(set.ranks[m]);
-      log_info("gradient sync: holder set " + join(set.ranks, ",") + " sums along a tree around its slow link(s) (rank " +
-               std::to_string(set.ranks[static_cast<size_t>(set.tree.root)]) + " at the root; edges " + edges + ")");
+      if (set.trees.empty()) continue;
+      std::string trees;
+      for (const SyncTree& t : set.trees) {
+        std::string edges;
+        for (size_t m = 0; m < set.ranks.size(); ++m)
+          if (t.parent[m] >= 0)
+            edges += (edges.empty() ? "" : ", ") + std::to_string(set.ranks[static_cast<size_t>(t.parent[m])]) + "-" + std::to_string(set.ranks[m]);
+        trees += std::string(trees.empty() ? "" : "; ") + "rank " + std::to_string(set.ranks[static_cast<size_t>(t.root)]) +
+                 " at the root, edges " + edges;
+      }
+      log_info("gradient sync: holder set " + join(set.ranks, ",") + " sums along " +
+               (set.trees.size() > 1 ? std::to_string(set.trees.size()) + " trees, each a slice," : std::string("a tree")) +
+               " around its slow link(s) (" + trees + ")");
     }
   if (rank_ == 0 && plan_->grad_sync.lossy() && !opts_.quiet) {
     int compressed = 0, total = 0;
