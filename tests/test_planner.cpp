@@ -432,6 +432,14 @@ TEST(Calibrate, RebalanceMovesSamplesFromAPipelineSlowerThanPredicted) {
   EXPECT_LT(fix.best_s, 0.97 * fix.current_s) << fix.text;
   EXPECT_EQ(fix.plan.pipelines[0].stages[0].device, r.plan.pipelines[0].stages[0].device);  // same layout
   EXPECT_TRUE(fix.plan.predicted.contains("step_s"));
+  // Replicas of one micro-batch each stay so when samples move (PipelinePlan::micro_batch_for):
+  // their buckets sum during the whole backward only in one micro-batch.
+  Plan whole = r.plan;
+  for (auto& pl : whole.pipelines) pl.set_samples(pl.samples(), pl.samples());
+  Rebalance one = rebalance(whole, c, p, phases(1.0, 1.3), o);
+  ASSERT_TRUE(one.change) << one.text;
+  EXPECT_LT(one.plan.pipelines[1].samples(), whole.pipelines[1].samples()) << one.text;
+  for (const auto& pl : one.plan.pipelines) EXPECT_EQ(pl.num_micro_batches, 1) << one.text;
   // A pipeline with no measurement gives no basis for moving anything.
   std::map<int, double> partial = phases(1.0, 1.3);
   partial.erase(r.plan.pipelines[1].stages[0].ranks[0]);
