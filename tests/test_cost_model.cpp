@@ -425,17 +425,26 @@ TEST(CostModel, CompressedSyncIsPricedByWireBytesAndCodecCosts) {
   EXPECT_GE(pc.stages[1].sync_exposed_s, 6e6 / 4 * 1e-8 - 1e-12);
 }
 
-// Two regions joined by a slow link: scope slow-links sums exactly inside each region and
-// compresses only between the regions' leaders.
-TEST(CostModel, HierarchicalSyncCompressesOnlyBetweenRegions) {
-  Profile p = base_profile(2);
-  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+namespace {
+// Two regions of two hosts (10 Gbit/s and 0.1 ms inside), every pair across them 0.1 Gbit/s and
+// 10 ms; one device of type "t" a host.
+ClusterSpec two_regions() {
   ClusterSpec c;
   c.devices = {device("a0", "h0", "t"), device("a1", "h1", "t"), device("b0", "h2", "t"), device("b1", "h3", "t")};
   c.groups = {{"A", {"h0", "h1"}}, {"B", {"h2", "h3"}}};
   c.rules.push_back({"A", "A", Link{10, 0.1}});
   c.rules.push_back({"B", "B", Link{10, 0.1}});
   c.rules.push_back({"A", "B", Link{0.1, 10}});
+  return c;
+}
+}  // namespace
+
+// Two regions joined by a slow link: scope slow-links sums exactly inside each region and
+// compresses only between the regions' leaders.
+TEST(CostModel, HierarchicalSyncCompressesOnlyBetweenRegions) {
+  Profile p = base_profile(2);
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  const ClusterSpec c = two_regions();
   Plan plan;
   plan.global_batch = 4;
   for (int r = 0; r < 4; ++r) plan.pipelines.push_back({1, 1, {stage(r, 0, 2, c.devices[static_cast<size_t>(r)].name)}});
@@ -491,12 +500,7 @@ TEST(CostModel, AReplicaOfOneMicroBatchHidesItsTreeSumBehindTheWholeBackward) {
   d.embed_bwd = d.head_bwd = {0, 0.005};
   d.optimizer_s_per_param = 0;
   p.devices["t"] = d;
-  ClusterSpec c;
-  c.devices = {device("a0", "h0", "t"), device("a1", "h1", "t"), device("b0", "h2", "t"), device("b1", "h3", "t")};
-  c.groups = {{"A", {"h0", "h1"}}, {"B", {"h2", "h3"}}};
-  c.rules.push_back({"A", "A", Link{10, 0.1}});
-  c.rules.push_back({"B", "B", Link{10, 0.1}});
-  c.rules.push_back({"A", "B", Link{0.1, 10}});
+  const ClusterSpec c = two_regions();
   auto replicas = [&](int64_t m, int64_t count) {
     Plan plan;
     plan.global_batch = 32;
