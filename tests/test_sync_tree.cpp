@@ -22,6 +22,15 @@ std::function<bool(size_t, size_t)> slow_pairs(std::set<std::pair<size_t, size_t
 }
 }  // namespace
 
+// rapidcheck: each pair (a < b) of N members slow with probability 1 / ONE_IN.
+static std::set<std::pair<size_t, size_t>> random_slow_pairs(size_t n, int one_in) {
+  std::set<std::pair<size_t, size_t>> slow;
+  for (size_t a = 0; a < n; ++a)
+    for (size_t b = a + 1; b < n; ++b)
+      if (*rc::gen::inRange(0, one_in) == 0) slow.insert({a, b});
+  return slow;
+}
+
 // The 3-device pool: fast (0) and quarter (2) joined by the slow link, the half device (1) joined
 // to both by fast ones. The sum goes through the half device and nothing crosses 0-2.
 TEST(SyncTree, TheThreeDevicePoolSumsThroughTheHalfDevice) {
@@ -56,10 +65,7 @@ TEST(SyncTree, TwoRegionsCrossTheSlowLinksOnce) {
 // whose children lists match the parents.
 RC_GTEST_PROP(SyncTree, EveryTreeSpansWithTheFewestSlowEdgesFromACentre, ()) {
   const size_t n = *rc::gen::inRange<size_t>(1, 10);
-  std::set<std::pair<size_t, size_t>> slow;
-  for (size_t a = 0; a < n; ++a)
-    for (size_t b = a + 1; b < n; ++b)
-      if (*rc::gen::inRange(0, 3) == 0) slow.insert({a, b});
+  const auto slow = random_slow_pairs(n, 3);
   const auto is_slow = slow_pairs(slow);
   const SyncTree t = sync_tree(n, is_slow);
   RC_ASSERT(t.empty() == (n < 3 || slow.empty()));
@@ -120,10 +126,7 @@ TEST(SyncTree, TwoRegionsStripeOverSlowPairsOfTheirOwn) {
 // sync_tree's.
 RC_GTEST_PROP(SyncTree, StripesSpanAndNeverShareASlowPair, ()) {
   const size_t n = *rc::gen::inRange<size_t>(3, 10);
-  std::set<std::pair<size_t, size_t>> slow;
-  for (size_t a = 0; a < n; ++a)
-    for (size_t b = a + 1; b < n; ++b)
-      if (*rc::gen::inRange(0, 2) == 0) slow.insert({a, b});
+  const auto slow = random_slow_pairs(n, 2);
   const auto is_slow = slow_pairs(slow);
   const int cap = *rc::gen::inRange(1, 5);
   const auto trees = alloy::sync_trees(n, is_slow, cap);

@@ -402,6 +402,7 @@ class CostContext {
     int depth = 0, stripes = 1;
     double slowest_bytes_per_s = 0;  // the set's bytes over the most loaded link, either way
     std::vector<int> devices, parent;  // the members (the shape's order), the first stripe's parents (-1: root)
+    std::vector<std::vector<int>> stripe_parents;  // every stripe's parents, the first's included
     std::vector<double> degree;        // per member: tree edges, averaged over the stripes (bytes sent per set byte, each way)
     // Per member and stripe, over the hops between it and its stripe's root, both ways: seconds
     // per byte, latency.

@@ -162,6 +162,7 @@ CostContext::SyncShape CostContext::sync_shape(const std::vector<int>& d, const 
         tr.depth = trees[0].depth;
         tr.devices = d;
         tr.parent = trees[0].parent;
+        for (const SyncTree& t : trees) tr.stripe_parents.push_back(t.parent);
         tr.degree.assign(d.size(), 0);
         // How many stripes cross each link, either way (a shared line counts once per stripe).
         std::map<size_t, int> crossing;
@@ -240,13 +241,12 @@ void CostContext::add_load(const std::vector<int>& d, double set_bytes, LinkLoad
   };
   const int n = static_cast<int>(d.size());
   if (s.tree) {  // every stripe's tree edges, both ways, each with its slice
-    const std::vector<SyncTree> trees =
-        sync_trees(d.size(), [&](size_t a, size_t b) { return slow_pair(d[a], d[b]); }, static_cast<int>(gs_.tree_stripes));
-    const double slice = set_bytes / static_cast<double>(trees.size());
-    for (const SyncTree& t : trees)
+    const auto& stripes = s.sum_tree.stripe_parents;
+    const double slice = set_bytes / static_cast<double>(stripes.size());
+    for (const std::vector<int>& parent : stripes)
       for (size_t m = 0; m < d.size(); ++m) {
-        if (t.parent[m] < 0) continue;
-        const int hm = host_of(d[m]), hp = host_of(d[static_cast<size_t>(t.parent[m])]);
+        if (parent[m] < 0) continue;
+        const int hm = host_of(d[m]), hp = host_of(d[static_cast<size_t>(parent[m])]);
         loads->hop[hop_link_[idx(hm, hp)]].push_back(slice);
         loads->hop[hop_link_[idx(hp, hm)]].push_back(slice);
       }
