@@ -461,17 +461,18 @@ TEST(CostModel, HierarchicalSyncCompressesOnlyBetweenRegions) {
   // leaders.
   EXPECT_TRUE(dense.sync_groups[0].tree);
   EXPECT_EQ(dense.sync_groups[0].stripes, 2);
-  // The trees a0 - a1 - b0 - b1 rooted at a1 and a1 - a0 - b1 - b0 rooted at a0: a slice's bytes
-  // behind its first chunk at 12.5 MB/s, and the first chunk from the farthest member up to its
-  // root and back (two fast hops, two slow, with their latencies).
+  // The trees a0 - a1 - b0 - b1 rooted at the edge a1 - b0 and a1 - a0 - b1 - b0 at a0 - b1: a
+  // slice's bytes behind its first chunk at 12.5 MB/s, and the first chunk up a fast hop to an end
+  // of the root edge, across it once (the two ends swap their partials) and down a fast hop: two
+  // fast hops and one slow, with their latencies (a root member's would cross twice).
   const double chunk = 256.0 * 1024;
-  EXPECT_NEAR(dense.sync_groups[0].time_s, (6e6 / 2 - chunk) / 1.25e7 + chunk * (2 / 1.25e9 + 2 / 1.25e7) + 2 * 0.0001 + 2 * 0.010,
+  EXPECT_NEAR(dense.sync_groups[0].time_s, (6e6 / 2 - chunk) / 1.25e7 + chunk * (2 / 1.25e9 + 1 / 1.25e7) + 2 * 0.0001 + 0.010,
               1e-9);
   Plan one = plan;
   one.grad_sync = GradSyncConfig{};
   one.grad_sync.tree_stripes = 1;  // one tree: all 6 MB over one slow hop
   EXPECT_NEAR(simulate_plan(one, c, p).sync_groups[0].time_s,
-              (6e6 - chunk) / 1.25e7 + chunk * (2 / 1.25e9 + 2 / 1.25e7) + 2 * 0.0001 + 2 * 0.010, 1e-9);
+              (6e6 - chunk) / 1.25e7 + chunk * (2 / 1.25e9 + 1 / 1.25e7) + 2 * 0.0001 + 0.010, 1e-9);
   EXPECT_LT(pc.sync_groups[0].time_s, 0.1);
   EXPECT_LT(pc.step_s, dense.step_s);
   // A set inside one region stays exact: a pipeline whose both stages sit in region A.
@@ -594,10 +595,11 @@ TEST(CostModel, TheStepsWorldSumFollowsTheTree) {
   for (const char* e : {"eu0", "eu1"})
     for (const char* u : {"us0", "us1"}) c.rules.push_back({e, u, Link{0.1, 40}});
   const CostContext ctx(c, p);
-  // Tree: e0 - e1 - u0 - u1 with e1 at the root (sync_tree). u1's figures go to u0, across to e1,
-  // and the total back across and on to u1.
+  // Tree: e0 - e1 - u0 - u1 rooted at the edge e1 - u0 (sync_tree). e0's figures go to e1 and
+  // u1's to u0, the two ends swap their sums across the slow pair at once, and each sends the total
+  // on: the slow link's latency once, not up and back.
   const double fast = 0.1e-3 + CostContext::kWorldSumBytes / (1e9 / 8), slow = 40e-3 + CostContext::kWorldSumBytes / (0.1e9 / 8);
-  EXPECT_NEAR(ctx.world_allreduce_s(), 2 * slow + 2 * fast, 1e-12);
+  EXPECT_NEAR(ctx.world_allreduce_s(), slow + 2 * fast, 1e-12);
   Plan dp;
   dp.global_batch = 4;
   for (int r = 0; r < 4; ++r) dp.pipelines.push_back({1, 1, {stage(r, 0, 4, c.devices[static_cast<size_t>(r)].name)}});

@@ -51,19 +51,71 @@ TEST(SyncTree, RingsStayWhereNoSlowPairIsAmongTheMembersOrOnlyTwoSum) {
 }
 
 // Two regions of two joined only by slow links: one slow edge, between neighbours in the order,
-// the two fast pairs kept, the root in the middle of the chain.
+// the two fast pairs kept, and the tree rooted at the slow edge (1 - 2): each region's partial sum
+// crosses it once, both ways at once, instead of up to a root and back.
 TEST(SyncTree, TwoRegionsCrossTheSlowLinksOnce) {
   const SyncTree t = sync_tree(4, slow_pairs({{0, 2}, {0, 3}, {1, 2}, {1, 3}}));
   ASSERT_FALSE(t.empty());
   EXPECT_EQ(t.depth, 2);
   EXPECT_EQ(t.root, 1);
+  EXPECT_EQ(t.twin, 2);
   EXPECT_EQ(t.parent, (std::vector<int>{1, -1, 1, 2}));
+  EXPECT_EQ(sync_tree(3, slow_pairs({{0, 2}})).twin, -1);  // the 3-device pool's chain keeps its middle
+}
+
+// The first chunk's round: hops of 1 inside the regions and 10 across. Rooted at member 1, region
+// us's partial crosses to it (11) and the total back (21) and on to 3 (22); rooted at the edge
+// 1 - 2, both partials are complete at 1, cross at once (11) and go down one hop (12).
+TEST(SyncTree, ARootEdgeCrossesOnceInsteadOfThereAndBack) {
+  SyncTree t;
+  t.root = 1;
+  t.parent = {1, -1, 1, 2};
+  t.children = {{}, {0, 2}, {3}, {}};
+  const auto hop = [](size_t a, size_t b) { return (a < 2) != (b < 2) ? 10.0 : 1.0; };
+  EXPECT_DOUBLE_EQ(alloy::sync_tree_round_trip(t, hop), 22.0);
+  t.twin = 2;
+  EXPECT_DOUBLE_EQ(alloy::sync_tree_round_trip(t, hop), 12.0);
+  // One way slower than the other: the totals start when the slower crossing lands (1 + 15).
+  const auto uneven = [](size_t a, size_t b) { return a == 2 && b == 1 ? 15.0 : (a < 2) != (b < 2) ? 10.0 : 1.0; };
+  EXPECT_DOUBLE_EQ(alloy::sync_tree_round_trip(t, uneven), 17.0);
+}
+
+// A chain of four fast hops (the slow pair 0 - 3 left out) is rooted at its middle edge: three
+// hops from any partial to every total, against four from a middle member.
+TEST(SyncTree, AnEvenChainIsRootedAtItsMiddleEdge) {
+  const SyncTree t = sync_tree(4, slow_pairs({{0, 3}}));
+  EXPECT_EQ(t.parent, (std::vector<int>{1, -1, 1, 2}));
+  EXPECT_EQ(t.root, 1);
+  EXPECT_EQ(t.twin, 2);
+}
+
+// The same edges rooted at member R, paired with TWIN (a neighbour) or not.
+static SyncTree reroot(const SyncTree& t, size_t r, int twin) {
+  const size_t n = t.parent.size();
+  std::vector<std::vector<size_t>> adj(n);
+  for (size_t m = 0; m < n; ++m)
+    if (t.parent[m] >= 0) adj[m].push_back(static_cast<size_t>(t.parent[m])), adj[static_cast<size_t>(t.parent[m])].push_back(m);
+  SyncTree x;
+  x.root = static_cast<int>(r);
+  x.twin = twin;
+  x.parent.assign(n, -1);
+  x.children.assign(n, {});
+  std::vector<size_t> q{r};
+  std::vector<bool> seen(n, false);
+  seen[r] = true;
+  for (size_t i = 0; i < q.size(); ++i)
+    for (size_t y : adj[q[i]])
+      if (!seen[y]) seen[y] = true, x.parent[y] = static_cast<int>(q[i]), q.push_back(y);
+  for (size_t m = 0; m < n; ++m)
+    if (x.parent[m] >= 0) x.children[static_cast<size_t>(x.parent[m])].push_back(static_cast<int>(m));
+  return x;
 }
 
 // Any members and slow pairs: a spanning tree whose edges are N - 1, of which exactly (regions of
-// the fast links - 1) are slow, whose root has the smallest height any member would give, and
-// whose children lists match the parents.
-RC_GTEST_PROP(SyncTree, EveryTreeSpansWithTheFewestSlowEdgesFromACentre, ()) {
+// the fast links - 1) are slow, whose children lists match the parents, whose depth is its root's
+// height, and whose root (a member, or an edge to its twin) gives a first chunk's round no longer
+// than any other member or edge of the same tree would.
+RC_GTEST_PROP(SyncTree, EveryTreeSpansWithTheFewestSlowEdgesFromItsQuickestRoot, ()) {
   const size_t n = *rc::gen::inRange<size_t>(1, 10);
   const auto slow = random_slow_pairs(n, 3);
   const auto is_slow = slow_pairs(slow);
@@ -100,9 +152,15 @@ RC_GTEST_PROP(SyncTree, EveryTreeSpansWithTheFewestSlowEdgesFromACentre, ()) {
   RC_ASSERT(edges == n - 1);
   const size_t regions = alloy::components(n, [&](size_t a, size_t b) { return a != b && !is_slow(a, b); }).size();
   RC_ASSERT(slow_edges == regions - 1);
-  const int h = height_from(static_cast<size_t>(t.root));
-  RC_ASSERT(h == t.depth);
-  for (size_t m = 0; m < n; ++m) RC_ASSERT(height_from(m) >= h);
+  RC_ASSERT(height_from(static_cast<size_t>(t.root)) == t.depth);
+  if (t.twin >= 0) RC_ASSERT(t.parent[static_cast<size_t>(t.twin)] == t.root);
+  const auto hop = [&](size_t a, size_t b) { return is_slow(std::min(a, b), std::max(a, b)) ? alloy::kSlowEdgeWeight : 1.0; };
+  const double mine = alloy::sync_tree_round_trip(t, hop);
+  for (size_t m = 0; m < n; ++m) {
+    const SyncTree at_m = reroot(t, m, -1);
+    RC_ASSERT(mine <= alloy::sync_tree_round_trip(at_m, hop));
+    for (int c : at_m.children[m]) RC_ASSERT(mine <= alloy::sync_tree_round_trip(reroot(t, m, c), hop));
+  }
 }
 
 // Stripes (sync_trees): two regions of two joined by four slow pairs stripe over two trees that

@@ -38,10 +38,14 @@ at::Tensor input(int rank, int round, int64_t n, at::ScalarType dtype) {
   return at::randn({n}, gen, at::TensorOptions().dtype(dtype));
 }
 
-// What member M's subtree sums to, added in the tree's order: its own, then each child's in turn.
+// What member M's subtree sums to, added in the tree's order: its own, then each child's in turn;
+// at a root paired with a twin, the twin's subtree last (P_root + P_twin).
 at::Tensor subtree(const alloy::SyncTree& t, int m, int round, int64_t n, at::ScalarType dtype) {
   at::Tensor s = input(m, round, n, dtype);
-  for (int c : t.children[static_cast<size_t>(m)]) s.add_(subtree(t, c, round, n, dtype));
+  const bool paired = m == t.root && t.twin >= 0;
+  for (int c : t.children[static_cast<size_t>(m)])
+    if (!(paired && c == t.twin)) s.add_(subtree(t, c, round, n, dtype));
+  if (paired) s.add_(subtree(t, t.twin, round, n, dtype));
   return s;
 }
 
@@ -88,7 +92,6 @@ int main(int argc, char** argv) {
   std::vector<int> all;
   for (int r = 0; r < W; ++r) all.push_back(r);
   auto group = world->new_group("check", all);
-  const alloy::SyncTree& tree = trees[0];
   group->route_sums(world->new_group("check-tree", all), trees);
 
   const int64_t chunk = dist::TreeAllreduce::kChunkBytes / 4;
@@ -152,7 +155,10 @@ int main(int argc, char** argv) {
     _exit(1);
   }
   if (bad) return 1;
-  std::printf("tree-allreduce ok: rank %d of %d, root %d, %zu tree(s), %d rounds of %zu sums\n", me, W, tree.root, trees.size(), round,
-              sizes.size());
+  std::string roots;
+  for (const alloy::SyncTree& t : trees)
+    roots += (roots.empty() ? "" : ", ") + std::to_string(t.root) + (t.twin >= 0 ? "-" + std::to_string(t.twin) : "");
+  std::printf("tree-allreduce ok: rank %d of %d, roots %s, %zu tree(s), %d rounds of %zu sums\n", me, W, roots.c_str(), trees.size(),
+              round, sizes.size());
   return 0;
 }

@@ -1,6 +1,7 @@
 #include "alloy/core/sync_tree.h"
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 #include <set>
 #include <tuple>
@@ -9,7 +10,8 @@ namespace alloy {
 
 namespace {
 // Kruskal over every pair, fast ones first, then slow ones by AVOID(a, b) (lower first), each kind
-// by the members' distance in the order and then by the first member; rooted at a centre.
+// by the members' distance in the order and then by the first member; rooted where a sum's first
+// chunk finishes soonest (sync_tree.h).
 SyncTree build_tree(size_t n, const std::function<bool(size_t, size_t)>& slow, const std::function<int(size_t, size_t)>& avoid) {
   SyncTree t;
   if (n < 3) return t;
@@ -44,34 +46,74 @@ SyncTree build_tree(size_t n, const std::function<bool(size_t, size_t)>& slow, c
     adj[e.a].push_back(e.b);
     adj[e.b].push_back(e.a);
   }
-  // Distances from one member along the tree (breadth first); FROM's parent array on the way.
-  auto bfs = [&](size_t from, std::vector<int>* parent) {
+  // The tree rooted at member R (TWIN: a neighbour of R, the root edge's other end, or -1).
+  auto rooted = [&](size_t r, int twin) {
+    SyncTree x;
+    x.root = static_cast<int>(r);
+    x.twin = twin;
+    x.parent.assign(n, -1);
     std::vector<int> dist(n, -1);
-    if (parent) parent->assign(n, -1);
-    std::vector<size_t> queue{from};
-    dist[from] = 0;
+    std::vector<size_t> queue{r};
+    dist[r] = 0;
     for (size_t q = 0; q < queue.size(); ++q)
       for (size_t b : adj[queue[q]])
         if (dist[b] < 0) {
           dist[b] = dist[queue[q]] + 1;
-          if (parent) (*parent)[b] = static_cast<int>(queue[q]);
+          x.parent[b] = static_cast<int>(queue[q]);
           queue.push_back(b);
         }
-    return *std::max_element(dist.begin(), dist.end());
+    x.depth = *std::max_element(dist.begin(), dist.end());
+    x.children.assign(n, {});
+    for (size_t m = 0; m < n; ++m)
+      if (x.parent[m] >= 0) x.children[static_cast<size_t>(x.parent[m])].push_back(static_cast<int>(m));
+    return x;
   };
-  int best = -1;
+  const auto weight = [&](size_t a, size_t b) { return slow(std::min(a, b), std::max(a, b)) ? kSlowEdgeWeight : 1.0; };
+  // A member first (the shortest round trip, then the shortest longest path, then the lowest
+  // index), then an edge only where its round trip is strictly shorter.
+  double best_s = 0;
   for (size_t r = 0; r < n; ++r) {
-    const int ecc = bfs(r, nullptr);
-    if (best < 0 || ecc < t.depth) best = static_cast<int>(r), t.depth = ecc;
+    SyncTree x = rooted(r, -1);
+    const double s = sync_tree_round_trip(x, weight);
+    if (t.empty() || s < best_s || (s == best_s && x.depth < t.depth)) t = std::move(x), best_s = s;
   }
-  t.root = best;
-  bfs(static_cast<size_t>(best), &t.parent);
-  t.children.assign(n, {});
-  for (size_t m = 0; m < n; ++m)
-    if (t.parent[m] >= 0) t.children[static_cast<size_t>(t.parent[m])].push_back(static_cast<int>(m));
+  for (size_t a = 0; a < n; ++a) {
+    std::sort(adj[a].begin(), adj[a].end());  // the lowest pair among equals
+    for (size_t b : adj[a]) {
+      if (b < a) continue;
+      SyncTree x = rooted(a, static_cast<int>(b));
+      const double s = sync_tree_round_trip(x, weight);
+      if (s < best_s) t = std::move(x), best_s = s;
+    }
+  }
   return t;
 }
 }  // namespace
+
+double sync_tree_round_trip(const SyncTree& t, const std::function<double(size_t, size_t)>& hop) {
+  if (t.empty()) return 0;
+  const auto kids = [&](int x) {  // the root's children leave the twin out: it is the other end
+    std::vector<int> out;
+    for (int c : t.children[static_cast<size_t>(x)])
+      if (!(x == t.root && c == t.twin)) out.push_back(c);
+    return out;
+  };
+  const auto h = [&](int a, int b) { return hop(static_cast<size_t>(a), static_cast<size_t>(b)); };
+  std::function<double(int)> complete = [&](int x) {  // X's partial sum is complete
+    double at = 0;
+    for (int c : kids(x)) at = std::max(at, complete(c) + h(c, x));
+    return at;
+  };
+  std::function<double(int, double)> down = [&](int x, double at) {  // the total is at X at AT
+    double last = at;
+    for (int c : kids(x)) last = std::max(last, down(c, at + h(x, c)));
+    return last;
+  };
+  const double root = complete(t.root);
+  if (t.twin < 0) return down(t.root, root);
+  const double twin = complete(t.twin);
+  return std::max(down(t.root, std::max(root, twin + h(t.twin, t.root))), down(t.twin, std::max(twin, root + h(t.root, t.twin))));
+}
 
 SyncTree sync_tree(size_t n, const std::function<bool(size_t, size_t)>& slow) {
   return build_tree(n, slow, [](size_t, size_t) { return 0; });

@@ -22,7 +22,14 @@ constexpr long long kSyncTreeChunkBytes = 256 * 1024;
 
 struct SyncTree {
   int root = -1;                           // member index; -1: no tree, the set syncs by ring
-  std::vector<int> parent;                 // per member; -1 for the root
+  // A child of the root, or -1. The tree is then rooted at the edge root - twin rather than at a
+  // member: both ends complete their own side's partial sum, swap them over that edge (each way at
+  // once) and add the two, so the totals start down from both ends. Where the root edge is the slow
+  // pair between two regions, the sum crosses it once each way at the same time and pays its
+  // latency once, not on the way up and again on the way down. Both ends hold the same bits: the
+  // root adds P_root + P_twin, the twin P_root + P_twin, the same operands in the same order.
+  int twin = -1;
+  std::vector<int> parent;                 // per member; -1 for the root (the twin's parent is the root)
   std::vector<std::vector<int>> children;  // per member, ascending
   int depth = 0;                           // edges on the longest path from the root
   bool empty() const { return root < 0; }
@@ -37,9 +44,22 @@ struct SyncTree {
 // whatever the link, and a set without a slow pair keeps Gloo's ring, whose per-member traffic is
 // the least). Edges are taken fast ones first, then slow ones (Kruskal), each kind by the distance
 // of the members in the order and then by the first member, so members next to each other (a
-// host's or a region's, in host order) chain; the root is the member with the shortest longest
-// path to the others (the lowest index among equals).
+// host's or a region's, in host order) chain. The root is where a sum's first chunk finishes
+// soonest (sync_tree_round_trip, a slow edge weighing kSlowEdgeWeight fast ones): a member (the
+// one with the shortest longest path, the lowest index among equals), or an edge where that is
+// strictly sooner (the lowest pair among equals; its lower member is the root, the other the twin).
 SyncTree sync_tree(size_t n, const std::function<bool(size_t, size_t)>& slow);
+
+// How much longer a slow edge's hop is taken to be than a fast one's when placing the root: about
+// a distant link's 40 ms against a region's 0.1 ms. Any weight well above the fast hops a tree
+// holds gives the same roots.
+constexpr double kSlowEdgeWeight = 1000;
+
+// When the first chunk of a sum along T is everywhere, if each member's own partial is ready at 0
+// and a hop from A to B takes HOP(A, B): up to the root (and the twin), across the root edge, and
+// down. The cost the root placement minimises; the cost model prices a tree the same way with
+// each hop's own latency and bytes.
+double sync_tree_round_trip(const SyncTree& t, const std::function<double(size_t, size_t)>& hop);
 
 // The slow edges of T as (lower, higher) member pairs, ascending (SLOW asked with a < b).
 std::vector<std::pair<size_t, size_t>> slow_edges(const SyncTree& t, const std::function<bool(size_t, size_t)>& slow);

@@ -182,8 +182,8 @@ void TreeAllreduce::up(Job& job) {
       }
     }
     const int up = sl.tree->parent[static_cast<size_t>(me_)];
+    if (up >= 0 || sl.tree->twin >= 0) sl.total = at::empty({len}, job.flat.options());
     if (up >= 0) {
-      sl.total = at::empty({len}, job.flat.options());
       const std::string text = what_of(*group_, "receiving the total from", up);
       for (int64_t k = 0; k < sl.chunks; ++k) {
         at::Tensor p = sl.part(sl.total, k);
@@ -192,24 +192,30 @@ void TreeAllreduce::up(Job& job) {
     }
     job.slices.push_back(std::move(sl));
   }
-  // Up: this member's chunk plus its children's, in ascending member order; the stripes' chunks
-  // taken in turn so every stripe's line carries its share at once.
+  // Up: this member's chunk plus its children's, in ascending member order (a root with a twin
+  // leaves the twin's for the way down); the stripes' chunks taken in turn so every stripe's line
+  // carries its share at once.
   for (int64_t k = 0; k < most; ++k)
     for (size_t s = 0; s < job.slices.size(); ++s) {
       Slice& sl = job.slices[s];
       if (k >= sl.chunks) continue;
       const auto& kids = sl.tree->children[static_cast<size_t>(me_)];
+      const int up = sl.tree->parent[static_cast<size_t>(me_)];
+      const bool root = up < 0, paired = root && sl.tree->twin >= 0;
       at::Tensor mine = sl.part(sl.flat, k);
       for (size_t c = 0; c < kids.size(); ++c) {
+        if (paired && kids[c] == sl.tree->twin) continue;
         wait_step(sl.kid_recv[c][static_cast<size_t>(k)], what_of(*group_, "receiving a partial sum from", kids[c]));
         mine.add_(sl.part(sl.from_kid[c], k));
       }
-      const int up = sl.tree->parent[static_cast<size_t>(me_)];
-      const bool root = up < 0;
-      for (int to : root ? kids : std::vector<int>{up}) {
-        const std::string text = what_of(*group_, root ? "sending the total to" : "sending a partial sum to", to);
+      // A root sends its total down; paired with a twin, its side's partial to the twin only (the
+      // twin's comes up as any child's); others send their partial up.
+      std::vector<int> to = !root ? std::vector<int>{up} : paired ? std::vector<int>{sl.tree->twin} : kids;
+      for (int dest : to) {
+        const std::string text = what_of(*group_, root && !paired ? "sending the total to" : "sending a partial sum to", dest);
         job.sends.emplace_back(
-            step(text, [&] { return group_->send(mine, global(to), tag_of(job.seq, static_cast<int>(s), k, root ? kDown : kUp)); }), text);
+            step(text, [&] { return group_->send(mine, global(dest), tag_of(job.seq, static_cast<int>(s), k, root ? kDown : kUp)); }),
+            text);
       }
     }
 }
@@ -219,22 +225,34 @@ void TreeAllreduce::down(Job& job) {
   auto global = [&](int member) { return group_->ranks()[static_cast<size_t>(member)]; };
   int64_t most = 0;
   for (const Slice& sl : job.slices) most = std::max(most, sl.chunks);
-  // Down: the totals, passed on to the children as they arrive.
+  // Down: the totals, passed on to the children as they arrive. The ends of a root edge first add
+  // the other end's partial: the root P_root + P_twin into its total (its own partial is still
+  // being sent from the buffer), the twin P_root (received as its total) + P_twin, the same sum.
   for (int64_t k = 0; k < most; ++k)
     for (size_t s = 0; s < job.slices.size(); ++s) {
       Slice& sl = job.slices[s];
-      const int up = sl.tree->parent[static_cast<size_t>(me_)];
-      if (k >= sl.chunks || up < 0) continue;
-      wait_step(sl.parent_recv[static_cast<size_t>(k)], what_of(*group_, "receiving the total from", up));
+      const SyncTree& t = *sl.tree;
+      const int up = t.parent[static_cast<size_t>(me_)];
+      if (k >= sl.chunks || (up < 0 && t.twin < 0)) continue;
       at::Tensor p = sl.part(sl.total, k);
-      for (int kid : sl.tree->children[static_cast<size_t>(me_)]) {
+      const auto& kids = t.children[static_cast<size_t>(me_)];
+      if (up < 0) {
+        const size_t c = static_cast<size_t>(std::find(kids.begin(), kids.end(), t.twin) - kids.begin());
+        wait_step(sl.kid_recv[c][static_cast<size_t>(k)], what_of(*group_, "receiving a partial sum from", t.twin));
+        at::add_out(p, sl.part(sl.flat, k), sl.part(sl.from_kid[c], k));
+      } else {
+        wait_step(sl.parent_recv[static_cast<size_t>(k)], what_of(*group_, me_ == t.twin ? "receiving a partial sum from" : "receiving the total from", up));
+        if (me_ == t.twin) p.add_(sl.part(sl.flat, k));
+      }
+      for (int kid : kids) {
+        if (up < 0 && kid == t.twin) continue;
         const std::string text = what_of(*group_, "sending the total to", kid);
         job.sends.emplace_back(step(text, [&] { return group_->send(p, global(kid), tag_of(job.seq, static_cast<int>(s), k, kDown)); }), text);
       }
     }
   for (auto& [w, text] : job.sends) wait_step(w, text);
   for (Slice& sl : job.slices)
-    if (sl.tree->parent[static_cast<size_t>(me_)] >= 0) sl.flat.copy_(sl.total);
+    if (sl.total.defined()) sl.flat.copy_(sl.total);
 }
 
 }  // namespace alloy::dist

@@ -3,11 +3,13 @@
 // and why): every member adds its children's partial sums to its own, chunk by chunk, and sends
 // the result to its parent; the root's total comes back down the same edges. Chunks pipeline, so a
 // buffer takes about its bytes over the slowest tree edge plus one chunk per level, and no slow
-// pair the tree avoids carries anything.
+// pair the tree avoids carries anything. A tree rooted at an edge (SyncTree::twin) swaps the two
+// ends' partial sums over it, each way at once, and both ends send the total down their sides.
 //
 // Exactness: every member ends with the root's bits (the same on all of them, so replicas stay
 // identical); the root adds its children's sums in ascending member order, as every inner member
-// does, so a run is reproducible. The order differs from Gloo's ring, which is why a set routes by
+// does, so a run is reproducible (paired with a twin, it adds the twin's last, and the twin adds
+// its own partial to the root's: P_root + P_twin on both). The order differs from Gloo's ring, which is why a set routes by
 // tree only where the plan says a slow pair is among its members (SyncTree is empty otherwise).
 //
 // Stripes (core/sync_tree.h, sync_trees): with several trees, a buffer is cut into as many

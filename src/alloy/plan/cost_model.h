@@ -109,6 +109,7 @@
 #include <nlohmann/json.hpp>
 
 #include "alloy/core/plan.h"
+#include "alloy/core/sync_tree.h"
 #include "alloy/plan/cluster.h"
 #include "alloy/plan/profile.h"
 
@@ -393,8 +394,9 @@ class CostContext {
   // or hierarchical (regions exact, their leaders compressed).
   // An exact set summed along a tree (core/sync_tree.h): every tree edge carries the set's bytes
   // once each way, chunk by chunk, so a bucket takes its bytes over the slowest tree edge, plus
-  // the first chunk's way from the farthest member up to the root and back (each hop at its own
-  // link's speed and latency), less the one chunk time already counted.
+  // the first chunk's way up to the root (or both ends of a root edge, and across it) and down to
+  // every member (sync_tree_round_trip, each hop at its own link's speed and latency), less the one
+  // chunk time already counted.
   // With stripes (core/sync_tree.h, sync_trees) every tree carries its slice of each bucket at
   // once: a link that K of the S stripes cross (a fast one they share, or one shared line) carries
   // K/S of the bytes, and the slowest rate is over the links so loaded.
@@ -402,11 +404,14 @@ class CostContext {
     int depth = 0, stripes = 1;
     double slowest_bytes_per_s = 0;  // the set's bytes over the most loaded link, either way
     std::vector<int> devices, parent;  // the members (the shape's order), the first stripe's parents (-1: root)
-    std::vector<std::vector<int>> stripe_parents;  // every stripe's parents, the first's included
+    std::vector<SyncTree> trees;       // every stripe's tree, the first's included
     std::vector<double> degree;        // per member: tree edges, averaged over the stripes (bytes sent per set byte, each way)
-    // Per member and stripe, over the hops between it and its stripe's root, both ways: seconds
-    // per byte, latency.
-    std::vector<double> path_s_per_byte, path_latency_s;
+    // Per stripe and member, the hop to its parent and the hop from it: seconds per byte (loads
+    // included), latency.
+    struct Hop {
+      double up_s_per_byte = 0, up_latency_s = 0, down_s_per_byte = 0, down_latency_s = 0;
+    };
+    std::vector<std::vector<Hop>> hops;
     double degree_of(int device) const;  // the most of any member for a device not among them
   };
   struct SyncShape {

@@ -31,25 +31,14 @@ double CostContext::world_sum_s(const std::vector<int>& d) const {
     for (int i : order) devs.push_back(d[static_cast<size_t>(i)]);
     return posted_gather_s(ring(devs), kWorldSumBytes);  // PostedSum: sent straight to posted receives, summed locally
   }
-  // Every member's figures climb to the root and the total comes back down each edge: a path's
-  // latencies both ways. (A few bytes go out at once: measured over an emulated 20 ms link, a
-  // ping-pong took 40.9 ms whether the receive was posted before the send or after.)
-  auto hop = [&](int from, int to) {  // member FROM to member TO: latency and the figures' bytes
-    const size_t k = idx(host_of(d[static_cast<size_t>(from)]), host_of(d[static_cast<size_t>(to)]));
+  // Every member's figures climb to the root (or both ends of its root edge, and across) and the
+  // total comes back down each edge: a path's latencies both ways. (A few bytes go out at once:
+  // measured over an emulated 20 ms link, a ping-pong took 40.9 ms whether the receive was posted
+  // before the send or after.)
+  return sync_tree_round_trip(t, [&](size_t from, size_t to) {  // latency and the figures' bytes
+    const size_t k = idx(host_of(d[from]), host_of(d[to]));
     return lat_[k] + kWorldSumBytes / bw_[k];
-  };
-  std::function<double(int)> complete = [&](int x) {  // when member X's partial sum is complete
-    double at = 0;
-    for (int kid : t.children[static_cast<size_t>(x)])
-      at = std::max(at, complete(kid) + hop(kid, x));
-    return at;
-  };
-  std::function<double(int, double)> last_down = [&](int x, double at) {  // the total reaches X at AT
-    double worst = at;
-    for (int kid : t.children[static_cast<size_t>(x)]) worst = std::max(worst, last_down(kid, at + hop(x, kid)));
-    return worst;
-  };
-  return last_down(t.root, complete(t.root));
+  });
 }
 
 void CostContext::set_grad_sync(const GradSyncConfig& g) {
@@ -162,7 +151,7 @@ CostContext::SyncShape CostContext::sync_shape(const std::vector<int>& d, const 
         tr.depth = trees[0].depth;
         tr.devices = d;
         tr.parent = trees[0].parent;
-        for (const SyncTree& t : trees) tr.stripe_parents.push_back(t.parent);
+        tr.trees = trees;
         tr.degree.assign(d.size(), 0);
         // How many stripes cross each link, either way (a shared line counts once per stripe).
         std::map<size_t, int> crossing;
@@ -174,25 +163,20 @@ CostContext::SyncShape CostContext::sync_shape(const std::vector<int>& d, const 
           }
         tr.slowest_bytes_per_s = std::numeric_limits<double>::infinity();
         for (const SyncTree& t : trees) {
-          std::vector<double> edge_s_per_byte(d.size(), 0), edge_latency(d.size(), 0);  // member -> parent, both ways
+          std::vector<Tree::Hop>& hops = tr.hops.emplace_back(d.size());
           for (size_t m = 0; m < d.size(); ++m) {
             tr.degree[m] += t.degree(static_cast<int>(m)) / S;
             if (t.parent[m] < 0) continue;
             const int hm = host_of(d[m]), hp = host_of(d[static_cast<size_t>(t.parent[m])]);
-            for (const size_t k : {idx(hm, hp), idx(hp, hm)}) {  // the partial sum up, the total down
+            const size_t k_up = idx(hm, hp), k_down = idx(hp, hm);
+            for (const size_t k : {k_up, k_down}) {  // the partial sum up, the total down
               const double share = loads ? loads->factor(hop_link_[k], set_bytes) : 1.0;
               const double load = static_cast<double>(crossing[hop_link_[k]]) / S;  // of the set's bytes
               tr.slowest_bytes_per_s = std::min(tr.slowest_bytes_per_s, bw_[k] / (share * load));
-              edge_s_per_byte[m] += share / bw_[k];
-              edge_latency[m] += lat_[k];
+              const double spb = share / bw_[k];
+              if (k == k_up) hops[m].up_s_per_byte = spb, hops[m].up_latency_s = lat_[k];
+              else hops[m].down_s_per_byte = spb, hops[m].down_latency_s = lat_[k];
             }
-          }
-          for (size_t m = 0; m < d.size(); ++m) {
-            double spb = 0, lat = 0;
-            for (int x = static_cast<int>(m); t.parent[static_cast<size_t>(x)] >= 0; x = t.parent[static_cast<size_t>(x)])
-              spb += edge_s_per_byte[static_cast<size_t>(x)], lat += edge_latency[static_cast<size_t>(x)];
-            tr.path_s_per_byte.push_back(spb);
-            tr.path_latency_s.push_back(lat);
           }
         }
       }
@@ -241,10 +225,11 @@ void CostContext::add_load(const std::vector<int>& d, double set_bytes, LinkLoad
   };
   const int n = static_cast<int>(d.size());
   if (s.tree) {  // every stripe's tree edges, both ways, each with its slice
-    const auto& stripes = s.sum_tree.stripe_parents;
+    const auto& stripes = s.sum_tree.trees;
     const double slice = set_bytes / static_cast<double>(stripes.size());
-    for (const std::vector<int>& parent : stripes)
+    for (const SyncTree& t : stripes)
       for (size_t m = 0; m < d.size(); ++m) {
+        const std::vector<int>& parent = t.parent;
         if (parent[m] < 0) continue;
         const int hm = host_of(d[m]), hp = host_of(d[static_cast<size_t>(parent[m])]);
         loads->hop[hop_link_[idx(hm, hp)]].push_back(slice);
@@ -283,13 +268,19 @@ double CostContext::Tree::degree_of(int device) const {
 
 double CostContext::tree_latency_s(const Tree& t, double bytes) const {
   if (!(bytes > 0) || t.devices.size() < 2) return 0;
-  // The first chunk climbs from the farthest member to its stripe's root and the total comes back
-  // down; the chunks behind it follow one per chunk time on the slowest link (up and down are
-  // different ways of a link, so they overlap).
+  // The first chunk climbs to its stripe's root (or the ends of its root edge, and across) and the
+  // total comes back down to every member; the chunks behind it follow one per chunk time on the
+  // slowest link (up and down are different ways of a link, so they overlap).
   const double chunk = std::min(bytes / t.stripes, static_cast<double>(kSyncTreeChunkBytes));
   double first = 0;
-  for (size_t m = 0; m < t.path_s_per_byte.size(); ++m)
-    first = std::max(first, chunk * t.path_s_per_byte[m] + t.path_latency_s[m]);
+  for (size_t s = 0; s < t.trees.size() && s < t.hops.size(); ++s) {
+    const SyncTree& tree = t.trees[s];
+    const std::vector<Tree::Hop>& hops = t.hops[s];
+    first = std::max(first, sync_tree_round_trip(tree, [&](size_t a, size_t b) {
+      if (tree.parent[a] == static_cast<int>(b)) return chunk * hops[a].up_s_per_byte + hops[a].up_latency_s;
+      return chunk * hops[b].down_s_per_byte + hops[b].down_latency_s;  // B's parent is A
+    }));
+  }
   return std::max(0.0, first - chunk * t.stripes / t.slowest_bytes_per_s);
 }
 

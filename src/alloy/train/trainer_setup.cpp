@@ -452,8 +452,10 @@ void Trainer::build_groups() {
         for (size_t m = 0; m < set.ranks.size(); ++m)
           if (t.parent[m] >= 0)
             edges += (edges.empty() ? "" : ", ") + std::to_string(set.ranks[static_cast<size_t>(t.parent[m])]) + "-" + std::to_string(set.ranks[m]);
-        trees += std::string(trees.empty() ? "" : "; ") + "rank " + std::to_string(set.ranks[static_cast<size_t>(t.root)]) +
-                 " at the root, edges " + edges;
+        const std::string root = t.twin >= 0 ? "ranks " + std::to_string(set.ranks[static_cast<size_t>(t.root)]) + " and " +
+                                                   std::to_string(set.ranks[static_cast<size_t>(t.twin)]) + " at the root edge"
+                                             : "rank " + std::to_string(set.ranks[static_cast<size_t>(t.root)]) + " at the root";
+        trees += std::string(trees.empty() ? "" : "; ") + root + ", edges " + edges;
       }
       log_info("gradient sync: holder set " + join(set.ranks, ",") + " sums along " +
                (set.trees.size() > 1 ? std::to_string(set.trees.size()) + " trees, each a slice," : std::string("a tree")) +
