@@ -241,7 +241,8 @@ void TreeAllreduce::down(Job& job) {
         wait_step(sl.kid_recv[c][static_cast<size_t>(k)], what_of(*group_, "receiving a partial sum from", t.twin));
         at::add_out(p, sl.part(sl.flat, k), sl.part(sl.from_kid[c], k));
       } else {
-        wait_step(sl.parent_recv[static_cast<size_t>(k)], what_of(*group_, me_ == t.twin ? "receiving a partial sum from" : "receiving the total from", up));
+        const char* what = me_ == t.twin ? "receiving a partial sum from" : "receiving the total from";
+        wait_step(sl.parent_recv[static_cast<size_t>(k)], what_of(*group_, what, up));
         if (me_ == t.twin) p.add_(sl.part(sl.flat, k));
       }
       for (int kid : kids) {
