@@ -168,14 +168,14 @@ CostContext::SyncShape CostContext::sync_shape(const std::vector<int>& d, const 
             tr.degree[m] += t.degree(static_cast<int>(m)) / S;
             if (t.parent[m] < 0) continue;
             const int hm = host_of(d[m]), hp = host_of(d[static_cast<size_t>(t.parent[m])]);
-            const size_t k_up = idx(hm, hp), k_down = idx(hp, hm);
-            for (const size_t k : {k_up, k_down}) {  // the partial sum up, the total down
+            // The partial sum up, the total down (one way each; the same link where both share a host).
+            for (const bool up : {true, false}) {
+              const size_t k = up ? idx(hm, hp) : idx(hp, hm);
               const double share = loads ? loads->factor(hop_link_[k], set_bytes) : 1.0;
               const double load = static_cast<double>(crossing[hop_link_[k]]) / S;  // of the set's bytes
               tr.slowest_bytes_per_s = std::min(tr.slowest_bytes_per_s, bw_[k] / (share * load));
-              const double spb = share / bw_[k];
-              if (k == k_up) hops[m].up_s_per_byte = spb, hops[m].up_latency_s = lat_[k];
-              else hops[m].down_s_per_byte = spb, hops[m].down_latency_s = lat_[k];
+              (up ? hops[m].up_s_per_byte : hops[m].down_s_per_byte) = share / bw_[k];
+              (up ? hops[m].up_latency_s : hops[m].down_latency_s) = lat_[k];
             }
           }
         }
