@@ -43,6 +43,7 @@ double CostContext::world_sum_s(const std::vector<int>& d) const {
 
 void CostContext::set_grad_sync(const GradSyncConfig& g) {
   gs_ = g;
+  trees_of_.clear();
   const size_t H = hosts_.size();
   slow_.assign(H * H, 0);
   const double thr = slow_link_threshold_gbps(*cluster_, g);
@@ -141,8 +142,11 @@ CostContext::SyncShape CostContext::sync_shape(const std::vector<int>& d, const 
     if (gs_.allreduce == "auto") {
       // D is in host order, the runtime's members in rank order: the same where rank i runs device
       // i of a cluster listed host by host (the emulator's, the planner's plans).
-      const std::vector<SyncTree> trees =
-          sync_trees(d.size(), [&](size_t a, size_t b) { return slow_pair(d[a], d[b]); }, static_cast<int>(gs_.tree_stripes));
+      auto cached = trees_of_.find(d);
+      if (cached == trees_of_.end())
+        cached = trees_of_.emplace(d, sync_trees(d.size(), [&](size_t a, size_t b) { return slow_pair(d[a], d[b]); },
+                                                 static_cast<int>(gs_.tree_stripes))).first;
+      const std::vector<SyncTree>& trees = cached->second;
       if (!trees.empty()) {
         s.tree = true;
         Tree& tr = s.sum_tree;
