@@ -584,6 +584,51 @@ TEST(CostModel, AnExactSetAroundASlowLinkSumsAlongATree) {
   EXPECT_NEAR(best.search_step_s, simulate_plan(best.plan, c, p).step_s, 1e-9 * best.search_step_s);
 }
 
+// A link that carries several edges of one tree (a host chaining its members over its own line)
+// shares its bandwidth among them once: the set's own crossings are in the link loads it is priced
+// with, so they must not be counted again on top (they were: 512 devices on 16 hosts priced their
+// sum 62 x 62 times too slow on every host's line, 438 s a step where 9 s is the model's figure).
+// a, b, c on h0 (their line 0.8 Gbit/s), d on h1, e on h2; h0 - h1 is slow, so the sum runs along
+// a tree: a - b - c on h0's line (two edges, each crossing it both ways: 4 crossings), c - e, e - d.
+TEST(CostModel, ATreesOwnEdgesOnOneLinkShareItOnce) {
+  Profile p = base_profile(2);
+  p.devices["t"] = flat(0.5, 1.0, 0.25, 0.5);
+  ClusterSpec c;
+  c.devices = {device("a", "h0", "t"), device("b", "h0", "t"), device("c", "h0", "t"), device("d", "h1", "t"),
+               device("e", "h2", "t")};
+  c.intra_host = Link{0.8, 0};
+  c.rules.push_back({"h0", "h2", Link{8, 0}});
+  c.rules.push_back({"h1", "h2", Link{8, 0}});
+  c.rules.push_back({"h0", "h1", Link{0.08, 0}});
+  CostContext ctx(c, p);
+  const std::vector<int> all{0, 1, 2, 3, 4};
+  const double B = 6e6;
+  const CostContext::SyncShape alone = ctx.sync_shape(all, nullptr, B);
+  ASSERT_TRUE(alone.tree);
+  ASSERT_EQ(alone.sum_tree.stripes, 1);  // no slow pair crossed: one stripe
+  EXPECT_EQ(alone.sum_tree.parent[0], 1);
+  EXPECT_EQ(alone.sum_tree.parent[3], 4);
+  EXPECT_NEAR(alone.sum_tree.slowest_bytes_per_s, 1e8 / 4, 1e-3);
+  // Priced among the loads of every set, itself included (as the search and simulate_plan do):
+  // the same four crossings, not sixteen.
+  CostContext::LinkLoads own = ctx.empty_loads();
+  ctx.add_load(all, B, &own);
+  EXPECT_NEAR(ctx.sync_shape(all, &own, B).sum_tree.slowest_bytes_per_s, 1e8 / 4, 1e-3);
+  // A ring of a and b beside it puts its 6 MB on that line both ways: six set-sized loads.
+  CostContext::LinkLoads beside = ctx.empty_loads();
+  ctx.add_load(all, B, &beside);
+  ctx.add_load({0, 1}, B, &beside);
+  EXPECT_NEAR(ctx.sync_shape(all, &beside, B).sum_tree.slowest_bytes_per_s, 1e8 / 6, 1e-3);
+  // simulate_plan prices five replicas the same way.
+  Plan plan;
+  plan.global_batch = 5;
+  for (int r = 0; r < 5; ++r) plan.pipelines.push_back({1, 1, {stage(r, 0, 2, c.devices[static_cast<size_t>(r)].name)}});
+  const PlanCost pc = simulate_plan(plan, c, p);
+  ASSERT_EQ(pc.sync_groups.size(), 1u);
+  EXPECT_TRUE(pc.sync_groups[0].tree);
+  EXPECT_NEAR(pc.sync_groups[0].slowest_bytes_per_s, 1e8 / 4, 1e-3);
+}
+
 // The step's world sum (loss, norm, sync figures) goes along the tree of the fast links, as the
 // trainer routes it: the longest path's latencies up and down.
 TEST(CostModel, TheStepsWorldSumFollowsTheTree) {

@@ -379,7 +379,8 @@ class CostContext {
     // Per directed link (a host pair's own path, or one way of a shared rule's link): bytes of
     // every set crossing it.
     std::vector<std::vector<double>> hop;
-    double factor(size_t hop_index, double own) const;  // sum_j min(B_j, own) / own, >= 1
+    double factor(size_t hop_index, double own) const { return std::max(1.0, ratio(hop_index, own)); }
+    double ratio(size_t hop_index, double own) const;  // sum_j min(B_j, own) / own (0 for an idle link)
   };
 
   // A ring of devices, in the order given (callers sort with ring_less): hop figures. With LOADS,

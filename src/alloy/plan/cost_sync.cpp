@@ -72,11 +72,11 @@ void CostContext::set_grad_sync(const GradSyncConfig& g) {
   world_allreduce_s_ = world_sum_s(all);
 }
 
-double CostContext::LinkLoads::factor(size_t i, double own) const {
+double CostContext::LinkLoads::ratio(size_t i, double own) const {
   if (!(own > 0) || i >= hop.size()) return 1.0;
   double sum = 0;
   for (double b : hop[i]) sum += std::min(b, own);
-  return std::max(1.0, sum / own);
+  return sum / own;
 }
 
 void CostContext::add_pipeline_tail_load(const std::vector<int>& hosts, int64_t m, LinkLoads* loads) const {
@@ -177,7 +177,14 @@ CostContext::SyncShape CostContext::sync_shape(const std::vector<int>& d, const 
               const size_t k = up ? idx(hm, hp) : idx(hp, hm);
               const double share = loads ? loads->factor(hop_link_[k], set_bytes) : 1.0;
               const double load = static_cast<double>(crossing[hop_link_[k]]) / S;  // of the set's bytes
-              tr.slowest_bytes_per_s = std::min(tr.slowest_bytes_per_s, bw_[k] / (share * load));
+              // The set puts LOAD x SET_BYTES on this link; LOADS holds those crossings too (add_load,
+              // as both callers do), so its ratio against that amount is the link's sharing: 1 alone,
+              // more with others' bytes (each counted up to the set's own, as for rings). Scaling a
+              // ratio against the whole set by LOAD counted the set's own edges twice (a host
+              // chaining 32 members priced its line 62 x 62 times over) and, for a stripe's half of
+              // the bytes, hid smaller loads beside it (pipeline messages) under its floor of 1.
+              const double sharing = loads ? load * loads->ratio(hop_link_[k], load * set_bytes) : load;
+              tr.slowest_bytes_per_s = std::min(tr.slowest_bytes_per_s, bw_[k] / sharing);
               (up ? hops[m].up_s_per_byte : hops[m].down_s_per_byte) = share / bw_[k];
               (up ? hops[m].up_latency_s : hops[m].down_latency_s) = lat_[k];
             }
