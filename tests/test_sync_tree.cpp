@@ -161,6 +161,29 @@ RC_GTEST_PROP(SyncTree, EveryTreeSpansWithTheFewestSlowEdgesFromItsQuickestRoot,
     RC_ASSERT(mine <= alloy::sync_tree_round_trip(at_m, hop));
     for (int c : at_m.children[m]) RC_ASSERT(mine <= alloy::sync_tree_round_trip(reroot(t, m, c), hop));
   }
+  // And the rule's ties (sync_tree.h), walked tree by tree: members by round trip, then the fewest
+  // edges to the farthest member, then the lowest index; an edge only where strictly shorter, the
+  // lowest pair among equals. (sync_tree places the root from every member's heights at once.)
+  size_t want_root = 0;
+  int want_twin = -1;
+  double want_s = alloy::sync_tree_round_trip(reroot(t, 0, -1), hop);
+  int want_depth = height_from(0);
+  for (size_t m = 1; m < n; ++m) {
+    const double s = alloy::sync_tree_round_trip(reroot(t, m, -1), hop);
+    const int depth = height_from(m);
+    if (s < want_s || (s == want_s && depth < want_depth)) want_root = m, want_s = s, want_depth = depth;
+  }
+  for (size_t a = 0; a < n; ++a) {
+    const SyncTree at_a = reroot(t, a, -1);
+    for (int b : at_a.children[a]) {
+      if (b < static_cast<int>(a)) continue;
+      const double s = alloy::sync_tree_round_trip(reroot(t, a, b), hop);
+      if (s < want_s) want_root = a, want_twin = b, want_s = s;
+    }
+  }
+  RC_ASSERT(static_cast<size_t>(t.root) == want_root);
+  RC_ASSERT(t.twin == want_twin);
+  RC_ASSERT(mine == want_s);
 }
 
 // Stripes (sync_trees): two regions of two joined by four slow pairs stripe over two trees that

@@ -4,34 +4,92 @@
 #include <functional>
 #include <numeric>
 #include <set>
-#include <tuple>
 
 namespace alloy {
 
 namespace {
+// The tree rooted at member R (TWIN: a neighbour of R, the root edge's other end, or -1).
+SyncTree rooted(const std::vector<std::vector<size_t>>& adj, size_t r, int twin) {
+  const size_t n = adj.size();
+  SyncTree x;
+  x.root = static_cast<int>(r);
+  x.twin = twin;
+  x.parent.assign(n, -1);
+  std::vector<int> dist(n, -1);
+  std::vector<size_t> queue{r};
+  dist[r] = 0;
+  for (size_t q = 0; q < queue.size(); ++q)
+    for (size_t b : adj[queue[q]])
+      if (dist[b] < 0) {
+        dist[b] = dist[queue[q]] + 1;
+        x.parent[b] = static_cast<int>(queue[q]);
+        queue.push_back(b);
+      }
+  x.depth = *std::max_element(dist.begin(), dist.end());
+  x.children.assign(n, {});
+  for (size_t m = 0; m < n; ++m)
+    if (x.parent[m] >= 0) x.children[static_cast<size_t>(x.parent[m])].push_back(static_cast<int>(m));
+  return x;
+}
+
+// Heights of a tree (ADJ) under a symmetric edge weight W, for every member and both sides of
+// every edge at once (rerooting: one pass up from the leaves, one down from member 0), so placing
+// the root costs O(n) and not a tree walk per candidate (512 members: 1024 walks of 512).
+struct Heights {
+  std::vector<int> parent;     // rooted at member 0
+  std::vector<double> below;   // the farthest member below M (M's own subtree), from M
+  std::vector<double> beside;  // the farthest member on the parent's side of M's edge, from the parent
+  // From M to the farthest member anywhere.
+  double eccentricity(size_t m) const { return parent[m] < 0 ? below[m] : std::max(below[m], beside[m] + w_up[m]); }
+  std::vector<double> w_up;  // the weight of M's edge to its parent
+};
+
+template <class Weight>
+Heights heights(const std::vector<std::vector<size_t>>& adj, const Weight& w) {
+  const size_t n = adj.size();
+  Heights h;
+  h.parent.assign(n, -1);
+  h.below.assign(n, 0);
+  h.beside.assign(n, 0);
+  h.w_up.assign(n, 0);
+  std::vector<size_t> order{0};
+  std::vector<char> seen(n, 0);
+  seen[0] = 1;
+  for (size_t q = 0; q < order.size(); ++q)
+    for (size_t b : adj[order[q]])
+      if (!seen[b]) seen[b] = 1, h.parent[b] = static_cast<int>(order[q]), h.w_up[b] = w(order[q], b), order.push_back(b);
+  for (size_t q = order.size(); q-- > 1;) {
+    const size_t m = order[q], p = static_cast<size_t>(h.parent[m]);
+    h.below[p] = std::max(h.below[p], h.below[m] + h.w_up[m]);
+  }
+  // A parent's side of a child's edge: the parent's own side, or its farthest other child's branch.
+  for (const size_t p : order) {
+    double up = h.parent[p] < 0 ? 0 : h.beside[p] + h.w_up[p];  // through P's own parent
+    double first = -1, second = -1;  // P's two tallest child branches
+    size_t first_child = n;
+    for (size_t c : adj[p]) {
+      if (h.parent[c] != static_cast<int>(p)) continue;
+      const double v = h.below[c] + h.w_up[c];
+      if (v > first) second = first, first = v, first_child = c;
+      else if (v > second) second = v;
+    }
+    for (size_t c : adj[p])
+      if (h.parent[c] == static_cast<int>(p)) h.beside[c] = std::max({up, c == first_child ? second : first, 0.0});
+  }
+  return h;
+}
+
 // Kruskal over every pair, fast ones first, then slow ones by AVOID(a, b) (lower first), each kind
 // by the members' distance in the order and then by the first member; rooted where a sum's first
 // chunk finishes soonest (sync_tree.h).
 SyncTree build_tree(size_t n, const std::function<bool(size_t, size_t)>& slow, const std::function<int(size_t, size_t)>& avoid) {
   SyncTree t;
   if (n < 3) return t;
-  struct Edge {
-    bool slow;
-    int avoid;
-    size_t gap, a, b;
-  };
-  std::vector<Edge> edges;
+  std::vector<char> is_slow(n * n, 0);
   bool any_slow = false;
   for (size_t a = 0; a < n; ++a)
-    for (size_t b = a + 1; b < n; ++b) {
-      const bool s = slow(a, b);
-      any_slow |= s;
-      edges.push_back({s, s ? avoid(a, b) : 0, b - a, a, b});
-    }
+    for (size_t b = a + 1; b < n; ++b) any_slow |= (is_slow[a * n + b] = slow(a, b) ? 1 : 0) != 0;
   if (!any_slow) return t;
-  std::sort(edges.begin(), edges.end(), [](const Edge& x, const Edge& y) {
-    return std::tie(x.slow, x.avoid, x.gap, x.a) < std::tie(y.slow, y.avoid, y.gap, y.a);
-  });
   std::vector<size_t> comp(n);
   std::iota(comp.begin(), comp.end(), size_t{0});
   auto find = [&](size_t x) {
@@ -39,80 +97,106 @@ SyncTree build_tree(size_t n, const std::function<bool(size_t, size_t)>& slow, c
     return x;
   };
   std::vector<std::vector<size_t>> adj(n);
-  for (const Edge& e : edges) {
-    const size_t ra = find(e.a), rb = find(e.b);
-    if (ra == rb) continue;
+  size_t joined = 0;
+  auto join = [&](size_t a, size_t b) {
+    const size_t ra = find(a), rb = find(b);
+    if (ra == rb) return;
     comp[ra] = rb;
-    adj[e.a].push_back(e.b);
-    adj[e.b].push_back(e.a);
-  }
-  // The tree rooted at member R (TWIN: a neighbour of R, the root edge's other end, or -1).
-  auto rooted = [&](size_t r, int twin) {
-    SyncTree x;
-    x.root = static_cast<int>(r);
-    x.twin = twin;
-    x.parent.assign(n, -1);
-    std::vector<int> dist(n, -1);
-    std::vector<size_t> queue{r};
-    dist[r] = 0;
-    for (size_t q = 0; q < queue.size(); ++q)
-      for (size_t b : adj[queue[q]])
-        if (dist[b] < 0) {
-          dist[b] = dist[queue[q]] + 1;
-          x.parent[b] = static_cast<int>(queue[q]);
-          queue.push_back(b);
-        }
-    x.depth = *std::max_element(dist.begin(), dist.end());
-    x.children.assign(n, {});
-    for (size_t m = 0; m < n; ++m)
-      if (x.parent[m] >= 0) x.children[static_cast<size_t>(x.parent[m])].push_back(static_cast<int>(m));
-    return x;
+    adj[a].push_back(b);
+    adj[b].push_back(a);
+    ++joined;
   };
-  const auto weight = [&](size_t a, size_t b) { return slow(std::min(a, b), std::max(a, b)) ? kSlowEdgeWeight : 1.0; };
-  // A member first (the shortest round trip, then the shortest longest path, then the lowest
-  // index), then an edge only where its round trip is strictly shorter.
-  double best_s = 0;
-  for (size_t r = 0; r < n; ++r) {
-    SyncTree x = rooted(r, -1);
-    const double s = sync_tree_round_trip(x, weight);
-    if (t.empty() || s < best_s || (s == best_s && x.depth < t.depth)) t = std::move(x), best_s = s;
+  // Fast pairs in (distance, first member) order, enumerated rather than sorted; once n - 1 edges
+  // are in, every later pair would close a cycle.
+  for (size_t gap = 1; gap < n && joined + 1 < n; ++gap)
+    for (size_t a = 0; a + gap < n && joined + 1 < n; ++a)
+      if (!is_slow[a * n + a + gap]) join(a, a + gap);
+  if (joined + 1 < n) {
+    // Slow pairs by AVOID (a few levels), then in the same (distance, first member) order.
+    std::vector<int> level(n * n, 0);
+    std::set<int> levels;
+    for (size_t a = 0; a < n; ++a)
+      for (size_t b = a + 1; b < n; ++b)
+        if (is_slow[a * n + b]) levels.insert(level[a * n + b] = avoid(a, b));
+    for (const int v : levels)
+      for (size_t gap = 1; gap < n && joined + 1 < n; ++gap)
+        for (size_t a = 0; a + gap < n && joined + 1 < n; ++a)
+          if (is_slow[a * n + a + gap] && level[a * n + a + gap] == v) join(a, a + gap);
   }
+  // Where the first chunk's round trip (sync_tree_round_trip under these weights) is shortest. A
+  // member root's round is twice its farthest member's distance (up, then down the same way); the
+  // ends of an edge a - b whose sides reach A and B deep finish at max(A, B + w) + A and
+  // max(B, A + w) + B. A member first (the shortest round trip, then the fewest edges to its
+  // farthest member, then the lowest index), then an edge only where its round trip is strictly
+  // shorter (the lowest pair among equals). The weights are whole numbers, so the sums are exact.
+  const auto weight = [&](size_t a, size_t b) { return is_slow[std::min(a, b) * n + std::max(a, b)] ? kSlowEdgeWeight : 1.0; };
+  const Heights hw = heights(adj, weight);
+  const Heights hu = heights(adj, [](size_t, size_t) { return 1.0; });
+  size_t best_root = 0;
+  double best_s = 0, best_depth = 0;
+  for (size_t r = 0; r < n; ++r) {
+    const double s = 2 * hw.eccentricity(r), depth = hu.eccentricity(r);
+    if (r == 0 || s < best_s || (s == best_s && depth < best_depth)) best_root = r, best_s = s, best_depth = depth;
+  }
+  int twin = -1;
   for (size_t a = 0; a < n; ++a) {
-    std::sort(adj[a].begin(), adj[a].end());  // the lowest pair among equals
-    for (size_t b : adj[a]) {
+    std::vector<size_t> next = adj[a];
+    std::sort(next.begin(), next.end());
+    for (size_t b : next) {
       if (b < a) continue;
-      SyncTree x = rooted(a, static_cast<int>(b));
-      const double s = sync_tree_round_trip(x, weight);
-      if (s < best_s) t = std::move(x), best_s = s;
+      // The side of each end, from the tree rooted at member 0: one end is the other's parent.
+      const bool a_above = hw.parent[b] == static_cast<int>(a);
+      const size_t child = a_above ? b : a;
+      const double low = hw.below[child], high = hw.beside[child], w = hw.w_up[child];
+      const double A = a_above ? high : low, B = a_above ? low : high;
+      const double s = std::max(std::max(A, B + w) + A, std::max(B, A + w) + B);
+      if (s < best_s) best_root = a, twin = static_cast<int>(b), best_s = s;
     }
   }
-  return t;
+  return rooted(adj, best_root, twin);
 }
 }  // namespace
 
 double sync_tree_round_trip(const SyncTree& t, const std::function<double(size_t, size_t)>& hop) {
   if (t.empty()) return 0;
-  const auto kids = [&](int x) {  // the root's children leave the twin out: it is the other end
-    std::vector<int> out;
-    for (int c : t.children[static_cast<size_t>(x)])
-      if (!(x == t.root && c == t.twin)) out.push_back(c);
-    return out;
+  const size_t n = t.parent.size();
+  // Members top-down from END, leaving the root edge's other end out (it is the other side).
+  std::vector<int> order;
+  order.reserve(n);
+  auto side = [&](int end, int other) {
+    order.clear();
+    order.push_back(end);
+    for (size_t q = 0; q < order.size(); ++q)
+      for (int c : t.children[static_cast<size_t>(order[q])])
+        if (c != other) order.push_back(c);
   };
   const auto h = [&](int a, int b) { return hop(static_cast<size_t>(a), static_cast<size_t>(b)); };
-  std::function<double(int)> complete = [&](int x) {  // X's partial sum is complete
-    double at = 0;
-    for (int c : kids(x)) at = std::max(at, complete(c) + h(c, x));
-    return at;
+  std::vector<double> complete(n, 0), at(n, 0);
+  // When END's side has summed into END, children before parents from the bottom up.
+  auto complete_side = [&](int end, int other) {
+    side(end, other);
+    for (size_t q = order.size(); q-- > 1;) {
+      const int m = order[q], p = t.parent[static_cast<size_t>(m)];
+      complete[static_cast<size_t>(p)] = std::max(complete[static_cast<size_t>(p)], complete[static_cast<size_t>(m)] + h(m, p));
+    }
+    return complete[static_cast<size_t>(end)];
   };
-  std::function<double(int, double)> down = [&](int x, double at) {  // the total is at X at AT
-    double last = at;
-    for (int c : kids(x)) last = std::max(last, down(c, at + h(x, c)));
+  // When the total, at END at START, has reached every member of END's side.
+  auto down_side = [&](int end, int other, double start) {
+    side(end, other);
+    at[static_cast<size_t>(end)] = start;
+    double last = start;
+    for (size_t q = 1; q < order.size(); ++q) {
+      const int m = order[q], p = t.parent[static_cast<size_t>(m)];
+      at[static_cast<size_t>(m)] = at[static_cast<size_t>(p)] + h(p, m);
+      last = std::max(last, at[static_cast<size_t>(m)]);
+    }
     return last;
   };
-  const double root = complete(t.root);
-  if (t.twin < 0) return down(t.root, root);
-  const double twin = complete(t.twin);
-  return std::max(down(t.root, std::max(root, twin + h(t.twin, t.root))), down(t.twin, std::max(twin, root + h(t.root, t.twin))));
+  const double root = complete_side(t.root, t.twin);
+  if (t.twin < 0) return down_side(t.root, -1, root);
+  const double twin = complete_side(t.twin, -1);
+  return std::max(down_side(t.root, t.twin, std::max(root, twin + h(t.twin, t.root))), down_side(t.twin, -1, std::max(twin, root + h(t.root, t.twin))));
 }
 
 SyncTree sync_tree(size_t n, const std::function<bool(size_t, size_t)>& slow) {
