@@ -14,7 +14,8 @@
 //    want holders of a layer inside a host or region (stage-major), pipelines want fast links
 //    between consecutive stages (local), a tied embedding wants first and last stages close
 //    (folded), and compute wants work in proportion to speed (balanced splits, proportional
-//    batches). Local search then moves layer boundaries while the time budget lasts.
+//    batches), pipeline depths coarse to fine so a short budget sees every scale. Local search
+//    then moves layer boundaries while the time budget lasts.
 //
 // Files: search_detail.h (internals shared by the files below, not API; min-max allocation),
 // search_eval.cpp (timing tables, the Evaluator), search_baselines.cpp (input checks, baselines),
