@@ -169,9 +169,13 @@ double search_space_configurations(int n, int64_t layers) {
     a[static_cast<size_t>(j)] = fact * binom(static_cast<double>(layers - 1), j - 1);
   }
   c[0] = 1;
-  for (int k = 1; k <= n; ++k)
+  for (int k = 1; k <= n; ++k) {
     for (int j = 1; j <= k; ++j) c[static_cast<size_t>(k)] += binom(k - 1, j - 1) * a[static_cast<size_t>(j)] * c[static_cast<size_t>(k - j)];
-  return std::isfinite(c[static_cast<size_t>(n)]) ? c[static_cast<size_t>(n)] : std::numeric_limits<double>::infinity();
+    // Past double's range the count only grows: stop (the O(n^3) sum took 0.3 s at 512 devices,
+    // twice a search).
+    if (!std::isfinite(c[static_cast<size_t>(k)])) return std::numeric_limits<double>::infinity();
+  }
+  return c[static_cast<size_t>(n)];
 }
 
 namespace {
@@ -189,9 +193,10 @@ void check_options(const SearchOptions& o) {
 }
 
 bool exact_tractable(const Problem& P) {
+  if (P.N > 64) return false;
   const double configs = search_space_configurations(P.N, P.L);
   const double g = static_cast<double>(P.G + 1);
-  return P.N <= 64 && configs <= P.opt.exact_limit && configs * g * g <= 256.0 * P.opt.exact_limit;
+  return configs <= P.opt.exact_limit && configs * g * g <= 256.0 * P.opt.exact_limit;
 }
 
 }  // namespace
