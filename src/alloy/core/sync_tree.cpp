@@ -37,11 +37,11 @@ SyncTree rooted(const std::vector<std::vector<size_t>>& adj, size_t r, int twin)
 // the root costs O(n) and not a tree walk per candidate (512 members: 1024 walks of 512).
 struct Heights {
   std::vector<int> parent;     // rooted at member 0
+  std::vector<double> w_up;    // the weight of M's edge to its parent
   std::vector<double> below;   // the farthest member below M (M's own subtree), from M
   std::vector<double> beside;  // the farthest member on the parent's side of M's edge, from the parent
   // From M to the farthest member anywhere.
   double eccentricity(size_t m) const { return parent[m] < 0 ? below[m] : std::max(below[m], beside[m] + w_up[m]); }
-  std::vector<double> w_up;  // the weight of M's edge to its parent
 };
 
 template <class Weight>
