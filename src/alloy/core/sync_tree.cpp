@@ -1,6 +1,7 @@
 #include "alloy/core/sync_tree.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <numeric>
 #include <set>
@@ -79,17 +80,26 @@ Heights heights(const std::vector<std::vector<size_t>>& adj, const Weight& w) {
   return h;
 }
 
-// Kruskal over every pair, fast ones first, then slow ones by AVOID(a, b) (lower first), each kind
-// by the members' distance in the order and then by the first member; rooted where a sum's first
-// chunk finishes soonest (sync_tree.h).
+// Kruskal over every pair, fast ones first, then slow ones by AVOID(a, b) (lower first, 0 to
+// 254), each kind by the members' distance in the order and then by the first member; rooted where
+// a sum's first chunk finishes soonest (sync_tree.h).
 SyncTree build_tree(size_t n, const std::function<bool(size_t, size_t)>& slow, const std::function<int(size_t, size_t)>& avoid) {
   SyncTree t;
   if (n < 3) return t;
-  std::vector<char> is_slow(n * n, 0);
+  // Per pair a < b: 0 fast, else 1 + its AVOID level (one byte a pair: 16 MiB at 4096 members).
+  std::vector<uint8_t> pair(n * n, 0);
+  std::vector<char> level_used(255, 0);
   bool any_slow = false;
   for (size_t a = 0; a < n; ++a)
-    for (size_t b = a + 1; b < n; ++b) any_slow |= (is_slow[a * n + b] = slow(a, b) ? 1 : 0) != 0;
+    for (size_t b = a + 1; b < n; ++b)
+      if (slow(a, b)) {
+        const int v = std::clamp(avoid(a, b), 0, 254);
+        pair[a * n + b] = static_cast<uint8_t>(1 + v);
+        level_used[static_cast<size_t>(v)] = 1;
+        any_slow = true;
+      }
   if (!any_slow) return t;
+  const auto is_slow = [&](size_t i) { return pair[i] != 0; };
   std::vector<size_t> comp(n);
   std::iota(comp.begin(), comp.end(), size_t{0});
   auto find = [&](size_t x) {
@@ -110,26 +120,20 @@ SyncTree build_tree(size_t n, const std::function<bool(size_t, size_t)>& slow, c
   // are in, every later pair would close a cycle.
   for (size_t gap = 1; gap < n && joined + 1 < n; ++gap)
     for (size_t a = 0; a + gap < n && joined + 1 < n; ++a)
-      if (!is_slow[a * n + a + gap]) join(a, a + gap);
-  if (joined + 1 < n) {
-    // Slow pairs by AVOID (a few levels), then in the same (distance, first member) order.
-    std::vector<int> level(n * n, 0);
-    std::set<int> levels;
-    for (size_t a = 0; a < n; ++a)
-      for (size_t b = a + 1; b < n; ++b)
-        if (is_slow[a * n + b]) levels.insert(level[a * n + b] = avoid(a, b));
-    for (const int v : levels)
+      if (!is_slow(a * n + a + gap)) join(a, a + gap);
+  // Slow pairs level by level, each in the same (distance, first member) order.
+  for (size_t v = 0; v < level_used.size() && joined + 1 < n; ++v)
+    if (level_used[v])
       for (size_t gap = 1; gap < n && joined + 1 < n; ++gap)
         for (size_t a = 0; a + gap < n && joined + 1 < n; ++a)
-          if (is_slow[a * n + a + gap] && level[a * n + a + gap] == v) join(a, a + gap);
-  }
+          if (pair[a * n + a + gap] == v + 1) join(a, a + gap);
   // Where the first chunk's round trip (sync_tree_round_trip under these weights) is shortest. A
   // member root's round is twice its farthest member's distance (up, then down the same way); the
   // ends of an edge a - b whose sides reach A and B deep finish at max(A, B + w) + A and
   // max(B, A + w) + B. A member first (the shortest round trip, then the fewest edges to its
   // farthest member, then the lowest index), then an edge only where its round trip is strictly
   // shorter (the lowest pair among equals). The weights are whole numbers, so the sums are exact.
-  const auto weight = [&](size_t a, size_t b) { return is_slow[std::min(a, b) * n + std::max(a, b)] ? kSlowEdgeWeight : 1.0; };
+  const auto weight = [&](size_t a, size_t b) { return is_slow(std::min(a, b) * n + std::max(a, b)) ? kSlowEdgeWeight : 1.0; };
   const Heights hw = heights(adj, weight);
   const Heights hu = heights(adj, [](size_t, size_t) { return 1.0; });
   size_t best_root = 0;
