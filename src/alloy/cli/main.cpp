@@ -1,4 +1,5 @@
 // `alloy`: thin command-line front end; all logic lives in the library.
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
@@ -66,6 +67,12 @@ int alloy::cli::run(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
+  // A write to a peer that has gone (a rank that died mid-sum) must fail as an error the caller
+  // can name (Gloo throws "Connection reset by peer ... rank N"), not kill this process with
+  // SIGPIPE: under load a survivor of dist.tree_allreduce's leave cases died that way (exit 141)
+  // before reading its peer's reset. Forked ranks inherit this, and so do programs `alloy launch`
+  // execs (an ignored signal stays ignored across exec).
+  std::signal(SIGPIPE, SIG_IGN);
   if (!alloy::command_computes_nothing(argc, argv)) alloy::prefer_passive_openmp_waits(argv);
   alloy::tune_allocator_for_training();
   alloy::remember_arguments(argc, argv);
