@@ -581,9 +581,9 @@ class CostContext {
   std::vector<std::pair<double, double>> tp_line_;  // device x device: a TP sum's (fixed s, s per byte); fixed < 0 unknown
   GradSyncConfig gs_;
   // sync_trees of a holder set (its devices in order), kept: the search prices the same sets over
-  // and over, and a set of n members costs an n^2 Kruskal and 2n candidate roots (a 512-device
-  // plan took 80 s instead of under 1 s without it). Cleared by set_grad_sync (the slow pairs and
-  // tree_stripes come from it). The search is single-threaded; a context is not shared across threads.
+  // and over, and each build asks every one of the n^2 pairs whether it is slow. Cleared by
+  // set_grad_sync (the slow pairs and tree_stripes come from it). The search is single-threaded; a
+  // context is not shared across threads.
   mutable std::map<std::vector<int>, std::vector<SyncTree>> trees_of_;
   double powersgd_ratio_ = 1;
   double act_message_bytes_ = 0, dtype_bytes_ = 4;
