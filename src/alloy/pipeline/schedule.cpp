@@ -132,6 +132,68 @@ std::vector<Action> zb_h1(int64_t stage, int64_t num_stages, int64_t num_micro_b
   return std::move(b.out);
 }
 
+int64_t interleaved_warmup(int64_t stage, int64_t num_stages, int64_t num_micro_batches, int64_t virtual_stages) {
+  // Rank s's first backward is of the last chunk's oldest micro-batch: before it arrives, every
+  // chunk before the last must have forwarded that group of S micro-batches ((V - 1) S forwards),
+  // and the ranks after s must finish their share of the round trip (two per rank: the forward
+  // going on and the backward coming back).
+  return std::min(num_micro_batches * virtual_stages, 2 * (num_stages - stage - 1) + (virtual_stages - 1) * num_stages);
+}
+
+std::vector<Action> interleaved_one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches, int64_t virtual_stages) {
+  check_args("interleaved_one_f_one_b", stage, num_stages, num_micro_batches);
+  if (num_stages < 2 || virtual_stages < 2)
+    throw std::invalid_argument("interleaved_one_f_one_b: " + std::to_string(num_stages) + " stages of " + std::to_string(virtual_stages) +
+                                " chunks each (interleaving needs at least 2 stages and 2 chunks a stage)");
+  // A last group shorter than S breaks the warm-up's count: with a short last group some ranks
+  // wait on each other (S = 4, M = 5 deadlocks). Megatron asks the same of its interleaved schedule.
+  if (num_micro_batches > num_stages && num_micro_batches % num_stages != 0)
+    throw std::invalid_argument("interleaved_one_f_one_b: " + std::to_string(num_micro_batches) + " micro-batches on " +
+                                std::to_string(num_stages) + " stages (interleaving needs a multiple of the stages, or at most as many)");
+  const int64_t S = num_stages, M = num_micro_batches, V = virtual_stages, total = M * V;
+  // The K-th forward (BACKWARD: backward) of every rank, as (chunk, micro-batch): groups of S
+  // micro-batches, the chunks in turn within a group (reversed for backwards).
+  const int64_t full = M / S * S * V;
+  auto item = [&](int64_t k, bool backward, int64_t& chunk, int64_t& m) {
+    if (k < full) {
+      const int64_t r = k % (S * V);
+      chunk = r / S;
+      m = k / (S * V) * S + r % S;
+    } else {
+      const int64_t rest = M % S, r = k - full;
+      chunk = r / rest;
+      m = M / S * S + r % rest;
+    }
+    if (backward) chunk = V - 1 - chunk;
+  };
+  std::vector<Action> out;
+  out.reserve(static_cast<size_t>(6 * total));
+  auto forward = [&](int64_t k) {
+    int64_t v, m;
+    item(k, false, v, m);
+    const bool first = stage == 0 && v == 0, last = stage == S - 1 && v == V - 1;
+    if (!first) out.push_back({ActionKind::RecvActivation, m, v});
+    out.push_back({ActionKind::Forward, m, v});
+    if (!last) out.push_back({ActionKind::SendActivation, m, v});
+  };
+  auto backward = [&](int64_t k) {
+    int64_t v, m;
+    item(k, true, v, m);
+    const bool first = stage == 0 && v == 0, last = stage == S - 1 && v == V - 1;
+    if (!last) out.push_back({ActionKind::RecvGrad, m, v});
+    out.push_back({ActionKind::Backward, m, v});
+    if (!first) out.push_back({ActionKind::SendGrad, m, v});
+  };
+  const int64_t warmup = interleaved_warmup(stage, S, M, V);
+  for (int64_t k = 0; k < warmup; ++k) forward(k);
+  for (int64_t k = 0; k < total - warmup; ++k) {
+    forward(warmup + k);
+    backward(k);
+  }
+  for (int64_t k = total - warmup; k < total; ++k) backward(k);
+  return out;
+}
+
 bool splits_backward(const std::string& name) { return name == "zb-h1"; }
 
 const std::vector<std::string>& schedule_names() {
@@ -170,7 +232,7 @@ std::string to_string(const Action& a) {
     case ActionKind::SendGrad: prefix = "sendG"; break;
     case ActionKind::BackwardWeight: prefix = "W"; break;
   }
-  return prefix + std::to_string(a.micro_batch);
+  return prefix + std::to_string(a.micro_batch) + (a.chunk != 0 ? "." + std::to_string(a.chunk) : "");
 }
 
 std::string to_string(const std::vector<Action>& actions) {
@@ -231,41 +293,54 @@ void SimCosts::check(const char* who, size_t num_stages, int64_t num_micro_batch
 }
 
 SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimCosts& costs) {
-  const size_t S = per_stage.size();
-  if (costs.forward.size() < S || costs.backward.size() < S)
+  // R ranks, each with V chunks (1 unless the lists are interleaved): C = R V virtual stages, the
+  // costs indexed by virtual stage (chunk R + rank).
+  const size_t R = per_stage.size();
+  int64_t max_mb = -1, max_chunk = 0;
+  for (size_t s = 0; s < R; ++s)
+    for (const auto& a : per_stage[s]) {
+      max_mb = std::max(max_mb, a.micro_batch);
+      max_chunk = std::max(max_chunk, a.chunk);
+      if (a.chunk < 0) throw std::logic_error("pipeline schedule: stage " + std::to_string(s) + " (" + to_string(a) + "): negative chunk");
+    }
+  const size_t V = static_cast<size_t>(max_chunk + 1), C = R * V;
+  if (V > 1 && R < 2) throw std::logic_error("pipeline schedule: chunks on a one-stage pipeline (interleaving needs two stages or more)");
+  if (costs.forward.size() < C || costs.backward.size() < C)
     throw std::invalid_argument("simulate: costs cover " + std::to_string(std::min(costs.forward.size(), costs.backward.size())) +
-                                " stages, the schedule has " + std::to_string(S));
-  for (size_t s = 0; s < S; ++s)
-    if (costs.forward[s] < 0 || costs.backward[s] < 0)
-      throw std::invalid_argument("simulate: negative compute cost for stage " + std::to_string(s));
+                                " stages, the schedule has " + std::to_string(C) + (V > 1 ? " virtual stages" : ""));
+  for (size_t c = 0; c < C; ++c)
+    if (costs.forward[c] < 0 || costs.backward[c] < 0)
+      throw std::invalid_argument("simulate: negative compute cost for stage " + std::to_string(c));
   if (costs.p2p < 0) throw std::invalid_argument("simulate: negative p2p cost");
-  if (!costs.p2p_link.empty() && costs.p2p_link.size() + 1 < S)
+  // Interleaved over three ranks or more, the wrap from the last rank to the first is a link of its own.
+  const size_t links = V > 1 && R > 2 ? R : R - (R > 0 ? 1 : 0);
+  if (!costs.p2p_link.empty() && costs.p2p_link.size() < links)
     throw std::invalid_argument("simulate: p2p_link covers " + std::to_string(costs.p2p_link.size()) + " links, the pipeline has " +
-                                std::to_string(S - 1));
+                                std::to_string(links) + (links == R && R > 1 ? " (the wrap from the last stage to the first included)" : ""));
   for (double p : costs.p2p_link)
     if (p < 0) throw std::invalid_argument("simulate: negative p2p cost on a link");
-  int64_t max_mb = -1;
-  for (const auto& acts : per_stage)
-    for (const auto& a : acts) max_mb = std::max(max_mb, a.micro_batch);
-  costs.check("simulate", S, max_mb + 1);
+  costs.check("simulate", C, max_mb + 1);
 
-  // act[s]: activations travelling s -> s+1; grad[s]: gradients travelling s+1 -> s; *_last: when
-  // the last message sent that way has left (a link direction carries one message's bytes at a time).
-  std::vector<std::deque<Message>> act(S), grad(S);
-  std::vector<double> act_last(S, 0.0), grad_last(S, 0.0);
-  std::vector<size_t> pc(S, 0);
-  std::vector<double> clock(S, 0.0);
-  std::vector<int64_t> in_flight(S, 0);
-  std::vector<std::unordered_map<int64_t, MbState>> state(S);
-  std::vector<std::vector<SimEvent>> events(S);
+  // act[c]: activations travelling virtual stage c -> c+1; grad[c]: gradients travelling c+1 -> c.
+  // dir_last[a R + b]: when the last message sent from rank a to rank b has left (a direction
+  // carries one message's bytes at a time, whatever its kind).
+  std::vector<std::deque<Message>> act(C), grad(C);
+  std::vector<double> dir_last(R * R, 0.0);
+  auto rank_of = [&](size_t c) { return c % R; };
+  auto link_between = [&](size_t a, size_t b) { return a + 1 == b || b + 1 == a ? std::min(a, b) : R - 1; };
+  std::vector<size_t> pc(R, 0);
+  std::vector<double> clock(R, 0.0);
+  std::vector<int64_t> in_flight(R, 0);
+  std::vector<std::unordered_map<int64_t, MbState>> state(R);  // by micro-batch V + chunk
+  std::vector<std::vector<SimEvent>> events(R);
   SimResult r;
-  r.peak_in_flight.assign(S, 0);
-  r.last_backward_start.assign(S, 0.0);
-  r.last_backward_end.assign(S, 0.0);
+  r.peak_in_flight.assign(R, 0);
+  r.last_backward_start.assign(R, 0.0);
+  r.last_backward_end.assign(R, 0.0);
   // A stage whose list has weight passes runs the input part of its backward in Backward, and a
   // micro-batch's activations stay until its weight pass.
-  std::vector<char> split(S, 0);
-  for (size_t s = 0; s < S; ++s)
+  std::vector<char> split(R, 0);
+  for (size_t s = 0; s < R; ++s)
     for (const auto& a : per_stage[s]) split[s] |= a.kind == ActionKind::BackwardWeight;
 
   auto fail = [&](size_t s, const Action& a, const std::string& why) {
@@ -284,10 +359,9 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
     events[s].push_back({static_cast<int64_t>(s), a, start, clock[s]});
     return true;
   };
-  // LAST: when the bytes of the last message sent that way have left.
-  // Link s joins stages s and s+1.
-  auto send = [&](size_t s, const Action& a, std::deque<Message>& box, size_t link, double& last) {
-    const double arrival = costs.carry(link, clock[s], last);
+  // A message from rank S to rank TO.
+  auto send = [&](size_t s, const Action& a, std::deque<Message>& box, size_t to) {
+    const double arrival = costs.carry(link_between(s, to), clock[s], dir_last[s * R + to]);
     box.push_back({a.micro_batch, arrival});
     events[s].push_back({static_cast<int64_t>(s), a, clock[s], arrival});
   };
@@ -302,12 +376,13 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
   // is exactly deadlock.
   for (bool progress = true; progress;) {
     progress = false;
-    for (size_t s = 0; s < S; ++s) {
-      const bool first = s == 0, last = s + 1 == S;
+    for (size_t s = 0; s < R; ++s) {
       for (; pc[s] < per_stage[s].size(); ++pc[s]) {
         const Action& a = per_stage[s][pc[s]];
         if (a.micro_batch < 0) fail(s, a, "negative micro-batch");
-        MbState& st = state[s][a.micro_batch];
+        const size_t c = static_cast<size_t>(a.chunk) * R + s;  // the virtual stage
+        const bool first = c == 0, last = c + 1 == C;
+        MbState& st = state[s][a.micro_batch * static_cast<int64_t>(V) + a.chunk];
         auto once = [&](bool& done) {
           if (done) fail(s, a, "repeated for the same micro-batch");
           done = true;
@@ -317,45 +392,45 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
           case ActionKind::RecvActivation:
             if (first) fail(s, a, "the first stage has no previous stage to receive from");
             if (st.recv_act) fail(s, a, "repeated for the same micro-batch");
-            blocked = !receive(s, a, act[s - 1], "activation");
+            blocked = !receive(s, a, act[c - 1], "activation");
             if (!blocked) st.recv_act = true;
             break;
           case ActionKind::Forward:
             if (!first && !st.recv_act) fail(s, a, "forward before its activation was received");
             once(st.forward);
-            compute(s, a, costs.forward_of(s, a.micro_batch));
+            compute(s, a, costs.forward_of(c, a.micro_batch));
             if (++in_flight[s] > r.peak_in_flight[s]) r.peak_in_flight[s] = in_flight[s];
             break;
           case ActionKind::SendActivation:
             if (last) fail(s, a, "the last stage has no next stage to send to");
             if (!st.forward) fail(s, a, "sends an activation that has not been computed");
             once(st.send_act);
-            send(s, a, act[s], s, act_last[s]);
+            send(s, a, act[c], rank_of(c + 1));
             break;
           case ActionKind::RecvGrad:
             if (last) fail(s, a, "the last stage has no next stage to receive from");
             if (st.recv_grad) fail(s, a, "repeated for the same micro-batch");
-            blocked = !receive(s, a, grad[s], "gradient");
+            blocked = !receive(s, a, grad[c], "gradient");
             if (!blocked) st.recv_grad = true;
             break;
           case ActionKind::Backward:
             if (!st.forward) fail(s, a, "backward before forward");
             if (!last && !st.recv_grad) fail(s, a, "backward before its gradient was received");
             once(st.backward);
-            compute(s, a, costs.backward_of(s, a.micro_batch) - (split[s] ? costs.weight_of(s, a.micro_batch) : 0.0));
+            compute(s, a, costs.backward_of(c, a.micro_batch) - (split[s] ? costs.weight_of(c, a.micro_batch) : 0.0));
             if (!split[s]) --in_flight[s];
             break;
           case ActionKind::BackwardWeight:
             if (!st.backward) fail(s, a, "weight pass before its backward");
             once(st.weight);
-            compute(s, a, costs.weight_of(s, a.micro_batch));
+            compute(s, a, costs.weight_of(c, a.micro_batch));
             --in_flight[s];
             break;
           case ActionKind::SendGrad:
             if (first) fail(s, a, "the first stage has no previous stage to send to");
             if (!st.backward) fail(s, a, "sends a gradient that has not been computed");
             once(st.send_grad);
-            send(s, a, grad[s - 1], s - 1, grad_last[s - 1]);
+            send(s, a, grad[c - 1], rank_of(c - 1));
             break;
         }
         if (blocked) break;
@@ -365,28 +440,29 @@ SimResult simulate(const std::vector<std::vector<Action>>& per_stage, const SimC
   }
 
   std::string stuck;
-  for (size_t s = 0; s < S; ++s)
+  for (size_t s = 0; s < R; ++s)
     if (pc[s] < per_stage[s].size())
       stuck += (stuck.empty() ? "" : ", ") + ("stage " + std::to_string(s) + " waits at action " + std::to_string(pc[s]) + " (" +
                                               to_string(per_stage[s][pc[s]]) + ")");
   if (!stuck.empty()) throw std::logic_error("pipeline schedule deadlocks: " + stuck);
 
   std::string left;
-  for (size_t s = 0; s + 1 < S; ++s) {
-    for (const auto& m : act[s])
-      left += (left.empty() ? "" : ", ") + ("activation " + std::to_string(m.micro_batch) + " from stage " + std::to_string(s));
-    for (const auto& m : grad[s])
-      left += (left.empty() ? "" : ", ") + ("gradient " + std::to_string(m.micro_batch) + " from stage " + std::to_string(s + 1));
+  auto name = [&](size_t c) {
+    return "stage " + std::to_string(rank_of(c)) + (V > 1 ? " chunk " + std::to_string(c / R) : std::string());
+  };
+  for (size_t c = 0; c + 1 < C; ++c) {
+    for (const auto& m : act[c]) left += (left.empty() ? "" : ", ") + ("activation " + std::to_string(m.micro_batch) + " from " + name(c));
+    for (const auto& m : grad[c]) left += (left.empty() ? "" : ", ") + ("gradient " + std::to_string(m.micro_batch) + " from " + name(c + 1));
   }
   if (!left.empty()) throw std::logic_error("pipeline schedule: sent but never received: " + left);
 
-  for (size_t s = 0; s < S; ++s) {
+  for (size_t s = 0; s < R; ++s) {
     for (const auto& e : events[s]) {
       r.makespan = std::max(r.makespan, e.end);
       if (e.action.kind == ActionKind::Backward && !split[s]) r.last_backward_start[s] = e.start, r.last_backward_end[s] = e.end;
       if (e.action.kind == ActionKind::BackwardWeight) {
         r.last_backward_end[s] = e.end;
-        r.last_backward_start[s] = e.end - costs.backward_of(s, e.action.micro_batch);
+        r.last_backward_start[s] = e.end - costs.backward_of(static_cast<size_t>(e.action.chunk) * R + s, e.action.micro_batch);
       }
     }
     r.events.insert(r.events.end(), events[s].begin(), events[s].end());

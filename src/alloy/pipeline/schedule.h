@@ -30,7 +30,10 @@ enum class ActionKind { RecvActivation, Forward, SendActivation, RecvGrad, Backw
 struct Action {
   ActionKind kind;
   int64_t micro_batch;
-  bool operator==(const Action& o) const { return kind == o.kind && micro_batch == o.micro_batch; }
+  // Interleaved schedules: which of this rank's model chunks (virtual stages) the action is for,
+  // 0..V-1; 0 in every other schedule.
+  int64_t chunk = 0;
+  bool operator==(const Action& o) const { return kind == o.kind && micro_batch == o.micro_batch && chunk == o.chunk; }
   bool operator!=(const Action& o) const { return !(*this == o); }
 };
 
@@ -72,6 +75,22 @@ int64_t eager_extra(const std::string& name);
 // holds at most min(S, M) micro-batches' activations (1F1B: min(S - i, M)): the held weight
 // passes keep their layers' inputs and output gradients.
 std::vector<Action> zb_h1(int64_t stage, int64_t num_stages, int64_t num_micro_batches);
+// Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+// Clusters Using Megatron-LM", 2021): the pipeline's layers are cut into S x V chunks and rank s
+// holds chunks s, S + s, ..., (V - 1) S + s, its V virtual stages; virtual stage c = v S + s
+// (Action::chunk v on rank s) hands its activation to c + 1, so the last rank's chunk v feeds
+// rank 0's chunk v + 1 (the pipeline wraps round once per chunk). Each rank forwards in groups of
+// S micro-batches, all its chunks in turn per group, and backwards in the same groups with the
+// chunks reversed; it runs
+// min(V M, 2 (S - s - 1) + (V - 1) S) forwards before its first backward, then one of each. With
+// equal chunks of f / V and b / V the bubble shrinks V times: M (f + b) + (S - 1)(f + b) / V,
+// where 1F1B takes M (f + b) + (S - 1)(f + b); the price is V times the messages (each crossing
+// carries a whole hidden state, the wrap link S - 1 -> 0 included) and more activations held:
+// rank s up to its warm-up + 1 chunk-micro-batches. Throws std::invalid_argument unless
+// num_stages >= 2, virtual_stages >= 2, the gpipe() checks hold and S divides M or M <= S (as in
+// Megatron: a last group shorter than S deadlocks under this warm-up, S = 4 and M = 5 does).
+std::vector<Action> interleaved_one_f_one_b(int64_t stage, int64_t num_stages, int64_t num_micro_batches, int64_t virtual_stages);
+int64_t interleaved_warmup(int64_t stage, int64_t num_stages, int64_t num_micro_batches, int64_t virtual_stages);
 // Whether schedule NAME splits the backward (has BackwardWeight actions).
 bool splits_backward(const std::string& name);
 
@@ -83,7 +102,8 @@ const std::vector<std::string>& schedule_names();
 // ("1f1b, gpipe or zb-h1").
 std::string schedule_names_text(const char* last_sep = ", ");
 
-// "F3", "B0", "W0", "recvA3", "sendA3", "recvG1", "sendG1".
+// "F3", "B0", "W0", "recvA3", "sendA3", "recvG1", "sendG1"; an action of chunk v > 0 adds ".v"
+// ("F3.1": micro-batch 3 through this rank's second chunk).
 std::string to_string(const Action& a);
 // Actions joined by spaces, e.g. "F0 sendA0 F1 sendA1 recvG0 B0".
 std::string to_string(const std::vector<Action>& actions);
@@ -111,6 +131,15 @@ size_t last_backward_index(const std::vector<Action>& actions);
 // same micro-batch, a negative micro-batch, or a message still unreceived at the end. It does not
 // require every micro-batch to be present; that is a property of the schedule generators, which
 // the tests check separately.
+//
+// Interleaved lists (actions with chunks up to V - 1, per_stage holding each rank's list): the
+// pipeline is S x V virtual stages, virtual stage c = chunk x S + rank, and the per-stage costs
+// (forward, backward, their _mb and weight forms) are indexed by c; a rank's chunks share its
+// clock. Messages between virtual stages c and c + 1 cross link c mod S, and the wrap from rank
+// S - 1 to rank 0 crosses link S - 1 (p2p_link then needs S entries; with two ranks it is link 0
+// the other way). Messages from one rank to another share that direction's FIFO whatever their
+// kind, as on one connection. SimResult's per-stage figures are per rank (peak_in_flight counts
+// chunk-micro-batches).
 struct SimCosts {
   std::vector<double> forward, backward;  // per stage: seconds per micro-batch
   double p2p = 0;                         // seconds from send to arrival, per message
