@@ -116,6 +116,44 @@ TEST_P(ModelTest, ForwardUnitsRunsAnyRangeOfAnOverlappingSlice) {
   EXPECT_THROW(b.forward_units(h, 4, 8), std::invalid_argument);
 }
 
+TEST_P(ModelTest, ASliceOfSeveralChunksRunsEachAndHoldsNothingBetween) {
+  // An interleaved pipeline's rank: units [0,3) and [5,7) on one rank, [3,5) and [7,8) on another.
+  ModelConfig m = tiny(GetParam());
+  auto full = Transformer::full(m, 42);
+  Transformer a(m, {LayerRange::for_units(0, 3, m.layers), LayerRange::for_units(5, 7, m.layers)}, 42);
+  Transformer b(m, {LayerRange::for_units(3, 5, m.layers), LayerRange::for_units(7, 8, m.layers)}, 42);
+  std::map<std::string, int> holders;
+  for (auto* s : {&a, &b})
+    for (auto* p : s->parameters()) {
+      auto* q = full->find(p->name);
+      ASSERT_NE(q, nullptr) << p->name;
+      EXPECT_TRUE(at::equal(p->tensor, q->tensor)) << p->name;
+      ++holders[p->name];
+    }
+  for (auto* q : full->parameters())  // the tied wte: the embedding's and the head's copies
+    EXPECT_EQ(holders[q->name], q->name == "wte.weight" ? 2 : 1) << q->name << ": every parameter in exactly one rank's chunks";
+  // Block 1's MLP half (unit 3) and block 2's attention half (unit 4) are the other rank's.
+  const std::string mlp1 = GetParam() != "gpt2" ? "model.layers.1.mlp.down_proj.weight" : "h.1.mlp.c_proj.weight";
+  EXPECT_EQ(a.find(mlp1), nullptr);
+  EXPECT_NE(b.find(mlp1), nullptr);
+  at::Tensor x = tokens(m, 2, 1);
+  at::Tensor y_full = full->forward(x);
+  at::Tensor y = b.forward_units(a.forward_units(b.forward_units(a.forward_units(x, 0, 3), 3, 5), 5, 7), 7, 8);
+  EXPECT_TRUE(at::equal(y_full, y));
+  y_full.pow(2).sum().backward();
+  y.pow(2).sum().backward();
+  for (auto* s : {&a, &b})
+    for (auto* p : s->parameters()) {
+      if (p->name == "wte.weight") continue;  // tied: the runtime sums the two copies' gradients
+      EXPECT_TRUE(at::equal(p->tensor.grad(), full->find(p->name)->tensor.grad())) << p->name;
+    }
+  EXPECT_THROW(a.forward(x), std::logic_error);                     // which chunk?
+  EXPECT_THROW(a.forward_units(x, 0, 5), std::invalid_argument);    // across the gap
+  EXPECT_THROW(b.forward_units(x, 4, 6), std::invalid_argument);
+  EXPECT_THROW(Transformer(m, std::vector<LayerRange>{LayerRange::for_units(5, 7, m.layers), LayerRange::for_units(0, 3, m.layers)}, 42),
+               std::invalid_argument);  // out of order
+}
+
 TEST_P(ModelTest, ACutMlpSplitsItsColumnsAndChainsToTheFullModelsOutputAndGradients) {
   // Pipeline 1 cuts block 2's MLP: rank 1 holds units [0,6) and computes the columns of heads
   // [0,1), rank 2 units [5,8) and the columns of heads [1,4); rank 0 is a whole replica beside

@@ -122,7 +122,7 @@ TEST(Plan, NegativeAndEmptyRankListsAreRejected) {
 TEST(Plan, ScalarFieldsAreChecked) {
   Plan p = sample_plan();
   p.schedule = "zb";
-  EXPECT_HAS(validate_error(p, 8), "schedule: must be 1f1b, eager-1f1b, eager-1f1b-2, eager-1f1b-3, eager-1f1b-4, gpipe or zb-h1, got 'zb'");
+  EXPECT_HAS(validate_error(p, 8), "schedule: must be 1f1b, eager-1f1b, eager-1f1b-2, eager-1f1b-3, eager-1f1b-4, gpipe, zb-h1 or interleaved-1f1b, got 'zb'");
   p = sample_plan();
   p.grad_sync.bucket_mb = 0;
   EXPECT_HAS(validate_error(p, 8), "key 'grad_sync.bucket_mb': must be > 0");
@@ -253,7 +253,7 @@ TEST(Plan, ShardingEntriesRoundTripAndAreValidatedByField) {
   EXPECT_TRUE(Plan::from_json(r.to_json(), "x").pipelines[0].stages[1].recompute);
   EXPECT_NE(r.describe().find("recompute"), std::string::npos);
   auto v4 = j;  // a version this Alloy does not know
-  v4["version"] = 10;
+  v4["version"] = 11;
   EXPECT_THROW(Plan::from_json(v4, "x"), InputError);
 }
 
@@ -446,7 +446,7 @@ TEST(Plan, PipelineSchedulesRoundTripAsVersion6AndAreValidatedPerPipeline) {
   twins.pipelines[1].schedule = "gpipe";
   EXPECT_HAS(twins.schedule_mismatch({0, 2}), "on 1f1b, rank 2 runs units [0, 6) as stage 0 of 2 with 2 micro-batches on gpipe");
   p.pipelines[1].schedule = "zb";
-  EXPECT_HAS(validate_error(p, 8), "pipelines[1].schedule: must be 1f1b, eager-1f1b, eager-1f1b-2, eager-1f1b-3, eager-1f1b-4, gpipe or zb-h1, got 'zb'");
+  EXPECT_HAS(validate_error(p, 8), "pipelines[1].schedule: must be 1f1b, eager-1f1b, eager-1f1b-2, eager-1f1b-3, eager-1f1b-4, gpipe, zb-h1 or interleaved-1f1b, got 'zb'");
   // A split backward runs tensor-parallel stages too (their pieces' weight passes).
   Plan tp = sample_plan();
   tp.pipelines[1].stages[0].ranks = {2, 3};
@@ -605,8 +605,8 @@ TEST(Plan, FromJsonNamesTheBadField) {
     return "";
   };
   EXPECT_HAS(error_of(R"({"format": "other", "global_batch": 1, "pipelines": []})"), "field 'format' is \"other\"");
-  EXPECT_HAS(error_of(R"({"version": 10, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 9");
-  EXPECT_HAS(error_of(R"({"version": 2.5, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 9");
+  EXPECT_HAS(error_of(R"({"version": 11, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 10");
+  EXPECT_HAS(error_of(R"({"version": 2.5, "global_batch": 1, "pipelines": []})"), "this Alloy reads versions 1 to 10");
   EXPECT_HAS(error_of(R"({"pipelines": []})"), "plan.json: field 'global_batch' is missing or ill-typed");
   EXPECT_HAS(
       error_of(
@@ -705,4 +705,77 @@ RC_GTEST_PROP(PlanProperty, DataParallelPlansValidateAndPartitionTheBatch, ()) {
   }
   for (int o : owner) RC_ASSERT(o != -1);
   RC_ASSERT(Plan::from_json(p.to_json(), "rt").to_json() == p.to_json());
+}
+
+namespace {
+// 8 blocks interleaved over ranks 0 and 1, two chunks each: [0,3) r0, [3,4) r1, [4,7) r0, [7,8) r1.
+Plan interleaved_plan() {
+  Plan p;
+  p.global_batch = 8;
+  p.schedule = "interleaved-1f1b";
+  PipelinePlan a;
+  a.micro_batch_size = 2;
+  a.num_micro_batches = 4;
+  a.virtual_stages = 2;
+  a.stages = {StagePlan{{0}, 0, 3}, StagePlan{{1}, 3, 4}, StagePlan{{0}, 4, 7}, StagePlan{{1}, 7, 8}};
+  p.pipelines = {a};
+  return p;
+}
+}  // namespace
+
+TEST(Plan, InterleavedPipelinesRoundTripAsVersion10AndLocateEachRanksChunks) {
+  const Plan p = interleaved_plan();
+  EXPECT_EQ(validate_error(p, 8), "");
+  EXPECT_EQ(p.world_size(), 2);
+  EXPECT_EQ(p.pipelines[0].depth(), 2);
+  EXPECT_EQ(p.locate(1).stage, 1);
+  EXPECT_EQ(p.chunks_of(0), (std::vector<int>{0, 2}));
+  EXPECT_EQ(p.chunks_of(1), (std::vector<int>{1, 3}));
+  const auto j = p.to_json();
+  EXPECT_EQ(j["version"], 10);
+  const Plan back = Plan::from_json(j, "x");
+  EXPECT_EQ(back.pipelines[0].virtual_stages, 2);
+  EXPECT_EQ(back.chunks_of(1), (std::vector<int>{1, 3}));
+  EXPECT_EQ(validate_error(back, 8), "");
+}
+
+TEST(Plan, InterleavedPipelinesAreValidatedByField) {
+  {
+    Plan p = interleaved_plan();
+    p.pipelines[0].stages[3].ranks = {0};  // chunk 3 must be rank 1's, as chunk 1
+    EXPECT_HAS(validate_error(p, 8), "pipelines[0].stages[3].ranks: chunk 3 runs on the ranks of chunk 1");
+  }
+  {
+    Plan p = interleaved_plan();
+    p.schedule = "1f1b";
+    EXPECT_HAS(validate_error(p, 8), "pipelines[0].virtual_stages: virtual stages run on the interleaved-1f1b schedule only");
+  }
+  {
+    Plan p = interleaved_plan();
+    p.pipelines[0].virtual_stages = 1;
+    EXPECT_HAS(validate_error(p, 8), "schedule: interleaved-1f1b needs the pipeline's virtual_stages");
+  }
+  {
+    Plan p = interleaved_plan();
+    p.pipelines[0].virtual_stages = 4;  // 4 stages are one rank's 4 chunks: no pipeline
+    EXPECT_HAS(validate_error(p, 8), "pipelines[0].virtual_stages: 4 stages do not make 4 chunks for each of two or more ranks");
+  }
+  {
+    Plan p = interleaved_plan();
+    p.pipelines[0].micro_batch_size = 1;
+    p.pipelines[0].num_micro_batches = 3;  // > 2 ranks and not a multiple of them
+    p.global_batch = 3;
+    EXPECT_HAS(validate_error(p, 8), "pipelines[0].num_micro_batches: 3 on 2 ranks: interleaving needs a multiple of the ranks");
+  }
+  {
+    Plan p = interleaved_plan();
+    p.pipelines[0].stages[0].float_share = 0.5;
+    EXPECT_HAS(validate_error(p, 8), "pipelines[0].stages[0].float_share: chunks of an interleaved pipeline meet at whole units");
+  }
+  {
+    Plan p = interleaved_plan();
+    p.pipelines[0].stages[0].ranks = {0, 2};
+    p.pipelines[0].stages[2].ranks = {0, 2};
+    EXPECT_HAS(validate_error(p, 8), "pipelines[0].stages[0].ranks: an interleaved pipeline has one rank a chunk");
+  }
 }

@@ -197,7 +197,7 @@ TEST(SynerFuse, ScheduleIsPassedThroughAndChecked) {
   a.schedule = "gpipe";
   EXPECT_EQ(alloy::plan_from_synerfuse(a).schedule, "gpipe");
   a.schedule = "zb";
-  EXPECT_HAS(sf_error(a), "schedule: must be 1f1b, eager-1f1b, eager-1f1b-2, eager-1f1b-3, eager-1f1b-4, gpipe or zb-h1, got 'zb'");
+  EXPECT_HAS(sf_error(a), "schedule: must be 1f1b, eager-1f1b, eager-1f1b-2, eager-1f1b-3, eager-1f1b-4, gpipe, zb-h1 or interleaved-1f1b, got 'zb'");
 }
 
 TEST(SynerFuse, StageCountsMustSumToPipelineSize) {

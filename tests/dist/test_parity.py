@@ -192,6 +192,27 @@ LAYOUTS["eager-cut-zero1"] = ("gpt2", 24, _schedule(LAYOUTS["cut-mixed-12x11_and
 LAYOUTS["zb-float-zero2-recompute"] = ("gpt2", 24, _schedule(LAYOUTS["float-mixed-12x11_and_16"][2], "zb-h1"), 3,
                                        ["--zero-stage", "2", "--shard-ratio", "3", "1", "2", "--recompute"])
 
+# Interleaved virtual stages (plan version 10, schedule interleaved-1f1b): the pipeline's stages list
+# its S x V chunks in layer order, chunk c on the rank of chunk c mod S. GPT-2 on two ranks with
+# uneven chunks (3 + 1 + 3 + 1 blocks; the tied embedding and head on unlike ranks); LLaMA on
+# three ranks whose chunks meet inside blocks (half-block units), beside a replica.
+
+
+def _interleaved(gb, mbs, nmb, ranks, units, virtual, extra=()):
+    chunks = [{"ranks": [ranks[c % len(ranks)]], "units": list(u),
+               "layers": [u[0] // 2, (u[1] + 1) // 2]} for c, u in enumerate(units)]
+    pipelines = [{"micro_batch_size": mbs, "num_micro_batches": nmb, "virtual_stages": virtual, "stages": chunks}]
+    pipelines += [{"micro_batch_size": m, "num_micro_batches": n, "schedule": "1f1b",
+                   "stages": [{"ranks": [r], "layers": [b, e]} for r, b, e in st]} for m, n, st in extra]
+    return {"format": "alloy-plan", "version": 10, "global_batch": gb, "schedule": "interleaved-1f1b",
+            "pipelines": pipelines}
+
+
+LAYOUTS["interleaved-pp2-v2"] = ("gpt2", 24, _interleaved(24, 3, 8, [0, 1], [(0, 6), (6, 8), (8, 14), (14, 16)], 2), 2)
+LAYOUTS["interleaved-llama-pp3-v2-dp"] = (
+    "llama", 24, _interleaved(24, 2, 6, [0, 1, 2], [(0, 3), (3, 6), (6, 8), (8, 11), (11, 14), (14, 16)], 2,
+                              extra=[(2, 6, full(3))]), 4)
+
 # Tensor parallelism (plan version 4): a stage's ranks split the heads (tp_split, MLP columns in
 # the same ratio), evenly and unevenly; GQA (8 heads, 4 key/value heads: whole groups per rank);
 # inside a pipeline, with a pipeline of two TP stages, and beside a replica without TP (whose

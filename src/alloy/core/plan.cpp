@@ -65,8 +65,16 @@ T whole_or(const nlohmann::json& obj, const char* key, T fallback) {
 int Plan::world_size() const {
   int n = 0;
   for (const auto& p : pipelines)
-    for (const auto& s : p.stages) n += static_cast<int>(s.ranks.size());
+    for (int64_t s = 0; s < p.depth(); ++s) n += static_cast<int>(p.stages[static_cast<size_t>(s)].ranks.size());
   return n;
+}
+
+std::vector<int> Plan::chunks_of(int rank) const {
+  const Position at = locate(rank);
+  const PipelinePlan& pl = pipelines[static_cast<size_t>(at.pipeline)];
+  std::vector<int> out;
+  for (int64_t c = at.stage; c < static_cast<int64_t>(pl.stages.size()); c += pl.depth()) out.push_back(static_cast<int>(c));
+  return out;
 }
 
 Plan::Position Plan::locate(int rank) const {
@@ -192,6 +200,10 @@ void Plan::set_sequence_parallel() {
 
 std::string Plan::training_problem(const Config& cfg) const {
   for (size_t p = 0; p < pipelines.size(); ++p)
+    if (pipelines[p].interleaved() && (cfg.train.zero_stage > 0 || !sharding.empty()))
+      return "pipelines[" + std::to_string(p) + "] is interleaved (virtual_stages " + std::to_string(pipelines[p].virtual_stages) +
+             "): ZeRO (train.zero_stage, the plan's sharding) over chunks is not supported; set train.zero_stage 0 and drop the plan's sharding";
+  for (size_t p = 0; p < pipelines.size(); ++p)
     for (size_t s = 0; s < pipelines[p].stages.size(); ++s) {
       const StagePlan& st = pipelines[p].stages[s];
       if (st.cuts_mlp() && cfg.lora.enabled())
@@ -285,14 +297,12 @@ int64_t Plan::sample_offset(int pipeline) const {
 void Plan::validate(const ModelConfig& model, const std::string& where) const {
   auto fail = [&](const std::string& field, const std::string& msg) { throw InputError(where, field + ": " + msg); };
   if (pipelines.empty()) fail("pipelines", "the plan has no pipelines");
-  const auto& names = pipeline::schedule_names();
-  if (std::find(names.begin(), names.end(), schedule) == names.end())
-    fail("schedule", "must be " + pipeline::schedule_names_text(" or ") + ", got '" + schedule + "'");
+  const std::string valid = pipeline::schedule_names_text() + " or " + pipeline::kInterleaved;
+  if (!pipeline::is_schedule_name(schedule)) fail("schedule", "must be " + valid + ", got '" + schedule + "'");
   for (size_t p = 0; p < pipelines.size(); ++p) {
     const std::string& own = pipelines[p].schedule;
     const std::string field = own.empty() ? "schedule" : "pipelines[" + std::to_string(p) + "].schedule";
-    if (!own.empty() && std::find(names.begin(), names.end(), own) == names.end())
-      fail(field, "must be " + pipeline::schedule_names_text(" or ") + ", got '" + own + "'");
+    if (!own.empty() && !pipeline::is_schedule_name(own)) fail(field, "must be " + valid + ", got '" + own + "'");
   }
   grad_sync.validate(where, "grad_sync");
   int64_t total = 0;
@@ -314,6 +324,34 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
     sum_text += (sum_text.empty() ? "" : " + ") + std::to_string(pl.micro_batch_size) + "x" + std::to_string(pl.num_micro_batches);
     if (pl.short_last()) sum_text += "-" + std::to_string(pl.micro_batch_size - pl.last_size());
     if (pl.stages.empty()) fail(pf + ".stages", "a pipeline needs at least one stage");
+    const std::string& sched = schedule_of(p);
+    const std::string sched_field = pl.schedule.empty() ? "schedule" : pf + ".schedule";
+    if (pl.virtual_stages < 1) fail(pf + ".virtual_stages", "must be >= 1, got " + std::to_string(pl.virtual_stages));
+    if (pl.interleaved() != (sched == "interleaved-1f1b"))
+      fail(pl.interleaved() ? pf + ".virtual_stages" : sched_field,
+           pl.interleaved() ? "virtual stages run on the interleaved-1f1b schedule only, this pipeline's is " + sched
+                            : "interleaved-1f1b needs the pipeline's virtual_stages (chunks a rank), 2 or more");
+    if (pl.interleaved()) {
+      const int64_t V = pl.virtual_stages, n = static_cast<int64_t>(pl.stages.size()), S = n / V;
+      const std::string vf = pf + ".virtual_stages";
+      if (n % V != 0 || S < 2)
+        fail(vf, std::to_string(n) + " stages do not make " + std::to_string(V) + " chunks for each of two or more ranks (list S x " +
+                     std::to_string(V) + " stages, chunk c on the ranks of chunk c mod S)");
+      for (int64_t c = S; c < n; ++c)
+        if (pl.stages[static_cast<size_t>(c)].ranks != pl.stages[static_cast<size_t>(c % S)].ranks)
+          fail(pf + ".stages[" + std::to_string(c) + "].ranks", "chunk " + std::to_string(c) + " runs on the ranks of chunk " + std::to_string(c % S) +
+                                                                    " (every S = " + std::to_string(S) + "th chunk is the same rank's)");
+      for (size_t c = 0; c < pl.stages.size(); ++c) {
+        const auto& st = pl.stages[c];
+        const std::string sf = pf + ".stages[" + std::to_string(c) + "]";
+        if (st.ranks.size() != 1) fail(sf + ".ranks", "an interleaved pipeline has one rank a chunk (no tensor parallelism)");
+        if (st.floats() || st.cuts_mlp())
+          fail(sf + (st.floats() ? ".float_share" : ".mlp_cut"), "chunks of an interleaved pipeline meet at whole units (no floats or cut MLPs)");
+      }
+      if (pl.num_micro_batches > S && pl.num_micro_batches % S != 0)
+        fail(pf + ".num_micro_batches", std::to_string(pl.num_micro_batches) + " on " + std::to_string(S) +
+                                            " ranks: interleaving needs a multiple of the ranks, or at most as many");
+    }
     int64_t expect = 0;  // in units (half blocks)
     for (size_t s = 0; s < pl.stages.size(); ++s) {
       const auto& st = pl.stages[s];
@@ -387,6 +425,7 @@ void Plan::validate(const ModelConfig& model, const std::string& where) const {
                                               "sequence or a more even tp_split");
       }
       for (int r : st.ranks) {
+        if (static_cast<int64_t>(s) >= pl.depth()) break;  // a later chunk of a rank met already (checked above)
         if (r < 0) fail(sf + ".ranks", "rank " + std::to_string(r) + " is negative");
         if (seen.count(r)) fail(sf + ".ranks", "rank " + std::to_string(r) + " already appears in " + seen[r]);
         seen[r] = sf;
@@ -434,8 +473,10 @@ nlohmann::json Plan::to_json() const {
   j["format"] = "alloy-plan";
   // Each version is written only when the plan needs it: readers of version 1 know no sharding
   // and no recomputation, readers of 2 no half-block stages.
-  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel(), v5 = false, v6 = false, v7 = false, v8 = cuts_mlp(), v9 = false;
+  bool v2 = !sharding.empty(), v3 = false, v4 = has_tensor_parallel(), v5 = false, v6 = false, v7 = false, v8 = cuts_mlp(), v9 = false,
+       v10 = false;
   for (const auto& p : pipelines) {
+    v10 = v10 || p.interleaved();
     v5 = v5 || p.floats();
     v9 = v9 || p.short_last();
     v6 = v6 || (!p.schedule.empty() && p.schedule != schedule);
@@ -445,13 +486,14 @@ nlohmann::json Plan::to_json() const {
       v7 = v7 || st.sequence_parallel;
     }
   }
-  j["version"] = v9 ? 9 : v8 ? 8 : v7 ? 7 : v6 ? 6 : v5 ? 5 : v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
+  j["version"] = v10 ? 10 : v9 ? 9 : v8 ? 8 : v7 ? 7 : v6 ? 6 : v5 ? 5 : v4 ? 4 : v3 ? 3 : v2 ? 2 : 1;
   j["global_batch"] = global_batch;
   j["schedule"] = schedule;
   j["pipelines"] = nlohmann::json::array();
   for (const auto& p : pipelines) {
     nlohmann::json pj = {{"micro_batch_size", p.micro_batch_size}, {"num_micro_batches", p.num_micro_batches}};
     if (p.short_last()) pj["last_micro_batch_size"] = p.last_micro_batch_size;
+    if (p.interleaved()) pj["virtual_stages"] = p.virtual_stages;
     if (!p.schedule.empty() && p.schedule != schedule) pj["schedule"] = p.schedule;
     pj["stages"] = nlohmann::json::array();
     for (const auto& s : p.stages) {
@@ -509,10 +551,10 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
     if (j.contains("format") && j["format"] != "alloy-plan")
       throw InputError(where, "field 'format' is " + j["format"].dump() + ", not \"alloy-plan\"");
     const auto known_version = [](const nlohmann::json& v) {
-      return v.is_number() && v.get<double>() >= 1 && v.get<double>() <= 9 && v.get<double>() == std::floor(v.get<double>());
+      return v.is_number() && v.get<double>() >= 1 && v.get<double>() <= 10 && v.get<double>() == std::floor(v.get<double>());
     };
     if (j.contains("version") && !known_version(j["version"]))
-      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 9");
+      throw InputError(where, "field 'version' is " + j["version"].dump() + "; this Alloy reads versions 1 to 10");
     field = "global_batch";
     p.global_batch = whole<int64_t>(j.at("global_batch"));
     field = "schedule";
@@ -527,6 +569,11 @@ Plan Plan::from_json(const nlohmann::json& j, const std::string& where) {
       if (pls[i].contains("last_micro_batch_size")) {
         field += ".last_micro_batch_size";
         pl.last_micro_batch_size = whole<int64_t>(pls[i].at("last_micro_batch_size"));
+        field = "pipelines[" + std::to_string(i) + "]";
+      }
+      if (pls[i].contains("virtual_stages")) {
+        field += ".virtual_stages";
+        pl.virtual_stages = whole<int64_t>(pls[i].at("virtual_stages"));
         field = "pipelines[" + std::to_string(i) + "]";
       }
       if (pls[i].contains("schedule")) {

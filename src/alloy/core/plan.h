@@ -118,6 +118,14 @@ struct PipelinePlan {
   // micro-batch's: 28 samples becoming 28 + 1 would leave the sum almost nothing to hide behind);
   // the others keep their size, the last micro-batch short.
   int64_t micro_batch_for(int64_t samples) const { return num_micro_batches == 1 ? std::max<int64_t>(samples, 1) : micro_batch_size; }
+  // Interleaved virtual stages (plan version 10, schedule "interleaved-1f1b"): STAGES lists the
+  // pipeline's S x V chunks in layer order, and chunk c runs on the ranks of chunk c mod S, so each
+  // rank holds V chunks spread through the model (pipeline/schedule.h, interleaved_one_f_one_b).
+  // 1: every stage is a rank's only chunk.
+  int64_t virtual_stages = 1;
+  bool interleaved() const { return virtual_stages > 1; }
+  // The ranks' positions: S, the stages listed over V.
+  int64_t depth() const { return static_cast<int64_t>(stages.size()) / std::max<int64_t>(virtual_stages, 1); }
   bool has_tensor_parallel() const;  // a stage with several ranks
   // The unit where micro-batch MB passes from stage S to S + 1: the stages' own boundary, or, for
   // a floating one, the shared unit's end in round(float_share x M) of the M micro-batches (those
@@ -162,12 +170,16 @@ struct Plan {
   nlohmann::json predicted;  // filled by the planner; informational
 
   int world_size() const;
-  // Where a rank sits; throws if the rank is not in the plan.
+  // Where a rank sits (in an interleaved pipeline: its first chunk, which is its position 0..S-1
+  // among the ranks); throws if the rank is not in the plan.
   struct Position {
     int pipeline = -1, stage = -1;
     int tp_rank = 0;  // index among the stage's ranks (tensor parallelism)
   };
   Position locate(int rank) const;
+  // The entries of its pipeline's stages that RANK runs: {its stage} unless the pipeline is
+  // interleaved, then its V chunks in layer order.
+  std::vector<int> chunks_of(int rank) const;
   // Why RANKS do not run the same schedule (the same blocks at the same stage position of
   // pipelines with as many stages and micro-batches), naming two that differ; empty when they do.
   // ZeRO-3 needs it: every member issues the same per-layer gathers in the same order.

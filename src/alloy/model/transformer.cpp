@@ -1,5 +1,6 @@
 #include "alloy/model/transformer.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "alloy/model/deferred_weights.h"
@@ -115,14 +116,27 @@ void Transformer::rebuild_uses() {
     for (size_t j : layers_.front()->vocab_params()) uses_.back().push_back(&layers_.front()->params()[j]);
 }
 
-at::Tensor Transformer::forward(const at::Tensor& x) { return run(x, range_); }
+at::Tensor Transformer::forward(const at::Tensor& x) {
+  if (chunks_.size() > 1) throw std::logic_error("a slice of several chunks runs each by itself (forward_units)");
+  return run(x, range_);
+}
 
 at::Tensor Transformer::forward_units(const at::Tensor& x, int64_t unit_begin, int64_t unit_end) {
-  const int64_t held_begin = range_.unit_begin(), held_end = range_.unit_end(cfg_.layers);
-  if (unit_begin < held_begin || unit_end > held_end || unit_begin >= unit_end)
-    throw std::invalid_argument("units [" + std::to_string(unit_begin) + ", " + std::to_string(unit_end) + ") are not within this slice's [" +
-                                std::to_string(held_begin) + ", " + std::to_string(held_end) + ")");
-  return run(x, LayerRange::for_units(unit_begin, unit_end, cfg_.layers));
+  std::string held;
+  for (const LayerRange& c : chunks_) {
+    const int64_t held_begin = c.unit_begin(), held_end = c.unit_end(cfg_.layers);
+    if (unit_begin >= held_begin && unit_end <= held_end && unit_begin < unit_end)
+      return run(x, LayerRange::for_units(unit_begin, unit_end, cfg_.layers));
+    held += (held.empty() ? "[" : ", [") + std::to_string(held_begin) + ", " + std::to_string(held_end) + ")";
+  }
+  throw std::invalid_argument("units [" + std::to_string(unit_begin) + ", " + std::to_string(unit_end) + ") are not within this slice's " +
+                              held);
+}
+
+size_t Transformer::index_of(int64_t pos) const {
+  const auto it = std::lower_bound(positions_.begin(), positions_.end(), pos);
+  if (it == positions_.end() || *it != pos) throw std::logic_error("layer position " + std::to_string(pos) + " is not in this slice");
+  return static_cast<size_t>(it - positions_.begin());
 }
 
 at::Tensor Transformer::run(const at::Tensor& x, const LayerRange& want) {
@@ -135,7 +149,7 @@ at::Tensor Transformer::run(const at::Tensor& x, const LayerRange& want) {
     if (want.begin != 0) h = sp_split(h, seq);
   }
   for (int64_t pos = want.begin; pos < want.end; ++pos) {
-    const size_t i = static_cast<size_t>(pos - range_.begin);
+    const size_t i = index_of(pos);
     Layer& l = *layers_[i];
     const bool attention = want.holds_attention(pos), mlp = want.holds_mlp(pos);
     if (hooks_) {

@@ -168,12 +168,17 @@ class Transformer {
   // TP (not owned, read during construction; null: no tensor parallelism) splits the blocks it
   // names into pieces, of which this slice keeps its heads' (model/tensor_parallel.h).
   Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed, const TpLayout* tp = nullptr);
+  // Several chunks of the model (an interleaved pipeline's rank: Plan's virtual stages), in layer
+  // order, with gaps between them; each runs by itself through forward_units. Parameter names
+  // are the whole model's, as for one range. No tensor parallelism.
+  Transformer(const ModelConfig& cfg, const std::vector<LayerRange>& chunks, uint64_t seed);
   static std::unique_ptr<Transformer> full(const ModelConfig& cfg, uint64_t seed) {
     return std::make_unique<Transformer>(cfg, LayerRange::full(cfg), seed);
   }
 
+  // The whole slice (one chunk; a slice of several throws std::logic_error).
   at::Tensor forward(const at::Tensor& x);
-  // Units [UNIT_BEGIN, UNIT_END) of those this slice holds (a floating pipeline boundary runs a
+  // Units [UNIT_BEGIN, UNIT_END) of those this slice holds (within one of its chunks) (a floating pipeline boundary runs a
   // shared unit in some micro-batches only): the embedding when the range starts at unit 0, the
   // head when it reaches the model's end. Throws std::invalid_argument outside the slice.
   at::Tensor forward_units(const at::Tensor& x, int64_t unit_begin, int64_t unit_end);
@@ -208,7 +213,9 @@ class Transformer {
 
   void to(const at::Device& device);
   const ModelConfig& config() const { return cfg_; }
+  // From the first chunk's start to the last one's end (the only chunk's range for most slices).
   LayerRange range() const { return range_; }
+  const std::vector<LayerRange>& chunks() const { return chunks_; }
   at::Device device() const { return device_; }
   at::ScalarType dtype() const { return dtype_; }
   size_t num_layers() const { return layers_.size(); }
@@ -221,6 +228,10 @@ class Transformer {
   void quantize_pieces(Layer& layer, const std::string& base, const std::vector<Param*>& held, const LoraConfig& l);
   ModelConfig cfg_;
   LayerRange range_;
+  std::vector<LayerRange> chunks_;  // {range_} unless several
+  std::vector<int64_t> positions_;  // layers_[i]'s layer position
+  size_t index_of(int64_t pos) const;  // layers_' index of position POS (it must be held)
+  void build(const TpLayout* tp, uint64_t seed);
   at::Device device_{at::kCPU};
   at::ScalarType dtype_;
   std::vector<std::unique_ptr<Layer>> layers_;

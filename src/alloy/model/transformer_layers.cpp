@@ -547,19 +547,43 @@ struct SharedHolder {
   Shared s;
 };
 
-Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed, const TpLayout* tp)
-    : cfg_(cfg), range_(range), dtype_(dtype_of(cfg)) {
+namespace {
+void check_range(const ModelConfig& cfg, const LayerRange& range) {
   if (range.begin < 0 || range.end > cfg.layers + 2 || range.begin >= range.end ||
       (range.first_block_mlp_only && (range.begin == 0 || range.begin > cfg.layers)) ||
       (range.last_block_attn_only && (range.end == cfg.layers + 2 || range.end <= 1)) ||
       (range.first_block_mlp_only && range.last_block_attn_only && range.end - range.begin == 1))
     throw std::invalid_argument("invalid layer range");
+}
+}  // namespace
+
+Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed, const TpLayout* tp)
+    : cfg_(cfg), range_(range), chunks_{range}, dtype_(dtype_of(cfg)) {
+  check_range(cfg, range);
+  build(tp, seed);
+}
+
+Transformer::Transformer(const ModelConfig& cfg, const std::vector<LayerRange>& chunks, uint64_t seed)
+    : cfg_(cfg), chunks_(chunks), dtype_(dtype_of(cfg)) {
+  if (chunks.empty()) throw std::invalid_argument("a slice needs a chunk");
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    check_range(cfg, chunks[k]);
+    // A block whose halves two chunks hold would be two layers of one position.
+    if (k > 0 && chunks[k].begin < chunks[k - 1].end) throw std::invalid_argument("chunks overlap or are out of layer order");
+  }
+  range_ = {chunks.front().begin, chunks.back().end, chunks.front().first_block_mlp_only, chunks.back().last_block_attn_only};
+  build(nullptr, seed);
+}
+
+void Transformer::build(const TpLayout* tp, uint64_t seed) {
   shared_ = std::make_shared<SharedHolder>();
   shared_->s.cfg = &cfg_;
   shared_->s.dtype = dtype_;
   Shared* sh = &shared_->s;
   const Layer* wte = nullptr;  // the embedding layer, whose rows a tied GPT-2 head in the slice reads
-  for (int64_t pos = range.begin; pos < range.end; ++pos) {
+  for (const LayerRange& range : chunks_)
+   for (int64_t pos = range.begin; pos < range.end; ++pos) {
+    positions_.push_back(pos);
     Init init(layer_seed(seed, pos), dtype_);
     bool llama = cfg_.arch == "llama";
     if (pos == 0) {
@@ -590,7 +614,7 @@ Transformer::Transformer(const ModelConfig& cfg, LayerRange range, uint64_t seed
     sp_comm_ = tp->comm, sp_heads_ = tp->group_heads;
     for (auto* p : parameters()) p->tp_partial = p->tp_partial || p->name.find('#') == std::string::npos;
   }
-  tied_in_slice_ = wte && range.has_head(cfg_);
+  tied_in_slice_ = wte && range_.has_head(cfg_);
   rebuild_uses();
 }
 

@@ -99,7 +99,7 @@ void Transformer::apply_lora(const LoraConfig& l, uint64_t seed) {
   for (size_t i = 0; i < layers_.size(); ++i) {
     Layer& layer = *layers_[i];
     if (!layer.is_block()) continue;
-    const int64_t pos = range_.begin + static_cast<int64_t>(i);
+    const int64_t pos = positions_[i];
     // Adapters draw from their own generator per layer position (the base's weights stay those of
     // the same seed without LoRA), every adapted projection of the whole block in the block's
     // order, whichever half this slice holds: a half gets exactly the whole block's adapters.

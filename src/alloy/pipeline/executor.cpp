@@ -19,7 +19,12 @@ namespace alloy::pipeline {
 namespace {
 using Clock = std::chrono::steady_clock;
 enum Kind : int { kActHeader = 0, kActData = 1, kGradHeader = 2, kGradData = 3 };
-int tag_of(int64_t mb, int kind) { return static_cast<int>(mb * 4 + kind); }
+// KEY (a virtual stage, interleaved pipelines only) above the micro-batch: 2^20 micro-batches a step.
+int tag_of(int64_t mb, int kind, int64_t key) {
+  if (mb >= (int64_t{1} << 20) || key >= 256) throw Error("pipeline executor: micro-batch " + std::to_string(mb) + " or virtual stage " +
+                                                           std::to_string(key) + " is beyond what a message tag carries");
+  return static_cast<int>((key << 22) + mb * 4 + kind);
+}
 const char* kind_text(int kind) { return kind <= kActData ? "activation" : "gradient"; }
 }  // namespace
 
@@ -37,30 +42,30 @@ void StageExecutor::sample_memory() {
   peak_in_flight_ = std::max(peak_in_flight_, in_flight_);
 }
 
-void StageExecutor::send_tensor(int dst, int64_t mb, int kind, const at::Tensor& t) {
+void StageExecutor::send_tensor(int dst, int64_t mb, int kind, const at::Tensor& t, int64_t key) {
   // Gloo moves host memory: activations of a CUDA stage travel through a CPU copy.
   at::Tensor data = t.detach().to(at::kCPU).contiguous();
   at::Tensor header = at::tensor({static_cast<int64_t>(data.dim()), data.size(0), data.size(1), data.size(2),
                                   static_cast<int64_t>(data.scalar_type()), mb},
                                  at::kLong);
-  sends_.emplace_back(links_.group->send(header, dst, tag_of(mb, kind)), header);
-  sends_.emplace_back(links_.group->send(data, dst, tag_of(mb, kind + 1)), data);
+  sends_.emplace_back(links_.group->send(header, dst, tag_of(mb, kind, key)), header);
+  sends_.emplace_back(links_.group->send(data, dst, tag_of(mb, kind + 1, key)), data);
 }
 
-void StageExecutor::send_to(const std::vector<int>& targets, int fallback, int64_t mb, int kind, const at::Tensor& t) {
-  if (targets.empty()) return send_tensor(fallback, mb, kind, t);
+void StageExecutor::send_to(const std::vector<int>& targets, int fallback, int64_t mb, int kind, const at::Tensor& t, int64_t key) {
+  if (targets.empty()) return send_tensor(fallback, mb, kind, t, key);
   for (int dst : targets)
     if (dst >= 0) send_tensor(dst, mb, kind, t);
 }
 
-StageExecutor::PostedRecv StageExecutor::post_recv(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype) {
+StageExecutor::PostedRecv StageExecutor::post_recv(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype, int64_t key) {
   PostedRecv r;
   r.src = src, r.mb = mb, r.kind = kind;
   r.header = at::empty({6}, at::kLong);
   r.data = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCPU));
   // Both receives are posted together: one round trip, and the header is checked after.
-  r.wh = links_.group->recv(r.header, src, tag_of(mb, kind));
-  r.wd = links_.group->recv(r.data, src, tag_of(mb, kind + 1));
+  r.wh = links_.group->recv(r.header, src, tag_of(mb, kind, key));
+  r.wd = links_.group->recv(r.data, src, tag_of(mb, kind + 1, key));
   return r;
 }
 
@@ -80,8 +85,8 @@ at::Tensor StageExecutor::finish_recv(PostedRecv& r, at::IntArrayRef shape, at::
   return r.data.to(slice_.device());  // the first parameter may live quantized (LoRA base)
 }
 
-at::Tensor StageExecutor::recv_tensor(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype) {
-  PostedRecv r = post_recv(src, mb, kind, shape, dtype);
+at::Tensor StageExecutor::recv_tensor(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype, int64_t key) {
+  PostedRecv r = post_recv(src, mb, kind, shape, dtype, key);
   return finish_recv(r, shape, dtype);
 }
 
@@ -104,7 +109,9 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
   // block's projections are made again in the backward) and its backward.
   auto defer = [&](int64_t m) { return std::make_unique<model::DeferredWeightGrads::Scope>(split ? &deferred_ : nullptr, m); };
   deferred_.clear();
-  state_.assign(mbs.size(), InFlight{});
+  // By (chunk, micro-batch): chunk V's micro-batch M at V x M_all + M.
+  const int64_t num_mbs = static_cast<int64_t>(mbs.size());
+  state_.assign(mbs.size() * static_cast<size_t>(num_chunks()), InFlight{});
   trace_.clear();
   base_bytes_ = memory_in_use(slice_.device());
   peak_bytes_ = peak_in_flight_ = in_flight_ = 0;
@@ -127,14 +134,15 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
     while (posted.size() < kRecvsAhead && next_post < recv_actions.size()) {
       const Action& r = actions[recv_actions[next_post++]];
       const bool act = r.kind == ActionKind::RecvActivation;
-      posted.push_back(post_recv(act ? links_.prev_rank : links_.next_rank, r.micro_batch, act ? kActHeader : kGradHeader,
-                                 shape_of(r.micro_batch, act), dt));
+      posted.push_back(post_recv(act ? prev_of(r.chunk) : next_of(r.chunk), r.micro_batch, act ? kActHeader : kGradHeader,
+                                 shape_of(r.micro_batch, act), dt, key_in(r.chunk)));
+      posted.back().chunk = r.chunk;
     }
   };
-  auto take = [&](int64_t m, int kind) {
+  auto take = [&](int64_t m, int kind, int64_t v) {
     PostedRecv r = std::move(posted.front());
     posted.pop_front();
-    if (r.mb != m || r.kind != kind) throw Error("pipeline executor: receives out of order (internal error)");
+    if (r.mb != m || r.kind != kind || r.chunk != v) throw Error("pipeline executor: receives out of order (internal error)");
     at::Tensor t = finish_recv(r, shape_of(m, kind == kActHeader), dt);
     top_up();
     return t;
@@ -143,13 +151,16 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
 
   for (size_t i = 0; i < actions.size(); ++i) {
     const Action& a = actions[i];
-    const int64_t m = a.micro_batch;
-    InFlight& st = state_[static_cast<size_t>(m)];
+    const int64_t m = a.micro_batch, v = a.chunk;
+    if (v < 0 || v >= num_chunks()) throw Error("pipeline executor: action " + to_string(a) + " names a chunk this rank does not hold");
+    InFlight& st = state_[static_cast<size_t>(v * num_mbs + m)];
+    // "F3", "F3.1" (chunk 1) as in the schedule's own text.
+    const std::string mtext = std::to_string(m) + (v ? "." + std::to_string(v) : std::string());
     auto t0 = Clock::now();
     switch (a.kind) {
       case ActionKind::RecvActivation:
-        st.input = take(m, kActHeader).requires_grad_(true);
-        record("recv A" + std::to_string(m), "recv", t0);
+        st.input = take(m, kActHeader, v).requires_grad_(true);
+        record("recv A" + mtext, "recv", t0);
         break;
       case ActionKind::Forward: {
         {
@@ -157,8 +168,8 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
           model::AutocastScope amp(slice_.device(), precision);
           const model::DropoutKeys keys{dropout_seed, step, mbs[static_cast<size_t>(m)].samples};
           model::DropoutScope scope(keys.samples.empty() ? nullptr : &keys);
-          at::Tensor out = forward_slice(first() ? mbs[static_cast<size_t>(m)].inputs : st.input, m);
-          if (last()) {
+          at::Tensor out = forward_slice(first(v) ? mbs[static_cast<size_t>(m)].inputs : st.input, m, v);
+          if (last(v)) {
             at::Tensor ls = slice_.loss(out, mbs[static_cast<size_t>(m)].targets);
             if (ls.scalar_type() != dt) ls = ls.to(dt);
             if (counts_loss) loss_sum += ls.item<double>();
@@ -169,36 +180,36 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
         }
         ++in_flight_;
         compute_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
-        record("F" + std::to_string(m), "compute", t0);
+        record("F" + mtext, "compute", t0);
         sample_memory();
         break;
       }
       case ActionKind::SendActivation:
-        send_to(links_.send_next, links_.next_rank, m, kActHeader, st.output);
-        record("send A" + std::to_string(m), "send", t0);
+        send_to(links_.send_next, next_of(v), m, kActHeader, st.output, key_out(v, true));
+        record("send A" + mtext, "send", t0);
         break;
       case ActionKind::RecvGrad:
-        st.grad_in = take(m, kGradHeader);
-        record("recv G" + std::to_string(m), "recv", t0);
+        st.grad_in = take(m, kGradHeader, v);
+        record("recv G" + mtext, "recv", t0);
         break;
       case ActionKind::Backward: {
         if (reducer && i == last_bwd) reducer->arm();
         {
           const auto recording = defer(m);
-          if (last()) st.output.backward();
+          if (last(v)) st.output.backward();
           else st.output.backward(st.grad_in);
         }
         st.output = at::Tensor();
         st.grad_in = at::Tensor();
         if (!split) --in_flight_;
         compute_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
-        record("B" + std::to_string(m), "compute", t0);
+        record("B" + mtext, "compute", t0);
         break;
       }
       case ActionKind::SendGrad:
-        send_to(links_.send_prev, links_.prev_rank, m, kGradHeader, st.input.grad());
+        send_to(links_.send_prev, prev_of(v), m, kGradHeader, st.input.grad(), key_out(v, false));
         st.input = at::Tensor();
-        record("send G" + std::to_string(m), "send", t0);
+        record("send G" + mtext, "send", t0);
         break;
       case ActionKind::BackwardWeight:
         // Every other weight pass comes before the last one (zb_h1 runs them in micro-batch order).
@@ -217,7 +228,11 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
   return loss_sum;
 }
 
-at::Tensor StageExecutor::forward_slice(const at::Tensor& x, int64_t mb) {
+at::Tensor StageExecutor::forward_slice(const at::Tensor& x, int64_t mb, int64_t chunk) {
+  if (!chunk_units.empty()) {
+    const auto& [begin, end] = chunk_units.at(static_cast<size_t>(chunk));
+    return slice_.forward_units(x, begin, end);
+  }
   if (mb_units.empty()) return slice_.forward(x);
   const auto& [begin, end] = mb_units[static_cast<size_t>(mb) % mb_units.size()];
   return slice_.forward_units(x, begin, end);
@@ -227,22 +242,25 @@ double StageExecutor::forward_only(const std::vector<MicroBatch>& mbs) {
   at::NoGradGuard ng;
   const auto& cfg = slice_.config();
   double loss_sum = 0;
-  for (size_t m = 0; m < mbs.size(); ++m) {
-    const int64_t rows = mbs[m].rows;
-    at::Tensor x = first() ? mbs[m].inputs
-                           : recv_tensor(links_.prev_rank, static_cast<int64_t>(m), kActHeader,
-                                         {rows, cfg.seq_len, in_width > 0 ? in_width : cfg.hidden}, slice_.dtype());
-    model::AutocastScope amp(slice_.device(), precision);
-    at::Tensor out = forward_slice(x, static_cast<int64_t>(m));
-    if (last()) {
-      // Every member computes it: under vocabulary parallelism the loss is a collective.
-      const double l = slice_.loss(out, mbs[m].targets).item<double>();
-      if (counts_loss) loss_sum += l;
-    } else {
-      send_to(links_.send_next, links_.next_rank, static_cast<int64_t>(m), kActHeader,
-              out.scalar_type() == slice_.dtype() ? out : out.to(slice_.dtype()));
+  // Each micro-batch through this rank's chunks in turn: a chunk's input comes from a chunk
+  // earlier in the model (on this rank, from earlier in this order), so no rank waits on a later one.
+  for (size_t m = 0; m < mbs.size(); ++m)
+    for (int64_t v = 0; v < num_chunks(); ++v) {
+      const int64_t rows = mbs[m].rows, mb = static_cast<int64_t>(m);
+      at::Tensor x = first(v) ? mbs[m].inputs
+                              : recv_tensor(prev_of(v), mb, kActHeader, {rows, cfg.seq_len, in_width > 0 ? in_width : cfg.hidden},
+                                            slice_.dtype(), key_in(v));
+      model::AutocastScope amp(slice_.device(), precision);
+      at::Tensor out = forward_slice(x, mb, v);
+      if (last(v)) {
+        // Every member computes it: under vocabulary parallelism the loss is a collective.
+        const double l = slice_.loss(out, mbs[m].targets).item<double>();
+        if (counts_loss) loss_sum += l;
+      } else {
+        send_to(links_.send_next, next_of(v), mb, kActHeader, out.scalar_type() == slice_.dtype() ? out : out.to(slice_.dtype()),
+                key_out(v, true));
+      }
     }
-  }
   wait_sends();
   return loss_sum;
 }

@@ -50,6 +50,12 @@ struct StageLinks {
   // sends nothing.
   std::vector<int> send_prev, send_next;
   std::vector<int> relay;
+  // An interleaved pipeline (Plan's virtual stages): the rank each of this rank's chunks receives
+  // activations from and sends them to (-1 at the pipeline's two ends); gradients go the other
+  // way. Empty: one chunk, PREV_RANK / NEXT_RANK. CHUNK_STAGE: each chunk's place in the
+  // pipeline's S x V (its virtual stage), which tags its messages: two chunks' messages of one
+  // micro-batch between the same two ranks (two ranks: both ways) must not meet.
+  std::vector<int> chunk_prev, chunk_next, chunk_stage;
 };
 
 class StageExecutor {
@@ -74,6 +80,9 @@ class StageExecutor {
   // the next (out_width), gradients back alike: 0 is the hidden size; twice it across a cut MLP
   // (PipelinePlan::message_width).
   int64_t in_width = 0, out_width = 0;
+  // An interleaved pipeline: the units of each of this rank's chunks (Action::chunk indexes it);
+  // empty: one chunk.
+  std::vector<std::pair<int64_t, int64_t>> chunk_units;
   // The keys of LoRA's dropout masks (model::DropoutKeys): the run's seed and the step (set per
   // step); each micro-batch adds its samples.
   uint64_t dropout_seed = 0;
@@ -96,9 +105,13 @@ class StageExecutor {
   double compute_s() const { return compute_s_; }
 
  private:
-  bool first() const { return links_.prev_rank < 0; }
-  bool last() const { return links_.next_rank < 0; }
-  at::Tensor recv_tensor(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype);
+  // Whether chunk V of this rank starts (ends) the pipeline.
+  bool first(int64_t v = 0) const { return prev_of(v) < 0; }
+  bool last(int64_t v = 0) const { return next_of(v) < 0; }
+  int prev_of(int64_t v) const { return links_.chunk_prev.empty() ? links_.prev_rank : links_.chunk_prev.at(static_cast<size_t>(v)); }
+  int next_of(int64_t v) const { return links_.chunk_next.empty() ? links_.next_rank : links_.chunk_next.at(static_cast<size_t>(v)); }
+  int64_t num_chunks() const { return chunk_units.empty() ? 1 : static_cast<int64_t>(chunk_units.size()); }
+  at::Tensor recv_tensor(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype, int64_t key = 0);
   // A receive posted ahead of the action that consumes it. Gloo sends the payload of a message only
   // once the receiver has posted its receive, so a receive posted when the data is needed costs a
   // full transfer on the critical path: on a 0.1 Gbit/s link each gradient of a GPipe stage arrived
@@ -106,19 +119,25 @@ class StageExecutor {
   // the order the actions will consume them.
   struct PostedRecv {
     int src = -1, kind = 0;
-    int64_t mb = 0;
+    int64_t mb = 0, chunk = 0;  // CHUNK: the receiving chunk's index on this rank
     at::Tensor header, data;
     c10::intrusive_ptr<c10d::Work> wh, wd;
   };
   static constexpr size_t kRecvsAhead = 4;
-  PostedRecv post_recv(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype);
+  // KEY: the receiving chunk's virtual stage in an interleaved pipeline (StageLinks::chunk_stage),
+  // 0 otherwise; it goes into the messages' tags.
+  PostedRecv post_recv(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype, int64_t key = 0);
   at::Tensor finish_recv(PostedRecv& r, at::IntArrayRef shape, at::ScalarType dtype);
-  void send_tensor(int dst, int64_t mb, int kind, const at::Tensor& t);
-  void send_to(const std::vector<int>& targets, int fallback, int64_t mb, int kind, const at::Tensor& t);
+  void send_tensor(int dst, int64_t mb, int kind, const at::Tensor& t, int64_t key = 0);
+  void send_to(const std::vector<int>& targets, int fallback, int64_t mb, int kind, const at::Tensor& t, int64_t key = 0);
+  // The tag keys of what chunk V receives (its virtual stage) and sends on (ACT: the next
+  // virtual stage's; else the previous one's); 0 without chunks.
+  int64_t key_in(int64_t v) const { return links_.chunk_stage.empty() ? 0 : links_.chunk_stage.at(static_cast<size_t>(v)); }
+  int64_t key_out(int64_t v, bool act) const { return links_.chunk_stage.empty() ? 0 : key_in(v) + (act ? 1 : -1); }
   void wait_sends();
   void record(const std::string& name, const char* stream, std::chrono::steady_clock::time_point t0);
   void sample_memory();
-  at::Tensor forward_slice(const at::Tensor& x, int64_t mb);
+  at::Tensor forward_slice(const at::Tensor& x, int64_t mb, int64_t chunk = 0);
 
   model::Transformer& slice_;
   StageLinks links_;

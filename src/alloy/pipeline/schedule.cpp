@@ -213,12 +213,22 @@ std::string schedule_names_text(const char* last_sep) {
   return out;
 }
 
-std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches) {
+bool is_schedule_name(const std::string& name) {
+  const auto& n = schedule_names();
+  return name == kInterleaved || std::find(n.begin(), n.end(), name) != n.end();
+}
+
+std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches,
+                                  int64_t virtual_stages) {
+  if (name == kInterleaved) return interleaved_one_f_one_b(stage, num_stages, num_micro_batches, virtual_stages);
+  if (virtual_stages != 1 && is_schedule_name(name))
+    throw std::invalid_argument("pipeline schedule '" + name + "' runs one chunk a stage, not " + std::to_string(virtual_stages) +
+                                " (virtual stages need " + kInterleaved + ")");
   if (name == "1f1b") return one_f_one_b(stage, num_stages, num_micro_batches);
   if (const int64_t extra = eager_extra(name); extra > 0) return eager_one_f_one_b(stage, num_stages, num_micro_batches, extra);
   if (name == "gpipe") return gpipe(stage, num_stages, num_micro_batches);
   if (name == "zb-h1") return zb_h1(stage, num_stages, num_micro_batches);
-  throw std::invalid_argument("unknown pipeline schedule '" + name + "' (valid: " + schedule_names_text() + ")");
+  throw std::invalid_argument("unknown pipeline schedule '" + name + "' (valid: " + schedule_names_text() + ", " + kInterleaved + ")");
 }
 
 std::string to_string(const Action& a) {

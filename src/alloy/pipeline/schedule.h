@@ -94,10 +94,17 @@ int64_t interleaved_warmup(int64_t stage, int64_t num_stages, int64_t num_micro_
 // Whether schedule NAME splits the backward (has BackwardWeight actions).
 bool splits_backward(const std::string& name);
 
-// "gpipe" | "1f1b" | "eager-1f1b" | "eager-1f1b-N" (N 2..kMaxEagerExtra) | "zb-h1"; anything else throws std::invalid_argument naming the valid names.
-std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches);
-// The names make_schedule accepts, in the order error messages list them.
+// "gpipe" | "1f1b" | "eager-1f1b" | "eager-1f1b-N" (N 2..kMaxEagerExtra) | "zb-h1", and
+// "interleaved-1f1b" with VIRTUAL_STAGES >= 2 (every other name with 1); anything else throws
+// std::invalid_argument naming the valid names.
+constexpr const char* kInterleaved = "interleaved-1f1b";
+std::vector<Action> make_schedule(const std::string& name, int64_t stage, int64_t num_stages, int64_t num_micro_batches,
+                                  int64_t virtual_stages = 1);
+// The schedules of one chunk a rank, in the order error messages list them: what the planner
+// searches (it does not build interleaved plans; a plan may name kInterleaved).
 const std::vector<std::string>& schedule_names();
+// Whether a plan may name NAME: schedule_names() and kInterleaved.
+bool is_schedule_name(const std::string& name);
 // Them joined for a message: "1f1b, gpipe, zb-h1" (SEP ", "), or with LAST_SEP before the last
 // ("1f1b, gpipe or zb-h1").
 std::string schedule_names_text(const char* last_sep = ", ");

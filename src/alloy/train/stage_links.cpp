@@ -12,6 +12,16 @@ pipeline::StageLinks stage_links(const PipelinePlan& pl, int stage, int rank, in
   const auto& ranks_of = [&](int s) -> const std::vector<int>& { return pl.stages[static_cast<size_t>(s)].ranks; };
   if (stage > 0) links.prev_rank = ranks_of(stage - 1)[0];
   if (stage + 1 < S) links.next_rank = ranks_of(stage + 1)[0];
+  if (pl.interleaved()) {
+    // Every S-th listed stage is this rank's next chunk; chunk c's neighbours are c - 1 and c + 1.
+    for (int c = stage; c < S; c += static_cast<int>(pl.depth())) {
+      links.chunk_prev.push_back(c > 0 ? ranks_of(c - 1)[0] : -1);
+      links.chunk_next.push_back(c + 1 < S ? ranks_of(c + 1)[0] : -1);
+      links.chunk_stage.push_back(c);
+    }
+    links.prev_rank = links.chunk_prev.front();
+    links.next_rank = links.chunk_next.back();
+  }
   if (!tensor_parallel) return links;
   auto machine = [&](int r) -> const std::string& { return machines[static_cast<size_t>(r)]; };
   auto entries = [&](const std::vector<int>& ranks) {  // the first rank of RANKS on each machine

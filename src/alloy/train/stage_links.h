@@ -13,7 +13,8 @@ namespace alloy::train {
 // stage sends to the first rank of each neighbouring stage on each machine (MACHINES: per rank,
 // World::machines), which relays to that stage's other ranks there; the others send nothing. Two
 // machines' pairs joined by a thin link: one crossing per message instead of two. GROUP is left
-// to the caller.
+// to the caller. An interleaved pipeline (one rank a chunk) fills the chunks' links; STAGE is the
+// rank's first chunk.
 pipeline::StageLinks stage_links(const PipelinePlan& pl, int stage, int rank, int tp_rank, bool tensor_parallel,
                                  const std::vector<std::string>& machines);
 

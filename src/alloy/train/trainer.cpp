@@ -31,7 +31,8 @@ std::vector<pipeline::MicroBatch> Trainer::micro_batches(const data::TokenWindow
                                                          int64_t mbs, int64_t first_place) const {
   const int64_t T = cfg_.model.seq_len;
   const bool first = pos_.stage == 0;
-  const bool last = pos_.stage + 1 == static_cast<int>(plan_->pipelines[static_cast<size_t>(pos_.pipeline)].stages.size());
+  // The pipeline's last position holds its last stage (an interleaved pipeline's last chunk too).
+  const bool last = pos_.stage + 1 == plan_->pipelines[static_cast<size_t>(pos_.pipeline)].depth();
   std::vector<pipeline::MicroBatch> out;
   // The last micro-batch may be short (validation sets rarely divide evenly).
   for (size_t i = 0; i < samples.size(); i += static_cast<size_t>(mbs)) {
@@ -166,7 +167,7 @@ void Trainer::finish_saves() {
 TrainResult Trainer::run() {
   const auto& t = cfg_.train;
   const PipelinePlan& pl = plan_->pipelines[static_cast<size_t>(pos_.pipeline)];
-  const int64_t T = cfg_.model.seq_len, gb = t.global_batch, S = static_cast<int64_t>(pl.stages.size());
+  const int64_t T = cfg_.model.seq_len, gb = t.global_batch, S = pl.depth();
   // This pipeline's slice of each global batch; train.rebalance moves it between steps.
   int64_t offset = plan_->sample_offset(pos_.pipeline), mine = pl.samples();
   // Every micro-batch's loss is divided by the tokens of the whole global batch, so the summed
@@ -177,7 +178,7 @@ TrainResult Trainer::run() {
   auto schedule_of = [&](int64_t samples) {
     const int64_t m = pl.micro_batch_for(samples);
     const int64_t count = (samples + m - 1) / m;  // the last may be short
-    return pipeline::make_schedule(plan_->schedule_of(static_cast<size_t>(pos_.pipeline)), pos_.stage, S, count);
+    return pipeline::make_schedule(plan_->schedule_of(static_cast<size_t>(pos_.pipeline)), pos_.stage, S, count, pl.virtual_stages);
   };
   auto actions = schedule_of(mine);
   const int64_t num_pipelines = static_cast<int64_t>(plan_->pipelines.size());

@@ -76,6 +76,15 @@ void Trainer::publish_rank_stats(const TrainResult& r) {
                                               : device_.is_cuda()                        ? "the CUDA allocator"
                                                                                          : "the host heap"},
                        {"peak_in_flight_micro_batches", r.peak_in_flight}};
+  if (plan_->pipelines[static_cast<size_t>(pos_.pipeline)].interleaved()) {
+    // Every chunk's units, in layer order ("layers" and "units" above are the first chunk's).
+    nlohmann::json chunks = nlohmann::json::array();
+    for (int c : plan_->chunks_of(rank_)) {
+      const auto& ch = plan_->pipelines[static_cast<size_t>(pos_.pipeline)].stages[static_cast<size_t>(c)];
+      chunks.push_back({ch.unit_begin(), ch.unit_end()});
+    }
+    me["chunk_units"] = chunks;
+  }
   // Every step's figures too: the medians hide drift (a rank slow in the first steps only), and
   // re-planning decides from the first steps.
   nlohmann::json per_step = nlohmann::json::array();

@@ -129,9 +129,19 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
       }
     }
   }
-  model_ = std::make_unique<model::Transformer>(
-      cfg_.model, model::LayerRange::for_units(st.unit_begin(), st.unit_end(), cfg_.model.layers),
-      static_cast<uint64_t>(cfg_.train.seed), tp_.get());
+  if (pl.interleaved()) {
+    // Its chunks, spread through the model (Plan's virtual stages).
+    std::vector<model::LayerRange> chunks;
+    for (int c : plan_->chunks_of(rank_)) {
+      const StagePlan& ch = pl.stages[static_cast<size_t>(c)];
+      chunks.push_back(model::LayerRange::for_units(ch.unit_begin(), ch.unit_end(), cfg_.model.layers));
+    }
+    model_ = std::make_unique<model::Transformer>(cfg_.model, chunks, static_cast<uint64_t>(cfg_.train.seed));
+  } else {
+    model_ = std::make_unique<model::Transformer>(
+        cfg_.model, model::LayerRange::for_units(st.unit_begin(), st.unit_end(), cfg_.model.layers),
+        static_cast<uint64_t>(cfg_.train.seed), tp_.get());
+  }
   std::string resume_dir;
   CheckpointState resumed;
   if (!opts_.resume.empty()) {
@@ -197,6 +207,9 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   if (static_cast<size_t>(pos_.stage) + 1 < pl.stages.size()) exec_->out_width = pl.message_width(static_cast<size_t>(pos_.stage), cfg_.model.hidden);
   if (pl.floats())
     for (int64_t m = 0; m < pl.num_micro_batches; ++m) exec_->mb_units.push_back(pl.units_of(static_cast<size_t>(pos_.stage), m));
+  if (pl.interleaved())
+    for (int c : plan_->chunks_of(rank_))
+      exec_->chunk_units.emplace_back(pl.stages[static_cast<size_t>(c)].unit_begin(), pl.stages[static_cast<size_t>(c)].unit_end());
   if (!resume_dir.empty()) scaler_.restore(resumed.loss_scale, resumed.loss_scale_good_steps);
   if (world_) build_groups();
   // Replicas of the whole model, one stage of one rank each, or why not: samples move among them
