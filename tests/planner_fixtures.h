@@ -98,7 +98,8 @@ inline void expect_uses_every_device(const SearchResult& r, const ClusterSpec& c
   EXPECT_NO_THROW(r.plan.validate(p.model));
   std::set<int> seen;
   for (const auto& pl : r.plan.pipelines)
-    for (const auto& st : pl.stages) {
+    for (int64_t k = 0; k < pl.depth(); ++k) {  // an interleaved pipeline's later chunks are the same ranks'
+      const StagePlan& st = pl.stages[static_cast<size_t>(k)];
       ASSERT_EQ(st.ranks.size(), 1u);
       const int rank = st.ranks[0];
       EXPECT_TRUE(seen.insert(rank).second) << "rank " << rank << " twice";

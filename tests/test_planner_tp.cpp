@@ -384,8 +384,11 @@ TEST(TensorParallelPlanner, PutsTheGroupOnTheFastLinkOnly) {
   consider_tensor_parallel(x, c, prof, o);
   ASSERT_TRUE(x.plan.has_tensor_parallel());
   EXPECT_EQ(x.notes[x.notes.size() - 2], "(the plan before tensor parallelism) gradient buckets of 1 MiB instead of 25: predicted 1 ms instead of 2 ms");
-  // Without tensor parallelism the same search is predicted slower.
+  // Without tensor parallelism the same search is predicted slower. (Interleaving the four-stage
+  // pipeline that takes the group's place instead is predicted faster still, 538 against 544 ms:
+  // the comparison is of the layouts.)
   o.tensor_parallel = false;
+  o.interleave = false;
   EXPECT_GT(make_plan(c, prof, o, false).chosen.cost.step_s, r.chosen.cost.step_s);
 }
 
@@ -430,8 +433,11 @@ TEST(TensorParallelPlanner, PutsAGroupInsideEachHostAndThePipelineAcrossThem) {
   const std::string dot = viz::to_dot(in);
   for (const std::string pair : {"a0 + a1", "b0 + b1"})
     EXPECT_NE(dot.find("tensor parallel x2, heads 2:2: " + pair), std::string::npos) << dot;
-  // Without tensor parallelism the same search is predicted slower.
+  // Without tensor parallelism the same search is predicted slower. (Interleaving the four-stage
+  // pipeline that takes the group's place instead is predicted faster still, 538 against 544 ms:
+  // the comparison is of the layouts.)
   o.tensor_parallel = false;
+  o.interleave = false;
   EXPECT_GT(make_plan(c, prof, o, false).chosen.cost.step_s, r.chosen.cost.step_s);
 }
 

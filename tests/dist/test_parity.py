@@ -476,6 +476,10 @@ RESHARD_CHAINS = {
     # block 5 at heads 3 (8-14), block 5's MLP cut at head 1 beside a replica, ZeRO-1 (15-20)
     "reshard-cut": [("reshard-cut-a", "dp2-6x2-2x6", [], 7), ("reshard-cut-b", "tp2-in-pp2", [], 14),
                     ("reshard-cut-c", "cut-mixed-12x11_and_16", ["--zero-stage", "1"], 20)],
+    # interleaved chunks in and out: a 1F1B pipeline (1-7), the same ranks in 3+1+3+1-block chunks
+    # (8-14), two replicas (15-20)
+    "reshard-interleaved": [("reshard-il-a", "pp2-6+2-1f1b", [], 7), ("reshard-il-b", "interleaved-pp2-v2", [], 14),
+                            ("reshard-il-c", "dp2-6x2-2x6", [], 20)],
 }
 
 

@@ -36,6 +36,7 @@ struct PlanArgs {
   std::string float_boundaries = "on";
   std::string mlp_cuts = "on";
   std::string short_micro_batches = "on";
+  std::string interleave = "on";
   std::vector<std::string> schedules = pipeline::schedule_names();
   std::vector<std::string> sets;
   int64_t global_batch = 0, micro_batch = 0, layers = 0;
@@ -251,6 +252,11 @@ void add_dist_commands(CLI::App& app, Action& action) {
                    "on: the alloy strategy also tries pipeline boundaries inside an MLP, split by columns (the first "
                    "stage computes the columns of some heads, the next the rest; kept where predicted at least 5% faster); off: none")
       ->group(g)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
+  plan->add_option("--interleave", pa->interleave,
+                   "on: the alloy strategy also tries interleaving a pipeline's ranks into 2 to 4 chunks each "
+                   "(interleaved-1f1b: a V times smaller bubble for V times the messages; kept where predicted at least "
+                   "5% faster); off: one chunk a rank")
+      ->group(g)->capture_default_str()->check(CLI::IsMember({"on", "off"}));
   plan->add_option("--short-micro-batches", pa->short_micro_batches,
                    "on: a pipeline's samples need not be a multiple of its micro-batch size (its last micro-batch is "
                    "short), so unlike replicas split the batch as their speeds ask; off: whole micro-batches")
@@ -343,6 +349,7 @@ void add_dist_commands(CLI::App& app, Action& action) {
         so.float_boundaries = pa->float_boundaries == "on";
         so.mlp_cuts = pa->mlp_cuts == "on";
         so.short_micro_batches = pa->short_micro_batches == "on";
+        so.interleave = pa->interleave == "on";
         so.schedules = pa->schedules;
         auto report = plan::make_plan(spec, prof, so, !pa->no_compare);
         if (!pa->evaluate.empty()) {

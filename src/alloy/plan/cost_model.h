@@ -128,6 +128,9 @@ struct StageCost {
   std::string device, type, host;
   int64_t layer_begin = 0, layer_end = 0;  // the blocks the stage touches
   int64_t unit_begin = 0, unit_end = 0;    // the half blocks it holds
+  // An interleaved pipeline's rank (one StageCost for all its chunks): each chunk's units; the
+  // ranges above span from its first to its last. Empty otherwise.
+  std::vector<std::pair<int64_t, int64_t>> chunk_units;
   double forward_s = 0, backward_s = 0;  // all micro-batches of the step
   double p2p_s = 0;        // transfer time of the messages this stage sends (overlaps compute)
   int tp = 1;              // ranks of a tensor-parallel stage (the figures here are its first rank's)

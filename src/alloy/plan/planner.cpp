@@ -153,6 +153,8 @@ PlanReport make_plan(const ClusterSpec& cluster, const Profile& profile, const S
     if (x.strategy == "alloy") consider_short_micro_batches(x, cluster, profile, o);
     if (x.strategy == "alloy") tune_buckets(x, cluster, profile);
     if (x.strategy == "alloy" && o.tensor_parallel) consider_tensor_parallel(x, cluster, profile, o);
+    // After the layout is settled (tensor-parallel stages are not interleaved): a schedule for it.
+    if (x.strategy == "alloy" && o.interleave) consider_interleaving(x, cluster, profile, o);
     if (x.strategy == "alloy") note_eager_schedule(x, cluster, profile);
     return x;
   };
@@ -223,9 +225,12 @@ std::string PlanReport::text() const {
   o << "\n";
   o << "  rank  device            blocks    fwd+bwd      p2p   bubble  sync(exposed)  memory / capacity\n";
   for (const auto& s : c.stages) {
-    char line[256];
+    char line[512];
+    // An interleaved rank: its chunks, "[0,1.5)+[2,3.5)".
+    std::string blocks = s.chunk_units.empty() ? blocks_text(s.unit_begin, s.unit_end) : std::string();
+    for (const auto& [b, e] : s.chunk_units) blocks += (blocks.empty() ? "" : "+") + blocks_text(b, e);
     std::snprintf(line, sizeof line, "  %4d  %-16s  %-8s  %9s %8s %8s  %13s  %s / %s%s\n", s.rank, s.device.c_str(),
-                  blocks_text(s.unit_begin, s.unit_end).c_str(), ms(s.forward_s + s.backward_s).c_str(),
+                  blocks.c_str(), ms(s.forward_s + s.backward_s).c_str(),
                   ms(s.p2p_s).c_str(), ms(s.bubble_s).c_str(), ms(s.sync_exposed_s).c_str(), mem(s.memory_bytes).c_str(),
                   s.memory_capacity_bytes > 0 ? mem(s.memory_capacity_bytes).c_str() : "unknown", s.fits ? "" : "  DOES NOT FIT");
     o << line;

@@ -98,6 +98,8 @@ struct SearchOptions {
   // ... and with boundaries inside an MLP, split by columns (StagePlan::mlp_cut) where the model
   // predicts a gain.
   bool mlp_cuts = true;
+  // make_plan tries interleaving pipelines' ranks into virtual stages (consider_interleaving).
+  bool interleave = true;
   // Batch splits may end a pipeline with a short micro-batch (PipelinePlan::last_micro_batch_size):
   // in the rebalance (calibrate.h) and consider_short_micro_batches.
   bool short_micro_batches = true;
@@ -203,6 +205,18 @@ void consider_short_micro_batches(SearchResult& result, const ClusterSpec& clust
 // backwards on tensor-parallel pipelines or on ranks sharded with ZeRO-3. Notes each change.
 // Applied by make_plan after refine_units.
 void refine_schedules(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
+
+// Interleaved virtual stages (PipelinePlan::virtual_stages, schedule interleaved-1f1b): for each
+// pipeline of RESULT's plan with two or more ranks, one rank a stage and whole units (no floats,
+// cut MLPs or ZeRO), and as many micro-batches as a multiple of its ranks or at most as many, V =
+// 2 to kMaxVirtualStages chunks a rank: each rank's units spread over its chunks in the plan's own
+// proportions, then each boundary moved a unit either way while that is predicted faster. Kept
+// where predicted at least kInterleaveMinGain faster (each chunk's messages cost CPU time and a
+// crossing; the margin of a split backward, which the model also prices closely); noted. Applied
+// by make_plan after consider_tensor_parallel, with SearchOptions::interleave.
+constexpr int64_t kMaxVirtualStages = 4;
+constexpr double kInterleaveMinGain = 0.05;
+void consider_interleaving(SearchResult& result, const ClusterSpec& cluster, const Profile& profile, const SearchOptions& options);
 
 // Where RESULT's plan runs eager 1F1B on some pipeline, notes what the same plan is predicted to
 // take on plain 1F1B there: the extra micro-batch of activations per stage is paid for by that

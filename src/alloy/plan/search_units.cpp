@@ -53,8 +53,13 @@ PlanCost priced_rebalanced(Plan& cand, const ClusterSpec& cluster, const Profile
       for (const auto& st : cand.pipelines[q].stages) phase[st.ranks[0]] = c.pipelines[q].phase_s;
     Rebalance rb = rebalance(cand, cluster, profile, phase, options, 0.0);
     if (rb.change) {
-      PlanCost rc = simulate_plan(rb.plan, cluster, profile);
-      if (rc.fits && rc.step_s < c.step_s) cand = std::move(rb.plan), c = rc;
+      try {
+        PlanCost rc = simulate_plan(rb.plan, cluster, profile);
+        if (rc.fits && rc.step_s < c.step_s) cand = std::move(rb.plan), c = rc;
+      } catch (const InputError&) {
+        // A re-split the pipeline cannot take (an interleaved one's micro-batches must stay a
+        // multiple of its ranks): the split as it was.
+      }
     }
   }
   return c;

@@ -40,6 +40,67 @@ std::string sharding_text(const StageCost& sc) {
 // ---------------------------------------------------------------------------------------------
 // simulate_plan
 
+namespace {
+
+// The ranks of interleaved pipeline P (no tensor parallelism, no sharding, whole units: Plan::validate
+// and training_problem see to it), one StageCost each over all its chunks: COSTS per chunk (listed
+// stage), SIM per rank. Memory: each chunk's weights with its embedding or head; activations as
+// the rank's peak of chunk-micro-batches in flight, each the size of its average chunk's.
+void interleaved_stage_costs(const CostContext& ctx, const Plan& plan, size_t p, const pipeline::SimCosts& costs,
+                             const pipeline::SimResult& sim, const std::vector<double>& p2p, const std::vector<int>& dev_of, PlanCost* pc) {
+  const PipelinePlan& pl = plan.pipelines[p];
+  const int64_t D = pl.depth(), n = static_cast<int64_t>(pl.stages.size()), M = pl.num_micro_batches, m = pl.micro_batch_size;
+  for (int64_t s = 0; s < D; ++s) {
+    const StagePlan& st = pl.stages[static_cast<size_t>(s)];
+    const int r = st.ranks[0], d = dev_of[static_cast<size_t>(r)];
+    StageCost sc;
+    sc.pipeline = static_cast<int>(p);
+    sc.stage = static_cast<int>(s);
+    sc.rank = r;
+    sc.device = ctx.cluster().devices[static_cast<size_t>(d)].name;
+    sc.type = ctx.type_name(ctx.type_of(d));
+    sc.host = ctx.host_name(ctx.host_of(d));
+    sc.layer_begin = st.layer_begin;
+    sc.layer_end = pl.stages[static_cast<size_t>(n - D + s)].layer_end;
+    sc.unit_begin = st.unit_begin();
+    sc.unit_end = pl.stages[static_cast<size_t>(n - D + s)].unit_end();
+    double blocks = 0, param_bytes = 0, frozen = 0, working = 0;
+    bool any_recompute = false, first_any = false, last_any = false;
+    for (int64_t c = s; c < n; c += D) {
+      const StagePlan& ch = pl.stages[static_cast<size_t>(c)];
+      const bool first = c == 0, last = c + 1 == n;
+      sc.chunk_units.emplace_back(ch.unit_begin(), ch.unit_end());
+      sc.forward_s += static_cast<double>(M) * costs.forward[static_cast<size_t>(c)];
+      sc.backward_s += static_cast<double>(M) * costs.backward[static_cast<size_t>(c)];
+      const double b = ctx.compute_blocks(ch.unit_begin(), ch.unit_end());
+      const double pb = ctx.param_blocks(ch.unit_begin(), ch.unit_end());
+      blocks += b;
+      param_bytes += ctx.param_bytes(pb, first, last);
+      frozen += ctx.frozen_bytes(pb, first, last);
+      working = std::max(working, ctx.working_bytes(b, m, ch.recompute));
+      any_recompute = any_recompute || ch.recompute;
+      first_any = first_any || first;
+      last_any = last_any || last;
+    }
+    const double chunks = static_cast<double>(pl.virtual_stages);
+    sc.p2p_s = p2p[static_cast<size_t>(s)];
+    sc.bubble_s = std::max(0.0, sim.makespan - sc.forward_s - sc.backward_s);
+    sc.peak_in_flight = sim.peak_in_flight[static_cast<size_t>(s)];
+    sc.recompute = any_recompute;
+    sc.param_bytes = param_bytes;
+    sc.activation_bytes = static_cast<double>(sc.peak_in_flight * m) * ctx.act_bytes_per_sample(blocks / chunks, first_any, last_any, any_recompute) +
+                          working;
+    sc.weight_bytes = param_bytes + frozen;
+    sc.grad_bytes = param_bytes;
+    sc.optimizer_bytes = (ctx.state_bytes_per_param_byte() - 2) * param_bytes;
+    sc.memory_capacity_bytes = ctx.capacity_bytes(d);
+    sc.optimizer_s = ctx.optimizer_s(ctx.type_of(d), param_bytes);
+    pc->stages.push_back(sc);
+  }
+}
+
+}  // namespace
+
 PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profile& profile) {
   plan.validate(profile.model, "plan");
   CostContext ctx(cluster, profile);
@@ -66,7 +127,7 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
         const int dk = st.tp() > 1 ? cluster.device_index(name) : d;
         if (dk < 0) throw InputError("plan", f + "s: no device '" + name + "' in the cluster");
         auto [it, fresh] = rank_on_device.emplace(dk, st.ranks[k]);
-        if (!fresh)
+        if (!fresh && it->second != st.ranks[k])  // an interleaved rank's later chunks meet its device again
           throw InputError("plan", f + ": device '" + name + "' already runs rank " + std::to_string(it->second) +
                                        "; the cost model puts one rank on a device");
         dev_of[static_cast<size_t>(st.ranks[k])] = dk;
@@ -86,12 +147,16 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
   std::vector<std::vector<int>> pipeline_hosts;
   for (const auto& pl : plan.pipelines) {
     pipeline_hosts.emplace_back();
-    for (const auto& st : pl.stages) pipeline_hosts.back().push_back(ctx.host_of(dev_of[static_cast<size_t>(st.ranks[0])]));
+    // An interleaved pipeline crosses its ranks' links V times, one message at a time each way (the
+    // simulation queues them): its positions and the wrap back to the first.
+    const size_t listed = pl.interleaved() ? static_cast<size_t>(pl.depth()) + 1 : pl.stages.size();
+    for (size_t s = 0; s < listed; ++s) pipeline_hosts.back().push_back(ctx.host_of(dev_of[static_cast<size_t>(pl.stages[s].ranks[0])]));
   }
   const std::vector<std::vector<int>> link_share = ctx.pipeline_link_shares(pipeline_hosts);
   for (size_t p = 0; p < plan.pipelines.size(); ++p) {
     const PipelinePlan& pl = plan.pipelines[p];
-    const int64_t S = static_cast<int64_t>(pl.stages.size()), M = pl.num_micro_batches, m = pl.micro_batch_size;
+    // S: the listed stages (an interleaved pipeline's chunks, costed one by one); D: the ranks.
+    const int64_t S = static_cast<int64_t>(pl.stages.size()), D = pl.depth(), M = pl.num_micro_batches, m = pl.micro_batch_size;
     pipeline::SimCosts costs;
     const bool split = pipeline::splits_backward(plan.schedule_of(p));
     std::vector<std::vector<pipeline::Action>> actions;
@@ -160,24 +225,32 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
       }
       if (!last) {
         const int next = dev_of[static_cast<size_t>(pl.stages[static_cast<size_t>(s + 1)].ranks[0])];
-        costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m, link_share[p][static_cast<size_t>(s)], out_width));
+        costs.p2p_link.push_back(ctx.p2p_s(ctx.host_of(d), ctx.host_of(next), m, link_share[p][static_cast<size_t>(s % D)], out_width));
         costs.p2p_latency.push_back(ctx.latency_s(ctx.host_of(d), ctx.host_of(next)));
       }
-      actions.push_back(pipeline::make_schedule(plan.schedule_of(p), s, S, M));
+      if (s < D) actions.push_back(pipeline::make_schedule(plan.schedule_of(p), s, D, M, pl.virtual_stages));
     }
+    // Interleaved, the links simulate() needs are the first D boundaries': D - 1 between the ranks'
+    // positions, and boundary D - 1 (rank D - 1's first chunk to rank 0's second) the wrap.
     pipeline::SimResult sim = pipeline::simulate(actions, costs);
     PipelineCost pcost;
     pcost.micro_batch_size = m;
     pcost.num_micro_batches = M;
     pcost.phase_s = sim.makespan;
-    std::vector<double> p2p(static_cast<size_t>(S), 0);
+    std::vector<double> p2p(static_cast<size_t>(D), 0);
     for (const auto& e : sim.events)
       if (e.action.kind == pipeline::ActionKind::SendActivation || e.action.kind == pipeline::ActionKind::SendGrad)
         p2p[static_cast<size_t>(e.stage)] += e.end - e.start;
-    for (size_t s = 0; s < static_cast<size_t>(S); ++s) {
+    for (size_t s = 0; s < static_cast<size_t>(D); ++s) {
       const size_t r = static_cast<size_t>(pl.stages[s].ranks[0]);
       last_bwd_start[r] = sim.last_backward_start[s];
       phase_end[r] = sim.last_backward_end[s];
+    }
+    if (pl.interleaved()) {
+      interleaved_stage_costs(ctx, plan, p, costs, sim, p2p, dev_of, &pc);
+      for (int64_t s = 0; s < D; ++s) stage_of_rank[static_cast<size_t>(pl.stages[static_cast<size_t>(s)].ranks[0])] = pc.stages.size() - static_cast<size_t>(D - s);
+      pc.pipelines.push_back(pcost);
+      continue;
     }
     for (int64_t s = 0; s < S; ++s) {
       const StagePlan& st = pl.stages[static_cast<size_t>(s)];
@@ -268,7 +341,9 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
   std::vector<int64_t> mbs_of(static_cast<size_t>(W), 0);
   for (size_t p = 0; p < holders.size(); ++p)
     for (const auto& h : holders[p]) {
-      holder_of[static_cast<size_t>(h.id)] = &h;
+      // An interleaved rank's first chunk: its last backward is the step's last (the others' buckets
+      // wait in the reducer for it).
+      if (!holder_of[static_cast<size_t>(h.id)]) holder_of[static_cast<size_t>(h.id)] = &h;
       mbs_of[static_cast<size_t>(h.id)] = plan.pipelines[p].last_size();  // the buckets fill during the last backward
     }
   std::vector<std::vector<int>> ring_ranks(sets.size()), ring_devs(sets.size());
@@ -346,7 +421,8 @@ PlanCost simulate_plan(const Plan& plan, const ClusterSpec& cluster, const Profi
     sc.sync_s = longest[r];
     sc.sync_exposed_s = done[r] - phase_end[r];
     const auto& pl = plan.pipelines[static_cast<size_t>(sc.pipeline)];
-    sc.bucket_bytes = bucket[r] + ctx.send_buffer_bytes(sc.stage == 0, sc.stage + 1 == static_cast<int>(pl.stages.size()),
+    // An interleaved rank's chunks send both ways, whatever its position.
+    sc.bucket_bytes = bucket[r] + ctx.send_buffer_bytes(sc.stage == 0 && !pl.interleaved(), sc.stage + 1 == pl.depth() && !pl.interleaved(),
                                                         pl.num_micro_batches, pl.micro_batch_size);
     sc.state_bytes = sc.weight_bytes + sc.grad_bytes + sc.optimizer_bytes;
     sc.memory_bytes = (sc.state_bytes + sc.bucket_bytes) + sc.gathered_bytes + sc.activation_bytes;
@@ -444,6 +520,11 @@ nlohmann::json PlanCost::to_json() const {
                               {"memory_bytes", s.memory_bytes},
                               {"memory_capacity_bytes", s.memory_capacity_bytes},
                               {"fits", s.fits}});
+    if (!s.chunk_units.empty()) {
+      json cu = json::array();
+      for (const auto& [b, e] : s.chunk_units) cu.push_back({b, e});
+      j["per_stage"].back()["chunk_units"] = cu;
+    }
     if (s.tp > 1) {
       // ranks.json's tp_comm_s_median measures the same sums on each member.
       j["per_stage"].back()["tp"] = s.tp;
