@@ -786,3 +786,34 @@ TEST(SynerFuseArgs, RunShTrainingSwitchesConvert) {
     EXPECT_HAS(std::string(e.what()), "--fp16 takes no value");
   }
 }
+
+// Megatron's interleaved schedule: 8 layers on 2 stages in chunks of 2, so each rank holds two
+// chunks (layers 0-1 and 4-5 on rank 0), on interleaved-1f1b; its constraints named by the flag.
+TEST(SynerFuse, VirtualPipelineStagesInterleaveEachPipeline) {
+  const Args base = {"--num-layers", "8", "--pipeline-model-parallel-size", "2", "--global-batch-size", "16",
+                     "--micro-batch-size", "2", "--data-parallel-size", "2"};
+  const Plan p = from_flags(concat(base, {"--num-layers-per-virtual-pipeline-stage", "2"}));
+  EXPECT_EQ(p.schedule, "interleaved-1f1b");
+  ASSERT_EQ(p.pipelines.size(), 2u);
+  for (const auto& pl : p.pipelines) {
+    EXPECT_EQ(pl.virtual_stages, 2);
+    ASSERT_EQ(pl.stages.size(), 4u);
+    EXPECT_EQ(pl.num_micro_batches, 4);
+    for (size_t c = 0; c < 4; ++c) {
+      EXPECT_EQ(pl.stages[c].layer_begin, 2 * static_cast<int64_t>(c));
+      EXPECT_EQ(pl.stages[c].ranks, pl.stages[c % 2].ranks);
+    }
+  }
+  EXPECT_EQ(p.world_size(), 4);
+  EXPECT_EQ(p.chunks_of(0), (std::vector<int>{0, 2}));
+  EXPECT_EQ(validate_error(p, 8), "");
+  EXPECT_HAS(flags_error(concat(base, {"--num-layers-per-virtual-pipeline-stage", "3"})),
+             "--num-layers-per-virtual-pipeline-stage 3: --num-layers 8 is not a multiple of --pipeline-model-parallel-size 2 x 3");
+  EXPECT_HAS(flags_error(concat(base, {"--num-layers-per-virtual-pipeline-stage", "4"})), "make one chunk a stage");
+  EXPECT_HAS(flags_error({"--num-layers", "8", "--pipeline-model-parallel-size", "2", "--global-batch-size", "6", "--micro-batch-size",
+                          "2", "--num-layers-per-virtual-pipeline-stage", "2"}),
+             "runs 3 micro-batches, not a multiple of --pipeline-model-parallel-size 2");
+  EXPECT_HAS(flags_error({"--num-layers", "8", "--pipeline-model-parallel-size", "2", "--hetero-pipeline-stages", "2", "5", "3",
+                          "--global-batch-size", "8", "--micro-batch-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"}),
+             "with --hetero-pipeline-stages the stages differ");
+}

@@ -209,6 +209,9 @@ def _interleaved(gb, mbs, nmb, ranks, units, virtual, extra=()):
 
 
 LAYOUTS["interleaved-pp2-v2"] = ("gpt2", 24, _interleaved(24, 3, 8, [0, 1], [(0, 6), (6, 8), (8, 14), (14, 16)], 2), 2)
+# Megatron's flag for the same: 8 layers on 2 stages in chunks of 2 (two chunks a rank).
+LAYOUTS["synerfuse-interleaved"] = ("gpt2", 24, ["--num-layers", "8", "--pipeline-model-parallel-size", "2",
+                                                 "--num-layers-per-virtual-pipeline-stage", "2", "--micro-batch-size", "4"], 2)
 LAYOUTS["interleaved-llama-pp3-v2-dp"] = (
     "llama", 24, _interleaved(24, 2, 6, [0, 1, 2], [(0, 3), (3, 6), (6, 8), (8, 11), (11, 14), (14, 16)], 2,
                               extra=[(2, 6, full(3))]), 4)

@@ -242,6 +242,10 @@ void add_train_commands(CLI::App& app, Action& action) {
   cmd->add_option("--micro-batch-size", a->src.synerfuse.micro_batch_size, "Uniform micro-batch size")->group(g_sf);
   cmd->add_option("--hetero-pipeline-stages", a->src.synerfuse.hetero_pipeline_stages, "n0 l00 l01 ... n1 l10 ...: layers per stage")
       ->group(g_sf);
+  cmd->add_option("--num-layers-per-virtual-pipeline-stage", a->src.synerfuse.layers_per_virtual_stage,
+                  "Interleaved schedule: each pipeline's layers in chunks of this many, chunk c on stage c mod the stages "
+                  "(each rank holds layers / (stages x this) chunks)")
+      ->group(g_sf);
   cmd->add_option("--micro-batch-size-per-dp", a->src.synerfuse.micro_batch_size_per_dp, "n0 mbs0 n1 mbs1 ...")->group(g_sf);
   cmd->add_option("--num-micro-batches-per-dp", a->src.synerfuse.num_micro_batches_per_dp, "n0 nmb0 n1 nmb1 ...")->group(g_sf);
   cmd->add_flag("--use-tp-pp-dp-mapping", a->src.synerfuse.tp_pp_dp_mapping,

@@ -150,6 +150,7 @@ SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv, std::ve
       {"--micro-batch-size", &a.micro_batch_size},
       {"--data-parallel-size", &a.data_parallel_size},
       {"--world-size", &a.world_size},
+      {"--num-layers-per-virtual-pipeline-stage", &a.layers_per_virtual_stage},
   };
   const std::map<std::string, std::vector<int64_t>*> lists = {
       {"--hetero-pipeline-stages", &a.hetero_pipeline_stages},
@@ -215,6 +216,40 @@ SynerFuseArgs parse_synerfuse_args(const std::vector<std::string>& argv, std::ve
   }
   return a;
 }
+
+namespace {
+
+// Megatron's --num-layers-per-virtual-pipeline-stage N: each pipeline's L layers in L / N chunks of
+// N, chunk c on the ranks of stage c mod pp, V = L / (pp N) chunks a rank, interleaved 1F1B.
+void interleave_synerfuse(const SynerFuseArgs& a, Plan* plan) {
+  const int64_t n = a.layers_per_virtual_stage, pp = a.pipeline_model_parallel_size, L = a.num_layers;
+  const std::string flag = "--num-layers-per-virtual-pipeline-stage " + str(n);
+  if (n < 1) sf_fail(flag + ": must be >= 1");
+  if (pp < 2) sf_fail(flag + ": interleaving needs --pipeline-model-parallel-size 2 or more, got " + str(pp));
+  if (!a.hetero_pipeline_stages.empty())
+    sf_fail(flag + ": with --hetero-pipeline-stages the stages differ, and Megatron's virtual stages are equal: give one or the other");
+  if (L % (pp * n) != 0)
+    sf_fail(flag + ": --num-layers " + str(L) + " is not a multiple of --pipeline-model-parallel-size " + str(pp) + " x " + str(n));
+  const int64_t V = L / (pp * n);
+  if (V < 2) sf_fail(flag + ": " + str(L) + " layers on " + str(pp) + " stages make one chunk a stage; leave the flag out");
+  plan->schedule = "interleaved-1f1b";
+  for (size_t d = 0; d < plan->pipelines.size(); ++d) {
+    PipelinePlan& pl = plan->pipelines[d];
+    if (pl.num_micro_batches > pp && pl.num_micro_batches % pp != 0)
+      sf_fail(flag + ": data-parallel rank " + str(static_cast<int64_t>(d)) + " runs " + str(pl.num_micro_batches) +
+              " micro-batches, not a multiple of --pipeline-model-parallel-size " + str(pp) + " (Megatron's interleaved schedule asks the same)");
+    const std::vector<StagePlan> ranks = pl.stages;
+    pl.stages.clear();
+    for (int64_t c = 0; c < pp * V; ++c) {
+      StagePlan st = ranks[static_cast<size_t>(c % pp)];
+      st.layer_begin = c * n, st.layer_end = (c + 1) * n;
+      pl.stages.push_back(st);
+    }
+    pl.virtual_stages = V;
+  }
+}
+
+}  // namespace
 
 Plan plan_from_synerfuse(const SynerFuseArgs& a) {
   if (a.num_layers < 1) sf_fail("--num-layers must be >= 1, got " + str(a.num_layers));
@@ -327,6 +362,7 @@ Plan plan_from_synerfuse(const SynerFuseArgs& a) {
     }
     plan.pipelines.push_back(std::move(pl));
   }
+  if (a.layers_per_virtual_stage != 0) interleave_synerfuse(a, &plan);
   if (a.sequence_parallel) plan.set_sequence_parallel();
   ModelConfig model;
   model.layers = a.num_layers;

@@ -48,6 +48,9 @@ struct SynerFuseArgs {
                                                   //   size is known, else the per-dp lists' group total, else 1
   int64_t world_size = 0;                         // --world-size (Alloy's); 0 = pp * dp, else must equal it
   std::vector<int64_t> hetero_pipeline_stages;    // n0 l00 l01 ... n1 l10 ...: n_i stages, then their n_i layer counts
+  // --num-layers-per-virtual-pipeline-stage (Megatron's interleaved schedule): every pipeline's
+  // layers in chunks of this many, chunk c on stage c mod pp (Plan's virtual stages); 0 = off.
+  int64_t layers_per_virtual_stage = 0;
   std::vector<int64_t> micro_batch_size_per_dp;   // n0 mbs0 n1 mbs1 ...
   std::vector<int64_t> num_micro_batches_per_dp;  // n0 nmb0 n1 nmb1 ...
   bool tp_pp_dp_mapping = false;                  // --use-tp-pp-dp-mapping (the per-dp lists imply it)

@@ -165,7 +165,8 @@ void record_membership(const Config& cfg, const ResolvedPlan& rp, int world_size
 
 bool synerfuse_given(const SynerFuseArgs& a) {
   return !a.hetero_pipeline_stages.empty() || !a.micro_batch_size_per_dp.empty() || !a.num_micro_batches_per_dp.empty() ||
-         a.pipeline_model_parallel_size > 1 || a.tensor_model_parallel_size > 1 || !a.tp_split.empty();
+         a.pipeline_model_parallel_size > 1 || a.tensor_model_parallel_size > 1 || !a.tp_split.empty() ||
+         a.layers_per_virtual_stage != 0;
 }
 
 std::vector<int> elastic_members() {
