@@ -55,7 +55,7 @@ void StageExecutor::send_tensor(int dst, int64_t mb, int kind, const at::Tensor&
 void StageExecutor::send_to(const std::vector<int>& targets, int fallback, int64_t mb, int kind, const at::Tensor& t, int64_t key) {
   if (targets.empty()) return send_tensor(fallback, mb, kind, t, key);
   for (int dst : targets)
-    if (dst >= 0) send_tensor(dst, mb, kind, t);
+    if (dst >= 0) send_tensor(dst, mb, kind, t, key);
 }
 
 StageExecutor::PostedRecv StageExecutor::post_recv(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype, int64_t key) {
