@@ -99,11 +99,7 @@ def main():
     name_of = {key: f"{key[0]}-{key[1]}" for key in keys}
     for key in keys:
         log(f"{name_of[key]}: {layout(plans[key])}, predicted {predicted[key] * 1e3:.0f} ms")
-    runs = {}
-    for r in range(a.rounds):
-        for key in keys:
-            log(f"round {r + 1} of {a.rounds}: training {a.steps} steps of {name_of[key]}")
-            runs.setdefault(key, []).append(R.train(f"cut-{name_of[key]}-{r + 1}", plans[key], a.steps))
+    runs = hb.train_in_rounds(R, a, keys, plans, name_of.get, "cut", log)
     results = {}
     for key in keys:
         results[name_of[key]], text = hb.fixed_plan_result(runs[key], layout(plans[key]), predicted[key])

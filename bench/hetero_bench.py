@@ -255,6 +255,18 @@ def write_fixed_plan_results(a, name, **fields):
     return path
 
 
+def train_in_rounds(R, a, keys, plans, name_of, prefix, log):
+    """Trains PLANS[key] for every key of KEYS in turn, A.rounds times (A: add_fixed_plan_args'),
+    each run --steps; returns each key's runs (Runner.train's results) in round order. Runs are
+    named PREFIX-NAME_OF(key)-ROUND."""
+    runs = {}
+    for r in range(a.rounds):
+        for key in keys:
+            log(f"round {r + 1} of {a.rounds}: training {a.steps} steps of {name_of(key)}")
+            runs.setdefault(key, []).append(R.train(f"{prefix}-{name_of(key)}-{r + 1}", plans[key], a.steps))
+    return runs
+
+
 def fixed_plan_result(runs, plan_text, predicted):
     """The figures of one plan trained in rounds (RUNS: Runner.train's results): median and per-round
     step, prediction and its error, idle shares per round; and the line that reports them."""

@@ -99,11 +99,7 @@ def main():
     keys = ["1f1b", "eager-1f1b-2", "interleaved"]
     for key in keys:
         log(f"{key}: {layout(plans[key])}, predicted {predicted[key] * 1e3:.0f} ms")
-    runs = {}
-    for r in range(a.rounds):
-        for key in keys:
-            log(f"round {r + 1} of {a.rounds}: training {a.steps} steps of {key}")
-            runs.setdefault(key, []).append(R.train(f"il-{key}-{r + 1}", plans[key], a.steps))
+    runs = hb.train_in_rounds(R, a, keys, plans, str, "il", log)
     results = {}
     for key in keys:
         results[key], text = hb.fixed_plan_result(runs[key], layout(plans[key]), predicted[key])

@@ -120,4 +120,15 @@ TEST(InterleavePlan, LeavesAloneWhatCannotInterleave) {
   x.strategy = "alloy";
   consider_interleaving(x, c, p, o);
   EXPECT_FALSE(x.plan.pipelines[0].interleaved());
+  // 32 micro-batches: the fill and drain are small beside them (67 against 70 chunk-times), under
+  // the margin; the note says what was found and why it is not used.
+  SearchResult y;
+  y.plan = pipeline_of_four(32, false);
+  y.cost = simulate_plan(y.plan, c, p);
+  y.strategy = "alloy";
+  consider_interleaving(y, c, p, o);
+  EXPECT_FALSE(y.plan.pipelines[0].interleaved());
+  ASSERT_FALSE(y.notes.empty());
+  EXPECT_NE(y.notes.back().find("interleaved virtual stages: not used; the best (pipeline 0, 2 chunks a rank)"), std::string::npos)
+      << y.notes.back();
 }

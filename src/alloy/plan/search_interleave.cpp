@@ -50,6 +50,9 @@ void consider_interleaving(SearchResult& result, const ClusterSpec& cluster, con
   Plan best = result.plan;
   PlanCost best_cost = result.cost;
   std::vector<std::string> changed;
+  // The fastest candidate under the margin, for the note that says why the plan keeps one chunk a rank.
+  double closest_s = before;
+  std::string closest;
   for (size_t p = 0; p < best.pipelines.size(); ++p) {
     if (!may_interleave(best, p)) continue;
     const PipelinePlan& pl = best.pipelines[p];
@@ -93,6 +96,7 @@ void consider_interleaving(SearchResult& result, const ClusterSpec& cluster, con
             if (price(b, &c) && c.step_s < cur.step_s * (1 - 1e-4)) bounds = b, cur = c, moved = true;
           }
       }
+      if (cur.step_s < closest_s) closest_s = cur.step_s, closest = "pipeline " + std::to_string(p) + ", " + std::to_string(V) + " chunks a rank";
       if (cur.step_s < best_cost.step_s * (1 - kInterleaveMinGain) && cur.step_s < p_cost.step_s) {
         p_best = with_chunks(best, p, V, bounds);
         priced_rebalanced(p_best, cluster, profile, options);  // the batch split the price assumed
@@ -105,9 +109,16 @@ void consider_interleaving(SearchResult& result, const ClusterSpec& cluster, con
     best_cost = p_cost;
     changed.push_back("pipeline " + std::to_string(p) + " " + std::to_string(best.pipelines[p].virtual_stages) + " chunks a rank");
   }
-  if (changed.empty()) return;
   std::ostringstream o;
   o.precision(4);
+  if (changed.empty()) {
+    if (!closest.empty()) {
+      o << "interleaved virtual stages: not used; the best (" << closest << ") predicts " << closest_s * 1e3 << " ms against "
+        << before * 1e3 << " ms without; kept only for a predicted gain of " << kInterleaveMinGain * 100 << "%";
+      result.notes.push_back(o.str());
+    }
+    return;
+  }
   o << "interleaved virtual stages (interleaved-1f1b): ";
   for (size_t i = 0; i < changed.size(); ++i) o << (i ? ", " : "") << changed[i];
   o << "; predicted " << best_cost.step_s * 1e3 << " ms instead of " << before * 1e3 << " ms";
