@@ -22,20 +22,22 @@ void check_args(const char* who, int64_t stage, int64_t num_stages, int64_t num_
   if (num_micro_batches < 1) fail("a step needs at least one micro-batch");
 }
 
-// Appends a forward with its receive and send, so both schedules get the placement rules from
-// one place.
+// Appends a forward with its receive and send, so every schedule gets the placement rules from
+// one place. FIRST / LAST: the stage starts / ends the pipeline, in its chunk 0 / LAST_CHUNK (an
+// interleaved rank's chunks in between have neighbours both ways).
 struct Builder {
   bool first, last;
   std::vector<Action> out;
-  void forward(int64_t m) {
-    if (!first) out.push_back({ActionKind::RecvActivation, m});
-    out.push_back({ActionKind::Forward, m});
-    if (!last) out.push_back({ActionKind::SendActivation, m});
+  int64_t last_chunk = 0;
+  void forward(int64_t m, int64_t v = 0) {
+    if (!(first && v == 0)) out.push_back({ActionKind::RecvActivation, m, v});
+    out.push_back({ActionKind::Forward, m, v});
+    if (!(last && v == last_chunk)) out.push_back({ActionKind::SendActivation, m, v});
   }
-  void backward(int64_t m) {
-    if (!last) out.push_back({ActionKind::RecvGrad, m});
-    out.push_back({ActionKind::Backward, m});
-    if (!first) out.push_back({ActionKind::SendGrad, m});
+  void backward(int64_t m, int64_t v = 0) {
+    if (!(last && v == last_chunk)) out.push_back({ActionKind::RecvGrad, m, v});
+    out.push_back({ActionKind::Backward, m, v});
+    if (!(first && v == 0)) out.push_back({ActionKind::SendGrad, m, v});
   }
   void weight(int64_t m) { out.push_back({ActionKind::BackwardWeight, m}); }
 };
@@ -151,38 +153,27 @@ std::vector<Action> interleaved_one_f_one_b(int64_t stage, int64_t num_stages, i
     throw std::invalid_argument("interleaved_one_f_one_b: " + std::to_string(num_micro_batches) + " micro-batches on " +
                                 std::to_string(num_stages) + " stages (interleaving needs a multiple of the stages, or at most as many)");
   const int64_t S = num_stages, M = num_micro_batches, V = virtual_stages, total = M * V;
-  // The K-th forward (BACKWARD: backward) of every rank, as (chunk, micro-batch): groups of S
-  // micro-batches, the chunks in turn within a group (reversed for backwards).
-  const int64_t full = M / S * S * V;
+  // The K-th forward (BACKWARD: backward) of every rank, as (chunk, micro-batch): groups of G =
+  // min(S, M) micro-batches (the checks above leave no shorter last group), the chunks in turn
+  // within a group (reversed for backwards).
+  const int64_t G = std::min(S, M);
   auto item = [&](int64_t k, bool backward, int64_t& chunk, int64_t& m) {
-    if (k < full) {
-      const int64_t r = k % (S * V);
-      chunk = r / S;
-      m = k / (S * V) * S + r % S;
-    } else {
-      const int64_t rest = M % S, r = k - full;
-      chunk = r / rest;
-      m = M / S * S + r % rest;
-    }
-    if (backward) chunk = V - 1 - chunk;
+    const int64_t r = k % (G * V);
+    chunk = backward ? V - 1 - r / G : r / G;
+    m = k / (G * V) * G + r % G;
   };
-  std::vector<Action> out;
-  out.reserve(static_cast<size_t>(6 * total));
+  Builder b = builder(stage, S, M);
+  b.last_chunk = V - 1;
+  b.out.reserve(static_cast<size_t>(6 * total));
   auto forward = [&](int64_t k) {
     int64_t v, m;
     item(k, false, v, m);
-    const bool first = stage == 0 && v == 0, last = stage == S - 1 && v == V - 1;
-    if (!first) out.push_back({ActionKind::RecvActivation, m, v});
-    out.push_back({ActionKind::Forward, m, v});
-    if (!last) out.push_back({ActionKind::SendActivation, m, v});
+    b.forward(m, v);
   };
   auto backward = [&](int64_t k) {
     int64_t v, m;
     item(k, true, v, m);
-    const bool first = stage == 0 && v == 0, last = stage == S - 1 && v == V - 1;
-    if (!last) out.push_back({ActionKind::RecvGrad, m, v});
-    out.push_back({ActionKind::Backward, m, v});
-    if (!first) out.push_back({ActionKind::SendGrad, m, v});
+    b.backward(m, v);
   };
   const int64_t warmup = interleaved_warmup(stage, S, M, V);
   for (int64_t k = 0; k < warmup; ++k) forward(k);
@@ -191,7 +182,7 @@ std::vector<Action> interleaved_one_f_one_b(int64_t stage, int64_t num_stages, i
     backward(k);
   }
   for (int64_t k = total - warmup; k < total; ++k) backward(k);
-  return out;
+  return std::move(b.out);
 }
 
 bool splits_backward(const std::string& name) { return name == "zb-h1"; }
