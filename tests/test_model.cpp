@@ -10,6 +10,7 @@
 #include "alloy/dist/zero3.h"
 #include "alloy/model/tensor_parallel.h"
 #include "alloy/model/deferred_weights.h"
+#include "alloy/model/gelu.h"
 #include "alloy/model/precision.h"
 #include "alloy/model/transformer.h"
 #include "tiny_model.h"
@@ -476,6 +477,42 @@ TEST_P(ModelTest, LayersWhoseParametersAreFreedBetweenUsesGiveThePlainGradients)
 }
 
 INSTANTIATE_TEST_SUITE_P(Arch, ModelTest, ::testing::Values("gpt2", "llama", "qwen2"));
+
+// GPT-2's activation on CPU float tensors runs Alloy's loops (core/gelu_loops.h); it must be ATen's
+// gelu(x, "tanh"), value and gradient, within float rounding, through autograd and without it, and
+// leave every other dtype to ATen unchanged.
+TEST(Model, GeluTanhIsAtensWithinFloatRoundingForwardAndBackward) {
+  at::manual_seed(5);
+  const at::Tensor base = at::randn({37, 129}) * 3.0;  // not a multiple of the vector width
+  const at::Tensor x = base.clone().requires_grad_(true), xr = base.clone().requires_grad_(true);
+  const at::Tensor dy = at::randn({37, 129});
+  const at::Tensor y = alloy::model::gelu_tanh(x);
+  const at::Tensor yr = at::gelu(xr, "tanh");
+  EXPECT_TRUE(y.requires_grad());
+  y.backward(dy);
+  yr.backward(dy);
+  const at::Tensor x64 = base.to(at::kDouble), y64 = at::gelu(x64, "tanh"), g64 = at::gelu_backward(dy.to(at::kDouble), x64, "tanh");
+  // Both float results within a few roundings of the double-precision truth, and Alloy's no worse.
+  const double err = (y.to(at::kDouble) - y64).abs().max().item<double>(), err_aten = (yr.to(at::kDouble) - y64).abs().max().item<double>();
+  const double gerr = (x.grad().to(at::kDouble) - g64).abs().max().item<double>();
+  const double gerr_aten = (xr.grad().to(at::kDouble) - g64).abs().max().item<double>();
+  EXPECT_LT(err, 4e-6);
+  EXPECT_LT(gerr, 4e-6);
+  EXPECT_LE(err, 4 * err_aten + 1e-7);
+  EXPECT_LE(gerr, 4 * gerr_aten + 1e-7);
+  EXPECT_GT((y - yr).abs().max().item<double>(), 0.0) << "Alloy's loops did not run";
+  {
+    at::NoGradGuard ng;
+    EXPECT_TRUE(at::equal(alloy::model::gelu_tanh(base), y.detach())) << "with and without autograd alike";
+    // A strided input: the same values as its contiguous copy.
+    const at::Tensor t = base.t();
+    EXPECT_TRUE(at::equal(alloy::model::gelu_tanh(t), alloy::model::gelu_tanh(t.contiguous())));
+    // Other dtypes are ATen's own.
+    const at::Tensor b = base.to(at::kBFloat16);
+    EXPECT_TRUE(at::equal(alloy::model::gelu_tanh(b), at::gelu(b, "tanh")));
+    EXPECT_TRUE(at::equal(alloy::model::gelu_tanh(x64), y64));
+  }
+}
 
 TEST(Model, TiedEmbeddingGradientIsTheSumOfBothStagesCopies) {
   ModelConfig m = tiny("gpt2");

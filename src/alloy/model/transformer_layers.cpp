@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "alloy/model/deferred_weights.h"
+#include "alloy/model/gelu.h"
 #include "alloy/model/lora.h"
 #include "alloy/model/recompute.h"
 #include "alloy/model/tensor_parallel.h"
@@ -396,7 +397,7 @@ class Gpt2Block : public BlockLayer {
     auto h2 = enter(at::layer_norm(x, {H}, w(m), w(m + 1), c_.norm_eps));
     const int64_t B = h2.size(0), T = h2.size(1);
     const at::Tensor b_fc = w(m + 3);
-    auto f = at::gelu(proj(m + 2, h2.reshape({B * T, H}), &b_fc), "tanh");
+    auto f = gelu_tanh(proj(m + 2, h2.reshape({B * T, H}), &b_fc));
     if (cut_out_) return at::cat({x, proj(m + 4, f, nullptr).view({B, T, H})}, -1);
     const at::Tensor b_out = w(m + 5);
     const at::Tensor y = proj_summed(m + 4, f, &b_out, B, T);
