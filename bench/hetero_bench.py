@@ -79,7 +79,14 @@ class Runner:
         # The side-by-side runs and the rounds after the first (each --plan auto, calibrating after
         # train.replan_step): timed steps enough for a median, fewer than the first round's in the demo
         # (10 minutes).
-        self.round_steps = a.round_steps or (max(20, a.steps // 2) if a.demo else a.steps)
+        # Never shorter than the untimed steps plus eight timed ones: a lossy run's first
+        # grad_sync.dense_steps are exact (--timed-after passes them), and a round that ended before
+        # its timed window was timed over those exact steps (a demo of 40 steps with --timed-after 22
+        # ran its later rounds for 20 and reported them 70% slower than predicted).
+        self.round_steps = a.round_steps or (max(20, a.steps // 2, a.timed_after + 8) if a.demo else a.steps)
+        if self.round_steps < a.timed_after + 3:
+            raise SystemExit(f"--round-steps {self.round_steps}: a round must run past --timed-after {a.timed_after} "
+                             "to have steps to time")
         self.alone_steps = 6 if a.demo else max(6, a.steps // 4)
         self.timed_after = a.timed_after
         # Runs of one device on its own train batches of at most 48: a device's tokens/s does not depend
