@@ -92,32 +92,26 @@ __attribute__((always_inline)) inline void backward_loop(const float* x, const f
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 __attribute__((target("avx2"))) void forward_avx2(const float* x, float* y, int64_t n) { forward_loop(x, y, n); }
 __attribute__((target("avx2"))) void backward_avx2(const float* x, const float* dy, float* dx, int64_t n) { backward_loop(x, dy, dx, n); }
-void forward_sse2(const float* x, float* y, int64_t n) { forward_loop(x, y, n); }
-void backward_sse2(const float* x, const float* dy, float* dx, int64_t n) { backward_loop(x, dy, dx, n); }
 bool have_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2");
   return yes;
 }
-void forward_any(const float* x, float* y, int64_t n) { have_avx2() ? forward_avx2(x, y, n) : forward_sse2(x, y, n); }
-void backward_any(const float* x, const float* dy, float* dx, int64_t n) {
-  have_avx2() ? backward_avx2(x, dy, dx, n) : backward_sse2(x, dy, dx, n);
-}
-#else
-void forward_any(const float* x, float* y, int64_t n) { forward_loop(x, y, n); }
-void backward_any(const float* x, const float* dy, float* dx, int64_t n) { backward_loop(x, dy, dx, n); }
 #endif
 
 }  // namespace
 
-void gelu_tanh_forward(const float* x, float* y, int64_t n) { forward_any(x, y, n); }
-void gelu_tanh_backward(const float* x, const float* dy, float* dx, int64_t n) { backward_any(x, dy, dx, n); }
-
-const char* gelu_loops_isa() {
+void gelu_tanh_forward(const float* x, float* y, int64_t n) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  return have_avx2() ? "avx2" : "sse2";
-#else
-  return "generic";
+  if (have_avx2()) return forward_avx2(x, y, n);
 #endif
+  forward_loop(x, y, n);
+}
+
+void gelu_tanh_backward(const float* x, const float* dy, float* dx, int64_t n) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (have_avx2()) return backward_avx2(x, dy, dx, n);
+#endif
+  backward_loop(x, dy, dx, n);
 }
 
 }  // namespace alloy

@@ -24,7 +24,4 @@ void gelu_tanh_forward(const float* x, float* y, int64_t n);
 // dx[i] = dy[i] * gelu_tanh'(x[i]). DX may be DY or X, not otherwise overlap them.
 void gelu_tanh_backward(const float* x, const float* dy, float* dx, int64_t n);
 
-// Which build of the loops this CPU runs: "avx2" or "sse2" (or "generic" off x86-64).
-const char* gelu_loops_isa();
-
 }  // namespace alloy

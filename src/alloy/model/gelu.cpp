@@ -37,7 +37,7 @@ at::Tensor backward_cpu(const at::Tensor& grad, const at::Tensor& x) {
 // Saves its input, as at::gelu's own backward does: the same activation memory.
 struct GeluTanh : torch::autograd::Function<GeluTanh> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
-    const at::Tensor xc = x.contiguous();
+    const at::Tensor xc = x.contiguous();  // forward_cpu's own contiguous() is then a no-op
     ctx->save_for_backward({xc});
     return forward_cpu(xc);
   }
@@ -53,7 +53,6 @@ struct GeluTanh : torch::autograd::Function<GeluTanh> {
 at::Tensor gelu_tanh(const at::Tensor& x) {
   if (!cpu_float(x) || x.is_sparse() || x.is_quantized()) return at::gelu(x, "tanh");
   if (x.requires_grad() && at::GradMode::is_enabled()) return GeluTanh::apply(x);
-  at::NoGradGuard ng;
   return forward_cpu(x);
 }
 
