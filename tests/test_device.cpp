@@ -134,6 +134,9 @@ TEST(NcclEligible, EveryMemberOnAGpuOfItsOwnAndAbleToUseNccl) {
   EXPECT_FALSE(dist::nccl_eligible({"cuda:0@a", "cpu"}));                // a CPU member
   EXPECT_FALSE(dist::nccl_eligible({"cuda:0@a", "cuda-gloo:1@a"}));      // a member without NCCL or with ALLOY_NCCL=0
   EXPECT_FALSE(dist::nccl_eligible({}));
+  // With UUIDs: each rank seeing its own GPU as cuda:0 on one machine, and one GPU under two indices.
+  EXPECT_TRUE(dist::nccl_eligible({"cuda:0@a#0123", "cuda:0@a#4567"}));
+  EXPECT_FALSE(dist::nccl_eligible({"cuda:0@a#0123", "cuda:1@a#0123"}));
 }
 
 TEST(NcclEligible, ARankPublishesWhetherItUsesNccl) {
@@ -150,6 +153,18 @@ TEST(NcclEligible, ARankPublishesWhetherItUsesNccl) {
   if (was) ::setenv("ALLOY_NCCL", saved.c_str(), 1);
   EXPECT_FALSE(off);
   EXPECT_EQ(default_on, dist::nccl_built());
+}
+
+TEST(Nccl, ACudaRankPublishesItsGpusUuid) {
+  if (!cuda()) GTEST_SKIP() << "no CUDA device";
+  if (!dist::nccl_built()) GTEST_SKIP() << "this LibTorch has no NCCL";
+  const std::string uuid = dist::gpu_uuid(0);
+  ASSERT_EQ(uuid.size(), 32u);
+  EXPECT_EQ(uuid.find_first_not_of("0123456789abcdef"), std::string::npos) << uuid;
+  EXPECT_NE(uuid, std::string(32, '0'));
+  const std::string label = dist::device_label(at::Device(at::kCUDA, 0), true);
+  EXPECT_EQ(label.substr(label.size() - 33), "#" + uuid) << label;
+  EXPECT_EQ(dist::gpu_uuid(static_cast<int>(at::getNumGPUs())), "");  // no such GPU
 }
 
 TEST(Nccl, ACudaRankWithoutNcclKeepsItsGroupsOnGloo) {

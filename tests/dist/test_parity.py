@@ -289,6 +289,9 @@ DEVICE_LAYOUTS = {
     # One rank alone of another model ("@arch"): grouped key/value heads through the fused
     # attention (LibTorch 2.5's enable_gqa) against the CPU's written-out attention.
     "cuda-llama-gqa": ("@llama-gqa", ["cuda"]),
+    # Two CUDA ranks with their messages on channels (ALLOY_PIPE_CHANNELS=gloo: staged through the
+    # host, as one GPU cannot hold two NCCL ranks; on two GPUs cuda-pp2 takes NCCL channels).
+    "cuda-pp2-ch": ("pp2-6+2-1f1b", ["cuda", "cuda"]),
 }
 RTOL_GPU = 1e-4
 
@@ -461,6 +464,28 @@ LAYOUTS["short-tp2-3:1-sp"] = ("gpt2", 24, _short_last(_tp(24, [(5, 5, [([0, 1],
                                ["--sequence-parallel"])
 
 
+# Pipeline messages on one-way channels (dist/pipe_channels.h), as between GPUs with NCCL, here on
+# Gloo pairs (ALLOY_PIPE_CHANNELS=gloo): each channel a FIFO that matches by order, not by tag.
+# 1F1B's crossing streams at a middle stage, a short last micro-batch, interleaved chunks between
+# the same two ranks, and a tensor-parallel stage relaying to its members under zb-h1.
+CHANNELS = {"ch-pp3-1+5+2-1f1b": "pp3-1+5+2-1f1b", "ch-short-pp2": "short-pp2",
+            "ch-interleaved-pp2-v2": "interleaved-pp2-v2", "ch-zb-pp2-tp2-3:1": "zb-pp2-tp2-3:1"}
+for _name, _base in CHANNELS.items():
+    LAYOUTS[_name] = LAYOUTS[_base]
+ON_CHANNELS = set(CHANNELS) | {"cuda-pp2-ch"}
+
+
+def channels_used(output, layout, world):
+    """Every rank of a pipeline said which channels carry its messages (none fell back to tags)."""
+    said = [l for l in output.splitlines() if "pipeline messages: " in l and "Gloo channel(s)" in l]
+    piped = {r for pl in layout["pipelines"] if len(pl["stages"]) > 1 for st in pl["stages"] for r in st["ranks"]}
+    ok = len(said) == len(piped) and len(piped) > 0
+    print(f"     {len(said)} of {len(piped)} pipeline ranks on channels" + ("" if ok else "  <- expected every one"))
+    for l in said:
+        print("     " + l.strip())
+    return ok
+
+
 RESHARD_CHAINS = {
     # steps 1-10 under ZeRO-2 with 3:1:2 shards in a 2-stage pipeline with a floating boundary (its
     # two stages share block 5's MLP half) beside a full replica, then steps 11-20 on three full replicas, ZeRO-1, even shards
@@ -559,6 +584,8 @@ def run_layout(alloy, work, env, on_devices, name, baselines):
         extra = list(layout)
     extra += extra_flags
     placement = ["--devices", ",".join(devices)] if devices else []
+    if name in ON_CHANNELS:
+        env = dict(env, ALLOY_PIPE_CHANNELS="gloo")
     run = sh([alloy, "launch", "--nproc", str(world), "--threads-per-rank", "1"] + placement + ["--",
               alloy, "train", "--config", cfg, "--timeout", "120"] + extra, env=env)
     got = losses(out)
@@ -568,10 +595,18 @@ def run_layout(alloy, work, env, on_devices, name, baselines):
         if devices:  # each rank must have run where it was placed, not quietly on the CPU
             with open(os.path.join(out, "ranks.json")) as f:
                 ran_on = [r["device"] for r in sorted(json.load(f), key=lambda r: r["rank"])]
-            placed = [d if d != "cuda" else "cuda:0" for d in devices]
-            if [d if d != "cuda" else "cuda:0" for d in ran_on] != placed:
+            # "cuda" is the local rank's GPU: cuda:0 on a machine with one, cuda:N on one with more.
+            if len(ran_on) != len(devices) or any(d != r and not (d == "cuda" and r.startswith("cuda:"))
+                                                   for d, r in zip(devices, ran_on)):
                 print(f"     {name}: ranks ran on {ran_on}, placed on {devices}")
                 ok = False
+            # Pipeline neighbours on GPUs of their own pass messages device to device (NCCL channels).
+            gpus = [r for r in ran_on if r.startswith("cuda:")]
+            if isinstance(layout, dict) and any(len(pl["stages"]) > 1 for pl in layout["pipelines"]) and \
+                    len(set(gpus)) == len(gpus) > 1:
+                nccl = [l for l in (run.stdout + run.stderr).splitlines() if "NCCL channel(s)" in l]
+                print(f"     {name}: {len(nccl)} ranks on NCCL channels" + "".join("\n     " + l.strip() for l in nccl))
+                ok = ok and len(nccl) > 0
         for (s, l, v), (bs, bl, bv) in zip(got, base):
             worst = max(worst, abs(l - bl) / abs(bl))
             if v is not None or bv is not None:
@@ -585,6 +620,8 @@ def run_layout(alloy, work, env, on_devices, name, baselines):
         if name.startswith("tp") and isinstance(layout, dict):
             ok = tp_split_held(out, os.path.join(work, f"single-{arch}-{gb}"), layout) and ok
             ok = tp_sums_reported(out, layout) and ok
+        if name in ON_CHANNELS:
+            ok = channels_used(run.stdout + run.stderr, layout, world) and ok
         # Two regions of two: the sum striped over two trees crossing at pairs of their own.
         route = "sums along 2 trees" if name == "tree-dp4-regions" else "sums along a tree"
         if name.startswith("tree-") and route not in run.stdout + run.stderr:

@@ -6,49 +6,44 @@
 #include "alloy/core/error.h"
 
 #ifdef USE_C10D_NCCL
+#include <ATen/cuda/CUDAContext.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include "alloy/dist/collectives_of.h"
 #endif
 
 namespace alloy::dist {
 
 #ifdef USE_C10D_NCCL
-namespace {
-class NcclCollectives final : public DeviceCollectives {
- public:
-  explicit NcclCollectives(c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg) : pg_(std::move(pg)) {}
-  c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor& t) override {
-    std::vector<at::Tensor> v{t};
-    c10d::AllreduceOptions o;
-    o.reduceOp = c10d::ReduceOp::SUM;
-    return pg_->allreduce(v, o);
-  }
-  c10::intrusive_ptr<c10d::Work> broadcast(at::Tensor& t, int root) override {
-    std::vector<at::Tensor> v{t};
-    c10d::BroadcastOptions o;
-    o.rootRank = root;
-    return pg_->broadcast(v, o);
-  }
-  c10::intrusive_ptr<c10d::Work> allgather(std::vector<at::Tensor>& out, at::Tensor& in) override {
-    std::vector<std::vector<at::Tensor>> outs{out};
-    std::vector<at::Tensor> ins{in};
-    return pg_->allgather(outs, ins);
-  }
-
- private:
-  c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg_;
-};
-}  // namespace
 
 bool nccl_built() { return true; }
+
+std::string gpu_uuid(int index) {
+  try {
+    if (index < 0 || index >= c10::cuda::device_count()) return "";
+    const cudaDeviceProp* p = at::cuda::getDeviceProperties(index);
+    std::string out;
+    static const char* hex = "0123456789abcdef";
+    for (char b : p->uuid.bytes) {
+      const auto u = static_cast<unsigned char>(b);
+      out += hex[u >> 4];
+      out += hex[u & 15];
+    }
+    return out;
+  } catch (const std::exception&) {
+    return "";
+  }
+}
 
 std::unique_ptr<DeviceCollectives> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                              std::chrono::milliseconds timeout) {
   auto opts = c10d::ProcessGroupNCCL::Options::create();
   opts->timeout = timeout;
-  return std::make_unique<NcclCollectives>(c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts));
+  return std::make_unique<CollectivesOf<c10d::ProcessGroupNCCL>>(c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts));
 }
 #else
 bool nccl_built() { return false; }
+std::string gpu_uuid(int) { return ""; }
 
 std::unique_ptr<DeviceCollectives> make_nccl(const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds) {
   throw Error("this build of Alloy has no NCCL (its LibTorch has no CUDA)");

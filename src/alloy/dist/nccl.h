@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace c10d {
@@ -23,10 +24,19 @@ class DeviceCollectives {
   virtual c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor& t) = 0;
   virtual c10::intrusive_ptr<c10d::Work> broadcast(at::Tensor& t, int root) = 0;
   virtual c10::intrusive_ptr<c10d::Work> allgather(std::vector<at::Tensor>& out, at::Tensor& in) = 0;
+  // Point-to-point with group rank PEER. NCCL matches a pair's messages in the order they are
+  // posted (no tags), on one stream per communicator for both directions: a transport carrying
+  // messages one way only (dist/pipe_channels.h) is what keeps crossing sends from waiting on
+  // each other.
+  virtual c10::intrusive_ptr<c10d::Work> send(at::Tensor& t, int peer) = 0;
+  virtual c10::intrusive_ptr<c10d::Work> recv(at::Tensor& t, int peer) = 0;
 };
 
 // Whether this build can make NCCL groups (a CUDA LibTorch with c10d's NCCL backend).
 bool nccl_built();
+// GPU INDEX's UUID as 32 hex digits, "" without NCCL or when it cannot be read: tells apart ranks
+// that each see their own GPU as cuda:0 (CUDA_VISIBLE_DEVICES per rank), and finds two on one.
+std::string gpu_uuid(int index);
 // An NCCL communicator over STORE's namespace for group rank RANK of SIZE; its collectives time out
 // after TIMEOUT. Throws when the build has no NCCL.
 std::unique_ptr<DeviceCollectives> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

@@ -14,6 +14,7 @@
 
 #include "alloy/core/error.h"
 #include "alloy/core/log.h"
+#include "alloy/dist/collectives_of.h"
 #include "alloy/dist/nccl.h"
 #include "alloy/dist/tree_allreduce.h"
 
@@ -484,14 +485,11 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
   if (device_type_ == "cuda") {
     std::vector<std::string> published;
     for (int r : g->ranks()) {
-      const std::string key = "alloy/device/" + std::to_string(r);
       try {
-        store_->wait({key}, timeout_);
-      } catch (const std::exception&) {
-        throw Error("rank " + std::to_string(rv_.rank) + ": rank " + std::to_string(r) + " never said which device it trains on (group '" +
-                    name + "')");
+        published.push_back(published_device(r));
+      } catch (const Error& e) {
+        throw Error(std::string(e.what()) + " (group '" + name + "')");
       }
-      published.push_back(str_of(store_->get(key)));
     }
     if (nccl_eligible(published)) {
       try {
@@ -505,24 +503,65 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
   return g;
 }
 
+std::string World::published_device(int rank) {
+  const std::string key = "alloy/device/" + std::to_string(rank);
+  try {
+    store_->wait({key}, timeout_);
+  } catch (const std::exception&) {
+    throw Error("rank " + std::to_string(rv_.rank) + ": rank " + std::to_string(rank) + " never said which device it trains on");
+  }
+  return str_of(store_->get(key));
+}
+
+std::unique_ptr<DeviceCollectives> World::new_pair(const std::string& name, int first, int second, bool nccl) {
+  if (rv_.rank != first && rv_.rank != second)
+    throw Error("rank " + std::to_string(rv_.rank) + " is not in pair '" + name + "' (internal error)");
+  const int me = rv_.rank == first ? 0 : 1;
+  auto prefix = c10::make_intrusive<c10d::PrefixStore>("alloy/pair/" + name, store_);
+  const std::string who = "rank " + std::to_string(rv_.rank) + ": pair '" + name + "' with rank " + std::to_string(me ? first : second);
+  if (nccl) {
+    try {
+      return make_nccl(prefix, me, 2, timeout_);
+    } catch (const std::exception& e) {
+      throw Error(who + ": NCCL failed: " + std::string(e.what()).substr(0, 300) + " (ALLOY_NCCL=0 on either rank keeps it on Gloo)");
+    }
+  }
+  auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
+  opts->devices.push_back(make_gloo_device(rv_));
+  opts->threads = 1;
+  try {
+    return std::make_unique<CollectivesOf<c10d::ProcessGroupGloo>>(c10::make_intrusive<c10d::ProcessGroupGloo>(prefix, me, 2, opts));
+  } catch (const std::exception& e) {
+    std::string report = failure_report();
+    throw Error(who + ": connecting failed: " + std::string(e.what()).substr(0, 300) + (report.empty() ? "" : "\n  " + report));
+  }
+}
+
 bool nccl_eligible(const std::vector<std::string>& published) {
   // Every member on a GPU of its own, every member able and willing to use NCCL ("cuda:" means
   // both; "cuda-gloo:" a rank built without NCCL or run with ALLOY_NCCL=0). Every member reads the
   // same published strings, so all decide alike.
   std::set<std::string> gpus;
-  for (const auto& dev : published)
-    if (dev.rfind("cuda:", 0) != 0 || !gpus.insert(dev).second) return false;
+  for (const auto& dev : published) {
+    // A GPU is its UUID where the label has one (one GPU may show under two indices), else its
+    // index and machine.
+    const size_t hash = dev.find('#');
+    if (dev.rfind("cuda:", 0) != 0 || !gpus.insert(hash == std::string::npos ? dev : dev.substr(hash)).second) return false;
+  }
   return !published.empty();
 }
 
 std::string device_label(const at::Device& device, bool nccl) {
   if (device.is_cpu()) return "cpu";
   if (!device.is_cuda()) return device.str();
-  // Which GPU of which machine ("cuda:0@host"), so members sharing one are told apart; a rank that
-  // cannot or will not use NCCL says so ("cuda-gloo:0@host") and its groups stay on Gloo for all.
+  // Which GPU of which machine ("cuda:0@host#<uuid>"), so members sharing one are told apart and
+  // ranks each seeing their own GPU as cuda:0 are not taken for one; a rank that cannot or will
+  // not use NCCL says so ("cuda-gloo:0@host") and its groups stay on Gloo for all.
   char host[256] = {0};
   ::gethostname(host, sizeof(host) - 1);
-  return std::string(nccl ? "cuda:" : "cuda-gloo:") + std::to_string(device.has_index() ? device.index() : 0) + "@" + host;
+  const int index = device.has_index() ? device.index() : 0;
+  const std::string uuid = gpu_uuid(index);
+  return std::string(nccl ? "cuda:" : "cuda-gloo:") + std::to_string(index) + "@" + host + (uuid.empty() ? "" : "#" + uuid);
 }
 
 bool nccl_wanted() {

@@ -123,8 +123,8 @@ class Group {
   std::unique_ptr<TreeAllreduce> tree_;
 };
 
-// What a rank publishes of its device (World::set_device): "cpu", "cuda:I@host" when it will use
-// NCCL (NCCL), "cuda-gloo:I@host" when not.
+// What a rank publishes of its device (World::set_device): "cpu", "cuda:I@host#UUID" when it
+// will use NCCL (NCCL; the GPU's UUID where the build can read it), "cuda-gloo:I@host..." when not.
 std::string device_label(const at::Device& device, bool nccl);
 // Whether this rank will use NCCL: the build has it and ALLOY_NCCL is not 0.
 bool nccl_wanted();
@@ -167,6 +167,13 @@ class World {
   std::vector<std::string> machines();
   // All members of RANKS call this, in the same order across ranks, with a NAME unique in the job.
   std::shared_ptr<Group> new_group(const std::string& name, std::vector<int> ranks);
+  // What RANK published of its device (set_device: "cpu", "cuda:0@host", ...), waited for.
+  std::string published_device(int rank);
+  // A transport of two ranks, FIRST (pair rank 0) and SECOND, both of which call this with the
+  // same NAME (unique in the job): NCCL when NCCL is set (both ends nccl_eligible), else a
+  // Gloo group of the two, which moves host tensors only. Gloo connects here, both ends at once;
+  // NCCL makes its communicator at the first message.
+  std::unique_ptr<DeviceCollectives> new_pair(const std::string& name, int first, int second, bool nccl);
   Group& all();  // every rank
 
   // Publishes this rank's position ("step 12") so a stall can be pinned on the rank behind.

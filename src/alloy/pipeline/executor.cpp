@@ -11,6 +11,7 @@
 #include <deque>
 
 #include "alloy/core/error.h"
+#include "alloy/dist/pipe_channels.h"
 #include "alloy/dist/reducer.h"
 #include "alloy/dist/world.h"
 
@@ -42,12 +43,27 @@ void StageExecutor::sample_memory() {
   peak_in_flight_ = std::max(peak_in_flight_, in_flight_);
 }
 
+dist::PipeChannel* StageExecutor::channel(bool sending, int peer, int kind, int64_t key) const {
+  if (!links_.channels) return nullptr;
+  const int64_t stream = dist::stream_of(kind >= kGradHeader, key);
+  return sending ? links_.channels->to(peer, stream) : links_.channels->from(peer, stream);
+}
+
 void StageExecutor::send_tensor(int dst, int64_t mb, int kind, const at::Tensor& t, int64_t key) {
-  // Gloo moves host memory: activations of a CUDA stage travel through a CPU copy.
-  at::Tensor data = t.detach().to(at::kCPU).contiguous();
+  dist::PipeChannel* ch = channel(true, dst, kind, key);
+  // Gloo moves host memory: over the world's group, activations of a CUDA stage travel through a
+  // CPU copy; a channel carries them on its own device (NCCL: the GPU's, no copy).
+  const at::Device where = ch ? links_.channels->message_device() : at::Device(at::kCPU);
+  at::Tensor data = t.detach().to(where).contiguous();
   at::Tensor header = at::tensor({static_cast<int64_t>(data.dim()), data.size(0), data.size(1), data.size(2),
                                   static_cast<int64_t>(data.scalar_type()), mb},
-                                 at::kLong);
+                                 at::kLong)
+                          .to(where);
+  if (ch) {  // the header first: the receiver reads it before trusting the data (finish_recv)
+    sends_.emplace_back(ch->send(header), header);
+    sends_.emplace_back(ch->send(data), data);
+    return;
+  }
   sends_.emplace_back(links_.group->send(header, dst, tag_of(mb, kind, key)), header);
   sends_.emplace_back(links_.group->send(data, dst, tag_of(mb, kind + 1, key)), data);
 }
@@ -60,12 +76,16 @@ void StageExecutor::send_to(const std::vector<int>& targets, int fallback, int64
 
 StageExecutor::PostedRecv StageExecutor::post_recv(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype, int64_t key) {
   PostedRecv r;
-  r.src = src, r.mb = mb, r.kind = kind;
-  r.header = at::empty({6}, at::kLong);
-  r.data = at::empty(shape, at::TensorOptions().dtype(dtype).device(at::kCPU));
-  // Both receives are posted together: one round trip, and the header is checked after.
-  r.wh = links_.group->recv(r.header, src, tag_of(mb, kind, key));
-  r.wd = links_.group->recv(r.data, src, tag_of(mb, kind + 1, key));
+  r.src = src, r.mb = mb, r.kind = kind, r.key = key;
+  dist::PipeChannel* ch = channel(false, src, kind, key);
+  const at::Device where = ch ? links_.channels->message_device() : at::Device(at::kCPU);
+  r.header = at::empty({6}, at::TensorOptions().dtype(at::kLong).device(where));
+  r.data = at::empty(shape, at::TensorOptions().dtype(dtype).device(where));
+  // Both receives are posted together: one round trip, and the header is checked after. A
+  // channel matches them by order, the group by tag.
+  r.by_channel = ch != nullptr;
+  r.wh = ch ? ch->recv(r.header) : links_.group->recv(r.header, src, tag_of(mb, kind, key));
+  r.wd = ch ? ch->recv(r.data) : links_.group->recv(r.data, src, tag_of(mb, kind + 1, key));
   return r;
 }
 
@@ -73,15 +93,19 @@ at::Tensor StageExecutor::finish_recv(PostedRecv& r, at::IntArrayRef shape, at::
   std::string what = std::string("receiving the ") + kind_text(r.kind) + " of micro-batch " + std::to_string(r.mb) +
                      " from rank " + std::to_string(r.src);
   dist::wait_work(r.wh, what);
-  const int64_t* h = r.header.data_ptr<int64_t>();
+  // On a GPU this waits for the header to land (NCCL's wait orders only the stream).
+  const at::Tensor header = r.header.to(at::kCPU);
+  const int64_t* h = header.data_ptr<int64_t>();
   if (h[0] != 3 || h[1] != shape[0] || h[2] != shape[1] || h[3] != shape[2] || h[4] != static_cast<int64_t>(dtype) ||
       h[5] != r.mb)
     throw Error(what + ": got shape [" + std::to_string(h[1]) + ", " + std::to_string(h[2]) + ", " + std::to_string(h[3]) +
                 "] dtype " + c10::toString(static_cast<at::ScalarType>(h[4])) + " for micro-batch " + std::to_string(h[5]) +
                 ", expected [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + ", " +
-                std::to_string(shape[2]) + "] " + c10::toString(dtype) + ": the two stages disagree on the plan");
+                std::to_string(shape[2]) + "] " + c10::toString(dtype) +
+                (r.by_channel ? ": a device-to-device channel delivers in the order sent, and the two ranks' schedules disagree on it"
+                              : ": the two stages disagree on the plan"));
   dist::wait_work(r.wd, what);
-  for (int dst : links_.relay) send_tensor(dst, r.mb, r.kind, r.data);
+  for (int dst : links_.relay) send_tensor(dst, r.mb, r.kind, r.data, r.key);
   return r.data.to(slice_.device());  // the first parameter may live quantized (LoRA base)
 }
 

@@ -19,6 +19,8 @@ class Work;
 
 namespace alloy::dist {
 class Group;
+class PipeChannel;
+class PipeChannels;
 class Reducer;
 }  // namespace alloy::dist
 
@@ -56,6 +58,9 @@ struct StageLinks {
   // pipeline's S x V (its virtual stage), which tags its messages: two chunks' messages of one
   // micro-batch between the same two ranks (two ranks: both ways) must not meet.
   std::vector<int> chunk_prev, chunk_next, chunk_stage;
+  // Streams that travel device to device (dist/pipe_channels.h), each a FIFO of its own; null or
+  // a stream without a channel: GROUP, through the host, matched by tags.
+  dist::PipeChannels* channels = nullptr;
 };
 
 class StageExecutor {
@@ -120,6 +125,8 @@ class StageExecutor {
   struct PostedRecv {
     int src = -1, kind = 0;
     int64_t mb = 0, chunk = 0;  // CHUNK: the receiving chunk's index on this rank
+    int64_t key = 0;            // the receiving virtual stage's tag key (relays pass it on)
+    bool by_channel = false;    // matched by order on a channel, not by tag
     at::Tensor header, data;
     c10::intrusive_ptr<c10d::Work> wh, wd;
   };
@@ -129,6 +136,8 @@ class StageExecutor {
   PostedRecv post_recv(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype, int64_t key = 0);
   at::Tensor finish_recv(PostedRecv& r, at::IntArrayRef shape, at::ScalarType dtype);
   void send_tensor(int dst, int64_t mb, int kind, const at::Tensor& t, int64_t key = 0);
+  // The channel of the stream of KIND into virtual stage KEY to (SENDING) or from PEER, or null.
+  dist::PipeChannel* channel(bool sending, int peer, int kind, int64_t key) const;
   void send_to(const std::vector<int>& targets, int fallback, int64_t mb, int kind, const at::Tensor& t, int64_t key = 0);
   // The tag keys of what chunk V receives (its virtual stage) and sends on (ACT: the next
   // virtual stage's; else the previous one's); 0 without chunks.

@@ -52,4 +52,34 @@ pipeline::StageLinks stage_links(const PipelinePlan& pl, int stage, int rank, in
   return links;
 }
 
+std::vector<dist::ChannelKey> message_streams(const pipeline::StageLinks& links, int rank) {
+  std::vector<dist::ChannelKey> out;
+  const bool chunks = !links.chunk_stage.empty();
+  const size_t n = chunks ? links.chunk_stage.size() : 1;
+  for (size_t v = 0; v < n; ++v) {
+    const int prev = chunks ? links.chunk_prev[v] : links.prev_rank;
+    const int next = chunks ? links.chunk_next[v] : links.next_rank;
+    const int64_t key = chunks ? links.chunk_stage[v] : 0;
+    // What the executor does per chunk (StageExecutor::run): receive activations from PREV and
+    // gradients from NEXT, pass both on to RELAY, send activations to SEND_NEXT (else NEXT) and
+    // gradients to SEND_PREV (else PREV); a message's stream is that of the virtual stage receiving it.
+    auto sends = [&](const std::vector<int>& targets, int fallback, bool grad, int64_t into) {
+      if (targets.empty()) return out.push_back({rank, fallback, dist::stream_of(grad, into)});
+      for (int dst : targets)
+        if (dst >= 0) out.push_back({rank, dst, dist::stream_of(grad, into)});
+    };
+    if (prev >= 0) {
+      out.push_back({prev, rank, dist::stream_of(false, key)});
+      for (int r : links.relay) out.push_back({rank, r, dist::stream_of(false, key)});
+      sends(links.send_prev, prev, true, chunks ? key - 1 : 0);
+    }
+    if (next >= 0) {
+      out.push_back({next, rank, dist::stream_of(true, key)});
+      for (int r : links.relay) out.push_back({rank, r, dist::stream_of(true, key)});
+      sends(links.send_next, next, false, chunks ? key + 1 : 0);
+    }
+  }
+  return out;
+}
+
 }  // namespace alloy::train

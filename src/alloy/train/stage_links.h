@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "alloy/core/plan.h"
+#include "alloy/dist/pipe_channels.h"
 #include "alloy/pipeline/executor.h"
 
 namespace alloy::train {
@@ -17,5 +18,10 @@ namespace alloy::train {
 // rank's first chunk.
 pipeline::StageLinks stage_links(const PipelinePlan& pl, int stage, int rank, int tp_rank, bool tensor_parallel,
                                  const std::vector<std::string>& machines);
+
+// The one-way message streams RANK's executor sends and receives under LINKS (the executor's
+// sends, receives and relays, stream by stream): what PipeChannels::open is offered. The
+// receiving end of each lists it too.
+std::vector<dist::ChannelKey> message_streams(const pipeline::StageLinks& links, int rank);
 
 }  // namespace alloy::train

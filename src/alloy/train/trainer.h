@@ -28,6 +28,7 @@
 namespace alloy::dist {
 class World;
 class Group;
+class PipeChannels;
 class Reducer;
 class Sharding;
 class Zero3;
@@ -162,6 +163,7 @@ class Trainer {
   std::vector<model::ParamSlice> counted_;  // each element of the model once over all ranks: the norm
   std::set<std::string> sparse_params_;  // synced by a sparsifier: AdamW reads them linearly
   bool any_sparse_set_ = false;          // some holder set of the plan is (on any rank)
+  std::unique_ptr<dist::PipeChannels> channels_;  // before exec_, which sends on them
   std::unique_ptr<pipeline::StageExecutor> exec_;
   int64_t start_step_ = 0;
   int64_t replan_at_ = 0;  // the next step after which the ranks measure (TrainOptions::replan_at, remeasure_after)

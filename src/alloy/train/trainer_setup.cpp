@@ -16,6 +16,7 @@
 #include "alloy/core/log.h"
 #include "alloy/core/text.h"
 #include "alloy/dist/compress/comm.h"
+#include "alloy/dist/pipe_channels.h"
 #include "alloy/dist/reducer.h"
 #include "alloy/dist/sharding.h"
 #include "alloy/dist/sync_layout.h"
@@ -67,6 +68,8 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     throw InputError("plan", "needs " + std::to_string(plan_->world_size()) + " ranks but the job has " +
                                  std::to_string(job_size) + " (world size)");
   if (world_) world_->check_same("config and plan" + opts_.generation, job_fingerprint(cfg_, *plan_));
+  const dist::ChannelMode channel_mode = dist::channel_mode_from_env();
+  if (world_) world_->check_same("ALLOY_PIPE_CHANNELS" + opts_.generation, dist::to_string(channel_mode));
   pos_ = plan_->locate(rank_);
   const PipelinePlan& pl = plan_->pipelines[static_cast<size_t>(pos_.pipeline)];
   const StagePlan& st = pl.stages[static_cast<size_t>(pos_.stage)];
@@ -197,6 +200,11 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
     links = stage_links(pl, pos_.stage, rank_, pos_.tp_rank, plan_->has_tensor_parallel(),
                         plan_->has_tensor_parallel() ? world_->machines() : std::vector<std::string>{});
     links.group = &world_->all();
+    // After the tensor-parallel groups (every rank's are made before any rank opens channels,
+    // which wait for their other ends) and before the gradient-sync groups.
+    channels_ = dist::PipeChannels::open(*world_, opts_.generation + "pipe", message_streams(links, rank_), channel_mode, device_);
+    links.channels = channels_.get();
+    if (channels_) log_info("pipeline messages: " + channels_->describe());
   }
   exec_ = std::make_unique<pipeline::StageExecutor>(*model_, links);
   if (const std::string why = model::autocast_problem(device_, cfg_.train.precision); !why.empty())
