@@ -140,7 +140,8 @@ class Runner:
         ranks = json.load(open(os.path.join(out, "ranks.json"))) if os.path.exists(os.path.join(out, "ranks.json")) else []
         step = statistics.median(r["step_s"] for r in warm if "val_loss" not in r) if warm else float("nan")
         replan = os.path.join(out, "replan.json")
-        return dict(rows=rows, ranks=ranks, step_s=step, timed_after=self.timed_after, tokens_per_s=statistics.median(r["tokens_per_s"] for r in warm),
+        return dict(rows=rows, ranks=ranks, step_s=step, timed_after=self.timed_after,
+                    timed_steps=[r["step"] for r in warm if "val_loss" not in r], tokens_per_s=statistics.median(r["tokens_per_s"] for r in warm),
                     out=out, replan=json.load(open(replan)) if os.path.exists(replan) else None)
 
     def train_auto(self, name, profile, steps, show=False):
@@ -380,30 +381,50 @@ def report_predictions(name, plan_path, run):
                     ("; rebalanced" if b["switched"] else ""))
     stages = []
     by_rank = {r["rank"]: r for r in run["ranks"]}
-    skip = run.get("timed_after", 2)
     for s in pred.get("per_stage", []):
         m = by_rank.get(s["rank"], {})
         compute, wait = m.get("compute_s_median"), m.get("sync_wait_s_median")
-        steps = m.get("steps_step_compute_syncwait_s") or []
-        if len(steps) > skip + 2:  # the timed steps only (a lossy run's exact steps left out)
-            compute = statistics.median(x[1] for x in steps[skip:])
-            wait = statistics.median(x[2] for x in steps[skip:])
+        steps = timed_rank_steps(run, m)
+        if steps:  # the timed steps only (a lossy run's exact steps left out)
+            compute = statistics.median(x[1] for x in steps)
+            wait = statistics.median(x[2] for x in steps)
         stages.append(dict(rank=s["rank"], device=s["device"], predicted_compute_s=s["forward_s"] + s["backward_s"],
                            measured_compute_s=compute, predicted_sync_exposed_s=s["sync_exposed_s"],
                            measured_sync_wait_s=wait))
     return dict(predicted_step_s=ps, measured_step_s=run["step_s"], relative_error=err, stages=stages, **extra)
 
 
+def timed_rank_steps(run, rank):
+    """RANK's (ranks.json entry of RUN) per-step (step, compute, sync wait) seconds over RUN's timed
+    steps, or [] when they cannot be told. ranks.json lists the steps of the run's last plan, up to
+    its last step; the timed ones are those the step time is taken over (Runner.train)."""
+    steps = rank.get("steps_step_compute_syncwait_s") or []
+    timed = set(run.get("timed_steps", []))
+    if not steps or not timed or not run.get("rows"):
+        return []
+    first = run["rows"][-1]["step"] - len(steps) + 1  # the step of steps[0]
+    picked = [x for i, x in enumerate(steps) if first + i in timed]
+    return picked if len(picked) >= 3 else []
+
+
 def idle_shares(run):
     """Per device of RUN's plan: the share of its median step it did not compute (bubbles, waits
-    for messages and for the gradient sync), from ranks.json."""
+    for messages and for the gradient sync), over the timed steps (ranks.json's medians, which
+    take every step after the first, when those cannot be told). A lossy run's exact first steps
+    wait on dense sums: counted, they made the later rounds of a DGC demo read 43-46% idle."""
     try:
         plan = json.load(open(os.path.join(run["out"], "plan.json")))
     except (OSError, ValueError):
         return {}
     device = {r: st.get("device", f"rank {r}") for pl in plan["pipelines"] for st in pl["stages"] for r in st["ranks"]}
-    return {device.get(x["rank"], f"rank {x['rank']}"): 1 - x["compute_s_median"] / x["step_s_median"]
-            for x in run.get("ranks", []) if x.get("step_s_median")}
+    out = {}
+    for x in run.get("ranks", []):
+        steps = timed_rank_steps(run, x)
+        step = statistics.median(s[0] for s in steps) if steps else x.get("step_s_median")
+        compute = statistics.median(s[1] for s in steps) if steps else x.get("compute_s_median")
+        if step:
+            out[device.get(x["rank"], f"rank {x['rank']}")] = 1 - compute / step
+    return out
 
 
 def round_figures(runs, sides, predicted):
