@@ -36,8 +36,8 @@ std::string gpu_uuid(int index) {
 }
 
 std::unique_ptr<DeviceCollectives> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                             std::chrono::milliseconds timeout) {
-  auto opts = c10d::ProcessGroupNCCL::Options::create();
+                                             std::chrono::milliseconds timeout, bool high_priority) {
+  auto opts = c10d::ProcessGroupNCCL::Options::create(high_priority);
   opts->timeout = timeout;
   return std::make_unique<CollectivesOf<c10d::ProcessGroupNCCL>>(c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts));
 }
@@ -45,7 +45,7 @@ std::unique_ptr<DeviceCollectives> make_nccl(const c10::intrusive_ptr<c10d::Stor
 bool nccl_built() { return false; }
 std::string gpu_uuid(int) { return ""; }
 
-std::unique_ptr<DeviceCollectives> make_nccl(const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds) {
+std::unique_ptr<DeviceCollectives> make_nccl(const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds, bool) {
   throw Error("this build of Alloy has no NCCL (its LibTorch has no CUDA)");
 }
 #endif

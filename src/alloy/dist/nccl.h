@@ -38,8 +38,13 @@ bool nccl_built();
 // that each see their own GPU as cuda:0 (CUDA_VISIBLE_DEVICES per rank), and finds two on one.
 std::string gpu_uuid(int index);
 // An NCCL communicator over STORE's namespace for group rank RANK of SIZE; its collectives time out
-// after TIMEOUT. Throws when the build has no NCCL.
+// after TIMEOUT. HIGH_PRIORITY: its stream from CUDA's high-priority pool (pipeline channels: c10
+// hands out 32 streams per pool and device round-robin, and two communicators on one stream would
+// queue one's sends behind the other's pending receives; the groups keep the other pool). Throws
+// when the build has no NCCL.
 std::unique_ptr<DeviceCollectives> make_nccl(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                             std::chrono::milliseconds timeout);
+                                             std::chrono::milliseconds timeout, bool high_priority = false);
+// Streams per pool and device that c10 hands out before it reuses one.
+constexpr int kCudaStreamsPerPool = 32;
 
 }  // namespace alloy::dist

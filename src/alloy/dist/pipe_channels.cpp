@@ -1,5 +1,6 @@
 #include "alloy/dist/pipe_channels.h"
 
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
@@ -43,41 +44,85 @@ PipeChannel::~PipeChannel() = default;
 c10::intrusive_ptr<c10d::Work> PipeChannel::send(at::Tensor& t) { return transport_->send(t, peer_); }
 c10::intrusive_ptr<c10d::Work> PipeChannel::recv(at::Tensor& t) { return transport_->recv(t, peer_); }
 
+PipeChannels::PipeChannels(World& world, std::string name, std::string transport, at::Device device)
+    : world_(world), name_(std::move(name)), rank_(world.rank()), transport_(std::move(transport)), message_device_(device) {}
 PipeChannels::~PipeChannels() = default;
+
+std::string PipeChannels::pair_name(const ChannelKey& k) const {
+  return name_ + "/" + std::to_string(k.src) + ">" + std::to_string(k.dst) + "/" + std::to_string(k.stream);
+}
+
+void PipeChannels::exchange_probe(const ChannelKey& k, PipeChannel& ch, double value, const std::string& what) {
+  at::Tensor probe = at::full({1}, k.src == rank_ ? value : -1.0, at::TensorOptions().dtype(at::kFloat).device(message_device_));
+  try {
+    // NCCL makes the communicator inside the first send or receive, and fails there.
+    wait_work(k.src == rank_ ? ch.send(probe) : ch.recv(probe), what);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    std::string report = world_.failure_report();
+    throw Error("rank " + std::to_string(rank_) + ": " + what + ": " + std::string(e.what()).substr(0, 300) +
+                (report.empty() ? "" : "\n  " + report));
+  }
+  if (k.dst != rank_) return;
+  // The host reads it: NCCL's wait orders only the stream.
+  const double got = probe.item<double>();
+  if (got != value)
+    throw Error("rank " + std::to_string(rank_) + ": " + what + ": got " + std::to_string(got) + ", expected " + std::to_string(value) +
+                " (the two ends disagree on their channels)");
+}
 
 std::unique_ptr<PipeChannels> PipeChannels::open(World& world, const std::string& name, std::vector<ChannelKey> candidates,
                                                  ChannelMode mode, const at::Device& device) {
   if (mode == ChannelMode::Off) return nullptr;
   const bool nccl = mode == ChannelMode::Auto;
-  std::unique_ptr<PipeChannels> out(new PipeChannels(world.rank(), nccl ? "nccl" : "gloo", nccl ? device : at::Device(at::kCPU)));
+  std::unique_ptr<PipeChannels> out(new PipeChannels(world, name, nccl ? "nccl" : "gloo", nccl ? device : at::Device(at::kCPU)));
   // One global order: each opening waits for its two ends only, so the first pending channel in
   // this order always has both ends at it, and no rank waits forever.
   std::sort(candidates.begin(), candidates.end());
   candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
+  std::vector<ChannelKey> qualified;
   for (const ChannelKey& k : candidates) {
     if (k.src != world.rank() && k.dst != world.rank())
       throw Error("pipeline channel " + std::to_string(k.src) + " -> " + std::to_string(k.dst) + " listed on rank " +
                   std::to_string(world.rank()) + ", which is neither end (internal error)");
-    if (!channel_qualifies(mode, world.published_device(k.src), world.published_device(k.dst))) continue;
+    if (channel_qualifies(mode, world.published_device(k.src), world.published_device(k.dst))) qualified.push_back(k);
+  }
+  if (nccl && static_cast<int>(qualified.size()) > kCudaStreamsPerPool)
+    throw Error("rank " + std::to_string(world.rank()) + ": " + std::to_string(qualified.size()) +
+                " pipeline channels on NCCL would share CUDA streams (" + std::to_string(kCudaStreamsPerPool) +
+                " per device), and a shared stream can stall a send behind a receive: fewer virtual stages, or "
+                "ALLOY_PIPE_CHANNELS=off on every rank (messages through the host)");
+  for (const ChannelKey& k : qualified) {
     const bool sending = k.src == world.rank();
-    const std::string pair = name + "/" + std::to_string(k.src) + ">" + std::to_string(k.dst) + "/" + std::to_string(k.stream);
-    auto ch = std::make_unique<PipeChannel>(world.new_pair(pair, k.src, k.dst, nccl), sending ? 1 : 0);
-    at::Tensor probe = at::full({1}, static_cast<double>(k.stream), at::TensorOptions().dtype(at::kFloat).device(out->message_device_));
-    const std::string what = "opening pipeline channel " + std::to_string(k.src) + " -> " + std::to_string(k.dst);
-    if (sending) {
-      wait_work(ch->send(probe), what);
-    } else {
-      probe.fill_(-1);
-      wait_work(ch->recv(probe), what);
-      // The host reads it: NCCL's wait orders only the stream, and the communicator must be whole now.
-      if (probe.item<double>() != static_cast<double>(k.stream))
-        throw Error(what + ": the first message carried " + std::to_string(probe.item<double>()) + ", expected " +
-                    std::to_string(k.stream) + " (the two ends disagree on their channels)");
-    }
+    auto ch = std::make_unique<PipeChannel>(world.new_pair(out->pair_name(k), k.src, k.dst, nccl), sending ? 1 : 0);
+    out->exchange_probe(k, *ch, static_cast<double>(k.stream),
+                        "opening pipeline channel " + std::to_string(k.src) + " -> " + std::to_string(k.dst));
     out->channels_.emplace(k, std::move(ch));
   }
   if (out->channels_.empty()) return nullptr;
   return out;
+}
+
+void PipeChannels::close() {
+  const auto timeout = world_.timeout();
+  for (auto& [k, ch] : channels_) {  // the map's order is the global one opening used
+    const std::string what = "closing pipeline channel " + std::to_string(k.src) + " -> " + std::to_string(k.dst);
+    const std::string acked = "alloy/pair/" + pair_name(k) + "/closed";
+    // FIFO: the last message received means every one before it was.
+    exchange_probe(k, *ch, -2.0 - static_cast<double>(k.stream), what);
+    if (k.dst == rank_) {
+      world_.store().set(acked, std::vector<uint8_t>{1});
+      continue;
+    }
+    try {
+      world_.store().wait({acked}, timeout);
+    } catch (const std::exception&) {
+      std::string report = world_.failure_report();
+      throw Error("rank " + std::to_string(rank_) + ": " + what + ": rank " + std::to_string(k.dst) + " never acknowledged the last message" +
+                  (report.empty() ? "" : "\n  " + report));
+    }
+  }
 }
 
 PipeChannel* PipeChannels::to(int dst, int64_t stream) {

@@ -69,6 +69,11 @@ class PipeChannels {
   static std::unique_ptr<PipeChannels> open(World& world, const std::string& name, std::vector<ChannelKey> candidates,
                                             ChannelMode mode, const at::Device& device);
   ~PipeChannels();
+  // Every message sent on the channels has been received (each channel, in the global order, carries
+  // one last message whose receiver acknowledges it through the store): NCCL aborts a destroyed
+  // communicator's work, so a neighbour's last receive must not still be in flight. Once, after
+  // the last step, by both ends of every channel.
+  void close();
   // This rank's channel to DST (from SRC) for STREAM, or null: that stream goes through the
   // world's Gloo group.
   PipeChannel* to(int dst, int64_t stream);
@@ -81,8 +86,12 @@ class PipeChannels {
   std::string describe() const;
 
  private:
-  PipeChannels(int rank, std::string transport, at::Device device)
-      : rank_(rank), transport_(std::move(transport)), message_device_(device) {}
+  PipeChannels(World& world, std::string name, std::string transport, at::Device device);
+  // KEY's one-element message from its sender to its receiver, checked; WHAT names it in errors.
+  void exchange_probe(const ChannelKey& key, PipeChannel& ch, double value, const std::string& what);
+  std::string pair_name(const ChannelKey& k) const;
+  World& world_;
+  std::string name_;
   int rank_;
   std::string transport_;
   at::Device message_device_;

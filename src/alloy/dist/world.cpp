@@ -494,6 +494,11 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
     if (nccl_eligible(published)) {
       try {
         g->device_ = make_nccl(c10::make_intrusive<c10d::PrefixStore>("alloy/nccl/" + name, store_), g->rank(), g->size(), timeout_);
+        // The communicator now, not at the group's first sum in a step: made then, NCCL's set-up
+        // would run while pipeline channels' kernels wait on the GPU for a neighbour.
+        at::Tensor probe = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
+        wait_work(g->device_->allreduce_sum(probe), "the first sum of group '" + name + "' on NCCL");
+        (void)probe.item<float>();
       } catch (const std::exception& e) {
         throw Error("rank " + std::to_string(rv_.rank) + ": NCCL for group '" + name + "' failed: " + std::string(e.what()).substr(0, 300) +
                     " (ALLOY_NCCL=0 on any rank keeps such groups on Gloo)");
@@ -521,7 +526,7 @@ std::unique_ptr<DeviceCollectives> World::new_pair(const std::string& name, int 
   const std::string who = "rank " + std::to_string(rv_.rank) + ": pair '" + name + "' with rank " + std::to_string(me ? first : second);
   if (nccl) {
     try {
-      return make_nccl(prefix, me, 2, timeout_);
+      return make_nccl(prefix, me, 2, timeout_, /*high_priority=*/true);
     } catch (const std::exception& e) {
       throw Error(who + ": NCCL failed: " + std::string(e.what()).substr(0, 300) + " (ALLOY_NCCL=0 on either rank keeps it on Gloo)");
     }
@@ -570,6 +575,7 @@ bool nccl_wanted() {
 }
 
 void World::set_device(const at::Device& device) {
+  device_ = device;
   device_type_ = device.is_cuda() ? "cuda" : device.is_cpu() ? "cpu" : device.str();
   store_->set("alloy/device/" + std::to_string(rv_.rank), bytes_of(device_label(device, nccl_wanted())));
 }

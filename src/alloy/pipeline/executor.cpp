@@ -57,8 +57,10 @@ void StageExecutor::send_tensor(int dst, int64_t mb, int kind, const at::Tensor&
   at::Tensor data = t.detach().to(where).contiguous();
   at::Tensor header = at::tensor({static_cast<int64_t>(data.dim()), data.size(0), data.size(1), data.size(2),
                                   static_cast<int64_t>(data.scalar_type()), mb},
-                                 at::kLong)
-                          .to(where);
+                                 at::kLong);
+  // To a GPU from pinned memory without waiting: a pageable copy would hold the host until the
+  // stream's queued compute ran.
+  if (where.is_cuda()) header = header.pin_memory().to(where, /*non_blocking=*/true);
   if (ch) {  // the header first: the receiver reads it before trusting the data (finish_recv)
     sends_.emplace_back(ch->send(header), header);
     sends_.emplace_back(ch->send(data), data);
@@ -77,36 +79,66 @@ void StageExecutor::send_to(const std::vector<int>& targets, int fallback, int64
 StageExecutor::PostedRecv StageExecutor::post_recv(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype, int64_t key) {
   PostedRecv r;
   r.src = src, r.mb = mb, r.kind = kind, r.key = key;
-  dist::PipeChannel* ch = channel(false, src, kind, key);
-  const at::Device where = ch ? links_.channels->message_device() : at::Device(at::kCPU);
+  r.channel = channel(false, src, kind, key);
+  const at::Device where = r.channel ? links_.channels->message_device() : at::Device(at::kCPU);
   r.header = at::empty({6}, at::TensorOptions().dtype(at::kLong).device(where));
   r.data = at::empty(shape, at::TensorOptions().dtype(dtype).device(where));
-  // Both receives are posted together: one round trip, and the header is checked after. A
-  // channel matches them by order, the group by tag.
-  r.by_channel = ch != nullptr;
-  r.wh = ch ? ch->recv(r.header) : links_.group->recv(r.header, src, tag_of(mb, kind, key));
-  r.wd = ch ? ch->recv(r.data) : links_.group->recv(r.data, src, tag_of(mb, kind + 1, key));
+  // Both receives are posted together: one round trip, and the header is checked after. The
+  // group matches them by tag. A channel's are posted when the message is needed (finish_recv):
+  // NCCL needs no ready notice, and receives waiting on the GPU ahead of time would stall
+  // anything that synchronizes the device (an allocator retry, a communicator's set-up).
+  if (!r.channel) {
+    r.wh = links_.group->recv(r.header, src, tag_of(mb, kind, key));
+    r.wd = links_.group->recv(r.data, src, tag_of(mb, kind + 1, key));
+  }
   return r;
 }
+
+namespace {
+// Why header H does not describe the message expected ("" when it does).
+std::string header_mismatch(const int64_t* h, at::IntArrayRef shape, at::ScalarType dtype, int64_t mb) {
+  if (h[0] == 3 && h[1] == shape[0] && h[2] == shape[1] && h[3] == shape[2] && h[4] == static_cast<int64_t>(dtype) && h[5] == mb)
+    return "";
+  return "got shape [" + std::to_string(h[1]) + ", " + std::to_string(h[2]) + ", " + std::to_string(h[3]) + "] dtype " +
+         c10::toString(static_cast<at::ScalarType>(h[4])) + " for micro-batch " + std::to_string(h[5]) + ", expected [" +
+         std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + ", " + std::to_string(shape[2]) + "] " + c10::toString(dtype);
+}
+}  // namespace
 
 at::Tensor StageExecutor::finish_recv(PostedRecv& r, at::IntArrayRef shape, at::ScalarType dtype) {
   std::string what = std::string("receiving the ") + kind_text(r.kind) + " of micro-batch " + std::to_string(r.mb) +
                      " from rank " + std::to_string(r.src);
-  dist::wait_work(r.wh, what);
-  // On a GPU this waits for the header to land (NCCL's wait orders only the stream).
-  const at::Tensor header = r.header.to(at::kCPU);
-  const int64_t* h = header.data_ptr<int64_t>();
-  if (h[0] != 3 || h[1] != shape[0] || h[2] != shape[1] || h[3] != shape[2] || h[4] != static_cast<int64_t>(dtype) ||
-      h[5] != r.mb)
-    throw Error(what + ": got shape [" + std::to_string(h[1]) + ", " + std::to_string(h[2]) + ", " + std::to_string(h[3]) +
-                "] dtype " + c10::toString(static_cast<at::ScalarType>(h[4])) + " for micro-batch " + std::to_string(h[5]) +
-                ", expected [" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) + ", " +
-                std::to_string(shape[2]) + "] " + c10::toString(dtype) +
-                (r.by_channel ? ": a device-to-device channel delivers in the order sent, and the two ranks' schedules disagree on it"
-                              : ": the two stages disagree on the plan"));
-  dist::wait_work(r.wd, what);
+  if (r.channel) {
+    r.wh = r.channel->recv(r.header);
+    r.wd = r.channel->recv(r.data);
+    dist::wait_work(r.wh, what);
+    dist::wait_work(r.wd, what);
+    // Read on the host once per step (check_channel_headers): reading it now would hold the
+    // host until the stream's queued compute ran.
+    unchecked_.push_back({r.header, std::vector<int64_t>(shape.begin(), shape.end()), dtype, r.mb, what});
+  } else {
+    dist::wait_work(r.wh, what);
+    if (const std::string bad = header_mismatch(r.header.data_ptr<int64_t>(), shape, dtype, r.mb); !bad.empty())
+      throw Error(what + ": " + bad + ": the two stages disagree on the plan");
+    dist::wait_work(r.wd, what);
+  }
   for (int dst : links_.relay) send_tensor(dst, r.mb, r.kind, r.data, r.key);
   return r.data.to(slice_.device());  // the first parameter may live quantized (LoRA base)
+}
+
+void StageExecutor::check_channel_headers() {
+  if (unchecked_.empty()) return;
+  std::vector<at::Tensor> headers;
+  for (const auto& u : unchecked_) headers.push_back(u.header);
+  const at::Tensor all = at::stack(headers).to(at::kCPU);  // one wait for the step's messages
+  auto pending = std::move(unchecked_);
+  unchecked_.clear();
+  for (size_t i = 0; i < pending.size(); ++i)
+    if (const std::string bad = header_mismatch(all[static_cast<int64_t>(i)].data_ptr<int64_t>(), pending[i].shape, pending[i].dtype,
+                                                pending[i].mb);
+        !bad.empty())
+      throw Error(pending[i].what + ": " + bad +
+                  ": a device-to-device channel delivers in the order sent, and the two ranks' schedules disagree on it");
 }
 
 at::Tensor StageExecutor::recv_tensor(int src, int64_t mb, int kind, at::IntArrayRef shape, at::ScalarType dtype, int64_t key) {
@@ -247,6 +279,7 @@ double StageExecutor::run(const std::vector<Action>& actions, const std::vector<
   auto t0 = Clock::now();
   wait_sends();
   record("wait sends", "send", t0);
+  check_channel_headers();  // before the optimizer uses what this step received
   state_.clear();
   if (!deferred_.empty()) throw Error("pipeline executor: a weight pass was scheduled for no micro-batch it recorded (internal error)");
   return loss_sum;
@@ -286,6 +319,7 @@ double StageExecutor::forward_only(const std::vector<MicroBatch>& mbs) {
       }
     }
   wait_sends();
+  check_channel_headers();
   return loss_sum;
 }
 

@@ -126,7 +126,7 @@ class StageExecutor {
     int src = -1, kind = 0;
     int64_t mb = 0, chunk = 0;  // CHUNK: the receiving chunk's index on this rank
     int64_t key = 0;            // the receiving virtual stage's tag key (relays pass it on)
-    bool by_channel = false;    // matched by order on a channel, not by tag
+    dist::PipeChannel* channel = nullptr;  // matched by order on it, posted in finish_recv; null: by tag
     at::Tensor header, data;
     c10::intrusive_ptr<c10d::Work> wh, wd;
   };
@@ -144,6 +144,17 @@ class StageExecutor {
   int64_t key_in(int64_t v) const { return links_.chunk_stage.empty() ? 0 : links_.chunk_stage.at(static_cast<size_t>(v)); }
   int64_t key_out(int64_t v, bool act) const { return links_.chunk_stage.empty() ? 0 : key_in(v) + (act ? 1 : -1); }
   void wait_sends();
+  // The headers of the messages received on channels since the last check, read and compared
+  // with what was expected; throws on the first that differs.
+  void check_channel_headers();
+  struct UncheckedHeader {
+    at::Tensor header;
+    std::vector<int64_t> shape;
+    at::ScalarType dtype;
+    int64_t mb;
+    std::string what;
+  };
+  std::vector<UncheckedHeader> unchecked_;
   void record(const std::string& name, const char* stream, std::chrono::steady_clock::time_point t0);
   void sample_memory();
   at::Tensor forward_slice(const at::Tensor& x, int64_t mb, int64_t chunk = 0);

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
+#include <exception>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -44,7 +45,17 @@ std::string job_fingerprint(const Config& c, const Plan& p) {
 }
 }  // namespace
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+  // Leaving normally (not unwinding an error): no neighbour's last message may be in flight when
+  // the channels' communicators go (NCCL aborts their work). Both ends of every channel pass here.
+  if (channels_ && std::uncaught_exceptions() == 0) {
+    try {
+      channels_->close();
+    } catch (const std::exception& e) {
+      log_warn(std::string("pipeline channels: ") + e.what());
+    }
+  }
+}
 
 Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(std::move(opts)), replan_at_(opts_.replan_at) {
   cfg_.validate();
