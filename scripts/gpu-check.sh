@@ -12,7 +12,9 @@
 #   ALLOY_CHECK_OUT  folder for logs and results (default: BUILD_DIR/gpu-check)
 #   ALLOY_STEPS    which checks (default all: suite parity precision bench pool, run in that order):
 #                  suite (every test), device (the CUDA unit tests only: allocator memory, fused
-#                  AdamW, NCCL at world size 1), parity (CUDA against the CPU), precision
+#                  AdamW, NCCL at world size 1, the GPU's UUID), parity (CUDA against the CPU;
+#                  on a machine with two or more GPUs cuda-pp2's stages also pass their messages
+#                  GPU to GPU on NCCL channels, which the run asserts), precision
 #                  (bench/precision_bench.py on CUDA: 300 steps of fp32, bf16 and fp16), bench
 #                  (bench/gpu_bench.py: Alloy vs PyTorch eager and torch.compile), pool (GPU + CPU,
 #                  --plan auto: predicted against measured step and memory)
