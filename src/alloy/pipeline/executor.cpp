@@ -61,7 +61,7 @@ void StageExecutor::send_tensor(int dst, int64_t mb, int kind, const at::Tensor&
   // To a GPU from pinned memory without waiting: a pageable copy would hold the host until the
   // stream's queued compute ran.
   if (where.is_cuda()) header = header.pin_memory().to(where, /*non_blocking=*/true);
-  if (ch) {  // the header first: the receiver reads it before trusting the data (finish_recv)
+  if (ch) {  // the header first: the receiver checks the step's headers before the optimizer runs
     sends_.emplace_back(ch->send(header), header);
     sends_.emplace_back(ch->send(data), data);
     return;
