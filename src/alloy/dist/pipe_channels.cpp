@@ -60,9 +60,7 @@ void PipeChannels::exchange_probe(const ChannelKey& k, PipeChannel& ch, double v
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    std::string report = world_.failure_report();
-    throw Error("rank " + std::to_string(rank_) + ": " + what + ": " + std::string(e.what()).substr(0, 300) +
-                (report.empty() ? "" : "\n  " + report));
+    throw Error(world_.with_failure_report("rank " + std::to_string(rank_) + ": " + what + ": " + std::string(e.what()).substr(0, 300)));
   }
   if (k.dst != rank_) return;
   // The host reads it: NCCL's wait orders only the stream.
@@ -118,9 +116,8 @@ void PipeChannels::close() {
     try {
       world_.store().wait({acked}, timeout);
     } catch (const std::exception&) {
-      std::string report = world_.failure_report();
-      throw Error("rank " + std::to_string(rank_) + ": " + what + ": rank " + std::to_string(k.dst) + " never acknowledged the last message" +
-                  (report.empty() ? "" : "\n  " + report));
+      throw Error(world_.with_failure_report("rank " + std::to_string(rank_) + ": " + what + ": rank " + std::to_string(k.dst) +
+                                             " never acknowledged the last message"));
     }
   }
 }

@@ -471,17 +471,7 @@ std::vector<std::string> World::machines() {
 std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int> ranks) {
   std::sort(ranks.begin(), ranks.end());
   auto g = std::make_shared<Group>(name, ranks, rv_.rank);
-  auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
-  opts->devices.push_back(make_gloo_device(rv_));
-  opts->threads = 1;  // one worker per group: several groups per rank, and under a CPU quota every thread costs
-  auto prefix = c10::make_intrusive<c10d::PrefixStore>("alloy/group/" + name, store_);
-  try {
-    g->gloo_ = c10::make_intrusive<c10d::ProcessGroupGloo>(prefix, g->rank(), g->size(), opts);
-  } catch (const std::exception& e) {
-    std::string report = failure_report();
-    throw Error("rank " + std::to_string(rv_.rank) + ": connecting group '" + name + "' failed: " +
-                std::string(e.what()).substr(0, 300) + (report.empty() ? "" : "\n  " + report));
-  }
+  g->gloo_ = connect_gloo("alloy/group/" + name, g->rank(), g->size(), "rank " + std::to_string(rv_.rank) + ": connecting group '" + name + "'");
   if (device_type_ == "cuda") {
     std::vector<std::string> published;
     for (int r : g->ranks()) {
@@ -522,24 +512,31 @@ std::unique_ptr<DeviceCollectives> World::new_pair(const std::string& name, int 
   if (rv_.rank != first && rv_.rank != second)
     throw Error("rank " + std::to_string(rv_.rank) + " is not in pair '" + name + "' (internal error)");
   const int me = rv_.rank == first ? 0 : 1;
-  auto prefix = c10::make_intrusive<c10d::PrefixStore>("alloy/pair/" + name, store_);
   const std::string who = "rank " + std::to_string(rv_.rank) + ": pair '" + name + "' with rank " + std::to_string(me ? first : second);
   if (nccl) {
     try {
-      return make_nccl(prefix, me, 2, timeout_, /*high_priority=*/true);
+      return make_nccl(c10::make_intrusive<c10d::PrefixStore>("alloy/pair/" + name, store_), me, 2, timeout_, /*high_priority=*/true);
     } catch (const std::exception& e) {
       throw Error(who + ": NCCL failed: " + std::string(e.what()).substr(0, 300) + " (ALLOY_NCCL=0 on either rank keeps it on Gloo)");
     }
   }
+  return std::make_unique<CollectivesOf<c10d::ProcessGroupGloo>>(connect_gloo("alloy/pair/" + name, me, 2, who + ": connecting"));
+}
+
+c10::intrusive_ptr<c10d::ProcessGroupGloo> World::connect_gloo(const std::string& prefix, int rank, int size, const std::string& what) {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
   opts->devices.push_back(make_gloo_device(rv_));
-  opts->threads = 1;
+  opts->threads = 1;  // one worker per group: several groups per rank, and under a CPU quota every thread costs
   try {
-    return std::make_unique<CollectivesOf<c10d::ProcessGroupGloo>>(c10::make_intrusive<c10d::ProcessGroupGloo>(prefix, me, 2, opts));
+    return c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>(prefix, store_), rank, size, opts);
   } catch (const std::exception& e) {
-    std::string report = failure_report();
-    throw Error(who + ": connecting failed: " + std::string(e.what()).substr(0, 300) + (report.empty() ? "" : "\n  " + report));
+    throw Error(with_failure_report(what + " failed: " + std::string(e.what()).substr(0, 300)));
   }
+}
+
+std::string World::with_failure_report(const std::string& message) {
+  const std::string report = failure_report();
+  return report.empty() ? message : message + "\n  " + report;
 }
 
 bool nccl_eligible(const std::vector<std::string>& published) {

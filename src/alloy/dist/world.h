@@ -186,12 +186,17 @@ class World {
   void report_exit(const std::string& message);
   // Who is dead, stalled or failed, as a sentence; empty if nothing can be said.
   std::string failure_report();
+  // MESSAGE, with the failure report on a line of its own when there is one.
+  std::string with_failure_report(const std::string& message);
 
   static World* current();  // the world of this process, if any (for wait_work's reports)
 
  private:
   World(const Rendezvous& rv, std::chrono::milliseconds timeout);
   void heartbeat_loop();
+  // A Gloo group of SIZE over the store's PREFIX, as group rank RANK, connected (every member at
+  // once); WHAT begins the error when it cannot connect.
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> connect_gloo(const std::string& prefix, int rank, int size, const std::string& what);
   std::string stall_report(const std::string& waiting, double waited);
 
   Rendezvous rv_;
