@@ -486,6 +486,38 @@ def channels_used(output, layout, world):
     return ok
 
 
+# Ranks started differently must all stop before the first step, naming the odd rank and how it
+# differs, instead of waiting on a channel a neighbour never opens or training on another config:
+# (rank 1's prefix, rank 1's extra flags, what the error must say).
+MISMATCHES = {
+    "mismatch-channels": ("ALLOY_PIPE_CHANNELS=off", [],
+                          "rank(s) 1 hold a different ALLOY_PIPE_CHANNELS than rank 0 ('off' against 'gloo')"),
+    "mismatch-config": ("", ["--set", "train.lr=1e-3"],
+                        "rank(s) 1 hold a different config and plan than rank 0 (first difference at /train/lr: 0.001 against 0.002)"),
+}
+
+
+def mismatched_start(alloy, work, env, name):
+    """Two pipeline ranks, rank 1 started differently (MISMATCHES): (ok, report)."""
+    prefix, flags, expected = MISMATCHES[name]
+    arch, gb, layout = LAYOUTS["ch-short-pp2"][:3]
+    out = os.path.join(work, name)
+    plan_path = os.path.join(work, name + ".json")
+    with open(plan_path, "w") as f:
+        json.dump(layout, f)
+    odd = f'if [ "$RANK" = 1 ]; then exec env {prefix} "$@" {" ".join(flags)}; fi; exec "$@"'
+    run = sh([alloy, "launch", "--nproc", "2", "--threads-per-rank", "1", "--", "sh", "-c", odd, "sh",
+              alloy, "train", "--config", config(work, arch, gb, out), "--plan", plan_path, "--timeout", "60"],
+             expect_fail=True, env=dict(env, ALLOY_PIPE_CHANNELS="gloo"))
+    text = run.stdout + run.stderr
+    said = sum(1 for l in text.splitlines() if expected in l)
+    trained = os.path.exists(os.path.join(out, "metrics.jsonl")) and bool(losses(out))
+    ok = said == 2 and not trained  # both ranks say it; neither trained a step
+    head = f"{'ok  ' if ok else 'FAIL'} {name:<18} both ranks stopped before a step: {said} of 2 said it" + \
+           (", but a step was trained" if trained else "")
+    return ok, head + ("" if ok else f"\n     expected: {expected}\n" + "\n".join("     " + l for l in text.splitlines()[-12:]))
+
+
 RESHARD_CHAINS = {
     # steps 1-10 under ZeRO-2 with 3:1:2 shards in a 2-stage pipeline with a floating boundary (its
     # two stages share block 5's MLP half) beside a full replica, then steps 11-20 on three full replicas, ZeRO-1, even shards
@@ -693,8 +725,9 @@ def main():
     fresh_workdir_with_corpus(alloy, work)
 
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    layouts = [w for w in wanted if w not in RESHARD_CHAINS]
+    layouts = [w for w in wanted if w not in RESHARD_CHAINS and w not in MISMATCHES]
     chains = [] if on_devices else [c for c in RESHARD_CHAINS if not args or c in args]
+    mismatches = [] if on_devices else [m for m in MISMATCHES if not args or m in args]
     # The one-device runs every layout is compared with, first.
     baselines = {}
     needed = {("gpt2", 24)} if chains else set()
@@ -712,13 +745,15 @@ def main():
         out = os.path.join(work, f"single-{arch}-{gb}")
         sh([alloy, "train", "--config", config(work, arch, gb, out)], env=env)
         baselines[(arch, gb)] = losses(out)
-    print(f"{len(layouts)} layouts and {len(chains)} resharding chains, {jobs} at a time", flush=True)
+    print(f"{len(layouts)} layouts, {len(chains)} resharding chains and {len(mismatches)} mismatched starts, {jobs} at a time",
+          flush=True)
 
     failures = 0
     sys.stdout = _PerThreadStdout(sys.stdout)
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         runs = {pool.submit(run_layout, alloy, work, env, on_devices, name, baselines): name for name in layouts}
         runs.update({pool.submit(reshard, alloy, work, env, baselines, chain): chain for chain in chains})
+        runs.update({pool.submit(mismatched_start, alloy, work, env, m): m for m in mismatches})
         for done in concurrent.futures.as_completed(runs):
             try:
                 ok, report = done.result()
@@ -729,7 +764,7 @@ def main():
     for name in layouts:
         if not on_devices:
             failures += not compared_to_base(work, name)
-    print(f"{len(layouts) + len(chains) - failures} passed, {failures} failed")
+    print(f"{len(layouts) + len(chains) + len(mismatches) - failures} passed, {failures} failed")
     return 1 if failures else 0
 
 

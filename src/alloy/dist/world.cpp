@@ -12,6 +12,8 @@
 #include <set>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "alloy/core/error.h"
 #include "alloy/core/log.h"
 #include "alloy/dist/collectives_of.h"
@@ -441,8 +443,30 @@ std::string World::failure_report() {
   }
 }
 
-void World::check_same(const std::string& what, const std::string& value) {
-  std::string key = "alloy/check/" + what + "/";
+namespace {
+// How VALUE differs from REF for a reader: both values when short, the first field that differs
+// when both are JSON (a config and plan), else nothing.
+std::string difference(const std::string& ref, const std::string& value) {
+  constexpr size_t kShort = 40;
+  if (ref.size() <= kShort && value.size() <= kShort) return " ('" + value + "' against '" + ref + "')";
+  const auto a = nlohmann::json::parse(ref, nullptr, false), b = nlohmann::json::parse(value, nullptr, false);
+  if (a.is_discarded() || b.is_discarded()) return "";
+  const auto patch = nlohmann::json::diff(a, b);
+  if (patch.empty()) return "";
+  const auto& first = patch.front();
+  const std::string path = first.value("path", "");
+  const nlohmann::json::json_pointer at(path);
+  auto shown = [&](const nlohmann::json& j) {
+    if (!j.contains(at)) return std::string("nothing");
+    std::string text = j.at(at).dump();
+    return text.size() > 60 ? text.substr(0, 57) + "..." : text;
+  };
+  return " (first difference at " + path + ": " + shown(b) + " against " + shown(a) + ")";
+}
+}  // namespace
+
+void World::check_same(const std::string& what, const std::string& value, const std::string& round) {
+  std::string key = "alloy/check/" + round + what + "/";
   store_->set(key + std::to_string(rv_.rank), bytes_of(value));
   std::vector<std::string> keys;
   for (int r = 0; r < rv_.world_size; ++r) keys.push_back(key + std::to_string(r));
@@ -454,12 +478,16 @@ void World::check_same(const std::string& what, const std::string& value) {
       if (!store_->check({keys[static_cast<size_t>(r)]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
     throw Error("rank " + std::to_string(rv_.rank) + ": rank(s) " + missing + " never reported their " + what);
   }
-  std::string ref = str_of(store_->get(keys[0]));
-  std::string differ;
-  for (int r = 1; r < rv_.world_size; ++r)
-    if (str_of(store_->get(keys[static_cast<size_t>(r)])) != ref) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+  const std::string ref = str_of(store_->get(keys[0]));
+  std::string differ, how;
+  for (int r = 1; r < rv_.world_size; ++r) {
+    std::string v = str_of(store_->get(keys[static_cast<size_t>(r)]));
+    if (v == ref) continue;
+    if (differ.empty()) how = difference(ref, v);
+    differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+  }
   if (!differ.empty())
-    throw Error("rank(s) " + differ + " hold a different " + what + " than rank 0: every rank must be started with the same config and plan");
+    throw Error("rank(s) " + differ + " hold a different " + what + " than rank 0" + how + ": every rank must be started with the same " + what);
 }
 
 std::vector<std::string> World::machines() {

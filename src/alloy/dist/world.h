@@ -154,9 +154,10 @@ class World {
   // thread's store calls (the checkpoint writer).
   c10::intrusive_ptr<c10d::Store> connect_store_client() const;
 
-  // Every rank calls this with the same WHAT; fails on every rank when the values differ, naming
-  // the ranks that disagree with rank 0.
-  void check_same(const std::string& what, const std::string& value);
+  // Every rank calls this with the same WHAT (and ROUND: a re-planned trainer checks again under
+  // keys of its own); fails on every rank when the values differ, naming the ranks that disagree
+  // with rank 0 and how: both values when short, else the first JSON field that differs.
+  void check_same(const std::string& what, const std::string& value, const std::string& round = "");
   // The device this rank trains on, published for the others before the trainer makes its groups
   // (all(), made with the world, stays on Gloo): a group whose members all train on GPUs of their
   // own gets NCCL beside Gloo (nccl_eligible; ALLOY_NCCL=0 on any member keeps it on Gloo).

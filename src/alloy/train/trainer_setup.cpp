@@ -78,9 +78,9 @@ Trainer::Trainer(Config cfg, TrainOptions opts) : cfg_(std::move(cfg)), opts_(st
   if (plan_->world_size() != job_size)
     throw InputError("plan", "needs " + std::to_string(plan_->world_size()) + " ranks but the job has " +
                                  std::to_string(job_size) + " (world size)");
-  if (world_) world_->check_same("config and plan" + opts_.generation, job_fingerprint(cfg_, *plan_));
+  if (world_) world_->check_same("config and plan", job_fingerprint(cfg_, *plan_), opts_.generation);
   const dist::ChannelMode channel_mode = dist::channel_mode_from_env();
-  if (world_) world_->check_same("ALLOY_PIPE_CHANNELS" + opts_.generation, dist::to_string(channel_mode));
+  if (world_) world_->check_same("ALLOY_PIPE_CHANNELS", dist::to_string(channel_mode), opts_.generation);
   pos_ = plan_->locate(rank_);
   const PipelinePlan& pl = plan_->pipelines[static_cast<size_t>(pos_.pipeline)];
   const StagePlan& st = pl.stages[static_cast<size_t>(pos_.stage)];
