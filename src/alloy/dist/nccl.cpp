@@ -5,7 +5,10 @@
 
 #include "alloy/core/error.h"
 
-#ifdef USE_C10D_NCCL
+// ALLOY_WITH_NCCL, not USE_C10D_NCCL: a CUDA LibTorch's torch_cuda target hands USE_C10D_NCCL to every
+// file that links it, so only CMake's own definition says that the NCCL beside the wheel was found
+// and that ALLOY_NCCL is on.
+#ifdef ALLOY_WITH_NCCL
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
@@ -14,7 +17,7 @@
 
 namespace alloy::dist {
 
-#ifdef USE_C10D_NCCL
+#ifdef ALLOY_WITH_NCCL
 
 bool nccl_built() { return true; }
 

@@ -2,8 +2,8 @@
 // Collectives on CUDA tensors through NCCL, for a group whose members all train on CUDA devices
 // (World::new_group decides; every member reads the same published devices, so all agree). Gloo
 // stays beside it for host tensors and barriers. Only this file's .cpp names NCCL: it is compiled
-// with USE_C10D_NCCL when the LibTorch has CUDA (CMakeLists.txt), so a CPU LibTorch needs nothing
-// of it and nccl_built() is false there.
+// with ALLOY_WITH_NCCL (and c10d's USE_C10D_NCCL) when the LibTorch has CUDA (CMakeLists.txt), so
+// a CPU LibTorch needs nothing of it and nccl_built() is false there.
 #include <ATen/ATen.h>
 
 #include <chrono>
