@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import sys
 import threading
 
@@ -475,14 +476,31 @@ for _name, _base in CHANNELS.items():
 ON_CHANNELS = set(CHANNELS) | {"cuda-pp2-ch"}
 
 
-def channels_used(output, layout, world):
-    """Every rank of a pipeline said which channels carry its messages (none fell back to tags)."""
-    said = [l for l in output.splitlines() if "pipeline messages: " in l and "Gloo channel(s)" in l]
-    piped = {r for pl in layout["pipelines"] if len(pl["stages"]) > 1 for st in pl["stages"] for r in st["ranks"]}
-    ok = len(said) == len(piped) and len(piped) > 0
-    print(f"     {len(said)} of {len(piped)} pipeline ranks on channels" + ("" if ok else "  <- expected every one"))
-    for l in said:
-        print("     " + l.strip())
+# How many channels each rank of a ch-* layout opens (counted by hand from its links: one per
+# one-way stream it sends or receives; a relaying TP member also sends what it received on).
+CHANNEL_COUNTS = {"ch-pp3-1+5+2-1f1b": {0: 2, 1: 4, 2: 2}, "ch-short-pp2": {0: 2, 1: 2},
+                  # two chunks a rank: activations and gradients each way between every chunk pair
+                  "ch-interleaved-pp2-v2": {0: 6, 1: 6},
+                  # rank 1 receives from 0, sends gradients back, relays activations to its TP peer 2
+                  "ch-zb-pp2-tp2-3:1": {0: 2, 1: 3, 2: 1}}
+
+
+def pipeline_ranks(layout):
+    return {r for pl in layout["pipelines"] if len(pl["stages"]) > 1 for st in pl["stages"] for r in st["ranks"]}
+
+
+def channels_used(output, name, layout):
+    """Every rank of a pipeline carries its messages on as many Gloo channels as its links need
+    (a stream without one is an error in the executor, so none fell back to tags)."""
+    said = {}
+    for l in output.splitlines():
+        m = re.search(r"\[rank (\d+)\].*pipeline messages: (\d+) Gloo channel\(s\)", l)
+        if m:
+            said[int(m.group(1))] = int(m.group(2))
+            print("     " + l.strip())
+    expected = CHANNEL_COUNTS.get(name, {r: None for r in pipeline_ranks(layout)})
+    ok = set(said) == set(expected) and len(said) > 0 and all(n is None or said[r] == n for r, n in expected.items())
+    print(f"     channels per rank {dict(sorted(said.items()))}" + ("" if ok else f"  <- expected {expected}"))
     return ok
 
 
@@ -633,12 +651,15 @@ def run_layout(alloy, work, env, on_devices, name, baselines):
                 print(f"     {name}: ranks ran on {ran_on}, placed on {devices}")
                 ok = False
             # Pipeline neighbours on GPUs of their own pass messages device to device (NCCL channels).
+            # (Not the layouts that ask for Gloo channels: they must report those instead.)
             gpus = [r for r in ran_on if r.startswith("cuda:")]
             if isinstance(layout, dict) and any(len(pl["stages"]) > 1 for pl in layout["pipelines"]) and \
-                    len(set(gpus)) == len(gpus) > 1:
+                    len(set(gpus)) == len(gpus) > 1 and name not in ON_CHANNELS:
+                piped = pipeline_ranks(layout)
                 nccl = [l for l in (run.stdout + run.stderr).splitlines() if "NCCL channel(s)" in l]
-                print(f"     {name}: {len(nccl)} ranks on NCCL channels" + "".join("\n     " + l.strip() for l in nccl))
-                ok = ok and len(nccl) > 0
+                print(f"     {name}: {len(nccl)} of {len(piped)} pipeline ranks on NCCL channels" +
+                      "".join("\n     " + l.strip() for l in nccl))
+                ok = ok and len(nccl) == len(piped)
         for (s, l, v), (bs, bl, bv) in zip(got, base):
             worst = max(worst, abs(l - bl) / abs(bl))
             if v is not None or bv is not None:
@@ -653,7 +674,7 @@ def run_layout(alloy, work, env, on_devices, name, baselines):
             ok = tp_split_held(out, os.path.join(work, f"single-{arch}-{gb}"), layout) and ok
             ok = tp_sums_reported(out, layout) and ok
         if name in ON_CHANNELS:
-            ok = channels_used(run.stdout + run.stderr, layout, world) and ok
+            ok = channels_used(run.stdout + run.stderr, name, layout) and ok
         # Two regions of two: the sum striped over two trees crossing at pairs of their own.
         route = "sums along 2 trees" if name == "tree-dp4-regions" else "sums along a tree"
         if name.startswith("tree-") and route not in run.stdout + run.stderr:

@@ -435,7 +435,10 @@ void add_train_commands(CLI::App& app, Action& action) {
         // Tell the others why, then leave at once: tearing down process groups whose peers are
         // gone can block, and a stuck rank is what this path exists to prevent.
         world->report_exit(e.what());
-        std::fprintf(stderr, "alloy: error: rank %d: %s\n", rv.rank, e.what());
+        // Most distributed errors already name this rank first; say it once.
+        const std::string own = "rank " + std::to_string(rv.rank) + ": ";
+        const std::string msg = e.what();
+        std::fprintf(stderr, "alloy: error: %s%s\n", msg.rfind(own, 0) == 0 ? "" : own.c_str(), msg.c_str());
         std::fflush(stderr);
         std::fflush(stdout);
         // Rank 0 hosts the store: linger a moment so the others can still read why before it goes.

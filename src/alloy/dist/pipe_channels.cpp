@@ -60,7 +60,7 @@ void PipeChannels::exchange_probe(const ChannelKey& k, PipeChannel& ch, double v
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
-    throw Error(world_.with_failure_report("rank " + std::to_string(rank_) + ": " + what + ": " + std::string(e.what()).substr(0, 300)));
+    throw Error(world_.with_failure_report("rank " + std::to_string(rank_) + ": " + what + ": " + first_line(e)));
   }
   if (k.dst != rank_) return;
   // The host reads it: NCCL's wait orders only the stream.
@@ -99,6 +99,7 @@ std::unique_ptr<PipeChannels> PipeChannels::open(World& world, const std::string
     out->channels_.emplace(k, std::move(ch));
   }
   if (out->channels_.empty()) return nullptr;
+  out->listed_ = std::move(candidates);
   return out;
 }
 
@@ -122,15 +123,17 @@ void PipeChannels::close() {
   }
 }
 
-PipeChannel* PipeChannels::to(int dst, int64_t stream) {
-  auto it = channels_.find({rank_, dst, stream});
-  return it == channels_.end() ? nullptr : it->second.get();
+PipeChannel* PipeChannels::find(const ChannelKey& k) const {
+  if (auto it = channels_.find(k); it != channels_.end()) return it->second.get();
+  if (!std::binary_search(listed_.begin(), listed_.end(), k))
+    throw Error("rank " + std::to_string(rank_) + ": pipeline stream " + std::to_string(k.src) + " -> " + std::to_string(k.dst) +
+                " (" + (k.stream % 2 ? "gradients" : "activations") + " into virtual stage " + std::to_string(k.stream / 2) +
+                ") was not among the streams its channels were opened for (internal error: message_streams misses it)");
+  return nullptr;
 }
 
-PipeChannel* PipeChannels::from(int src, int64_t stream) {
-  auto it = channels_.find({src, rank_, stream});
-  return it == channels_.end() ? nullptr : it->second.get();
-}
+PipeChannel* PipeChannels::to(int dst, int64_t stream) { return find({rank_, dst, stream}); }
+PipeChannel* PipeChannels::from(int src, int64_t stream) { return find({src, rank_, stream}); }
 
 std::string PipeChannels::describe() const {
   // Interleaved chunks: every stream names its virtual stage (0 included).

@@ -74,8 +74,9 @@ class PipeChannels {
   // communicator's work, so a neighbour's last receive must not still be in flight. Once, after
   // the last step, by both ends of every channel.
   void close();
-  // This rank's channel to DST (from SRC) for STREAM, or null: that stream goes through the
-  // world's Gloo group.
+  // This rank's channel to DST (from SRC) for STREAM, or null: that stream did not qualify and
+  // goes through the world's Gloo group. A stream open() was never given is an internal error
+  // (message_streams and the executor disagree), not a quiet fallback to the group.
   PipeChannel* to(int dst, int64_t stream);
   PipeChannel* from(int src, int64_t stream);
   size_t size() const { return channels_.size(); }
@@ -90,12 +91,14 @@ class PipeChannels {
   // KEY's one-element message from its sender to its receiver, checked; WHAT names it in errors.
   void exchange_probe(const ChannelKey& key, PipeChannel& ch, double value, const std::string& what);
   std::string pair_name(const ChannelKey& k) const;
+  PipeChannel* find(const ChannelKey& k) const;
   World& world_;
   std::string name_;
   int rank_;
   std::string transport_;
   at::Device message_device_;
   std::map<ChannelKey, std::unique_ptr<PipeChannel>> channels_;
+  std::vector<ChannelKey> listed_;  // every stream open() was given, sorted: qualified or not
 };
 
 // Whether a link between ranks publishing devices A and B gets a channel under MODE.

@@ -52,7 +52,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const Rendezvous& rv, bool server,
   } catch (const std::exception& e) {
     throw Error("rank " + std::to_string(rv.rank) + ": cannot " + (server ? "host" : "reach") +
                 " the rendezvous store at " + rv.master_addr + ":" + std::to_string(rv.master_port) + " (" +
-                std::string(e.what()).substr(0, 300) + ")");
+                first_line(e) + ")");
   }
 }
 }  // namespace
@@ -218,6 +218,12 @@ c10::intrusive_ptr<c10d::Work> Group::recv(at::Tensor& t, int src_global, int ta
 
 void Group::barrier() { wait_work(gloo_->barrier(), "barrier of group " + name_); }
 
+std::string first_line(const std::exception& e) {
+  std::string msg = e.what();
+  msg = msg.substr(0, msg.find('\n'));
+  return msg.size() > 300 ? msg.substr(0, 297) + "..." : msg;
+}
+
 void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) {
   {
     std::lock_guard<std::mutex> lk(g_wait_mu);
@@ -234,10 +240,7 @@ void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const std::string& wh
     work->wait();  // bounded by the group's timeout (set at creation)
   } catch (const std::exception& e) {
     std::string report = World::current() ? World::current()->failure_report() : "";
-    std::string msg = std::string(e.what());
-    auto nl = msg.find('\n');
-    if (nl != std::string::npos) msg = msg.substr(0, nl);
-    throw Error(what + " failed: " + msg + (report.empty() ? "" : "\n  " + report));
+    throw Error(what + " failed: " + first_line(e) + (report.empty() ? "" : "\n  " + report));
   }
 }
 
@@ -518,7 +521,7 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
         wait_work(g->device_->allreduce_sum(probe), "the first sum of group '" + name + "' on NCCL");
         (void)probe.item<float>();
       } catch (const std::exception& e) {
-        throw Error("rank " + std::to_string(rv_.rank) + ": NCCL for group '" + name + "' failed: " + std::string(e.what()).substr(0, 300) +
+        throw Error("rank " + std::to_string(rv_.rank) + ": NCCL for group '" + name + "' failed: " + first_line(e) +
                     " (ALLOY_NCCL=0 on any rank keeps such groups on Gloo)");
       }
     }
@@ -545,7 +548,7 @@ std::unique_ptr<DeviceCollectives> World::new_pair(const std::string& name, int 
     try {
       return make_nccl(c10::make_intrusive<c10d::PrefixStore>("alloy/pair/" + name, store_), me, 2, timeout_, /*high_priority=*/true);
     } catch (const std::exception& e) {
-      throw Error(who + ": NCCL failed: " + std::string(e.what()).substr(0, 300) + " (ALLOY_NCCL=0 on either rank keeps it on Gloo)");
+      throw Error(who + ": NCCL failed: " + first_line(e) + " (ALLOY_NCCL=0 on either rank keeps it on Gloo)");
     }
   }
   return std::make_unique<CollectivesOf<c10d::ProcessGroupGloo>>(connect_gloo("alloy/pair/" + name, me, 2, who + ": connecting"));
@@ -558,7 +561,7 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> World::connect_gloo(const std::string
   try {
     return c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>(prefix, store_), rank, size, opts);
   } catch (const std::exception& e) {
-    throw Error(with_failure_report(what + " failed: " + std::string(e.what()).substr(0, 300)));
+    throw Error(with_failure_report(what + " failed: " + first_line(e)));
   }
 }
 

@@ -137,6 +137,9 @@ bool nccl_eligible(const std::vector<std::string>& published);
 // the collective (the host does not wait), and NCCL's own watchdog enforces the timeout, ending
 // the process; the other ranks' reports then name it.
 void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what);
+// What E says, for an error message of ours: its first line, at most 300 characters (c10's errors
+// carry a backtrace after it).
+std::string first_line(const std::exception& e);
 
 class World {
  public:
