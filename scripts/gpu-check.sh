@@ -62,6 +62,13 @@ elif has device; then
   OMP_NUM_THREADS=4 "$build/tests/test_torch" --gtest_filter='DeviceMemory.*:FusedAdamW.*:Nccl*.*' >"$out/device-tests.log" 2>&1 || status=1
   tail -25 "$out/device-tests.log"
 fi
+# Those tests skip without a GPU or without NCCL; here either means the build missed what it came
+# for (a CPU LibTorch, no nccl.h beside the wheel), so a skip fails the check.
+if has suite || has device; then
+  skipped=$(grep -hoE "(DeviceMemory|FusedAdamW|Nccl)[A-Za-z]*\.[A-Za-z]+ \(Skipped\)|\[  SKIPPED \] (DeviceMemory|FusedAdamW|Nccl)[A-Za-z]*\.[A-Za-z]+" \
+    "$out/ctest.log" "$out/device-tests.log" 2>/dev/null | sort -u)
+  if [ -n "$skipped" ]; then echo "GPU tests skipped on the GPU machine:"; echo "$skipped"; status=1; fi
+fi
 
 if has parity; then
   stamp "parity"
