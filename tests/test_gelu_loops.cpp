@@ -111,3 +111,32 @@ RC_GTEST_PROP(GeluLoops, AnElementsBitsDoNotDependOnItsPlace, ()) {
     RC_ASSERT(same_bits(g[i], whole_dx[first + i]));
   }
 }
+
+// Ranks on different x86-64 CPUs must train the same bits: the AVX2 build of the loops (picked
+// where the CPU has it) and the SSE2 baseline agree on every element, forward and backward, with
+// gradients of several scales (a saturated, a tiny and a large dy).
+TEST(GeluLoops, TheAvx2AndTheBaselineBuildGiveTheSameBits) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2: both calls run the baseline build";
+#else
+  GTEST_SKIP() << "not x86-64: one build only";
+#endif
+  const std::vector<float> x = inputs();
+  const int64_t n = static_cast<int64_t>(x.size());
+  std::vector<float> dy(x.size());
+  std::mt19937 gen(11);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  for (size_t i = 0; i < dy.size(); ++i) dy[i] = d(gen) * (i % 3 == 0 ? 1e-6f : i % 3 == 1 ? 1.0f : 1e4f);
+  std::vector<float> y(x.size()), y_base(x.size()), dx(x.size()), dx_base(x.size());
+  alloy::gelu_tanh_forward(x.data(), y.data(), n);
+  alloy::gelu_tanh_forward_baseline(x.data(), y_base.data(), n);
+  alloy::gelu_tanh_backward(x.data(), dy.data(), dx.data(), n);
+  alloy::gelu_tanh_backward_baseline(x.data(), dy.data(), dx_base.data(), n);
+  int64_t differ_y = 0, differ_dx = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    differ_y += !same_bits(y[i], y_base[i]);
+    differ_dx += !same_bits(dx[i], dx_base[i]);
+  }
+  EXPECT_EQ(differ_y, 0) << "of " << n << " forward values";
+  EXPECT_EQ(differ_dx, 0) << "of " << n << " gradients";
+}

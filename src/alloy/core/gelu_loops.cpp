@@ -114,4 +114,7 @@ void gelu_tanh_backward(const float* x, const float* dy, float* dx, int64_t n) {
   backward_loop(x, dy, dx, n);
 }
 
+void gelu_tanh_forward_baseline(const float* x, float* y, int64_t n) { forward_loop(x, y, n); }
+void gelu_tanh_backward_baseline(const float* x, const float* dy, float* dx, int64_t n) { backward_loop(x, dy, dx, n); }
+
 }  // namespace alloy

@@ -24,4 +24,9 @@ void gelu_tanh_forward(const float* x, float* y, int64_t n);
 // dx[i] = dy[i] * gelu_tanh'(x[i]). DX may be DY or X, not otherwise overlap them.
 void gelu_tanh_backward(const float* x, const float* dy, float* dx, int64_t n);
 
+// The same loops built for the compiler's baseline (SSE2 on x86-64), never the AVX2 build the two
+// above pick where the CPU has it: for the test that both builds give the same bits.
+void gelu_tanh_forward_baseline(const float* x, float* y, int64_t n);
+void gelu_tanh_backward_baseline(const float* x, const float* dy, float* dx, int64_t n);
+
 }  // namespace alloy
