@@ -112,8 +112,21 @@ TEST(InterleavePlan, LeavesAloneWhatCannotInterleave) {
   const Profile p = alike_profile(8);
   SearchOptions o;
   o.global_batch = 16;
-  const PlanReport r = make_plan(c, p, o, false);
-  for (const auto& pl : r.chosen.plan.pipelines) EXPECT_FALSE(pl.interleaved()) << r.text();
+  // Four replicas of the whole model, 4 micro-batches each: no pipeline to interleave.
+  SearchResult rep;
+  rep.plan.global_batch = 16;
+  for (int r = 0; r < 4; ++r) {
+    PipelinePlan pl;
+    pl.micro_batch_size = 1;
+    pl.num_micro_batches = 4;
+    pl.stages.push_back(stage(r, 0, 8, "d" + std::to_string(r)));
+    rep.plan.pipelines.push_back(pl);
+  }
+  rep.cost = simulate_plan(rep.plan, c, p);
+  rep.strategy = "alloy";
+  const std::string before = rep.plan.to_json().dump();
+  consider_interleaving(rep, c, p, o);
+  EXPECT_EQ(rep.plan.to_json().dump(), before);
   SearchResult x;
   x.plan = pipeline_of_four(6, false);  // 6 micro-batches on 4 ranks
   x.cost = simulate_plan(x.plan, c, p);

@@ -333,6 +333,18 @@ TEST(Schedule, MakeScheduleDispatchesAndRejectsUnknownNames) {
   EXPECT_EQ(make_schedule("zb-h1", 1, 3, 5), zb_h1(1, 3, 5));
   EXPECT_EQ(make_schedule("eager-1f1b", 1, 3, 5), eager_one_f_one_b(1, 3, 5));
   EXPECT_EQ(make_schedule("eager-1f1b-3", 0, 3, 9), eager_one_f_one_b(0, 3, 9, 3));
+  EXPECT_EQ(make_schedule("interleaved-1f1b", 1, 2, 4, 2), interleaved_one_f_one_b(1, 2, 4, 2));
+  // Chunks need the interleaved schedule; the others run one a stage, and say so.
+  for (const std::string one : {"1f1b", "gpipe", "zb-h1", "eager-1f1b-2"}) {
+    try {
+      make_schedule(one, 0, 2, 4, 2);
+      FAIL() << "'" << one << "' accepted 2 virtual stages";
+    } catch (const std::invalid_argument& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("'" + one + "' runs one chunk a stage, not 2"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("interleaved-1f1b"), std::string::npos) << msg;
+    }
+  }
   for (const std::string bad : {"", "1F1B", "interleaved", "gpipe ", "eager-1f1b-1", "eager-1f1b-5", "eager-1f1b-22"}) {
     try {
       make_schedule(bad, 0, 2, 4);
