@@ -153,6 +153,10 @@ TEST(NcclEligible, ARankPublishesWhetherItUsesNccl) {
   if (was) ::setenv("ALLOY_NCCL", saved.c_str(), 1);
   EXPECT_FALSE(off);
   EXPECT_EQ(default_on, dist::nccl_built());
+  // The variable's reading, in every build (on a CPU LibTorch nccl_wanted() is false whatever it says).
+  EXPECT_TRUE(dist::nccl_allowed_by(nullptr));
+  EXPECT_TRUE(dist::nccl_allowed_by("1"));
+  for (const char* no : {"0", "off", "false"}) EXPECT_FALSE(dist::nccl_allowed_by(no)) << no;
 }
 
 TEST(Nccl, ACudaRankPublishesItsGpusUuid) {

@@ -597,10 +597,13 @@ std::string device_label(const at::Device& device, bool nccl) {
   return std::string(nccl ? "cuda:" : "cuda-gloo:") + std::to_string(index) + "@" + host + (uuid.empty() ? "" : "#" + uuid);
 }
 
-bool nccl_wanted() {
-  const char* env = std::getenv("ALLOY_NCCL");
-  return nccl_built() && !(env && std::string(env) == "0");
+bool nccl_allowed_by(const char* value) {
+  if (!value) return true;
+  const std::string v = value;
+  return v != "0" && v != "off" && v != "false";
 }
+
+bool nccl_wanted() { return nccl_built() && nccl_allowed_by(std::getenv("ALLOY_NCCL")); }
 
 void World::set_device(const at::Device& device) {
   device_ = device;

@@ -126,8 +126,10 @@ class Group {
 // What a rank publishes of its device (World::set_device): "cpu", "cuda:I@host#UUID" when it
 // will use NCCL (NCCL; the GPU's UUID where the build can read it), "cuda-gloo:I@host..." when not.
 std::string device_label(const at::Device& device, bool nccl);
-// Whether this rank will use NCCL: the build has it and ALLOY_NCCL is not 0.
+// Whether this rank will use NCCL: the build has it and ALLOY_NCCL allows it.
 bool nccl_wanted();
+// Whether ALLOY_NCCL's VALUE (null: unset) allows NCCL: all but "0", "off" and "false".
+bool nccl_allowed_by(const char* value);
 // Whether a group whose members published these devices (World::set_device) gets NCCL: every
 // member on a GPU of its own and able to use NCCL.
 bool nccl_eligible(const std::vector<std::string>& published);
