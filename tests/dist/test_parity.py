@@ -653,9 +653,8 @@ def run_layout(alloy, work, env, on_devices, name, baselines):
             # Pipeline neighbours on GPUs of their own pass messages device to device (NCCL channels).
             # (Not the layouts that ask for Gloo channels: they must report those instead.)
             gpus = [r for r in ran_on if r.startswith("cuda:")]
-            if isinstance(layout, dict) and any(len(pl["stages"]) > 1 for pl in layout["pipelines"]) and \
-                    len(set(gpus)) == len(gpus) > 1 and name not in ON_CHANNELS:
-                piped = pipeline_ranks(layout)
+            piped = pipeline_ranks(layout) if isinstance(layout, dict) else set()
+            if piped and len(set(gpus)) == len(gpus) > 1 and name not in ON_CHANNELS:
                 nccl = [l for l in (run.stdout + run.stderr).splitlines() if "NCCL channel(s)" in l]
                 print(f"     {name}: {len(nccl)} of {len(piped)} pipeline ranks on NCCL channels" +
                       "".join("\n     " + l.strip() for l in nccl))

@@ -239,8 +239,8 @@ void wait_work(const c10::intrusive_ptr<c10d::Work>& work, const std::string& wh
   try {
     work->wait();  // bounded by the group's timeout (set at creation)
   } catch (const std::exception& e) {
-    std::string report = World::current() ? World::current()->failure_report() : "";
-    throw Error(what + " failed: " + first_line(e) + (report.empty() ? "" : "\n  " + report));
+    const std::string msg = what + " failed: " + first_line(e);
+    throw Error(World::current() ? World::current()->with_failure_report(msg) : msg);
   }
 }
 
@@ -503,7 +503,7 @@ std::shared_ptr<Group> World::new_group(const std::string& name, std::vector<int
   std::sort(ranks.begin(), ranks.end());
   auto g = std::make_shared<Group>(name, ranks, rv_.rank);
   g->gloo_ = connect_gloo("alloy/group/" + name, g->rank(), g->size(), "rank " + std::to_string(rv_.rank) + ": connecting group '" + name + "'");
-  if (device_type_ == "cuda") {
+  if (device_.is_cuda()) {
     std::vector<std::string> published;
     for (int r : g->ranks()) {
       try {
@@ -607,7 +607,6 @@ bool nccl_wanted() { return nccl_built() && nccl_allowed_by(std::getenv("ALLOY_N
 
 void World::set_device(const at::Device& device) {
   device_ = device;
-  device_type_ = device.is_cuda() ? "cuda" : device.is_cpu() ? "cpu" : device.str();
   store_->set("alloy/device/" + std::to_string(rv_.rank), bytes_of(device_label(device, nccl_wanted())));
 }
 

@@ -209,8 +209,7 @@ class World {
   std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Store> store_, hb_store_;
   std::shared_ptr<Group> all_;
-  std::string device_type_;  // set_device's: "cuda", "cpu"; empty: never said
-  at::Device device_{at::kCPU};
+  at::Device device_{at::kCPU};  // set_device's; the CPU until said
   std::thread hb_thread_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> progress_{-1};

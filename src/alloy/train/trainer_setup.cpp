@@ -8,8 +8,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
-#include <exception>
 #include <cmath>
+#include <exception>
 #include <filesystem>
 #include <map>
 
